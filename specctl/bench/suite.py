@@ -1,0 +1,161 @@
+"""Run methods x workloads against the no-speculation baseline measured in the same run.
+
+For each workload, every prompt is run by the baseline and then by each method, one after the
+other (interleaved per prompt, so slow drifts of a noisy machine hit every method alike). A short
+warm-up generation runs first (kernel compilation, allocator warm-up), outside the timings.
+
+Speed is decode tokens/s: tokens after the first one, over the time after the first one (the
+prompt's prefill is the same work for every method and is reported apart, as TTFT).
+"""
+
+from __future__ import annotations
+
+import platform
+from dataclasses import dataclass, field
+
+import torch
+
+from specctl.bench.workloads import Request, load_workload, render_prompt
+from specctl.config import SpecConfig
+from specctl.runtime.decoder import GenerationResult, SamplingParams, SpecDecoder
+from specctl.runtime.metrics import SpecStats
+from specctl.runtime.proposers import build_proposer
+from specctl.runtime.runner import LoadedModel, TargetRunner
+
+BASELINE = "baseline"
+
+
+@dataclass
+class MethodRun:
+    """Totals of one method on one workload."""
+
+    method: str
+    workload: str
+    k: int
+    config: dict
+    new_tokens: int = 0
+    decode_tokens: int = 0
+    decode_s: float = 0.0
+    prefill_s: float = 0.0
+    steps: int = 0
+    num_requests: int = 0
+    identical: int = 0  # outputs equal to the baseline's
+    first_divergence: list = field(default_factory=list)  # per request: index or None
+    stats: SpecStats = field(default_factory=SpecStats)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.decode_tokens / self.decode_s if self.decode_s > 0 else 0.0
+
+    def add(self, res: GenerationResult, baseline: list[int] | None) -> None:
+        self.new_tokens += len(res.token_ids)
+        self.decode_tokens += max(len(res.token_ids) - 1, 0)
+        self.decode_s += res.decode_s
+        self.prefill_s += res.prefill_s
+        self.steps += res.num_steps
+        self.num_requests += 1
+        self.stats = self.stats.merge(res.stats)
+        if baseline is not None:
+            div = first_divergence(baseline, res.token_ids)
+            self.first_divergence.append(div)
+            self.identical += div is None
+
+
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    """Index of the first differing token, or None when the sequences are equal."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+@dataclass
+class BenchReport:
+    header: dict
+    runs: list[MethodRun]
+
+    def rows(self) -> list[dict]:
+        base = {r.workload: r for r in self.runs if r.method == BASELINE}
+        out = []
+        for r in self.runs:
+            b = base.get(r.workload)
+            speedup = r.tokens_per_s / b.tokens_per_s if b and b.tokens_per_s > 0 else None
+            out.append({
+                "workload": r.workload, "method": r.method, "k": r.k, "config": r.config,
+                "requests": r.num_requests, "new_tokens": r.new_tokens,
+                "tokens_per_s": r.tokens_per_s, "speedup": speedup,
+                "ttft_s": r.prefill_s / max(r.num_requests, 1),
+                "target_forwards": r.steps,
+                "identical_to_baseline": r.identical if r.method != BASELINE else r.num_requests,
+                "first_divergence": r.first_divergence,
+                **r.stats.to_dict(),
+            })
+        return out
+
+
+def machine_header(loaded: LoadedModel, max_new_tokens: int, temperature: float) -> dict:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    dev = loaded.device
+    return {
+        "model": str(loaded.path), "dtype": str(loaded.dtype).removeprefix("torch."), "device": str(dev),
+        "machine": torch.cuda.get_device_name(dev) if dev.type == "cuda" else cpu,
+        "threads": torch.get_num_threads(), "torch": torch.__version__,
+        "max_new_tokens": max_new_tokens, "temperature": temperature,
+    }
+
+
+def run_bench(
+    loaded: LoadedModel,
+    configs: list[SpecConfig],
+    workloads: list[str],
+    num_prompts: int | None,
+    params: SamplingParams,
+    seed: int = 0,
+    progress=None,  # callable(advance: int, description: str) or None
+) -> BenchReport:
+    tok = loaded.tokenizer
+    prompts: dict[str, list[tuple[Request, list[int]]]] = {}
+    for w in workloads:
+        prompts[w] = [(r, render_prompt(tok, r)) for r in load_workload(w, num_prompts, seed)]
+    longest = max(len(ids) for ps in prompts.values() for _, ids in ps)
+    max_k = max([c.num_speculative_tokens for c in configs], default=0)
+    runner = TargetRunner(loaded.model, max_len=longest + params.max_new_tokens + max_k + 8)
+    decoders = [(BASELINE, None, SpecDecoder(runner))]
+    for c in configs:
+        decoders.append((c.method, c, SpecDecoder(runner, build_proposer(c, runner.max_len), c.num_speculative_tokens)))
+
+    # warm-up: every decoder once on a short prompt (numba compilation, first-call allocations)
+    warm_ids = next(iter(prompts.values()))[0][1][:64]
+    for _, _, dec in decoders:
+        dec.generate(warm_ids, SamplingParams(max_new_tokens=8, temperature=params.temperature), _gen(seed))
+
+    runs: list[MethodRun] = []
+    for w, reqs in prompts.items():
+        wruns = [MethodRun(name, w, 0 if c is None else c.num_speculative_tokens, {} if c is None else c.to_dict())
+                 for name, c, _ in decoders]
+        for req, ids in reqs:
+            baseline_tokens = None
+            for (name, _, dec), run in zip(decoders, wruns):
+                if progress:
+                    progress(0, f"{w} · {name} · {req.id}")
+                res = dec.generate(ids, params, _gen(seed))
+                if name == BASELINE:
+                    baseline_tokens = res.token_ids
+                    run.add(res, None)
+                else:
+                    run.add(res, baseline_tokens if params.greedy else None)
+                if progress:
+                    progress(1, f"{w} · {name} · {req.id}")
+        runs.extend(wruns)
+    return BenchReport(machine_header(loaded, params.max_new_tokens, params.temperature), runs)
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)

@@ -1,0 +1,69 @@
+"""The root ``specctl`` command: registers each command module and maps errors to exit codes.
+
+Command modules import only typer/rich at module level; torch and transformers are imported
+inside the command functions so that ``specctl --help`` answers fast.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import typer
+
+from specctl.commands import bench as _bench
+from specctl.commands import models as _models
+
+app = typer.Typer(
+    name="specctl",
+    help="Speculative decoding toolkit: one lossless runtime for every draft method.\n\n"
+    "Example: specctl bench --method ngram --workload code-edit",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+app.command("bench", help=_bench.HELP, no_args_is_help=False)(_bench.bench)
+app.add_typer(_models.app, name="models")
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        from specctl import __version__
+
+        typer.echo(__version__)
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(False, "--version", help="Print the version and exit.", is_eager=True,
+                                 callback=_print_version),
+) -> None:
+    """Speculative decoding toolkit."""
+
+
+def main() -> None:
+    """Console entry point: run the app, turning SpecctlError into one line and an exit code."""
+    from specctl.errors import SpecctlError
+
+    debug = os.environ.get("SPECCTL_DEBUG") == "1"
+    try:
+        app()
+    except SpecctlError as e:
+        if debug:
+            raise
+        print(f"Error: {e}", file=sys.stderr)
+        sys.exit(e.exit_code)
+    except KeyboardInterrupt:
+        print("Interrupted.", file=sys.stderr)
+        sys.exit(130)
+    except Exception as e:  # an unexpected failure: still one line unless debugging
+        if debug:
+            raise
+        print(f"Error: {type(e).__name__}: {e} (rerun with SPECCTL_DEBUG=1 for the traceback)", file=sys.stderr)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""One module per subcommand. Thin: parse, build config, call runtime/training, render."""

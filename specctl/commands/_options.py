@@ -1,0 +1,20 @@
+"""Options shared by several commands, declared once as ``Annotated`` aliases."""
+
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+
+ModelOpt = Annotated[
+    Optional[str],
+    typer.Option(
+        "--model", "-m",
+        help="Target model: a local HF folder, a .gguf file, or a catalogue name (see `specctl models list`). "
+        "Default: smollm2-135m, pulled on first use.",
+    ),
+]
+DtypeOpt = Annotated[str, typer.Option("--dtype", help="Weights and compute dtype: bfloat16 (fast on CPU) or float32.")]
+DeviceOpt = Annotated[str, typer.Option("--device", help="cpu, cuda, cuda:N, or auto (cuda when available).")]
+SeedOpt = Annotated[int, typer.Option("--seed", help="Seed for sampling and any randomness.")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON on stdout instead of tables.")]

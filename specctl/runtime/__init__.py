@@ -1,0 +1,1 @@
+"""The shared speculative runtime: target runner + KV cache, proposers, verifier, stats, decode loop."""

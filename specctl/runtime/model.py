@@ -1,0 +1,264 @@
+"""The own decoder-only transformer (Llama / Qwen2 / Mistral families), written for decoding.
+
+What it does: loads an HF checkpoint folder (config.json + safetensors) into fused weights (q|k|v in
+one matrix, gate|up in another) and runs ``forward(tokens, start, cache)``: new tokens are written
+into a preallocated KV cache at positions [start, start+T) and attend to positions [0, start+T).
+Nothing is allocated per step but activations; rolling the cache back is the caller setting a
+shorter length (the next forward overwrites the rejected slots).
+
+What it does not know: sampling, speculation, tokenizers. Numerics follow transformers' modelling
+code (RMSNorm in fp32, rotary cos/sin cast to the compute dtype) so that fp32 logits match it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specctl.errors import ModelError
+
+SUPPORTED_ARCHS = ("llama", "qwen2", "mistral")
+
+
+@dataclass
+class ModelArgs:
+    arch: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    qkv_bias: bool
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+    rope_scaling: dict | None = None
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict) -> "ModelArgs":
+        arch = cfg.get("model_type", "?")
+        if arch not in SUPPORTED_ARCHS:
+            raise ModelError(
+                f"architecture '{arch}' is not supported by the own runtime yet",
+                f"use a model of one of: {', '.join(SUPPORTED_ARCHS)}",
+            )
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", "llama3", "linear"):
+            raise ModelError(f"rope type '{rope_type}' is not supported yet", "use a model with default, linear or llama3 rope")
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise ModelError(f"activation '{cfg.get('hidden_act')}' is not supported yet", "use a model with silu MLPs")
+        n_heads = cfg["num_attention_heads"]
+        return cls(
+            arch=arch,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=n_heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or n_heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // n_heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(theta),
+            qkv_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            rope_scaling=rope if rope_type != "default" else None,
+        )
+
+
+def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
+    """Inverse frequencies [head_dim/2] in fp32, with linear or llama3 scaling as transformers does."""
+    d = args.head_dim
+    inv = 1.0 / (args.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    rs = args.rope_scaling
+    if rs is None:
+        return inv
+    rope_type = rs.get("rope_type", rs.get("type"))
+    if rope_type == "linear":
+        return inv / rs["factor"]
+    # llama3: low frequencies scaled by `factor`, high kept, smooth in between.
+    factor, low, high = rs["factor"], rs["low_freq_factor"], rs["high_freq_factor"]
+    old_len = rs["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > old_len / low, inv / factor, inv)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class Block(nn.Module):
+    def __init__(self, a: ModelArgs):
+        super().__init__()
+        self.a = a
+        qkv_out = (a.num_heads + 2 * a.num_kv_heads) * a.head_dim
+        self.input_norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.qkv = nn.Linear(a.hidden_size, qkv_out, bias=a.qkv_bias)
+        self.o = nn.Linear(a.num_heads * a.head_dim, a.hidden_size, bias=False)
+        self.post_norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.gate_up = nn.Linear(a.hidden_size, 2 * a.intermediate_size, bias=False)
+        self.down = nn.Linear(a.intermediate_size, a.hidden_size, bias=False)
+
+    def forward(self, x, cos, sin, k_cache, v_cache, start: int, mask):
+        # x: [B, T, H]; cos/sin: [T, head_dim]; k_cache/v_cache: [B, n_kv, max_len, head_dim]
+        a = self.a
+        B, T, _ = x.shape
+        qkv = self.qkv(self.input_norm(x))
+        q, k, v = qkv.split([a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.num_kv_heads * a.head_dim], -1)
+        q = q.view(B, T, a.num_heads, a.head_dim).transpose(1, 2)  # [B, nh, T, hd]
+        k = k.view(B, T, a.num_kv_heads, a.head_dim).transpose(1, 2)  # [B, nkv, T, hd]
+        v = v.view(B, T, a.num_kv_heads, a.head_dim).transpose(1, 2)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        end = start + T
+        k_cache[:, :, start:end] = k
+        v_cache[:, :, start:end] = v
+        att = F.scaled_dot_product_attention(
+            q, k_cache[:, :, :end], v_cache[:, :, :end], attn_mask=mask,
+            enable_gqa=a.num_kv_heads != a.num_heads,
+        )  # [B, nh, T, hd]
+        x = x + self.o(att.transpose(1, 2).reshape(B, T, a.num_heads * a.head_dim))
+        gate, up = self.gate_up(self.post_norm(x)).chunk(2, dim=-1)
+        return x + self.down(F.silu(gate) * up)
+
+
+class Transformer(nn.Module):
+    """A causal LM over a preallocated cache. See the module docstring."""
+
+    def __init__(self, a: ModelArgs):
+        super().__init__()
+        self.args = a
+        self.embed = nn.Embedding(a.vocab_size, a.hidden_size)
+        self.layers = nn.ModuleList(Block(a) for _ in range(a.num_layers))
+        self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.lm_head = None if a.tie_word_embeddings else nn.Linear(a.hidden_size, a.vocab_size, bias=False)
+        self.register_buffer("inv_freq", rope_inv_freq(a), persistent=False)
+
+    @property
+    def head_weight(self) -> torch.Tensor:
+        return self.embed.weight if self.lm_head is None else self.lm_head.weight
+
+    def rope(self, start: int, T: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        pos = torch.arange(start, start + T, device=self.inv_freq.device, dtype=torch.float32)
+        freqs = torch.outer(pos, self.inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)  # [T, head_dim]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def forward(self, tokens: torch.Tensor, start: int, cache: "KVCache", mask: torch.Tensor | None,
+                logits: str = "all") -> tuple[torch.Tensor | None, torch.Tensor]:
+        """tokens: [B, T] at positions [start, start+T); mask: [T, start+T] bool or None (T == 1).
+
+        Returns (logits [B, T', V] with T' = T for "all", 1 for "last", None for "none";
+        hidden [B, T, H], the final-normed hidden states the LM head reads).
+        """
+        x = self.embed(tokens)
+        cos, sin = self.rope(start, tokens.shape[1], x.dtype)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, cache.k[i], cache.v[i], start, mask)
+        h = self.norm(x)
+        if logits == "none":
+            return None, h
+        hh = h[:, -1:] if logits == "last" else h
+        return F.linear(hh, self.head_weight), h
+
+
+class KVCache:
+    """Preallocated keys and values: k, v [num_layers, B, n_kv, max_len, head_dim].
+
+    The cache itself holds no length: the runner owns it, and rolling back is setting it.
+    """
+
+    def __init__(self, a: ModelArgs, batch: int, max_len: int, dtype, device):
+        shape = (a.num_layers, batch, a.num_kv_heads, max_len, a.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.max_len = max_len
+
+
+# --------------------------------------------------------------------------- loading
+
+def read_config(folder: Path) -> dict:
+    path = Path(folder) / "config.json"
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ModelError(f"{folder} has no config.json", "give an HF model folder (config.json + *.safetensors)") from None
+    except json.JSONDecodeError as e:
+        raise ModelError(f"{path} is not valid JSON ({e.msg})", "re-save the checkpoint or re-pull it") from None
+
+
+def load_transformer(folder: str | Path, dtype: torch.dtype, device: str | torch.device = "cpu") -> Transformer:
+    """Build the Transformer from an HF folder's config.json and *.safetensors, fusing weights."""
+    from safetensors import safe_open
+
+    folder = Path(folder)
+    args = ModelArgs.from_hf_config(read_config(folder))
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ModelError(f"{folder} has no *.safetensors weights", "convert the checkpoint to safetensors (save_pretrained)")
+    sd: dict[str, torch.Tensor] = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as fh:
+            for key in fh.keys():
+                sd[key] = fh.get_tensor(key)
+    with torch.device("meta"):
+        model = Transformer(args)
+    model = model.to_empty(device=device)
+    model.load_state_dict(fuse_hf_state_dict(sd, args), strict=True, assign=False)
+    model.inv_freq = rope_inv_freq(args).to(device)
+    return model.to(dtype).eval().requires_grad_(False)
+
+
+def fuse_hf_state_dict(sd: dict[str, torch.Tensor], a: ModelArgs) -> dict[str, torch.Tensor]:
+    """Map transformers' names (model.layers.{i}.self_attn.q_proj.weight, ...) to ours, fusing."""
+
+    def take(name: str) -> torch.Tensor:
+        try:
+            return sd[name]
+        except KeyError:
+            raise ModelError(f"checkpoint lacks tensor '{name}'", "check that the folder holds a complete model") from None
+
+    out = {"embed.weight": take("model.embed_tokens.weight"), "norm.weight": take("model.norm.weight")}
+    if not a.tie_word_embeddings:
+        out["lm_head.weight"] = sd.get("lm_head.weight", out["embed.weight"])
+    for i in range(a.num_layers):
+        p = f"model.layers.{i}."
+        attn = [take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]
+        out[f"layers.{i}.qkv.weight"] = torch.cat(attn, 0)
+        if a.qkv_bias:
+            out[f"layers.{i}.qkv.bias"] = torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"], 0)
+        out[f"layers.{i}.o.weight"] = take(p + "self_attn.o_proj.weight")
+        out[f"layers.{i}.input_norm.weight"] = take(p + "input_layernorm.weight")
+        out[f"layers.{i}.post_norm.weight"] = take(p + "post_attention_layernorm.weight")
+        out[f"layers.{i}.gate_up.weight"] = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")], 0)
+        out[f"layers.{i}.down.weight"] = take(p + "mlp.down_proj.weight")
+    return out

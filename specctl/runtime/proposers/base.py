@@ -1,0 +1,46 @@
+"""The Proposer interface every draft method implements, and the DraftOutput it returns.
+
+A proposer sees the request state (all token ids so far; the target's hidden states when it sets
+``needs_hidden_states``) and proposes up to k tokens per request. It knows nothing about
+verification: the decode loop verifies, rolls the target back, and calls ``on_verified`` so a
+stateful proposer (a draft model with its own KV cache, a suffix tree) can follow.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass
+class DraftOutput:
+    token_ids: torch.Tensor  # [batch, k] int64, padded with -1
+    num_tokens: torch.Tensor  # [batch] int64, valid draft tokens per request (may be 0)
+    probs: torch.Tensor | None = None  # [batch, k, vocab] q; None = deterministic draft (one-hot)
+
+
+class Proposer:
+    """Base class: one subclass per method, in its own file (``<Method>Proposer``)."""
+
+    method: str = ""
+    needs_hidden_states: bool = False
+
+    def start_request(self, slot: int, prompt_ids: np.ndarray) -> None:
+        """A new request enters batch slot ``slot`` with its prompt (int32 [T])."""
+
+    def propose(
+        self,
+        token_ids: np.ndarray,  # [batch, max_len] int32, row b valid up to num_tokens[b]
+        num_tokens: np.ndarray,  # [batch] int32
+        k: int,
+        hidden_states: torch.Tensor | None = None,  # [batch, H] target's last hidden state, if asked
+    ) -> DraftOutput:
+        raise NotImplementedError
+
+    def on_verified(self, slot: int, num_accepted: int, emitted: list[int]) -> None:
+        """After verification: ``num_accepted`` drafts kept, ``emitted`` tokens appended."""
+
+    def end_request(self, slot: int) -> None:
+        """The request in ``slot`` finished (a proposer may learn from its output here)."""

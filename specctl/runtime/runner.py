@@ -1,0 +1,128 @@
+"""TargetRunner: the target model, its preallocated KV cache, and the cache length.
+
+``forward(tokens)`` runs new tokens at positions [length, length+T) and advances ``length``;
+``rollback(n)`` sets ``length = n`` in O(1): the rejected slots stay in memory and are overwritten
+by the next forward (positions are written, never appended). Nothing is re-prefilled.
+
+What it does not know: drafting, verification, sampling, tokenizers.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from specctl.errors import ModelError, UsageError
+from specctl.runtime.model import KVCache, Transformer, load_transformer
+
+DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    try:
+        return DTYPES[name.lower()]
+    except KeyError:
+        raise UsageError(f"unknown dtype '{name}'", "use bfloat16 or float32") from None
+
+
+def parse_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(name)
+    except RuntimeError:
+        raise UsageError(f"unknown device '{name}'", "use cpu, cuda, cuda:N or auto") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda was asked for but no CUDA device is available", "use --device cpu")
+    return dev
+
+
+class TargetRunner:
+    """One model + one KV cache of ``max_len`` positions for ``batch`` rows (rows advance together)."""
+
+    def __init__(self, model: Transformer, max_len: int, batch: int = 1):
+        p = model.embed.weight
+        self.model = model
+        self.max_len = max_len
+        self.cache = KVCache(model.args, batch, max_len, p.dtype, p.device)
+        self.device = p.device
+        self.length = 0
+        self.last_hidden: torch.Tensor | None = None  # [B, T, H] of the latest forward
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.args.vocab_size
+
+    def reset(self) -> None:
+        self.length = 0
+
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor, logits: str = "all") -> torch.Tensor:
+        """tokens: [B, T] int64 -> logits [B, T, V] ("all") or [B, 1, V] ("last")."""
+        start, T = self.length, tokens.shape[1]
+        if start + T > self.max_len:
+            raise UsageError(
+                f"sequence of {start + T} tokens exceeds the runner's max length {self.max_len}",
+                "raise --max-model-len or lower --max-new-tokens",
+            )
+        mask = None
+        if T > 1:
+            q_pos = torch.arange(start, start + T, device=self.device)
+            mask = torch.arange(start + T, device=self.device)[None, :] <= q_pos[:, None]  # [T, start+T]
+        out, hidden = self.model(tokens.to(self.device), start, self.cache, mask, logits=logits)
+        self.length = start + T
+        self.last_hidden = hidden
+        return out
+
+    def rollback(self, length: int) -> None:
+        """Keep the first ``length`` positions of the cache (O(1): only the length changes)."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"rollback to {length} outside [0, {self.length}]")
+        self.length = length
+
+
+@dataclass
+class LoadedModel:
+    """A target as loaded from a folder: the model, its tokenizer, and its stop tokens."""
+
+    path: Path
+    model: Transformer
+    tokenizer: object
+    stop_token_ids: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+
+def load_model(path: str | Path, dtype: str = "bfloat16", device: str = "cpu") -> LoadedModel:
+    """Load a dense HF folder (see ``specctl.models.resolve_model``) into the own runtime."""
+    from transformers import AutoTokenizer
+
+    path = Path(path)
+    tdtype, tdev = parse_dtype(dtype), parse_device(device)
+    model = load_transformer(path, tdtype, tdev)
+    try:
+        tok = AutoTokenizer.from_pretrained(str(path))
+    except Exception as e:  # noqa: BLE001 - any tokenizer failure is a model-folder problem
+        raise ModelError(f"cannot load the tokenizer from {path} ({type(e).__name__})",
+                         "the folder needs tokenizer.json or tokenizer_config.json") from None
+    return LoadedModel(path, model, tok, stop_token_ids(path, tok), tdtype, tdev)
+
+
+def stop_token_ids(path: Path, tokenizer) -> tuple[int, ...]:
+    """EOS ids from generation_config.json (int or list) plus the tokenizer's eos token."""
+    ids: set[int] = set()
+    gen = path / "generation_config.json"
+    if gen.exists():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return tuple(sorted(ids))

