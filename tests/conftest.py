@@ -11,8 +11,8 @@ Fixtures (all offline, seeded, CPU, fp32):
 
 ``tiny_model_dir`` (session)
     The default folder (llama, untied, seed 0): config.json, model.safetensors,
-    generation_config.json (eos = ``<|im_end|>``), tokenizer.json, tokenizer_config.json with a
-    ChatML-style ``chat_template``. ``specctl.runtime.runner.load_model(tiny_model_dir,
+    generation_config.json (eos = ``<|im_end|>``), tokenizer.json, tokenizer_config.json and
+    chat_template.jinja (a ChatML-style template; ``tokenizer.chat_template`` is set). ``specctl.runtime.runner.load_model(tiny_model_dir,
     dtype="float32")`` works end to end on it, so command tests (bench, ...) can use it as a model.
 
 ``tiny_model`` (session)
@@ -27,6 +27,8 @@ folder ``tests/kernels/`` would be picked up as a namespace package named ``kern
 editable install's finder (which runs after Python's PathFinder) offers the repository's own
 ``kernels`` package. This conftest therefore imports the real ``kernels`` first (see
 ``_import_repo_kernels``); ``--import-mode=importlib`` in pytest's options would make that unneeded.
+
+torch runs single-threaded in the test session (``torch.set_num_threads(1)``, see below).
 
 The tokenizer is character level: every printable ASCII character, ``\\n`` and ``\\t`` is one token,
 anything else is ``<unk>``; ids 0-5 are special tokens (see ``TINY_SPECIAL_TOKENS``) and the
@@ -46,6 +48,11 @@ import pytest
 import torch
 
 _TESTS = Path(__file__).resolve().parent
+
+# The tiny models here are faster on one thread (a 64-wide matmul gains nothing from two), and one
+# thread keeps the suite fast when other processes share the (two) cores: with torch's default of
+# one thread per core, a busy neighbour makes every forward wait on the slowest thread (~40x slower).
+torch.set_num_threads(1)
 
 
 def _import_repo_kernels() -> None:

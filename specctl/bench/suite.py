@@ -11,7 +11,7 @@ prompt's prefill is the same work for every method and is reported apart, as TTF
 from __future__ import annotations
 
 import platform
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -41,13 +41,14 @@ class MethodRun:
     num_requests: int = 0
     identical: int = 0  # outputs equal to the baseline's
     first_divergence: list = field(default_factory=list)  # per request: index or None
+    divergence_margins: list = field(default_factory=list)  # baseline's top-1 - top-2 logit gap there
     stats: SpecStats = field(default_factory=SpecStats)
 
     @property
     def tokens_per_s(self) -> float:
         return self.decode_tokens / self.decode_s if self.decode_s > 0 else 0.0
 
-    def add(self, res: GenerationResult, baseline: list[int] | None) -> None:
+    def add(self, res: GenerationResult, baseline: GenerationResult | None) -> None:
         self.new_tokens += len(res.token_ids)
         self.decode_tokens += max(len(res.token_ids) - 1, 0)
         self.decode_s += res.decode_s
@@ -56,9 +57,11 @@ class MethodRun:
         self.num_requests += 1
         self.stats = self.stats.merge(res.stats)
         if baseline is not None:
-            div = first_divergence(baseline, res.token_ids)
+            div = first_divergence(baseline.token_ids, res.token_ids)
             self.first_divergence.append(div)
             self.identical += div is None
+            if div is not None and div < len(baseline.margins):
+                self.divergence_margins.append(baseline.margins[div])
 
 
 def first_divergence(a: list[int], b: list[int]) -> int | None:
@@ -88,6 +91,7 @@ class BenchReport:
                 "target_forwards": r.steps,
                 "identical_to_baseline": r.identical if r.method != BASELINE else r.num_requests,
                 "first_divergence": r.first_divergence,
+                "divergence_margins": r.divergence_margins,
                 **r.stats.to_dict(),
             })
         return out
@@ -141,16 +145,16 @@ def run_bench(
         wruns = [MethodRun(name, w, 0 if c is None else c.num_speculative_tokens, {} if c is None else c.to_dict())
                  for name, c, _ in decoders]
         for req, ids in reqs:
-            baseline_tokens = None
+            baseline_res = None
             for (name, _, dec), run in zip(decoders, wruns):
                 if progress:
                     progress(0, f"{w} · {name} · {req.id}")
-                res = dec.generate(ids, params, _gen(seed))
+                res = dec.generate(ids, replace(params, record_margins=name == BASELINE and params.greedy), _gen(seed))
                 if name == BASELINE:
-                    baseline_tokens = res.token_ids
+                    baseline_res = res
                     run.add(res, None)
                 else:
-                    run.add(res, baseline_tokens if params.greedy else None)
+                    run.add(res, baseline_res if params.greedy else None)
                 if progress:
                     progress(1, f"{w} · {name} · {req.id}")
         runs.extend(wruns)

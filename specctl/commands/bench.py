@@ -107,6 +107,8 @@ def render(report) -> None:
         if len(r["acceptance_rate_per_pos"]) > 4:
             per_pos += " …"
         same = "—" if base else (f"{r['identical_to_baseline']}/{r['requests']}" if r["first_divergence"] else "n/a (sampling)")
+        if r["divergence_margins"]:
+            same += f" (tie Δ≤{max(r['divergence_margins']):.2g})"
         t.add_row(
             r["workload"], r["method"], "—" if base else str(r["k"]), f"{r['tokens_per_s']:.2f}",
             f"{r['speedup']:.2f}x" if r["speedup"] is not None else "—",

@@ -34,6 +34,7 @@ class SamplingParams:
     top_p: float | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    record_margins: bool = False  # greedy only: keep the top-1 minus top-2 logit gap of each token
 
     @property
     def greedy(self) -> bool:
@@ -48,6 +49,7 @@ class GenerationResult:
     prefill_s: float = 0.0  # prompt forward + first token
     decode_s: float = 0.0  # every later token
     num_steps: int = 0  # target forwards after prefill
+    margins: list[float] = field(default_factory=list)  # [len(token_ids)] when record_margins
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -90,6 +92,9 @@ class SpecDecoder:
         prompt = torch.tensor([prompt_ids], dtype=torch.long)
         logits = runner.forward(prompt, logits="last")  # [1, 1, V]
         last = self._sample_one(logits[0, -1], params, generator)
+        margins: list[float] = []
+        if params.record_margins:
+            margins.extend(_margins(logits[0]))
         t1 = time.perf_counter()
         out.append(last)
         ctx[0, n_ctx] = last
@@ -124,6 +129,8 @@ class SpecDecoder:
                 out_ids, n_emit = rejection_sample(draft_ids, num_draft, draft_probs, probs, generator)
             n = int(n_emit[0])
             emitted = out_ids[0, :n].tolist()
+            if params.record_margins:
+                margins.extend(_margins(logits[0, :n]))
             runner.rollback(base + n)  # last + (n-1) accepted drafts are valid
             stats.observe(nd, n - 1)
             if self.proposer is not None:
@@ -140,7 +147,7 @@ class SpecDecoder:
         t2 = time.perf_counter()
         if self.proposer is not None:
             self.proposer.end_request(0)
-        return GenerationResult(out, finish, stats, t1 - t0, t2 - t1, steps)
+        return GenerationResult(out, finish, stats, t1 - t0, t2 - t1, steps, margins[: len(out)])
 
     @staticmethod
     def _sample_one(logits: torch.Tensor, params: SamplingParams, generator) -> int:
@@ -149,3 +156,9 @@ class SpecDecoder:
             return int(logits.argmax())
         probs = logits_to_probs(logits, params.temperature, params.top_k, params.top_p)
         return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def _margins(logits: torch.Tensor) -> list[float]:
+    """logits: [T, V] -> top-1 minus top-2 logit per row: how close each greedy choice was to a tie."""
+    top2 = logits.float().topk(2, dim=-1).values
+    return (top2[:, 0] - top2[:, 1]).tolist()

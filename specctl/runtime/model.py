@@ -42,6 +42,9 @@ class ModelArgs:
     tie_word_embeddings: bool
     max_position_embeddings: int
     rope_scaling: dict | None = None
+    o_bias: bool = False  # llama attention_bias=True also biases o_proj
+    mlp_bias: bool = False
+    sliding_window: int | None = None  # each query sees at most this many keys (itself included)
 
     @classmethod
     def from_hf_config(cls, cfg: dict) -> "ModelArgs":
@@ -59,6 +62,10 @@ class ModelArgs:
         if cfg.get("hidden_act", "silu") != "silu":
             raise ModelError(f"activation '{cfg.get('hidden_act')}' is not supported yet", "use a model with silu MLPs")
         n_heads = cfg["num_attention_heads"]
+        window = cfg.get("sliding_window") if arch == "mistral" else None
+        if arch == "qwen2" and cfg.get("use_sliding_window"):
+            raise ModelError("Qwen2 with use_sliding_window=true is not supported yet",
+                             "use a checkpoint with use_sliding_window=false")
         return cls(
             arch=arch,
             vocab_size=cfg["vocab_size"],
@@ -74,6 +81,9 @@ class ModelArgs:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             rope_scaling=rope if rope_type != "default" else None,
+            o_bias=arch != "qwen2" and bool(cfg.get("attention_bias", False)),
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            sliding_window=int(window) if window else None,
         )
 
 
@@ -123,10 +133,10 @@ class Block(nn.Module):
         qkv_out = (a.num_heads + 2 * a.num_kv_heads) * a.head_dim
         self.input_norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.qkv = nn.Linear(a.hidden_size, qkv_out, bias=a.qkv_bias)
-        self.o = nn.Linear(a.num_heads * a.head_dim, a.hidden_size, bias=False)
+        self.o = nn.Linear(a.num_heads * a.head_dim, a.hidden_size, bias=a.o_bias)
         self.post_norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
-        self.gate_up = nn.Linear(a.hidden_size, 2 * a.intermediate_size, bias=False)
-        self.down = nn.Linear(a.intermediate_size, a.hidden_size, bias=False)
+        self.gate_up = nn.Linear(a.hidden_size, 2 * a.intermediate_size, bias=a.mlp_bias)
+        self.down = nn.Linear(a.intermediate_size, a.hidden_size, bias=a.mlp_bias)
 
     def forward(self, x, cos, sin, k_cache, v_cache, start: int, mask):
         # x: [B, T, H]; cos/sin: [T, head_dim]; k_cache/v_cache: [B, n_kv, max_len, head_dim]
@@ -241,15 +251,19 @@ def load_transformer(folder: str | Path, dtype: torch.dtype, device: str | torch
 def fuse_hf_state_dict(sd: dict[str, torch.Tensor], a: ModelArgs) -> dict[str, torch.Tensor]:
     """Map transformers' names (model.layers.{i}.self_attn.q_proj.weight, ...) to ours, fusing."""
 
+    used: set[str] = set()
+
     def take(name: str) -> torch.Tensor:
         try:
+            used.add(name)
             return sd[name]
         except KeyError:
             raise ModelError(f"checkpoint lacks tensor '{name}'", "check that the folder holds a complete model") from None
 
     out = {"embed.weight": take("model.embed_tokens.weight"), "norm.weight": take("model.norm.weight")}
     if not a.tie_word_embeddings:
-        out["lm_head.weight"] = sd.get("lm_head.weight", out["embed.weight"])
+        out["lm_head.weight"] = take("lm_head.weight") if "lm_head.weight" in sd else out["embed.weight"]
+    used.add("lm_head.weight")  # a tied checkpoint may still carry a copy of the head
     for i in range(a.num_layers):
         p = f"model.layers.{i}."
         attn = [take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]
@@ -257,8 +271,19 @@ def fuse_hf_state_dict(sd: dict[str, torch.Tensor], a: ModelArgs) -> dict[str, t
         if a.qkv_bias:
             out[f"layers.{i}.qkv.bias"] = torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"], 0)
         out[f"layers.{i}.o.weight"] = take(p + "self_attn.o_proj.weight")
+        if a.o_bias:
+            out[f"layers.{i}.o.bias"] = take(p + "self_attn.o_proj.bias")
         out[f"layers.{i}.input_norm.weight"] = take(p + "input_layernorm.weight")
         out[f"layers.{i}.post_norm.weight"] = take(p + "post_attention_layernorm.weight")
         out[f"layers.{i}.gate_up.weight"] = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")], 0)
         out[f"layers.{i}.down.weight"] = take(p + "mlp.down_proj.weight")
+        if a.mlp_bias:
+            out[f"layers.{i}.gate_up.bias"] = torch.cat([take(p + "mlp.gate_proj.bias"), take(p + "mlp.up_proj.bias")], 0)
+            out[f"layers.{i}.down.bias"] = take(p + "mlp.down_proj.bias")
+    unused = sorted(k for k in sd if k not in used and not k.endswith("rotary_emb.inv_freq"))
+    if unused:
+        raise ModelError(
+            f"checkpoint has {len(unused)} tensor(s) the own runtime does not understand (e.g. '{unused[0]}')",
+            "this architecture variant is not supported yet; use a plain llama/qwen2/mistral checkpoint",
+        )
     return out

@@ -11,7 +11,7 @@ import pytest
 
 
 def run_cli(*args: str, env_extra: dict | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
-    env = {**os.environ, **(env_extra or {})}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env_extra or {})}
     env.pop("SPECCTL_DEBUG", None)
     return subprocess.run([sys.executable, "-m", "specctl.cli", *args], capture_output=True, text=True,
                           env=env, timeout=timeout)

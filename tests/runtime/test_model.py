@@ -158,9 +158,75 @@ def test_runner_bounds(make_runner):
     assert runner.length == 0
 
 
-def test_load_errors_name_the_problem(tmp_path, tiny_model_factory):
+def test_load_errors_name_the_problem(tmp_path):
     with pytest.raises(ModelError, match="config.json"):
         load_transformer(tmp_path, torch.float32)
     (tmp_path / "config.json").write_text('{"model_type": "gpt2"}')
     with pytest.raises(ModelError, match="gpt2"):
         load_transformer(tmp_path, torch.float32)
+
+
+# --------------------------------------------------------------------------- config variants
+# Biases on o_proj / MLP and mistral's sliding window change the logits: they must be honoured.
+
+
+def test_llama_attention_bias_matches_transformers(tiny_model_factory):
+    _assert_matches(tiny_model_factory("llama", attention_bias=True))
+
+
+def test_llama_mlp_bias_matches_transformers(tiny_model_factory):
+    _assert_matches(tiny_model_factory("llama", mlp_bias=True))
+
+
+def test_mistral_sliding_window_matches_transformers(tiny_model_factory):
+    _assert_matches(tiny_model_factory("mistral", sliding_window=8))
+
+
+def _assert_matches(folder):
+    ids = _ids(11, B=1, T=24)
+    model = load_transformer(folder, torch.float32)
+    ref = _hf_logits(folder, ids)
+    torch.testing.assert_close(TargetRunner(model, max_len=32).forward(ids), ref, atol=STEP_ATOL, rtol=0)
+    runner = TargetRunner(model, max_len=32)  # one token at a time: the decode path past the window
+    steps = torch.cat([runner.forward(ids[:, i:i + 1]) for i in range(ids.shape[1])], 1)
+    torch.testing.assert_close(steps, ref, atol=STEP_ATOL, rtol=0)
+
+
+# --------------------------------------------------------------------------- load_model (the fixture folder end to end)
+
+
+def test_load_model_end_to_end(tiny_model_dir, tiny_model):
+    from specctl.runtime.runner import load_model
+
+    lm = load_model(tiny_model_dir, dtype="float32")
+    assert lm.dtype == torch.float32 and lm.device == torch.device("cpu") and lm.name == tiny_model_dir.name
+    assert lm.stop_token_ids == (5,)  # <|im_end|>, from generation_config.json and the tokenizer
+    tok = lm.tokenizer
+    assert tok.decode(tok.encode("def f(x):\n\treturn x")) == "def f(x):\n\treturn x"
+    ids = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=True)
+    ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+    assert tok.decode(ids) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    x = _ids(12, B=1, T=10)
+    torch.testing.assert_close(TargetRunner(lm.model, 16).forward(x), TargetRunner(tiny_model, 16).forward(x))
+
+
+def test_stop_token_ids_read_generation_config_lists(tmp_path):
+    from types import SimpleNamespace
+
+    from specctl.runtime.runner import stop_token_ids
+
+    (tmp_path / "generation_config.json").write_text('{"eos_token_id": [7, 3]}')
+    assert stop_token_ids(tmp_path, SimpleNamespace(eos_token_id=9)) == (3, 7, 9)
+    (tmp_path / "generation_config.json").write_text('{"eos_token_id": 4}')
+    assert stop_token_ids(tmp_path, SimpleNamespace(eos_token_id=None)) == (4,)
+
+
+def test_parse_dtype_and_device():
+    from specctl.runtime.runner import parse_device, parse_dtype
+
+    assert parse_dtype("fp32") == torch.float32 and parse_dtype("BF16") == torch.bfloat16
+    with pytest.raises(UsageError):
+        parse_dtype("float8")
+    assert parse_device("cpu") == torch.device("cpu")
+    with pytest.raises(UsageError):
+        parse_device("tpu:0")

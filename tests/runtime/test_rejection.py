@@ -74,8 +74,7 @@ def test_greedy_batch_with_padding():
 
 
 def test_greedy_padding_never_matches_even_if_argmax_equals_pad_slot():
-    # a padded slot must not be accepted even when the target's argmax there happens to be the pad
-    # id's clamp target (0) or anything else: only num_draft_tokens entries count.
+    # entries past num_draft_tokens are never accepted, whatever they hold and whatever the target says
     out, n = greedy_verify(t([[4, 0, 0]]), t([1]), t([[4, 0, 0, 0]]))
     assert n.tolist() == [2] and out.tolist() == [[4, 0, PAD, PAD]]
 
