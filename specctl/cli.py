@@ -6,13 +6,12 @@ inside the command functions so that ``specctl --help`` answers fast.
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import os
 import sys
 
 import typer
-
-from specctl.commands import bench as _bench
-from specctl.commands import models as _models
 
 app = typer.Typer(
     name="specctl",
@@ -23,8 +22,11 @@ app = typer.Typer(
     add_completion=False,
     context_settings={"help_option_names": ["-h", "--help"]},
 )
-app.command("bench", help=_bench.HELP, no_args_is_help=False)(_bench.bench)
-app.add_typer(_models.app, name="models")
+# Each command module defines register(app). A command is listed only once its module exists.
+COMMAND_MODULES = ("recommend", "train_medusa", "train_eagle", "train_mtp", "build_vocab_map", "bench", "serve", "models")
+for _name in COMMAND_MODULES:
+    if importlib.util.find_spec(f"specctl.commands.{_name}") is not None:
+        importlib.import_module(f"specctl.commands.{_name}").register(app)
 
 
 def _print_version(value: bool) -> None:

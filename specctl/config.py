@@ -23,7 +23,21 @@ from specctl.errors import ConfigError
 VLLM_METHODS = (
     "ngram", "suffix", "medusa", "eagle", "eagle3", "draft_model", "mtp", "deepseek_mtp",
 )
-IMPLEMENTED_METHODS = ("ngram",)
+# method -> module under specctl/runtime/proposers/ (one file per method; eagle and eagle3 share one)
+PROPOSER_MODULES = {
+    "ngram": "ngram", "suffix": "suffix", "medusa": "medusa", "eagle": "eagle", "eagle3": "eagle",
+    "draft_model": "draft_model", "mtp": "mtp",
+}
+
+
+def implemented_methods() -> tuple[str, ...]:
+    """Methods whose proposer file exists in this installation (found without importing it)."""
+    import importlib.util
+
+    return tuple(m for m, mod in PROPOSER_MODULES.items()
+                 if importlib.util.find_spec(f"specctl.runtime.proposers.{mod}") is not None)
+
+
 METHOD_ALIASES = {"deepseek_mtp": "mtp", "[ngram]": "ngram"}
 
 # Default number of draft tokens per method when the user does not give one. vLLM requires the
@@ -103,25 +117,26 @@ class SpecConfig:
         method = self.method
         if method is None and self.model is not None:
             method = "ngram" if self.model in ("ngram", "[ngram]") else "draft_model"
+        available = ", ".join(implemented_methods())
         if method is None:
-            raise ConfigError("no speculative method given", f"set 'method' to one of: {', '.join(IMPLEMENTED_METHODS)}")
+            raise ConfigError("no speculative method given", f"set 'method' to one of: {available}")
         if not isinstance(method, str):
-            raise ConfigError(f"method must be a string, got {method!r}", f"use one of: {', '.join(IMPLEMENTED_METHODS)}")
+            raise ConfigError(f"method must be a string, got {method!r}", f"use one of: {available}")
         method = METHOD_ALIASES.get(method, method)
         if method not in VLLM_METHODS:
             close = difflib.get_close_matches(method, VLLM_METHODS, n=1)
             hint = f"did you mean '{close[0]}'? " if close else ""
-            raise ConfigError(f"unknown speculative method '{method}'", f"{hint}available: {', '.join(IMPLEMENTED_METHODS)}")
-        if method not in IMPLEMENTED_METHODS:
-            raise ConfigError(
-                f"method '{method}' is not available in this version of specctl",
-                f"available: {', '.join(IMPLEMENTED_METHODS)}",
-            )
+            raise ConfigError(f"unknown speculative method '{method}'", f"{hint}available: {available}")
+        if method not in implemented_methods():
+            raise ConfigError(f"method '{method}' is not available in this version of specctl", f"available: {available}")
         self.method = method
 
         if self.num_speculative_tokens is None:
             self.num_speculative_tokens = DEFAULT_NUM_SPECULATIVE_TOKENS.get(method, 5)
         _check_int("num_speculative_tokens", self.num_speculative_tokens, minimum=1)
+        if method in ("draft_model", "medusa", "eagle", "eagle3") and not self.model:
+            raise ConfigError(f"method '{method}' needs a draft: set 'model'",
+                              'e.g. {"method": "%s", "model": "PATH_OR_NAME"}' % method)
 
         if method == "ngram":
             if self.prompt_lookup_min is None and self.prompt_lookup_max is None:

@@ -116,3 +116,7 @@ def render(report) -> None:
             "—" if base else per_pos, same,
         )
     out.print(t)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("bench", help=HELP)(bench)

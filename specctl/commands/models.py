@@ -77,3 +77,7 @@ def pull_cmd(
         print(f"specctl: {name} ({dtype}) is already pulled; use --force to pull it again", file=sys.stderr)
     typer.echo(str(path))
 
+
+
+def register(root: typer.Typer) -> None:
+    root.add_typer(app, name="models")

@@ -57,18 +57,60 @@ class GenerationResult:
         return n / self.decode_s if self.decode_s > 0 and n > 0 else 0.0
 
 
+@dataclass
+class DecodeState:
+    """One request in flight: its runner (KV cache), token buffer, output and counters."""
+
+    runner: TargetRunner
+    slot: int
+    params: SamplingParams
+    generator: torch.Generator | None
+    ctx: np.ndarray  # [1, max_len] int32: prompt + emitted tokens, for the proposer
+    n_ctx: int
+    stop: set
+    last: int = -1  # emitted, not yet in the KV cache
+    out: list[int] = field(default_factory=list)
+    margins: list[float] = field(default_factory=list)
+    stats: SpecStats = field(default_factory=SpecStats)
+    finish: str | None = None
+    steps: int = 0
+    t_start: float = 0.0
+    t_first: float = 0.0
+
+    def result(self) -> GenerationResult:
+        t_end = time.perf_counter()
+        return GenerationResult(self.out, self.finish or "length", self.stats, self.t_first - self.t_start,
+                                t_end - self.t_first, self.steps, self.margins[: len(self.out)])
+
+
+_EMPTY = torch.empty((1, 0), dtype=torch.long)
+_ZERO = torch.zeros(1, dtype=torch.long)
+
+
 class SpecDecoder:
-    """Runs requests through one TargetRunner with an optional Proposer (None = plain decoding)."""
+    """Runs requests through a TargetRunner with an optional Proposer (None = plain decoding).
+
+    ``generate`` runs one request to the end. ``start`` + ``step`` run it a step at a time (a
+    server streams and interleaves requests this way; each request then brings its own runner,
+    i.e. its own KV cache, and proposer slot).
+    """
 
     def __init__(self, runner: TargetRunner, proposer: Proposer | None = None, num_speculative_tokens: int = 0):
         self.runner = runner
         self.proposer = proposer
         self.k = num_speculative_tokens if proposer is not None else 0
-        self._ctx = np.zeros((1, runner.max_len), dtype=np.int32)  # token ids so far, for proposers
 
     def generate(self, prompt_ids: list[int], params: SamplingParams,
                  generator: torch.Generator | None = None) -> GenerationResult:
-        runner, ctx = self.runner, self._ctx
+        state = self.start(prompt_ids, params, generator)
+        while state.finish is None:
+            self.step(state)
+        return self.finish(state)
+
+    def start(self, prompt_ids: list[int], params: SamplingParams, generator: torch.Generator | None = None,
+              runner: TargetRunner | None = None, slot: int = 0) -> DecodeState:
+        """Prefill the prompt and emit the first token."""
+        runner = runner or self.runner
         T = len(prompt_ids)
         if T == 0:
             raise ValueError("empty prompt")
@@ -79,75 +121,80 @@ class SpecDecoder:
                 f"prompt ({T} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds the max model length {runner.max_len}",
                 "lower --max-new-tokens or raise --max-model-len",
             )
-        stop = set() if params.ignore_eos else set(params.stop_token_ids)
-        stats = SpecStats()
-        out: list[int] = []
-        runner.reset()
+        ctx = np.zeros((1, runner.max_len), dtype=np.int32)
         ctx[0, :T] = prompt_ids
-        n_ctx = T
+        st = DecodeState(runner, slot, params, generator, ctx, T,
+                         set() if params.ignore_eos else set(params.stop_token_ids))
+        runner.reset()
         if self.proposer is not None:
-            self.proposer.start_request(0, ctx[0, :T])
-
-        t0 = time.perf_counter()
-        prompt = torch.tensor([prompt_ids], dtype=torch.long)
-        logits = runner.forward(prompt, logits="last")  # [1, 1, V]
-        last = self._sample_one(logits[0, -1], params, generator)
-        margins: list[float] = []
+            self.proposer.start_request(slot, ctx[0, :T])
+        st.t_start = time.perf_counter()
+        logits = runner.forward(torch.tensor([prompt_ids], dtype=torch.long), logits="last")  # [1, 1, V]
         if params.record_margins:
-            margins.extend(_margins(logits[0]))
-        t1 = time.perf_counter()
-        out.append(last)
-        ctx[0, n_ctx] = last
-        n_ctx += 1
-        finish = "stop" if last in stop else None
-        steps = 0
-        empty = torch.empty((1, 0), dtype=torch.long)
-        zero = torch.zeros(1, dtype=torch.long)
+            st.margins.extend(_margins(logits[0]))
+        self._emit(st, [self._sample_one(logits[0, -1], params, generator)])
+        st.t_first = time.perf_counter()
+        return st
 
-        while finish is None:
-            room = params.max_new_tokens - len(out)
-            if room <= 0:
-                finish = "length"
-                break
-            k = min(self.k, room - 1)
-            draft_ids, num_draft, draft_probs = empty, zero, None
-            if k > 0:
-                d = self.proposer.propose(ctx, np.array([n_ctx], dtype=np.int32), k,
-                                          runner.last_hidden[:, -1] if self.proposer.needs_hidden_states else None)
-                nd = int(d.num_tokens[0])
-                if nd > 0:
-                    draft_ids, num_draft = d.token_ids[:, :nd], d.num_tokens
-                    draft_probs = None if d.probs is None else d.probs[:, :nd]
-            nd = draft_ids.shape[1]
-            base = runner.length
-            inp = torch.cat([torch.tensor([[last]], dtype=torch.long), draft_ids], 1)  # [1, 1+nd]
-            logits = runner.forward(inp)  # [1, 1+nd, V]
-            if params.greedy:
-                out_ids, n_emit = greedy_verify(draft_ids, num_draft, logits.argmax(-1))
-            else:
-                probs = logits_to_probs(logits, params.temperature, params.top_k, params.top_p)
-                out_ids, n_emit = rejection_sample(draft_ids, num_draft, draft_probs, probs, generator)
-            n = int(n_emit[0])
-            emitted = out_ids[0, :n].tolist()
-            if params.record_margins:
-                margins.extend(_margins(logits[0, :n]))
-            runner.rollback(base + n)  # last + (n-1) accepted drafts are valid
-            stats.observe(nd, n - 1)
-            if self.proposer is not None:
-                self.proposer.on_verified(0, n - 1, emitted)
-            steps += 1
-            for tok in emitted[:room]:
-                out.append(tok)
-                ctx[0, n_ctx] = tok
-                n_ctx += 1
-                if tok in stop:
-                    finish = "stop"
-                    break
-            last = out[-1]
-        t2 = time.perf_counter()
+    def step(self, st: DecodeState) -> list[int]:
+        """One propose -> verify -> rollback step. Returns the tokens emitted (sets st.finish)."""
+        runner, params = st.runner, st.params
+        room = params.max_new_tokens - len(st.out)
+        if st.finish is not None or room <= 0:
+            st.finish = st.finish or "length"
+            return []
+        k = min(self.k, room - 1)
+        draft_ids, num_draft, draft_probs = _EMPTY, _ZERO, None
+        if k > 0:
+            d = self.proposer.propose(st.ctx, np.array([st.n_ctx], dtype=np.int32), k,
+                                      runner.last_hidden[:, -1] if self.proposer.needs_hidden_states else None)
+            nd = int(d.num_tokens[0])
+            if nd > 0:
+                draft_ids, num_draft = d.token_ids[:, :nd], d.num_tokens
+                draft_probs = None if d.probs is None else d.probs[:, :nd]
+        nd = draft_ids.shape[1]
+        base = runner.length
+        inp = torch.cat([torch.tensor([[st.last]], dtype=torch.long), draft_ids], 1)  # [1, 1+nd]
+        logits = runner.forward(inp)  # [1, 1+nd, V]
+        if params.greedy:
+            out_ids, n_emit = greedy_verify(draft_ids, num_draft, logits.argmax(-1))
+        else:
+            probs = logits_to_probs(logits, params.temperature, params.top_k, params.top_p)
+            out_ids, n_emit = rejection_sample(draft_ids, num_draft, draft_probs, probs, st.generator)
+        n = int(n_emit[0])
+        emitted = out_ids[0, :n].tolist()
+        if params.record_margins:
+            st.margins.extend(_margins(logits[0, :n]))
+        runner.rollback(base + n)  # last + (n-1) accepted drafts are valid
+        st.stats.observe(nd, n - 1)
         if self.proposer is not None:
-            self.proposer.end_request(0)
-        return GenerationResult(out, finish, stats, t1 - t0, t2 - t1, steps, margins[: len(out)])
+            self.proposer.on_verified(st.slot, n - 1, emitted)
+        st.steps += 1
+        return self._emit(st, emitted)
+
+    def finish(self, st: DecodeState) -> GenerationResult:
+        """End the request (the proposer may learn from it) and return its result."""
+        if self.proposer is not None:
+            self.proposer.end_request(st.slot)
+        return st.result()
+
+    @staticmethod
+    def _emit(st: DecodeState, tokens: list[int]) -> list[int]:
+        """Append tokens up to a stop token or the length limit; returns what was appended."""
+        room = st.params.max_new_tokens - len(st.out)
+        taken = []
+        for tok in tokens[:room]:
+            taken.append(tok)
+            st.ctx[0, st.n_ctx] = tok
+            st.n_ctx += 1
+            if tok in st.stop:
+                st.finish = "stop"
+                break
+        st.out.extend(taken)
+        st.last = st.out[-1]
+        if st.finish is None and len(st.out) >= st.params.max_new_tokens:
+            st.finish = "length"
+        return taken
 
     @staticmethod
     def _sample_one(logits: torch.Tensor, params: SamplingParams, generator) -> int:

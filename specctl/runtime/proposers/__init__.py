@@ -1,21 +1,22 @@
-"""Registry: method name -> Proposer class (imported lazily, one file per method)."""
+"""Registry: method name -> Proposer class, one file per method, imported lazily.
+
+A proposer module defines ``PROPOSERS = {method: ProposerClass}``; ``specctl.config.PROPOSER_MODULES``
+says which module serves which method. Every proposer is built as
+``Cls(config, target=LoadedModel | None, max_model_len=int)``.
+"""
 
 from __future__ import annotations
 
 import importlib
 
-from specctl.config import SpecConfig
+from specctl.config import PROPOSER_MODULES, SpecConfig
 from specctl.runtime.proposers.base import DraftOutput, Proposer
 
-_REGISTRY = {
-    "ngram": ("specctl.runtime.proposers.ngram", "NgramProposer"),
-}
 
-
-def build_proposer(config: SpecConfig, max_model_len: int, **kwargs) -> Proposer:
-    """Instantiate the proposer for a validated SpecConfig."""
-    module, cls = _REGISTRY[config.method]
-    return getattr(importlib.import_module(module), cls)(config, max_model_len=max_model_len, **kwargs)
+def build_proposer(config: SpecConfig, max_model_len: int, target=None) -> Proposer:
+    """Instantiate the proposer for a validated SpecConfig (``target``: the LoadedModel it drafts for)."""
+    module = importlib.import_module(f"specctl.runtime.proposers.{PROPOSER_MODULES[config.method]}")
+    return module.PROPOSERS[config.method](config, target=target, max_model_len=max_model_len)
 
 
 __all__ = ["DraftOutput", "Proposer", "build_proposer"]

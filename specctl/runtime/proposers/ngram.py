@@ -17,7 +17,7 @@ from specctl.runtime.proposers.base import DraftOutput, Proposer
 class NgramProposer(Proposer):
     method = "ngram"
 
-    def __init__(self, config: SpecConfig, max_model_len: int):
+    def __init__(self, config: SpecConfig, *, target=None, max_model_len: int):
         self.min_n = int(config.prompt_lookup_min)
         self.max_n = int(config.prompt_lookup_max)
         self.max_model_len = int(config.max_model_len or max_model_len)
@@ -28,3 +28,6 @@ class NgramProposer(Proposer):
         num = np.empty(batch, dtype=np.int32)
         ngram_propose_batch(token_ids, num_tokens, self.min_n, self.max_n, k, self.max_model_len, draft, num)
         return DraftOutput(torch.from_numpy(draft).long(), torch.from_numpy(num).long(), None)
+
+
+PROPOSERS = {"ngram": NgramProposer}
