@@ -130,9 +130,12 @@ class SpecDecoder:
             self.proposer.start_request(slot, ctx[0, :T])
         st.t_start = time.perf_counter()
         logits = runner.forward(torch.tensor([prompt_ids], dtype=torch.long), logits="last")  # [1, 1, V]
-        if params.record_margins:
-            st.margins.extend(_margins(logits[0]))
-        self._emit(st, [self._sample_one(logits[0, -1], params, generator)])
+        if params.greedy:
+            first = int(runner.greedy(logits, margins=st.margins if params.record_margins else None)[0, -1])
+        else:
+            probs = logits_to_probs(logits[0, -1], params.temperature, params.top_k, params.top_p)
+            first = int(torch.multinomial(probs, 1, generator=generator))
+        self._emit(st, [first])
         st.t_first = time.perf_counter()
         return st
 
@@ -157,14 +160,15 @@ class SpecDecoder:
         inp = torch.cat([torch.tensor([[st.last]], dtype=torch.long), draft_ids], 1)  # [1, 1+nd]
         logits = runner.forward(inp)  # [1, 1+nd, V]
         if params.greedy:
-            out_ids, n_emit = greedy_verify(draft_ids, num_draft, logits.argmax(-1))
+            margins = [] if params.record_margins else None
+            out_ids, n_emit = greedy_verify(draft_ids, num_draft, runner.greedy(logits, margins=margins))
         else:
             probs = logits_to_probs(logits, params.temperature, params.top_k, params.top_p)
             out_ids, n_emit = rejection_sample(draft_ids, num_draft, draft_probs, probs, st.generator)
         n = int(n_emit[0])
         emitted = out_ids[0, :n].tolist()
-        if params.record_margins:
-            st.margins.extend(_margins(logits[0, :n]))
+        if params.record_margins and params.greedy:
+            st.margins.extend(margins[:n])
         runner.rollback(base + n)  # last + (n-1) accepted drafts are valid
         st.stats.observe(nd, n - 1)
         if self.proposer is not None:
@@ -195,17 +199,3 @@ class SpecDecoder:
         if st.finish is None and len(st.out) >= st.params.max_new_tokens:
             st.finish = "length"
         return taken
-
-    @staticmethod
-    def _sample_one(logits: torch.Tensor, params: SamplingParams, generator) -> int:
-        """logits: [V] -> one token id (argmax when greedy)."""
-        if params.greedy:
-            return int(logits.argmax())
-        probs = logits_to_probs(logits, params.temperature, params.top_k, params.top_p)
-        return int(torch.multinomial(probs, 1, generator=generator))
-
-
-def _margins(logits: torch.Tensor) -> list[float]:
-    """logits: [T, V] -> top-1 minus top-2 logit per row: how close each greedy choice was to a tie."""
-    top2 = logits.float().topk(2, dim=-1).values
-    return (top2[:, 0] - top2[:, 1]).tolist()

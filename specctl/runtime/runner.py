@@ -87,6 +87,33 @@ class TargetRunner:
         self.last_hidden = hidden
         return out
 
+    @torch.inference_mode()
+    def greedy(self, logits: torch.Tensor, candidates: int = 4, margins: list | None = None) -> torch.Tensor:
+        """logits [B, T, V] of the latest forward -> argmax token ids [B, T].
+
+        ``margins``, when given, is extended with row 0's top-1 minus top-2 score per position
+        (how close each choice was to a tie).
+
+        In fp32 this is a plain argmax. In bf16/fp16 the LM head's output is rounded to 8 bits of
+        mantissa (steps of 0.125 at logit 20), so near-ties are common; the top ``candidates``
+        logits are recomputed in fp32 from the same hidden states (a few dot products) and the
+        argmax is taken over those. Plain decoding and verification use this same function.
+        """
+        if logits.dtype == torch.float32:
+            if margins is not None:
+                top2 = logits[0].topk(2, dim=-1).values
+                margins.extend((top2[:, 0] - top2[:, 1]).tolist())
+            return logits.argmax(-1)
+        T = logits.shape[1]
+        h = self.last_hidden[:, -T:].float()  # [B, T, H]
+        cand = logits.topk(candidates, dim=-1).indices  # [B, T, c]
+        w = self.model.head_weight[cand].float()  # [B, T, c, H]
+        exact = torch.einsum("bth,btch->btc", h, w)  # [B, T, c]
+        if margins is not None:
+            top2 = exact[0].topk(2, dim=-1).values
+            margins.extend((top2[:, 0] - top2[:, 1]).tolist())
+        return cand.gather(-1, exact.argmax(-1, keepdim=True)).squeeze(-1)
+
     def rollback(self, length: int) -> None:
         """Keep the first ``length`` positions of the cache (O(1): only the length changes)."""
         if not 0 <= length <= self.length:
