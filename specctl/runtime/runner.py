@@ -108,7 +108,7 @@ class TargetRunner:
         h = self.last_hidden[:, -T:].float()  # [B, T, H]
         cand = logits.topk(candidates, dim=-1).indices  # [B, T, c]
         w = self.model.head_weight[cand].float()  # [B, T, c, H]
-        exact = torch.einsum("bth,btch->btc", h, w)  # [B, T, c]
+        exact = (h[:, :, None, :] * w).sum(-1)  # [B, T, c]: a per-row reduction, independent of T
         if margins is not None:
             top2 = exact[0].topk(2, dim=-1).values
             margins.extend((top2[:, 0] - top2[:, 1]).tolist())

@@ -1,0 +1,70 @@
+"""Skinny bf16 linear (decode / verification GEMV) for x86 CPUs with AVX512-BF16.
+
+``linear(x, w, b)`` computes F.linear for bf16 inputs of at most 16 rows with the C++ kernel in
+``csrc/skinny_linear.cpp`` (compiled once with torch's cpp_extension, cached in torch's extension
+dir), and falls back to F.linear everywhere else: other dtypes, more rows (prefill), CUDA, a CPU
+without avx512_bf16, or no compiler. ``available()`` says which path runs.
+
+Why it exists: decode is memory bound, and torch's bf16 GEMV on CPU reads weights well below the
+memory bandwidth; and each output is reduced in an order independent of the row count, so a row
+verified among k+1 rows is bit-identical to that row decoded alone (lossless greedy in bf16).
+Set SPECCTL_SKINNY_LINEAR=0 to disable it.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+MAX_ROWS = 16  # the kernel's limit
+# Rows up to which the kernel is used (above: torch's GEMM, which uses AMX tiles for many rows).
+KERNEL_ROWS = int(os.environ.get("SPECCTL_SKINNY_ROWS", "16"))
+_ext = None
+_tried = False
+
+
+def _cpu_has_avx512_bf16() -> bool:
+    try:
+        return "avx512_bf16" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
+def load():
+    """The compiled extension, or None where it cannot run here (compiled at most once)."""
+    global _ext, _tried
+    if _tried:
+        return _ext
+    _tried = True
+    if os.environ.get("SPECCTL_SKINNY_LINEAR", "1") == "0" or not _cpu_has_avx512_bf16():
+        return None
+    try:
+        from torch.utils.cpp_extension import load as load_ext
+
+        src = Path(__file__).parent / "csrc" / "skinny_linear.cpp"
+        _ext = load_ext(name="specctl_skinny_linear", sources=[str(src)],
+                        extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mavx512bf16", "-std=c++17"],
+                        verbose=False)
+    except Exception as e:  # noqa: BLE001 - any build failure means: use the fallback
+        import sys
+
+        print(f"specctl: skinny bf16 kernel unavailable ({type(e).__name__}); using torch's linear", file=sys.stderr)
+        _ext = None
+    return _ext
+
+
+def available() -> bool:
+    return load() is not None
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, w, b) for x [..., K], w [N, K]; the kernel path for bf16 CPU x with <= 16 rows."""
+    rows = x.numel() // x.shape[-1]
+    if (x.dtype is torch.bfloat16 and x.device.type == "cpu" and rows <= KERNEL_ROWS and w.is_contiguous()
+            and _ext is not None):
+        y = _ext.skinny_linear(x.reshape(rows, x.shape[-1]), w, b)
+        return y.view(*x.shape[:-1], w.shape[0])
+    return F.linear(x, w, b)

@@ -1,0 +1,307 @@
+"""DraftModelProposer: a whole small model drafts k tokens, with its own KV cache (arXiv 2211.17192).
+
+The draft is a causal LM run by its own ``TargetRunner`` (one per request slot). Its cache holds draft
+ids ``fed[:L]``; each ``propose`` works out the draft-side ids of the request's context (``want``),
+keeps the longest common prefix of ``fed`` and ``want`` (KV at position i depends only on tokens
+0..i, so that prefix is valid), feeds only the rest, then drafts k tokens one at a time, feeding
+the first k-1 back. ``on_verified`` rolls the draft back with the target, in O(1): it keeps the
+accepted drafts and drops the rejected ones; nothing is ever re-prefilled.
+
+Worked example (same tokenizer, k = 3): context [p0..p9] (10 tokens) is fed, the draft proposes
+d1 d2 d3 and feeds d1 d2 (L = 12). The target accepts d1 and emits the recovered token r:
+on_verified rolls the draft back to 10 + 1 = 11 (p0..p9 d1); the next propose feeds just [r].
+All three accepted plus a bonus b: the draft keeps 12 (d3 was never fed) and next feeds [d3, b].
+
+How the draft speaks the target's vocabulary, picked once at construction:
+  same : identical tokenizer fingerprints: draft ids are target ids (a padded head is cut to V_target).
+  tli  : token-level intersection (Timor et al., arXiv 2502.05202, as vLLM's and transformers'
+         heterogeneous-vocabulary support): the draft reads the target's text re-tokenized with its
+         own tokenizer; its distribution is restricted to the draft tokens whose byte string is one
+         target token (``specctl.runtime.vocab_map``), renormalised, and moved onto target ids. q is
+         exactly the distribution each draft token was sampled from, so verification is lossless.
+  text : when the intersection covers too little of the draft vocabulary (< MIN_TLI_COVERAGE): the
+         draft writes freely, its text is re-tokenized for the target (transformers' universal
+         assisted generation). The draft is then deterministic from the target's view (probs None,
+         q one-hot), which the verifier handles losslessly whatever produced the tokens.
+
+Sampling: greedy drafts (probs None) unless the slot samples (``set_sampling``, or the proposer's
+``temperature`` attribute); then the draft samples from its own processed distribution and returns
+q [batch, k, V_target].
+
+What it does not know: verification, the target's cache, stop handling beyond not drafting past a stop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from specctl.config import SpecConfig
+from specctl.errors import UsageError
+from specctl.runtime.proposers.base import DraftOutput, Proposer
+from specctl.runtime.rejection import logits_to_probs
+from specctl.runtime.vocab_map import VocabMap, build_vocab_map, token_bytes, tokenizer_fingerprint
+
+# Below this fraction of the draft vocabulary inside the intersection, drafting through the
+# intersection suppresses too much of the draft; the text-level path takes over.
+MIN_TLI_COVERAGE = 0.5
+MODES = ("same", "tli", "text")
+_TEXT_ANCHOR = 3  # target tokens of context re-tokenized with the draft text (keeps word boundaries)
+
+
+@dataclass
+class _Sampling:
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float | None = None
+    generator: torch.Generator | None = None
+
+
+class _Slot:
+    """One request's draft state: its runner (KV cache), the ids in that cache, the target context."""
+
+    def __init__(self, runner, max_target_len: int):
+        self.runner = runner
+        self.fed = np.zeros(runner.max_len, dtype=np.int64)  # [max_len] draft ids in the cache, valid < runner.length
+        self.ctx = np.zeros(max_target_len, dtype=np.int64)  # [max_target_len] target ids known so far
+        self.n = 0  # valid length of ctx
+        self.pieces: list[bytes] = []  # [n] target token byte strings (mapped modes)
+        self.base = 0  # draft cache length before the last propose's drafts were fed
+        self.num_fed_drafts = 0  # drafts of the last propose that went into the cache
+        self.sampling: _Sampling | None = None
+        self.active = False
+
+
+class DraftModelProposer(Proposer):
+    method = "draft_model"
+
+    def __init__(self, config: SpecConfig, *, target, max_model_len: int, draft=None, mode: str | None = None,
+                 vocab_map: VocabMap | str | None = None):
+        """``target``: the LoadedModel drafted for. ``draft`` (a LoadedModel), ``mode`` and ``vocab_map``
+        override what the config implies (tests and callers that already hold them)."""
+        if target is None:
+            raise UsageError("the draft_model method needs the target model it drafts for",
+                             "build it through build_proposer(config, max_model_len, target=LOADED_MODEL)")
+        self.k = int(config.num_speculative_tokens or 1)
+        self.max_model_len = int(config.max_model_len or max_model_len)
+        if draft is None:
+            from specctl.models import resolve_model
+            from specctl.runtime.runner import load_model
+
+            path = resolve_model(config.model, dtype="float32" if target.dtype == torch.float32 else "bfloat16")
+            draft = load_model(path, dtype=str(target.dtype).removeprefix("torch."), device=str(target.device))
+        self.draft, self.target = draft, target
+        self.device = target.device
+        self.temperature: float = 0.0  # default sampling of slots without set_sampling
+        self.top_k: int | None = None
+        self.top_p: float | None = None
+        self.stop_ids = set(target.stop_token_ids)
+        self.Vd, self.Vt = draft.model.args.vocab_size, target.model.args.vocab_size
+
+        same = tokenizer_fingerprint(draft.tokenizer) == tokenizer_fingerprint(target.tokenizer)
+        self.vocab_map: VocabMap | None = None
+        if same:
+            d2t = torch.arange(self.Vd, dtype=torch.int64)
+        else:
+            self.vocab_map = self._vocab_map(config, vocab_map)
+            d2t = torch.full((self.Vd,), -1, dtype=torch.int64)
+            n = min(self.Vd, self.vocab_map.draft_vocab_size)
+            d2t[:n] = self.vocab_map.draft_to_target[:n]
+        d2t[d2t >= self.Vt] = -1  # a draft head wider than the target's vocabulary
+        auto = "same" if same else ("tli" if self.vocab_map.draft_coverage >= MIN_TLI_COVERAGE else "text")
+        self.mode = mode or auto
+        if self.mode not in MODES or (self.mode == "same" and not same):
+            raise UsageError(f"draft_model mode '{self.mode}' does not fit this draft/target pair",
+                             f"use one of {', '.join(m for m in MODES if m != 'same' or same)}")
+        self.d2t = d2t.to(self.device)  # [Vd] target id of each draft id, -1 = suppressed
+        suppress = d2t < 0
+        # text mode drafts freely (only ids the draft tokenizer cannot spell are kept out)
+        self.suppress = suppress.to(self.device) if (self.mode != "text" and bool(suppress.any())) else None  # [Vd]
+        self.identity = self.mode == "same" and self.Vd == self.Vt and self.suppress is None
+        mapped = torch.nonzero(~suppress).flatten()
+        self.mapped_draft_ids = mapped.to(self.device)  # [n_shared]
+        self.mapped_target_ids = d2t[mapped].to(self.device)  # [n_shared]
+        if self.mode != "same":
+            self.target_bytes = token_bytes(target.tokenizer)
+            self.draft_bytes = token_bytes(draft.tokenizer)
+        # draft tokens per target token can exceed 1 with another tokenizer: room for that
+        self.draft_max_len = self.max_model_len + self.k + 1 if self.mode == "same" else int(1.5 * self.max_model_len) + self.k + 8
+        self.slots: dict[int, _Slot] = {}
+        self._own_generator = torch.Generator(device=self.device)
+
+    # ------------------------------------------------------------------ setup
+    def _vocab_map(self, config: SpecConfig, given) -> VocabMap:
+        dt, tt = self.draft.tokenizer, self.target.tokenizer
+        given = given if given is not None else getattr(config, "vocab_map", None)
+        if given is None:
+            return build_vocab_map(dt, tt, self.draft.name, self.target.name, self.Vt)
+        vmap = given if isinstance(given, VocabMap) else VocabMap.load(given)
+        vmap.check_tokenizers(dt, tt, where=f"vocab map {given}" if not isinstance(given, VocabMap) else "the vocab map")
+        return vmap
+
+    def set_sampling(self, slot: int, params, generator: torch.Generator | None = None) -> None:
+        """How the request in ``slot`` samples (a SamplingParams): the draft samples alike, so q is close to p."""
+        self._slot(slot).sampling = _Sampling(float(params.temperature), params.top_k, params.top_p, generator)
+
+    def _slot(self, slot: int) -> _Slot:
+        s = self.slots.get(slot)
+        if s is None:
+            from specctl.runtime.runner import TargetRunner
+
+            s = self.slots[slot] = _Slot(TargetRunner(self.draft.model, self.draft_max_len), self.max_model_len + self.k + 1)
+        return s
+
+    # ------------------------------------------------------------------ request life
+    def start_request(self, slot: int, prompt_ids: np.ndarray) -> None:
+        s = self._slot(slot)
+        s.n, s.pieces, s.active = 0, [], True
+        self._extend(s, np.asarray(prompt_ids, dtype=np.int64))
+        if s.sampling is None or s.sampling.generator is None:
+            self._own_generator.manual_seed(0)  # drafts reproducible per request when nobody passes a generator
+
+    def end_request(self, slot: int) -> None:
+        s = self.slots.get(slot)
+        if s is not None:
+            s.active = False  # the cache is kept: a later request sharing a prefix reuses it
+
+    def on_verified(self, slot: int, num_accepted: int, emitted: list[int]) -> None:
+        s = self.slots.get(slot)
+        if s is None:
+            return
+        self._extend(s, np.asarray(emitted, dtype=np.int64))
+        if self.mode in ("same", "tli"):
+            # drafts map one to one onto draft ids: keep the accepted ones that were fed, drop the rest (O(1))
+            keep = s.base + min(num_accepted, s.num_fed_drafts)
+            s.runner.rollback(min(keep, s.runner.length))
+        # text: drafts and draft ids do not align; the next propose keeps the longest valid prefix
+
+    def _extend(self, s: _Slot, ids: np.ndarray) -> None:
+        """Append target ids to the slot's known context (truncating at its capacity)."""
+        ids = ids[: len(s.ctx) - s.n]
+        s.ctx[s.n:s.n + len(ids)] = ids
+        s.n += len(ids)
+        if self.mode != "same":
+            tb = self.target_bytes
+            s.pieces.extend(tb[i] if 0 <= i < len(tb) and tb[i] is not None else b"" for i in ids.tolist())
+
+    def _slot_for_row(self, row: np.ndarray, n: int) -> _Slot:
+        """The slot whose known context is the longest prefix of ``row[:n]`` (the decoder passes no slot)."""
+        active = [s for s in self.slots.values() if s.active]
+        if len(active) == 1:
+            best = active[0]
+        else:
+            best, best_n = None, -1
+            for s in active:
+                if best_n < s.n <= n and np.array_equal(s.ctx[:s.n], row[:s.n]):
+                    best, best_n = s, s.n
+            if best is None:  # never announced through start_request: adopt a fresh slot
+                best = self._slot(max(self.slots, default=-1) + 1)
+                best.n, best.pieces, best.active = 0, [], True
+        if best.n > n or not np.array_equal(best.ctx[:best.n], row[:best.n]):
+            best.n, best.pieces = 0, []  # the context changed under us: start over from the row
+        self._extend(best, row[best.n:n].astype(np.int64))
+        return best
+
+    # ------------------------------------------------------------------ drafting
+    def propose(self, token_ids, num_tokens, k, hidden_states=None) -> DraftOutput:
+        B = token_ids.shape[0]
+        out = torch.full((B, k), -1, dtype=torch.long)
+        num = torch.zeros(B, dtype=torch.long)
+        qs: list[torch.Tensor | None] = [None] * B
+        for b in range(B):
+            s = self._slot_for_row(token_ids[b], int(num_tokens[b]))
+            ids, q = self._propose_one(s, k)
+            out[b, :len(ids)] = torch.tensor(ids, dtype=torch.long)
+            num[b] = len(ids)
+            qs[b] = q
+        probs = None
+        if any(q is not None for q in qs):
+            probs = torch.zeros(B, k, self.Vt, dtype=torch.float32, device=self.device)  # [B, k, V_target]
+            for b, q in enumerate(qs):
+                n = int(num[b])
+                if q is not None:
+                    probs[b, :n] = q[:n]
+                elif n:  # a deterministic row among sampled ones: q one-hot at its tokens
+                    probs[b, torch.arange(n), out[b, :n].to(self.device)] = 1.0
+        return DraftOutput(out, num, probs)
+
+    def _context_ids(self, s: _Slot) -> np.ndarray:
+        """[n_draft] the draft-side ids of the slot's target context."""
+        if self.mode == "same":
+            return s.ctx[:s.n]
+        text = b"".join(s.pieces).decode("utf-8", "replace")
+        return np.asarray(self.draft.tokenizer.encode(text, add_special_tokens=False), dtype=np.int64)
+
+    def _sync(self, s: _Slot, want: np.ndarray) -> torch.Tensor:
+        """Make the draft cache hold ``want``, feeding only what differs; returns the last logits [Vd]."""
+        runner, fed = s.runner, s.fed
+        m = min(runner.length, len(want))
+        diff = np.flatnonzero(fed[:m] != want[:m])
+        c = min(int(diff[0]) if diff.size else m, len(want) - 1)  # feed at least one token for fresh logits
+        runner.rollback(c)
+        fed[c:len(want)] = want[c:]
+        tokens = torch.from_numpy(want[c:]).to(self.device)[None]  # [1, len(want) - c]
+        return runner.forward(tokens, logits="last")[0, -1]
+
+    def _propose_one(self, s: _Slot, k: int) -> tuple[list[int], torch.Tensor | None]:
+        """k draft tokens for one request: (target ids, q [n, V_target] or None)."""
+        want = self._context_ids(s)
+        if len(want) == 0 or len(want) + k > s.runner.max_len:
+            return [], None  # nothing to read, or no room left in the draft cache: no draft this step
+        logits = self._sync(s, want)
+        sp = s.sampling or _Sampling(self.temperature, self.top_k, self.top_p)
+        sample = sp.temperature > 0
+        gen = sp.generator or self._own_generator
+        base = len(want)
+        draft_ids: list[int] = []
+        q_rows: list[torch.Tensor] = []
+        for i in range(k):
+            if self.suppress is not None:
+                logits = logits.masked_fill(self.suppress, float("-inf"))
+            if sample:
+                p = logits_to_probs(logits, sp.temperature, sp.top_k, sp.top_p)  # [Vd]
+                d = int(torch.multinomial(p, 1, generator=gen))
+                q_rows.append(p)
+            else:
+                d = int(torch.argmax(logits))
+            draft_ids.append(d)
+            t = int(self.d2t[d])
+            if i + 1 == k or (self.mode != "text" and t in self.stop_ids):
+                break
+            s.fed[base + i] = d
+            logits = s.runner.forward(torch.tensor([[d]], device=self.device), logits="last")[0, -1]
+        s.base, s.num_fed_drafts = base, s.runner.length - base
+        if self.mode == "text":
+            return self._text_to_target(s, draft_ids, k), None
+        ids = [int(self.d2t[d]) for d in draft_ids]
+        if not sample:
+            return ids, None
+        q = torch.stack(q_rows)  # [n, Vd]
+        if self.identity:
+            return ids, q
+        qt = torch.zeros(len(q_rows), self.Vt, dtype=torch.float32, device=self.device)  # [n, V_target]
+        qt.index_add_(1, self.mapped_target_ids, q[:, self.mapped_draft_ids])
+        return ids, qt
+
+    def _text_to_target(self, s: _Slot, draft_ids: list[int], k: int) -> list[int]:
+        """Re-tokenize the draft's text for the target, reading it after the last few context tokens."""
+        db = self.draft_bytes
+        text = b"".join(db[d] for d in draft_ids if d < len(db) and db[d] is not None)
+        anchor = s.ctx[max(0, s.n - _TEXT_ANCHOR):s.n].tolist()
+        head = b"".join(s.pieces[s.n - len(anchor):s.n])
+        enc = self.target.tokenizer.encode
+        ids = enc((head + text).decode("utf-8", "ignore"), add_special_tokens=False)
+        if ids[:len(anchor)] == anchor:
+            ids = ids[len(anchor):]
+        else:  # the draft's first word merged with the context's last token: read the text alone
+            ids = enc(text.decode("utf-8", "ignore"), add_special_tokens=False)
+        ids = [i for i in ids if i < self.Vt][:k]
+        for j, t in enumerate(ids):
+            if t in self.stop_ids:
+                return ids[:j + 1]
+        return ids
+
+
+PROPOSERS = {"draft_model": DraftModelProposer}

@@ -1,0 +1,770 @@
+"""An OpenAI-compatible HTTP server over the own speculative runtime (``specctl serve``).
+
+Two threads, one owner each:
+
+* **Engine** (one background thread, the only one that touches torch): a pool of ``max_num_seqs``
+  TargetRunners whose KV caches are allocated once at start, one SpecDecoder and its proposer
+  (pool slot i = proposer slot i). Each round it admits waiting requests in FIFO order into free
+  slots (prefill + first token), then gives every active request one propose -> verify -> rollback
+  step, round robin. Requests are interleaved, not batched: n active requests share one request's
+  throughput (each gets ~1/n of it, every stream advances every round); requests beyond the pool
+  wait in the queue. A prompt's prefill runs whole, between two rounds.
+* **HTTP** (FastAPI on uvicorn's event loop): validation, tokenizer and chat template, incremental
+  detokenization, stop strings, server-sent events, errors, ``/metrics``. It never calls torch.
+  Tokens reach a handler through its request's asyncio queue (``call_soon_threadsafe``); a handler
+  stops a request (client gone, stop string) by setting a flag the engine reads before each step,
+  and the slot is free for the next request one round later.
+
+Responses carry an extra ``spec_decode`` field: the request's SpecStats (acceptance rate, mean
+acceptance length, per-position counts). ``/metrics`` serves the same counters summed over requests,
+under vLLM's Prometheus names.
+
+What it does not know: how a step drafts and verifies (SpecDecoder, proposers), how models load.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import itertools
+import json
+import logging
+import secrets
+import threading
+import time
+import uuid
+from collections import Counter, deque
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any, Optional, Union
+
+import torch
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import StreamingResponse
+
+from specctl.bench.workloads import Request as ChatPrompt
+from specctl.bench.workloads import render_prompt
+from specctl.config import SpecConfig
+from specctl.errors import UsageError
+from specctl.runtime.decoder import DecodeState, SamplingParams, SpecDecoder
+from specctl.runtime.metrics import SpecStats
+from specctl.runtime.proposers import build_proposer
+from specctl.runtime.runner import LoadedModel, TargetRunner
+
+log = logging.getLogger("specctl.serve")
+
+DEFAULT_MAX_MODEL_LEN = 4096  # cap on the default: every pool slot preallocates this many positions
+
+
+def resolve_max_model_len(loaded: LoadedModel, requested: int | None) -> int:
+    """--max-model-len: the model's max_position_embeddings, capped at 4096 when not given."""
+    model_max = int(loaded.model.args.max_position_embeddings)
+    if requested is None:
+        return min(model_max, DEFAULT_MAX_MODEL_LEN)
+    if requested < 2:
+        raise UsageError(f"--max-model-len must be >= 2, got {requested}", "pass e.g. --max-model-len 2048")
+    if requested > model_max:
+        raise UsageError(f"--max-model-len {requested} exceeds the model's max_position_embeddings ({model_max})",
+                         f"pass --max-model-len {model_max} or less")
+    return requested
+
+
+# =========================================================================== engine
+
+
+@dataclass
+class Event:
+    """Engine -> handler: new tokens, then (last event) why the request ended."""
+
+    tokens: list[int]
+    stats: SpecStats  # a copy, as of these tokens
+    finish: str | None = None  # "stop" | "length" | "abort"; None while running
+    error: str | None = None
+
+
+class EngineRequest:
+    """One request's link between its HTTP handler (event loop) and the engine thread."""
+
+    _ids = itertools.count()
+
+    def __init__(self, prompt_ids: list[int], params: SamplingParams, seed: int | None,
+                 loop: asyncio.AbstractEventLoop, request_id: str | None = None):
+        self.id = request_id or f"req-{next(self._ids)}"
+        self.prompt_ids, self.params, self.seed = prompt_ids, params, seed
+        self.loop = loop
+        self.queue: asyncio.Queue[Event] = asyncio.Queue()
+        self.abort_reason: str | None = None  # set by the handler side; the engine checks it every step
+        self.done = False  # set by the engine (under its lock) before the last event is posted
+        self.t_arrival = time.perf_counter()
+
+
+class EngineMetrics:
+    """Counters over all requests (read by /metrics); updated by the engine thread."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.spec = SpecStats()
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.finished: Counter[str] = Counter()  # finished_reason -> requests
+
+
+class Engine:
+    """The engine thread: a KV-cache pool, a FIFO queue, and round-robin stepping (see module doc)."""
+
+    def __init__(self, loaded: LoadedModel, spec: SpecConfig | None, max_model_len: int, max_num_seqs: int = 8):
+        if max_num_seqs < 1:
+            raise UsageError(f"--max-num-seqs must be >= 1, got {max_num_seqs}", "pass e.g. --max-num-seqs 8")
+        self.loaded, self.spec = loaded, spec
+        self.max_model_len, self.max_num_seqs = max_model_len, max_num_seqs
+        self.k = spec.num_speculative_tokens if spec is not None else 0
+        self.metrics = EngineMetrics()
+        self.num_running = 0
+        self._cv = threading.Condition()
+        self._waiting: deque[EngineRequest] = deque()
+        self._free: list[int] = []
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._ready = threading.Event()
+        self.failure: BaseException | None = None
+        self._torch_threads = torch.get_num_threads()  # per-thread setting: carried into the engine thread
+
+    # ------------------------------------------------------------------ handler side (any thread)
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self.failure is None
+
+    def kv_cache_bytes(self) -> int:
+        a = self.loaded.model.args
+        elem = torch.finfo(self.loaded.dtype).bits // 8
+        return 2 * a.num_layers * a.num_kv_heads * a.head_dim * self.max_model_len * elem * self.max_num_seqs
+
+    def start(self) -> None:
+        """Start the thread; returns once the pool is allocated and warmed up (raises its failure)."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="specctl-engine", daemon=True)
+            self._thread.start()
+        self._ready.wait()
+        if self.failure is not None:
+            raise self.failure
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        with self._cv:
+            self._stopping = True
+            self._cv.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def submit(self, req: EngineRequest) -> None:
+        with self._cv:
+            if not self.alive:
+                raise RuntimeError(f"the engine is not running ({self.failure or 'stopped'})")
+            self._waiting.append(req)
+            self._cv.notify()
+
+    def abort(self, req: EngineRequest, reason: str = "abort") -> None:
+        """Stop ``req`` ("abort": client gone; "stop": a stop string matched). No-op once it ended."""
+        with self._cv:
+            if req.done:
+                return
+            if req.abort_reason is None:
+                req.abort_reason = reason
+            if req in self._waiting:  # never started: it ends here
+                self._waiting.remove(req)
+                req.done = True
+                self._count_finished(req.abort_reason)
+                self._post(req, Event([], SpecStats(), finish=req.abort_reason))
+            self._cv.notify()
+
+    # ------------------------------------------------------------------ engine thread
+    def _setup(self) -> None:
+        torch.set_num_threads(self._torch_threads)
+        # TargetRunner's constructor also sets this thread's flush-denormal mode (per thread on x86).
+        runners = [TargetRunner(self.loaded.model, self.max_model_len) for _ in range(self.max_num_seqs)]
+        proposer = None
+        if self.spec is not None:
+            proposer = build_proposer(self.spec, self.max_model_len, target=self.loaded)
+        self._runners = runners
+        self._decoder = SpecDecoder(runners[0], proposer, self.k)
+        self._free = list(range(self.max_num_seqs - 1, -1, -1))  # pop() hands out slot 0 first
+        vocab = self.loaded.model.args.vocab_size
+        if self.max_model_len >= 24 and vocab > 16:  # warm-up: allocator, numba kernels, first-call costs
+            self._decoder.generate([8, 9, 10, 11, 12, 13] * 2, SamplingParams(max_new_tokens=8, ignore_eos=True))
+
+    def _run(self) -> None:
+        try:
+            self._setup()
+        except BaseException as e:  # noqa: BLE001 - reported by start()
+            self.failure = e
+            self._ready.set()
+            return
+        self._ready.set()
+        active: list[tuple[EngineRequest, DecodeState]] = []
+        try:
+            while True:
+                with self._cv:
+                    while not (self._stopping or self._waiting or active):
+                        self._cv.wait()
+                    if self._stopping:
+                        break
+                    admitted = []
+                    while self._waiting and self._free:
+                        admitted.append((self._waiting.popleft(), self._free.pop()))
+                    self.num_running = len(active) + len(admitted)
+                for req, slot in admitted:
+                    st = self._start(req, slot)
+                    if st is not None:
+                        active.append((req, st))
+                still = []
+                for req, st in active:  # one round: one step per request
+                    error = None
+                    if req.abort_reason is None and st.finish is None:
+                        error = self._step(req, st)
+                    if error is not None or req.abort_reason is not None or st.finish is not None:
+                        self._end(req, st, error)
+                    else:
+                        still.append((req, st))
+                active = still
+                self.num_running = len(active)
+        except BaseException as e:  # noqa: BLE001 - a bug in the loop itself: fail every request, stop
+            log.exception("engine thread failed")
+            self.failure = e
+        for req, st in active:
+            self._end(req, st, None if self.failure is None else f"engine failure: {self.failure}", "abort")
+        with self._cv:
+            for req in self._waiting:
+                req.done = True
+                self._post(req, Event([], SpecStats(), finish="abort", error="the server is shutting down"))
+            self._waiting.clear()
+        self.num_running = 0
+
+    def _start(self, req: EngineRequest, slot: int) -> DecodeState | None:
+        try:
+            gen = None
+            if not req.params.greedy:
+                gen = torch.Generator(device=self.loaded.device)
+                if req.seed is not None:
+                    gen.manual_seed(req.seed)
+                else:
+                    gen.seed()
+            st = self._decoder.start(req.prompt_ids, req.params, gen, runner=self._runners[slot], slot=slot)
+        except Exception as e:  # noqa: BLE001 - this request fails, the engine keeps serving
+            log.warning("request %s failed at prefill: %s", req.id, e)
+            if self._decoder.proposer is not None:
+                self._decoder.proposer.end_request(slot)
+            with self._cv:
+                req.done = True
+                self._free.append(slot)
+                self._count_finished("error")
+            self._post(req, Event([], SpecStats(), finish="abort", error=f"{type(e).__name__}: {e}"))
+            return None
+        with self.metrics.lock:
+            self.metrics.prompt_tokens += len(req.prompt_ids)
+            self.metrics.generation_tokens += len(st.out)
+        self._post(req, Event(list(st.out), _copy_stats(st.stats)))
+        return st
+
+    def _step(self, req: EngineRequest, st: DecodeState) -> str | None:
+        d0, a0 = st.stats.num_draft_tokens, st.stats.num_accepted_tokens
+        try:
+            emitted = self._decoder.step(st)
+        except Exception as e:  # noqa: BLE001
+            log.warning("request %s failed at step %d: %s", req.id, st.steps, e)
+            return f"{type(e).__name__}: {e}"
+        with self.metrics.lock:  # a step observes at most one draft: the deltas are that observation
+            self.metrics.spec.observe(st.stats.num_draft_tokens - d0, st.stats.num_accepted_tokens - a0)
+            self.metrics.generation_tokens += len(emitted)
+        if emitted:
+            self._post(req, Event(emitted, _copy_stats(st.stats)))
+        return None
+
+    def _end(self, req: EngineRequest, st: DecodeState, error: str | None, reason: str | None = None) -> None:
+        res = self._decoder.finish(st)
+        reason = reason or req.abort_reason or st.finish or "length"
+        with self._cv:
+            req.done = True
+            self._free.append(st.slot)
+            self._count_finished("error" if error else reason)
+            self._cv.notify()
+        self._post(req, Event([], _copy_stats(st.stats), finish=reason, error=error))
+        s = res.stats
+        log.info("%s: %d prompt + %d new tokens, %s, %.1f tok/s decode, %.2f mean acceptance length, "
+                 "queued %.2fs", req.id, len(req.prompt_ids), len(res.token_ids), error or reason,
+                 res.decode_tokens_per_s, s.mean_acceptance_length, st.t_start - req.t_arrival)
+
+    def _count_finished(self, reason: str) -> None:
+        with self.metrics.lock:
+            self.metrics.finished[reason] += 1
+
+    @staticmethod
+    def _post(req: EngineRequest, ev: Event) -> None:
+        try:
+            req.loop.call_soon_threadsafe(req.queue.put_nowait, ev)
+        except RuntimeError:  # the event loop is closed: nobody is listening any more
+            pass
+
+
+def _copy_stats(s: SpecStats) -> SpecStats:
+    return copy.copy(s) if not s.num_accepted_tokens_per_pos else SpecStats(
+        s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens, list(s.num_accepted_tokens_per_pos))
+
+
+# =========================================================================== text out
+
+
+class TextStream:
+    """Incremental detokenization of one request's tokens, with OpenAI ``stop`` strings.
+
+    Text is decoded over a short window of tokens (vLLM's prefix/read offsets) so that each token
+    costs O(1) decode work, and held back while it ends in an incomplete UTF-8 character. With stop
+    strings, the last ``len(longest stop) - 1`` characters are held back until they cannot start
+    one; once a stop string appears the text is cut before it, and ``ids`` is cut after the token
+    that completed it (found by bisection: whether the decoded prefix holds it is monotonic).
+    """
+
+    def __init__(self, tokenizer, stop: list[str]):
+        self.tok = tokenizer
+        self.stop = [s for s in stop if s]
+        self.hold = max((len(s) for s in self.stop), default=1) - 1
+        self.ids: list[int] = []
+        self.text = ""
+        self.sent = 0  # characters of text already handed out
+        self.stopped = False
+        self._po = self._ro = 0  # prefix offset, read offset (token indices)
+        self._checked = 0  # tokens whose text is known not to hold a stop string
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids, skip_special_tokens=True)
+
+    def add(self, tokens: list[int]) -> None:
+        if self.stopped or not tokens:
+            return
+        self.ids.extend(tokens)
+        self._advance(final=False)
+
+    def _advance(self, final: bool) -> None:
+        prefix = self._decode(self.ids[self._po:self._ro])
+        full = self._decode(self.ids[self._po:])
+        if not final and (len(full) <= len(prefix) or full.endswith("\ufffd")):
+            return  # nothing printable yet, or a character still missing its other bytes
+        before = len(self.text)
+        self.text += full[len(prefix):]
+        self._po, self._ro = self._ro, len(self.ids)
+        if self.stop:
+            self._find_stop(max(0, before - self.hold))
+
+    def _find_stop(self, start: int) -> None:
+        hits = [i for s in self.stop if (i := self.text.find(s, start)) >= 0]
+        if not hits:
+            self._checked = len(self.ids)
+            return
+        self.text, self.stopped = self.text[:min(hits)], True
+        lo, hi = self._checked, len(self.ids)  # decode(ids[:lo]) holds no stop; decode(ids[:hi]) does
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            t = self._decode(self.ids[:mid])
+            lo, hi = (lo, mid) if any(s in t for s in self.stop) else (mid, hi)
+        del self.ids[hi:]
+
+    def take(self, final: bool = False) -> str:
+        """The text not handed out yet that is safe to send (everything when ``final``)."""
+        if final and not self.stopped:
+            self._advance(final=True)
+        end = len(self.text) if (final or self.stopped) else max(self.sent, len(self.text) - self.hold)
+        out, self.sent = self.text[self.sent:end], end
+        return out
+
+
+# =========================================================================== protocol
+
+
+class ApiError(Exception):
+    """An OpenAI-style error: ``{"error": {"message", "type", "param", "code"}}`` with an HTTP status."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 code: str | None = None, param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.code, self.param = status, message, type_, code, param
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status)
+
+
+class StreamOptions(BaseModel):
+    include_usage: Optional[bool] = False
+
+
+class _Sampling(BaseModel):
+    """Fields shared by /v1/completions and /v1/chat/completions (unknown fields are ignored)."""
+
+    model_config = ConfigDict(extra="allow")
+    model: Optional[str] = None
+    max_tokens: Optional[int] = Field(None, ge=1)
+    temperature: Optional[float] = Field(None, ge=0.0, le=2.0)
+    top_p: Optional[float] = Field(None, gt=0.0, le=1.0)
+    top_k: Optional[int] = None  # vLLM extension; <= 0 disables it
+    seed: Optional[int] = None
+    stop: Union[str, list[str], None] = None
+    n: Optional[int] = Field(None, ge=1)
+    stream: Optional[bool] = False
+    stream_options: Optional[StreamOptions] = None
+    ignore_eos: Optional[bool] = False  # vLLM extension
+
+
+class CompletionRequest(_Sampling):
+    prompt: Union[str, list[int], list[str], list[list[int]]]
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: str
+    content: Union[str, list[dict[str, Any]], None] = None
+
+
+class ChatRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: Optional[int] = Field(None, ge=1)
+
+
+# field -> (is it asking for something unsupported?, what to say)
+_UNSUPPORTED = {
+    "logprobs": (lambda v: v not in (None, False), "logprobs are not supported"),
+    "top_logprobs": (lambda v: v not in (None, 0), "logprobs are not supported"),
+    "echo": (lambda v: bool(v), "echo is not supported"),
+    "suffix": (lambda v: bool(v), "suffix (insertion) is not supported"),
+    "best_of": (lambda v: v not in (None, 1), "best_of > 1 is not supported"),
+    "logit_bias": (lambda v: bool(v), "logit_bias is not supported"),
+    "presence_penalty": (lambda v: v not in (None, 0, 0.0), "presence_penalty is not supported (use 0)"),
+    "frequency_penalty": (lambda v: v not in (None, 0, 0.0), "frequency_penalty is not supported (use 0)"),
+    "tools": (lambda v: bool(v), "tools are not supported"),
+    "functions": (lambda v: bool(v), "functions are not supported"),
+    "response_format": (lambda v: isinstance(v, dict) and v.get("type", "text") != "text",
+                        "response_format other than text is not supported"),
+}
+
+
+def parse_body(raw: bytes, cls: type[_Sampling]) -> _Sampling:
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        msg = f"malformed JSON body ({e.msg} at line {e.lineno} column {e.colno})" if isinstance(e, json.JSONDecodeError) \
+            else "the body is not UTF-8 JSON"
+        raise ApiError(400, f"{msg}; send a JSON object with Content-Type: application/json", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise ApiError(400, f"the body must be a JSON object, got {type(data).__name__}", code="invalid_json")
+    try:
+        body = cls.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        where = ".".join(str(p) for p in err["loc"]) or "body"
+        raise ApiError(400, f"invalid '{where}': {err['msg']}", code="invalid_value",
+                       param=str(err["loc"][0]) if err["loc"] else None) from None
+    for key, (bad, why) in _UNSUPPORTED.items():
+        if key in data and bad(data[key]):
+            raise ApiError(400, f"'{key}': {why} by this server", code="unsupported_parameter", param=key)
+    if (body.n or 1) > 1:
+        raise ApiError(400, f"n={body.n} is not supported: this server returns one choice per request (n=1); "
+                       "send several requests instead", code="unsupported_parameter", param="n")
+    return body
+
+
+class _Ctx:
+    """What the handlers need: the engine, its tokenizer, names, limits."""
+
+    def __init__(self, engine: Engine, names: list[str], api_key: str | None):
+        self.engine, self.names, self.api_key = engine, names, api_key
+        self.tok = engine.loaded.tokenizer
+        self.vocab = engine.loaded.model.args.vocab_size
+        self.created = int(time.time())
+
+    def check_model(self, name: str | None) -> str:
+        if name is None:
+            return self.names[0]
+        if name not in self.names:
+            raise ApiError(404, f"the model '{name}' does not exist; this server serves: "
+                           + ", ".join(f"'{n}'" for n in self.names), code="model_not_found", param="model")
+        return name
+
+    def completion_prompt(self, prompt) -> list[int]:
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+            if len(prompt) > 1:
+                raise ApiError(400, f"a list of {len(prompt)} prompts was sent; this server takes one prompt per "
+                               "request", code="unsupported_parameter", param="prompt")
+            prompt = prompt[0]
+        ids = [int(t) for t in self.tok.encode(prompt)] if isinstance(prompt, str) else list(prompt)
+        bad = [t for t in ids if not 0 <= t < self.vocab]
+        if bad:
+            raise ApiError(400, f"token id {bad[0]} is outside the vocabulary [0, {self.vocab})", param="prompt")
+        return ids
+
+    def chat_prompt(self, messages: list[ChatMessage]) -> list[int]:
+        msgs = []
+        for i, m in enumerate(messages):
+            content = m.content
+            if isinstance(content, list):
+                parts = []
+                for p in content:
+                    if p.get("type") != "text" or not isinstance(p.get("text"), str):
+                        raise ApiError(400, f"messages[{i}]: only text content parts are supported, got "
+                                       f"type {p.get('type')!r}", param="messages")
+                    parts.append(p["text"])
+                content = "\n".join(parts)
+            msgs.append({"role": m.role, "content": content or ""})
+        try:
+            return render_prompt(self.tok, ChatPrompt("chat", msgs, "serve"))
+        except Exception as e:  # noqa: BLE001 - a template that refuses these messages (role order, ...)
+            raise ApiError(400, f"the chat template rejected the messages: {e}", param="messages") from None
+
+    def sampling(self, body: _Sampling, prompt_ids: list[int], max_tokens: int | None) -> SamplingParams:
+        P, L = len(prompt_ids), self.engine.max_model_len
+        if P == 0:
+            raise ApiError(400, "the prompt is empty", param="prompt")
+        if max_tokens is None:
+            max_tokens = L - P
+        if P + max_tokens > L or max_tokens < 1:
+            raise ApiError(400, f"this model's maximum context length is {L} tokens, but {P + max(max_tokens, 1)} "
+                           f"were requested ({P} in the prompt, {max(max_tokens, 1)} for the completion); reduce the "
+                           "prompt or max_tokens", code="context_length_exceeded", param="max_tokens")
+        stop_ids = self.engine.loaded.stop_token_ids
+        return SamplingParams(
+            max_new_tokens=max_tokens,
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_k=body.top_k if body.top_k and body.top_k > 0 else None,
+            top_p=body.top_p if body.top_p is not None and body.top_p < 1.0 else None,
+            stop_token_ids=tuple(stop_ids), ignore_eos=bool(body.ignore_eos),
+        )
+
+    def spec_field(self, stats: SpecStats) -> dict:
+        spec = self.engine.spec
+        return {"method": spec.method if spec else None, "num_speculative_tokens": self.engine.k, **stats.to_dict()}
+
+
+# =========================================================================== app
+
+
+def create_app(engine: Engine, served_model_names: list[str], api_key: str | None = None) -> FastAPI:
+    """The FastAPI app; its lifespan starts and stops ``engine``."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine.start()
+        yield
+        engine.shutdown()
+
+    app = FastAPI(title="specctl serve", lifespan=lifespan)
+    ctx = _Ctx(engine, list(served_model_names), api_key)
+    app.state.ctx = ctx
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError):
+        return exc.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        return ApiError(exc.status_code, str(exc.detail), "not_found_error" if exc.status_code == 404 else
+                        "invalid_request_error").response()
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception):
+        log.exception("internal error")
+        return ApiError(500, f"internal server error: {type(exc).__name__}: {exc}", "internal_server_error").response()
+
+    async def check_key(request: Request) -> None:
+        if ctx.api_key is None:
+            return
+        auth = request.headers.get("authorization", "")
+        if not auth.lower().startswith("bearer ") or not auth[7:].strip():
+            raise ApiError(401, "missing API key: send the header 'Authorization: Bearer <key>'",
+                           "authentication_error", "invalid_api_key")
+        if not secrets.compare_digest(auth[7:].strip().encode(), ctx.api_key.encode()):
+            raise ApiError(401, "invalid API key", "authentication_error", "invalid_api_key")
+
+    @app.get("/health")
+    async def health():
+        if not engine.alive:
+            return ApiError(503, f"the engine is not running ({engine.failure or 'stopped'})", "server_error").response()
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(render_metrics(engine, ctx.names[0]), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models", dependencies=[Depends(check_key)])
+    async def models():
+        return {"object": "list", "data": [
+            {"id": n, "object": "model", "created": ctx.created, "owned_by": "specctl", "root": str(engine.loaded.path),
+             "max_model_len": engine.max_model_len} for n in ctx.names]}
+
+    @app.post("/v1/completions", dependencies=[Depends(check_key)])
+    async def completions(request: Request):
+        body = parse_body(await request.body(), CompletionRequest)
+        name = ctx.check_model(body.model)
+        ids = ctx.completion_prompt(body.prompt)
+        return await _serve(request, ctx, body, name, ids, ctx.sampling(body, ids, body.max_tokens), chat=False)
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(check_key)])
+    async def chat_completions(request: Request):
+        body = parse_body(await request.body(), ChatRequest)
+        name = ctx.check_model(body.model)
+        ids = ctx.chat_prompt(body.messages)
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        return await _serve(request, ctx, body, name, ids, ctx.sampling(body, ids, max_tokens), chat=True)
+
+    return app
+
+
+async def _serve(request: Request, ctx: _Ctx, body: _Sampling, model: str, ids: list[int],
+                 params: SamplingParams, chat: bool):
+    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+    req = EngineRequest(ids, params, body.seed, asyncio.get_running_loop(), rid)
+    out = TextStream(ctx.tok, stop)
+    try:
+        ctx.engine.submit(req)
+    except RuntimeError as e:
+        raise ApiError(503, str(e), "server_error") from None
+    events = _events(request, ctx.engine, req, out)
+    head = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+            "model": model}
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return _SSEResponse(_sse(ctx, events, head, chat, out, len(ids), include_usage), lambda: ctx.engine.abort(req))
+    text, finish, stats = [], None, SpecStats()
+    async for delta, finish, stats in events:
+        text.append(delta)
+    usage = _usage(len(ids), len(out.ids))
+    choice = ({"index": 0, "message": {"role": "assistant", "content": "".join(text)}} if chat
+              else {"index": 0, "text": "".join(text)})
+    choice.update({"logprobs": None, "finish_reason": finish})
+    return {**head, "choices": [choice], "usage": usage, "spec_decode": ctx.spec_field(stats)}
+
+
+async def _events(request: Request, engine: Engine, req: EngineRequest, out: TextStream):
+    """Yields (text delta, finish_reason | None, stats) until the request ends; aborts it on exit."""
+    watcher = asyncio.create_task(_abort_on_disconnect(request, engine, req))
+    try:
+        while True:
+            ev = await req.queue.get()
+            if ev.error is not None:
+                raise ApiError(500, f"generation failed: {ev.error}", "internal_server_error")
+            out.add(ev.tokens)
+            if out.stopped:
+                engine.abort(req, "stop")
+            finish = "stop" if out.stopped else ev.finish
+            if finish is not None:
+                yield out.take(final=True), finish, ev.stats
+                return
+            delta = out.take()
+            if delta:
+                yield delta, None, ev.stats
+    finally:
+        watcher.cancel()
+        engine.abort(req)  # no-op when it already ended
+
+
+async def _abort_on_disconnect(request: Request, engine: Engine, req: EngineRequest) -> None:
+    """Wait for the client to go (the body is already read, so the next message is a disconnect)."""
+    while True:
+        msg = await request.receive()
+        if msg["type"] == "http.disconnect":
+            engine.abort(req)
+            return
+
+
+def _usage(n_prompt: int, n_out: int) -> dict:
+    return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}
+
+
+async def _sse(ctx: _Ctx, events, head: dict, chat: bool, out: TextStream, n_prompt: int, include_usage: bool):
+    head = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
+
+    def chunk(delta: str | None, finish: str | None, role: bool = False) -> dict:
+        if chat:
+            d = ({"role": "assistant", "content": ""} if role else {"content": delta} if delta else {})
+            return {**head, "choices": [{"index": 0, "delta": d, "logprobs": None, "finish_reason": finish}]}
+        return {**head, "choices": [{"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish}]}
+
+    def sse(obj: dict) -> str:
+        return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+    try:
+        if chat:
+            yield sse(chunk(None, None, role=True))
+        async for delta, finish, stats in events:
+            if finish is None:
+                yield sse(chunk(delta, None))
+                continue
+            yield sse({**chunk(delta, finish), "spec_decode": ctx.spec_field(stats)})
+            if include_usage:
+                yield sse({**head, "choices": [], "usage": _usage(n_prompt, len(out.ids))})
+    except ApiError as e:
+        yield sse(e.body())
+    finally:
+        await events.aclose()  # runs its cleanup now, not whenever it is garbage-collected
+    yield "data: [DONE]\n\n"
+
+
+class _SSEResponse(StreamingResponse):
+    """Server-sent events; whatever ends the response (done, client gone, error) runs ``on_close``."""
+
+    def __init__(self, content, on_close):
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        except OSError:  # the client went away mid-send
+            pass
+        finally:
+            self._on_close()
+            await self.body_iterator.aclose()
+
+
+# =========================================================================== /metrics
+
+
+def render_metrics(engine: Engine, model_name: str) -> str:
+    """Prometheus text (format 0.0.4) with vLLM's metric names and labels."""
+    esc = model_name.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+    labels = f'engine="0",model_name="{esc}"'
+    m = engine.metrics
+    with m.lock:
+        spec = _copy_stats(m.spec)
+        prompt, gen, finished = m.prompt_tokens, m.generation_tokens, dict(m.finished)
+    lines: list[str] = []
+
+    def family(name: str, kind: str, doc: str, samples: list[tuple[str, float]]) -> None:
+        full = f"{name}_total" if kind == "counter" else name
+        lines.extend([f"# HELP {full} {doc}", f"# TYPE {full} {kind}"])
+        lines.extend(f"{full}{{{labels}{extra}}} {float(v)}" for extra, v in samples)
+
+    family("vllm:num_requests_running", "gauge", "Number of requests in the engine's slots.",
+           [("", engine.num_running)])
+    family("vllm:num_requests_waiting", "gauge", "Number of requests waiting for a slot.", [("", engine.num_waiting)])
+    family("vllm:kv_cache_usage_perc", "gauge", "Fraction of the KV-cache pool's slots in use (1 = 100%).",
+           [("", engine.num_running / engine.max_num_seqs)])
+    family("vllm:prompt_tokens", "counter", "Number of prefill tokens processed.", [("", prompt)])
+    family("vllm:generation_tokens", "counter", "Number of generation tokens processed.", [("", gen)])
+    family("vllm:request_success", "counter", "Count of finished requests, by finish reason.",
+           [(f',finished_reason="{r}"', finished.get(r, 0)) for r in sorted({"stop", "length", "abort"} | set(finished))])
+    if engine.spec is not None:
+        family("vllm:spec_decode_num_drafts", "counter", "Number of spec decoding drafts.", [("", spec.num_drafts)])
+        family("vllm:spec_decode_num_draft_tokens", "counter", "Number of draft tokens.", [("", spec.num_draft_tokens)])
+        family("vllm:spec_decode_num_accepted_tokens", "counter", "Number of accepted tokens.",
+               [("", spec.num_accepted_tokens)])
+        per_pos = spec.num_accepted_tokens_per_pos + [0] * max(0, engine.k - len(spec.num_accepted_tokens_per_pos))
+        family("vllm:spec_decode_num_accepted_tokens_per_pos", "counter", "Accepted tokens per draft position.",
+               [(f',position="{i}"', c) for i, c in enumerate(per_pos)])
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,351 @@
+"""DraftModelProposer end to end on tiny in-process models (fp32, CPU).
+
+Target: the conftest's tiny llama over the character-level tokenizer. Drafts that agree with it
+often, so that acceptance is not trivial:
+  same : the target's weights, perturbed (same tokenizer: ids pass straight through);
+  byte : a byte-level BPE tokenizer ('Ġ' markers, a few merges, other ids) whose single-byte tokens
+         carry the target's embedding and head rows for the same character (then perturbed); merged
+         and non-ASCII tokens get random rows. It drafts through the token-level intersection (tli)
+         or, forced, through text.
+Invariants: greedy with the draft == greedy without (>= 20 prompts, every mode); sampling keeps the
+target distribution (exact marginals by enumeration); the draft's KV cache is rolled back with the
+target's and never re-prefilled; a map built for another pair is refused in one line.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from specctl.config import SpecConfig
+from specctl.errors import DataError, UsageError
+from specctl.runtime.decoder import SamplingParams, SpecDecoder
+from specctl.runtime.proposers import build_proposer
+from specctl.runtime.proposers.draft_model import DraftModelProposer
+from specctl.runtime.rejection import logits_to_probs
+from specctl.runtime.runner import TargetRunner, load_model
+from specctl.runtime.vocab_map import build_vocab_map
+
+MAX_LEN = 128
+NEW = 24
+NEAR_TIE = 1e-4
+K = 4
+SAME_NOISE = 0.02  # relative weight noise of the drafts: acceptance well inside (0, 1)
+BYTE_NOISE = 0.02
+
+
+# --------------------------------------------------------------------------- tiny models
+
+def _b2u() -> dict[int, str]:
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs, n = list(bs), 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs)))
+
+
+B2U = _b2u()
+BYTE_SPECIALS = ("<|im_end|>", "<unk>", "<|im_start|>", "<s>")  # another order than the target's
+BYTE_MERGES = (("q", "u"), ("Ġ", "{"), ("z", "Ġ"), ("Ã", "©"))
+
+
+def byte_level_tokenizer():
+    """GPT-2 style byte-level BPE: specials, \\t \\n and printable ASCII shuffled, 4 merges, 'Ã' '©'."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = [B2U[b] for b in [9, 10, *range(32, 127)]]
+    np.random.default_rng(7).shuffle(chars)
+    tokens = list(BYTE_SPECIALS) + chars + ["Ã", "©"] + ["".join(m) for m in BYTE_MERGES]
+    raw = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=list(BYTE_MERGES), unk_token="<unk>"))
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    raw.decoder = decoders.ByteLevel()
+    raw.add_special_tokens(list(BYTE_SPECIALS))
+    return PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="<unk>", bos_token="<s>", eos_token="<|im_end|>")
+
+
+def _perturb(model, scale: float, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(scale * p.std() * torch.randn(p.shape, generator=g))
+
+
+@pytest.fixture(scope="module")
+def target(tiny_model_dir):
+    return load_model(tiny_model_dir, dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def draft_dirs(tiny_model_dir, tmp_path_factory):
+    """{"same": folder, "byte": folder}: the two drafts of the module docstring."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    target_tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    out = {}
+
+    same = tmp_path_factory.mktemp("draft-same")
+    draft = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    _perturb(draft, SAME_NOISE, seed=1)
+    draft.save_pretrained(same)
+    target_tok.save_pretrained(same)
+    out["same"] = same
+
+    btok = byte_level_tokenizer()
+    u2b = {c: b for b, c in B2U.items()}
+    tvocab = target_tok.get_vocab()
+    V = len(btok) + 2  # two head rows no token spells
+    cfg = hf.config.__class__(**{**hf.config.to_dict(), "vocab_size": V})
+    torch.manual_seed(3)
+    draft = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    draft.load_state_dict({k: v for k, v in hf.state_dict().items() if "embed_tokens" not in k and "lm_head" not in k},
+                          strict=False)
+    emb, head = draft.model.embed_tokens.weight, draft.lm_head.weight
+    with torch.no_grad():
+        for tok, j in btok.get_vocab().items():
+            text = tok if tok in BYTE_SPECIALS else (chr(u2b[tok]) if len(tok) == 1 and u2b[tok] < 128 else None)
+            if text is not None and text in tvocab:
+                emb[j] = hf.model.embed_tokens.weight[tvocab[text]]
+                head[j] = hf.lm_head.weight[tvocab[text]]
+    _perturb(draft, BYTE_NOISE, seed=2)
+    byte = tmp_path_factory.mktemp("draft-byte")
+    draft.save_pretrained(byte)
+    btok.save_pretrained(byte)
+    out["byte"] = byte
+    return out
+
+
+@pytest.fixture(scope="module")
+def drafts(draft_dirs):
+    return {name: load_model(d, dtype="float32") for name, d in draft_dirs.items()}
+
+
+def make_proposer(target, draft, mode=None, k=K, **kw) -> DraftModelProposer:
+    cfg = SpecConfig.from_dict({"method": "draft_model", "model": "unused", "num_speculative_tokens": k})
+    return DraftModelProposer(cfg, target=target, max_model_len=MAX_LEN, draft=draft, mode=mode, **kw)
+
+
+def random_text_prompts(n: int, seed: int) -> list[list[int]]:
+    """Printable-ASCII prompts (target ids 8..102) of 8 to 20 characters."""
+    rng = np.random.default_rng(seed)
+    return [rng.integers(8, 103, int(rng.integers(8, 21))).tolist() for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def greedy_cases(target):
+    plain = SpecDecoder(TargetRunner(target.model, MAX_LEN))
+    cases = []
+    for prompt in random_text_prompts(30, seed=0):
+        res = plain.generate(prompt, SamplingParams(max_new_tokens=NEW, record_margins=True))
+        if min(res.margins) >= NEAR_TIE:
+            cases.append((prompt, res.token_ids))
+    assert len(cases) >= 20
+    return cases
+
+
+# --------------------------------------------------------------------------- construction
+
+
+def test_modes_are_picked_from_the_tokenizers(target, drafts):
+    assert make_proposer(target, drafts["same"]).mode == "same"
+    p = make_proposer(target, drafts["byte"])
+    assert p.mode == "tli" and p.vocab_map is not None
+    # every single ASCII byte token of the draft maps to the target's character, merges are suppressed
+    btok, ttok = drafts["byte"].tokenizer, target.tokenizer
+    for dtok, ttext in (("Ġ", " "), ("Ċ", "\n"), ("ĉ", "\t"), ("a", "a"), ("<|im_end|>", "<|im_end|>")):
+        assert int(p.d2t[btok.convert_tokens_to_ids(dtok)]) == ttok.convert_tokens_to_ids(ttext), dtok
+    for dtok in ("qu", "Ġ{", "Ã©", "Ã"):
+        assert int(p.d2t[btok.convert_tokens_to_ids(dtok)]) == -1 and bool(p.suppress[btok.convert_tokens_to_ids(dtok)])
+    assert bool(p.suppress[-1]) and bool(p.suppress[-2])  # head rows without a token
+    with pytest.raises(UsageError, match="does not fit"):
+        make_proposer(target, drafts["byte"], mode="same")
+
+
+def test_registry_builds_it_from_a_config(target, draft_dirs):
+    cfg = SpecConfig.from_dict({"method": "draft_model", "model": str(draft_dirs["same"]), "num_speculative_tokens": 3})
+    prop = build_proposer(cfg, MAX_LEN, target=target)
+    assert isinstance(prop, DraftModelProposer) and prop.mode == "same" and prop.draft.dtype == torch.float32
+    with pytest.raises(UsageError, match="needs the target"):
+        build_proposer(cfg, MAX_LEN)
+
+
+# --------------------------------------------------------------------------- greedy
+
+
+@pytest.mark.parametrize("draft_name,mode", [("same", None), ("byte", "tli"), ("byte", "text")])
+def test_greedy_with_draft_equals_greedy_plain(target, drafts, greedy_cases, draft_name, mode):
+    prop = make_proposer(target, drafts[draft_name], mode)
+    spec = SpecDecoder(TargetRunner(target.model, MAX_LEN), prop, K)
+    drafted = accepted = multi = 0
+    for prompt, expected in greedy_cases:
+        res = spec.generate(prompt, SamplingParams(max_new_tokens=NEW))
+        assert res.token_ids == expected, prompt
+        s = res.stats
+        assert len(res.token_ids) == 1 + res.num_steps + s.num_accepted_tokens
+        drafted += s.num_draft_tokens
+        accepted += s.num_accepted_tokens
+        multi += sum(s.num_accepted_tokens_per_pos[1:])
+    rate = accepted / drafted
+    print(draft_name, mode, rate, drafted)
+    assert rate > 0.3 and multi > 0, rate  # drafts are accepted, runs of several too
+    if draft_name == "same":
+        assert rate > 0.5
+
+
+def test_draft_cache_is_rolled_back_and_never_reprefilled(target, drafts, greedy_cases):
+    prop = make_proposer(target, drafts["same"])
+    fed = []
+    spec = SpecDecoder(TargetRunner(target.model, MAX_LEN), prop, K)
+    prompt, expected = greedy_cases[0]
+    spec.start(prompt, SamplingParams(max_new_tokens=NEW))  # creates slot 0
+    runner = prop.slots[0].runner
+    forward = runner.forward
+    runner.forward = lambda tokens, logits="all": (fed.append(tokens.shape[1]), forward(tokens, logits))[1]
+    st = spec.start(prompt, SamplingParams(max_new_tokens=NEW))
+    while st.finish is None:
+        spec.step(st)
+        s = prop.slots[0]
+        # after a step the cache holds the context it last read plus the accepted drafts it fed, no more
+        assert runner.length <= s.base + s.num_fed_drafts and runner.length >= s.base
+        assert np.array_equal(s.fed[:runner.length], np.asarray(st.ctx[0, :runner.length], dtype=np.int64))
+    res = spec.finish(st)
+    assert res.token_ids == expected
+    # fed: the prompt once (first propose), then per step the new tokens and k-1 drafts; never the prompt again
+    assert fed[0] == len(prompt) + 1 and all(n <= K + 1 for n in fed[1:])
+    assert sum(fed) <= len(prompt) + len(expected) + res.stats.num_draft_tokens
+    # the rolled-back cache equals a fresh prefill of the same tokens
+    L = runner.length
+    fresh = TargetRunner(drafts["same"].model, MAX_LEN)
+    fresh.forward(torch.from_numpy(prop.slots[0].fed[:L])[None])
+    torch.testing.assert_close(runner.cache.k[:, :, :, :L], fresh.cache.k[:, :, :, :L], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(runner.cache.v[:, :, :, :L], fresh.cache.v[:, :, :, :L], atol=1e-4, rtol=1e-4)
+
+
+def test_on_verified_rolls_back_in_place(target, drafts):
+    prop = make_proposer(target, drafts["byte"], "tli")
+    prompt = random_text_prompts(1, seed=5)[0]
+    prop.start_request(0, np.asarray(prompt))
+    d = prop.propose(np.asarray([prompt + [0] * 8], dtype=np.int32), np.asarray([len(prompt)]), K)
+    s = prop.slots[0]
+    n = int(d.num_tokens[0])
+    assert n == K and d.probs is None and s.runner.length == s.base + K - 1
+    drafts_ = d.token_ids[0, :n].tolist()
+    prop.on_verified(0, 1, [drafts_[0], 9])  # first draft accepted, then a recovered token
+    assert s.runner.length == s.base + 1
+    prop.on_verified(0, 0, [9])
+    assert s.runner.length == s.base  # nothing accepted: back to the context it read
+
+
+def test_prefix_shared_with_an_earlier_request_is_reused(target, drafts, greedy_cases):
+    prop = make_proposer(target, drafts["byte"], "tli")
+    spec = SpecDecoder(TargetRunner(target.model, MAX_LEN), prop, K)
+    prompt, expected = greedy_cases[1]
+    spec.generate(prompt, SamplingParams(max_new_tokens=NEW))
+    fed = []
+    runner = prop.slots[0].runner
+    forward = runner.forward
+    runner.forward = lambda tokens, logits="all": (fed.append(tokens.shape[1]), forward(tokens, logits))[1]
+    assert spec.generate(prompt, SamplingParams(max_new_tokens=NEW)).token_ids == expected
+    assert fed[0] < len(prompt)  # the draft kept the prompt's KV from the first request
+
+
+# --------------------------------------------------------------------------- sampling
+
+
+def _exact_marginals(model, prompt: list[int], temperature: float, depth: int, prune: float = 1e-5):
+    """Exact distributions of emitted tokens 1..depth under plain sampling (enumerating prefixes)."""
+    prefixes, marginals, dropped = [((), 1.0)], [], 0.0
+    for _ in range(depth):
+        marginal = torch.zeros(model.args.vocab_size, dtype=torch.float64)
+        nxt = []
+        rows = torch.tensor([prompt + list(p) for p, _ in prefixes])
+        probs = logits_to_probs(TargetRunner(model, rows.shape[1], batch=len(prefixes)).forward(rows, logits="last")[:, 0],
+                                temperature).double()
+        joint = torch.tensor([m for _, m in prefixes], dtype=torch.float64)[:, None] * probs
+        marginal += joint.sum(0)
+        for r, (p, _) in enumerate(prefixes):
+            nxt += [(p + (t,), float(joint[r, t])) for t in (joint[r] >= prune).nonzero().flatten().tolist()]
+            dropped += float(joint[r][joint[r] < prune].sum())
+        marginals.append(marginal)
+        prefixes = nxt
+    return marginals, dropped
+
+
+def _null_tv_quantile(exact: torch.Tensor, n: int, q: float = 0.999, trials: int = 2000) -> float:
+    g = torch.Generator().manual_seed(0)
+    draws = torch.multinomial(exact.float().expand(trials, -1), n, replacement=True, generator=g)
+    hist = torch.zeros(trials, exact.numel()).scatter_add_(1, draws, torch.ones(draws.shape)) / n
+    return float(torch.quantile(0.5 * (hist - exact.float()).abs().sum(1), q))
+
+
+def test_sampling_keeps_the_target_distribution(target, drafts):
+    """Sampled drafts from the mapped (tli) draft, with q moved onto target ids: tokens 2 and 3 emitted
+    are distributed exactly as plain sampling's (arXiv 2211.17192). With max_new_tokens 3, the step
+    verifies 1 draft: token 2 is an accepted draft or a recovered token, token 3 the bonus or a next step's."""
+    temperature, N = 0.7, 1200
+    prop = make_proposer(target, drafts["byte"], "tli", k=2)
+    params = SamplingParams(max_new_tokens=4, temperature=temperature)
+    prop.set_sampling(0, params)
+    spec = SpecDecoder(TargetRunner(target.model, MAX_LEN), prop, 2)
+    prompt = random_text_prompts(1, seed=11)[0]
+    (_, m2, m3), dropped = _exact_marginals(target.model, prompt, temperature, depth=3)
+    assert dropped < 0.01
+    V = target.model.args.vocab_size
+    sec, third = torch.zeros(V), torch.zeros(V)
+    drafted = accepted = 0
+    for i in range(N):
+        res = spec.generate(prompt, params, torch.Generator().manual_seed(i))
+        sec[res.token_ids[1]] += 1
+        third[res.token_ids[2]] += 1
+        drafted += res.stats.num_draft_tokens
+        accepted += res.stats.num_accepted_tokens
+    assert 0.2 < accepted / drafted < 0.95, accepted / drafted  # accepted and recovered tokens both occur
+    for emp, exact in ((sec / N, m2), (third / N, m3)):
+        tv = 0.5 * float((emp.double() - exact).abs().sum())
+        assert tv < _null_tv_quantile(exact, N) + dropped, tv
+
+
+def test_sampled_draft_returns_q_on_target_ids(target, drafts):
+    prop = make_proposer(target, drafts["byte"], "tli")
+    prop.temperature = 0.8  # the proposer-wide default, for slots without set_sampling
+    prompt = random_text_prompts(1, seed=3)[0]
+    prop.start_request(0, np.asarray(prompt))
+    d = prop.propose(np.asarray([prompt], dtype=np.int32), np.asarray([len(prompt)]), K)
+    q = d.probs
+    assert q is not None and q.shape == (1, K, target.model.args.vocab_size)
+    torch.testing.assert_close(q.sum(-1), torch.ones(1, K))
+    ids = d.token_ids[0].tolist()
+    assert all(q[0, i, t] > 0 for i, t in enumerate(ids))  # each draft token had mass where it was drawn
+    ttok = target.tokenizer
+    assert float(q[0, :, ttok.convert_tokens_to_ids("<extra_3>")].sum()) == 0.0  # outside the intersection
+
+
+def test_text_mode_is_deterministic_from_the_target_view(target, drafts):
+    prop = make_proposer(target, drafts["byte"], "text")
+    prop.temperature = 0.8
+    prompt = random_text_prompts(1, seed=4)[0]
+    prop.start_request(0, np.asarray(prompt))
+    d = prop.propose(np.asarray([prompt], dtype=np.int32), np.asarray([len(prompt)]), K)
+    assert d.probs is None and 0 < int(d.num_tokens[0]) <= K
+
+
+# --------------------------------------------------------------------------- wrong pair
+
+
+def test_a_map_for_another_pair_is_refused(target, drafts, tmp_path):
+    good = build_vocab_map(drafts["byte"].tokenizer, target.tokenizer)
+    path = good.save(tmp_path / "map.safetensors")
+    assert make_proposer(target, drafts["byte"], vocab_map=str(path)).mode == "tli"
+    swapped = build_vocab_map(target.tokenizer, drafts["byte"].tokenizer).save(tmp_path / "swapped.json")
+    with pytest.raises(DataError, match="opposite direction") as e:
+        make_proposer(target, drafts["byte"], vocab_map=str(swapped))
+    assert "\n" not in str(e.value) and "build-vocab-map" in str(e.value)
+    # the map of (byte -> target) applied with a same-tokenizer draft posing as another: fingerprints differ
+    other = build_vocab_map(byte_level_tokenizer(), byte_level_tokenizer())
+    with pytest.raises(DataError, match="target tokenizer differs"):
+        make_proposer(target, drafts["byte"], vocab_map=other)

@@ -1,0 +1,402 @@
+"""The OpenAI-compatible server, live on a loopback port, driven by the official ``openai`` client.
+
+A tiny fp32 llama whose greedy output loops (so ngram drafts get accepted) is served with ngram
+speculation by uvicorn in a background thread. Invariants: every greedy response (completions and
+chat, streaming and not, alone or among 16 concurrent streams) equals the runtime's own
+``SpecDecoder.generate`` output token for token, with the same speculative statistics; /metrics
+counters are the sums of the responses' statistics; bad requests get 4xx OpenAI-style JSON errors
+and the server keeps serving; a client that disconnects mid-stream frees its slot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import re
+import socket
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+import uvicorn
+
+from specctl.bench.workloads import Request as ChatPrompt
+from specctl.bench.workloads import render_prompt
+from specctl.config import SpecConfig
+from specctl.runtime.decoder import SamplingParams, SpecDecoder
+from specctl.runtime.proposers import build_proposer
+from specctl.runtime.runner import TargetRunner, load_model
+from specctl.runtime.server import Engine, TextStream, create_app
+
+MAX_LEN = 192
+NEW = 24
+NAME = "tiny-loopy"
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+PROMPTS = [f"{w} {w} {w}" for w in ("abc", "hello", "x=1;y=2;", "the cat", "0123456", "ABAB", "foo(bar)",
+                                    "qwerty", "zz top", "mn op", "if a:", "[1, 2]", "rust", "spec", "kv$", "ok!")]
+
+
+class LiveServer:
+    """uvicorn serving ``create_app(engine)`` in a background thread on a free loopback port."""
+
+    def __init__(self, engine: Engine, api_key: str | None = None):
+        self.engine = engine
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(create_app(engine, [NAME], api_key), log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+
+    def __enter__(self) -> "LiveServer":
+        self.thread.start()
+        deadline = time.time() + 30
+        while not self.server.started:
+            assert time.time() < deadline and self.thread.is_alive(), "server did not start"
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(15)
+
+    def client(self, api_key: str = "none", cls=openai.OpenAI):
+        return cls(base_url=self.url + "/v1", api_key=api_key, max_retries=0, timeout=60)
+
+    def raw(self, method: str, path: str, body: bytes | None = None, headers: dict | None = None):
+        """(status, parsed JSON or text) of a plain HTTP request."""
+        req = urllib.request.Request(self.url + path, data=body, method=method,
+                                     headers={"Content-Type": "application/json", **(headers or {})})
+        try:
+            with urllib.request.urlopen(req, timeout=30) as r:
+                status, data = r.status, r.read()
+        except urllib.error.HTTPError as e:
+            status, data = e.code, e.read()
+        try:
+            return status, json.loads(data)
+        except json.JSONDecodeError:
+            return status, data.decode()
+
+    def metrics(self) -> dict[tuple[str, str], float]:
+        status, text = self.raw("GET", "/metrics")
+        assert status == 200
+        out = {}
+        for line in text.splitlines():
+            m = re.fullmatch(r"(\S+?)\{([^}]*)\} (\S+)", line)
+            if m:
+                extra = ",".join(kv for kv in m.group(2).split(",") if not kv.startswith(("engine=", "model_name=")))
+                out[(m.group(1), extra)] = float(m.group(3))
+        return out
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_model_factory):
+    """A tiny llama whose greedy output falls into loops (small init), so ngram drafts are accepted."""
+    return load_model(tiny_model_factory(seed=1, initializer_range=0.05), dtype="float32", device="cpu")
+
+
+@pytest.fixture(scope="module")
+def server(loaded):
+    with LiveServer(Engine(loaded, SpecConfig.from_dict(dict(SPEC)), MAX_LEN, max_num_seqs=4)) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def reference(loaded):
+    """reference(prompt_ids, max_new) -> GenerationResult of the runtime itself (same config, one request)."""
+    cfg = SpecConfig.from_dict(dict(SPEC))
+    runner = TargetRunner(loaded.model, MAX_LEN)
+    dec = SpecDecoder(runner, build_proposer(cfg, MAX_LEN, target=loaded), cfg.num_speculative_tokens)
+    cache = {}
+
+    def ref(ids: list[int], max_new: int = NEW):
+        key = (tuple(ids), max_new)
+        if key not in cache:
+            cache[key] = dec.generate(ids, SamplingParams(max_new_tokens=max_new, stop_token_ids=loaded.stop_token_ids))
+        return cache[key]
+
+    return ref
+
+
+def completion_ids(loaded, prompt: str) -> list[int]:
+    return [int(t) for t in loaded.tokenizer.encode(prompt)]
+
+
+def chat_ids(loaded, content: str) -> list[int]:
+    return render_prompt(loaded.tokenizer, ChatPrompt("t", [{"role": "user", "content": content}], "t"))
+
+
+def text_of(loaded, ids: list[int]) -> str:
+    return loaded.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def spec_counts(d) -> tuple:
+    d = dict(d)
+    return d["num_drafts"], d["num_draft_tokens"], d["num_accepted_tokens"], d["num_accepted_tokens_per_pos"]
+
+
+def ref_counts(res) -> tuple:
+    s = res.stats
+    return s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens, s.num_accepted_tokens_per_pos
+
+
+# --------------------------------------------------------------------------- basics
+
+
+def test_models_and_health(server):
+    models = server.client().models.list()
+    assert [m.id for m in models.data] == [NAME]
+    assert server.raw("GET", "/health")[0] == 200
+
+
+def test_completions_greedy_equal_the_runtime(server, loaded, reference):
+    client = server.client()
+    accepted = 0
+    for prompt in PROMPTS[:4]:
+        ref = reference(completion_ids(loaded, prompt))
+        r = client.completions.create(model=NAME, prompt=prompt, max_tokens=NEW, temperature=0)
+        assert r.choices[0].text == text_of(loaded, ref.token_ids)
+        assert r.choices[0].finish_reason == ref.finish_reason
+        assert r.usage.completion_tokens == len(ref.token_ids)
+        assert r.usage.prompt_tokens == len(completion_ids(loaded, prompt))
+        spec = r.model_extra["spec_decode"]
+        assert spec["method"] == "ngram" and spec_counts(spec) == ref_counts(ref)
+        assert spec["mean_acceptance_length"] == pytest.approx(ref.stats.mean_acceptance_length)
+        accepted += spec["num_accepted_tokens"]
+        # the same, streamed
+        chunks = list(client.completions.create(model=NAME, prompt=prompt, max_tokens=NEW, temperature=0, stream=True))
+        assert "".join(c.choices[0].text for c in chunks) == r.choices[0].text
+        assert chunks[-1].choices[0].finish_reason == ref.finish_reason
+        assert all(c.choices[0].finish_reason is None for c in chunks[:-1])
+        assert spec_counts(chunks[-1].model_extra["spec_decode"]) == ref_counts(ref)
+    assert accepted > 0  # speculation really happened
+
+
+def test_chat_greedy_equals_the_runtime_streaming_and_not(server, loaded, reference):
+    client = server.client()
+    for content in PROMPTS[4:7]:
+        ref = reference(chat_ids(loaded, content))
+        expected = text_of(loaded, ref.token_ids)
+        msgs = [{"role": "user", "content": content}]
+        r = client.chat.completions.create(model=NAME, messages=msgs, max_tokens=NEW, temperature=0)
+        assert r.choices[0].message.role == "assistant"
+        assert r.choices[0].message.content == expected
+        assert r.choices[0].finish_reason == ref.finish_reason
+        assert r.usage.completion_tokens == len(ref.token_ids)
+        assert spec_counts(r.model_extra["spec_decode"]) == ref_counts(ref)
+        stream = client.chat.completions.create(model=NAME, messages=msgs, max_completion_tokens=NEW, temperature=0,
+                                                stream=True, stream_options={"include_usage": True})
+        chunks = list(stream)
+        assert chunks[0].choices[0].delta.role == "assistant"
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected
+        final = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+        assert len(final) == 1 and final[0].choices[0].finish_reason == ref.finish_reason
+        assert spec_counts(final[0].model_extra["spec_decode"]) == ref_counts(ref)
+        assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(ref.token_ids)
+
+
+def test_stop_strings_cut_the_text(server, loaded, reference):
+    client = server.client()
+    ref_text = text_of(loaded, reference(completion_ids(loaded, PROMPTS[0])).token_ids)
+    stop = ref_text[6:9]
+    expected = ref_text[:ref_text.index(stop)]
+    r = client.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=NEW, temperature=0, stop=[stop, "\x00"])
+    assert r.choices[0].text == expected and r.choices[0].finish_reason == "stop"
+    # the tokens counted are those up to the one completing the stop string
+    assert text_of(loaded, reference(completion_ids(loaded, PROMPTS[0])).token_ids[:r.usage.completion_tokens]) \
+        .startswith(expected + stop)
+    chunks = list(client.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=NEW, temperature=0,
+                                            stop=stop, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == expected
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_seeded_sampling_is_reproducible(server):
+    client = server.client()
+    kw = dict(model=NAME, prompt=PROMPTS[1], max_tokens=NEW, temperature=0.9, top_p=0.95, seed=1234)
+    a, b = (client.completions.create(**kw).choices[0].text for _ in range(2))
+    assert a == b
+    texts = {client.completions.create(**{**kw, "seed": s}).choices[0].text for s in range(4)}
+    assert len(texts) > 1  # the seed matters
+
+
+def test_text_stream_holds_back_incomplete_characters_and_stop_prefixes(loaded):
+    class Bytes:  # a byte-level tokenizer: each id is one UTF-8 byte
+        def decode(self, ids, skip_special_tokens=True):
+            return bytes(ids).decode("utf-8", errors="replace")
+
+    s = TextStream(Bytes(), ["END"])
+    out = []
+    for b in "héllo wörld EN".encode():
+        s.add([b])
+        out.append(s.take())
+    assert "".join(out) == "héllo wörld "  # "EN" could start "END": held back
+    assert "\ufffd" not in "".join(out)
+    s.add(list(b"D and more"))
+    assert s.stopped and s.take() == "" and bytes(s.ids).decode() == "héllo wörld END"
+
+
+# --------------------------------------------------------------------------- errors
+
+
+def test_bad_requests_get_4xx_json_and_the_server_keeps_serving(server):
+    client = server.client()
+    ok = dict(model=NAME, prompt="abc abc", max_tokens=4, temperature=0)
+
+    status, body = server.raw("POST", "/v1/completions", b'{"model": "tiny-loopy", "prompt": "ab",')
+    assert status == 400 and "malformed JSON" in body["error"]["message"]
+    assert body["error"]["type"] == "invalid_request_error" and "code" in body["error"]
+    status, body = server.raw("POST", "/v1/chat/completions", b"[1, 2]")
+    assert status == 400 and "JSON object" in body["error"]["message"]
+
+    with pytest.raises(openai.NotFoundError) as e:
+        client.completions.create(**{**ok, "model": "gpt-17"})
+    assert "gpt-17" in e.value.message and NAME in e.value.message
+    assert e.value.body["code"] == "model_not_found"
+
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(**{**ok, "max_tokens": MAX_LEN})
+    assert "maximum context length is 192" in e.value.message and e.value.body["code"] == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "x" * MAX_LEN}])
+    assert "maximum context length" in e.value.message
+
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(**{**ok, "n": 2})
+    assert "n=2 is not supported" in e.value.message and e.value.body["param"] == "n"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(**{**ok, "temperature": 5})
+    assert "temperature" in e.value.message
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=NAME, messages=[])
+    assert "messages" in e.value.message
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(**{**ok, "logprobs": 2})
+    assert "logprobs" in e.value.message
+
+    status, body = server.raw("GET", "/v1/nothing-here")
+    assert status == 404 and body["error"]["message"]
+
+    # still serving, and correctly
+    assert client.completions.create(**ok).choices[0].finish_reason in ("stop", "length")
+    assert server.raw("GET", "/health")[0] == 200
+
+
+@pytest.fixture(scope="module")
+def keyed_server(loaded):
+    """A second server: API key required, one slot (so a leaked slot would block the next request)."""
+    with LiveServer(Engine(loaded, SpecConfig.from_dict(dict(SPEC)), MAX_LEN, max_num_seqs=1), api_key="s3cret") as s:
+        yield s
+
+
+def test_api_key(keyed_server):
+    with pytest.raises(openai.AuthenticationError) as e:
+        keyed_server.client("wrong").completions.create(model=NAME, prompt="ab", max_tokens=2)
+    assert e.value.status_code == 401 and "invalid API key" in e.value.message
+    status, body = keyed_server.raw("GET", "/v1/models")
+    assert status == 401 and "missing API key" in body["error"]["message"]
+    assert keyed_server.raw("GET", "/health")[0] == 200  # health and metrics stay open, as in vLLM
+    r = keyed_server.client("s3cret").completions.create(model=NAME, prompt="ab ab", max_tokens=3, temperature=0)
+    assert r.usage.completion_tokens >= 1
+
+
+def test_disconnect_mid_stream_frees_the_slot(keyed_server):
+    before = keyed_server.metrics()
+    conn = http.client.HTTPConnection("127.0.0.1", keyed_server.port, timeout=30)
+    body = json.dumps({"model": NAME, "prompt": "abc abc", "max_tokens": MAX_LEN - 20, "temperature": 0,
+                       "ignore_eos": True, "stream": True})
+    conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json", "Authorization": "Bearer s3cret"})
+    resp = conn.getresponse()
+    assert resp.status == 200 and resp.readline().startswith(b"data: ")
+    conn.sock.shutdown(socket.SHUT_RDWR)
+    conn.close()
+    deadline = time.time() + 20
+    while keyed_server.metrics()[("vllm:request_success_total", 'finished_reason="abort"')] \
+            == before[("vllm:request_success_total", 'finished_reason="abort"')]:
+        assert time.time() < deadline, "the aborted request was never freed"
+        time.sleep(0.05)
+    after = keyed_server.metrics()
+    assert after[("vllm:num_requests_running", "")] == 0
+    assert after[("vllm:generation_tokens_total", "")] - before[("vllm:generation_tokens_total", "")] < MAX_LEN - 20
+    # the only slot is free again: a new request completes
+    r = keyed_server.client("s3cret").completions.create(model=NAME, prompt="xy xy", max_tokens=3, temperature=0)
+    assert r.usage.completion_tokens >= 1
+
+
+# --------------------------------------------------------------------------- concurrency
+
+
+def test_16_concurrent_streams_x3_rounds(server, loaded, reference):
+    """16 streaming clients at once (4 slots, so 12 wait in the queue), 3 rounds: every response is
+    complete and equals the single-request output; /metrics moved by exactly the responses' sums."""
+    refs = [reference(chat_ids(loaded, p)) for p in PROMPTS]
+    before = server.metrics()
+
+    async def one(client, i: int):
+        stream = await client.chat.completions.create(
+            model=NAME, messages=[{"role": "user", "content": PROMPTS[i]}], max_tokens=NEW, temperature=0,
+            stream=True, stream_options={"include_usage": True})
+        text, finish, spec, usage = [], None, None, None
+        async for c in stream:
+            if c.choices:
+                text.append(c.choices[0].delta.content or "")
+                if c.choices[0].finish_reason:
+                    finish, spec = c.choices[0].finish_reason, c.model_extra["spec_decode"]
+            else:
+                usage = c.usage
+        return "".join(text), finish, spec, usage
+
+    seen = {"running": 0.0, "waiting": 0.0}
+
+    async def watch_gauges():
+        while True:
+            m = await asyncio.to_thread(server.metrics)
+            seen["running"] = max(seen["running"], m[("vllm:num_requests_running", "")])
+            seen["waiting"] = max(seen["waiting"], m[("vllm:num_requests_waiting", "")])
+            await asyncio.sleep(0.01)
+
+    async def main():
+        client = server.client(cls=openai.AsyncOpenAI)
+        watcher = asyncio.create_task(watch_gauges())
+        results = []
+        for _ in range(3):
+            results.append(await asyncio.gather(*(one(client, i) for i in range(16))))
+        watcher.cancel()
+        await client.close()
+        return results
+
+    rounds = asyncio.run(main())
+    assert seen["running"] == 4 and seen["waiting"] > 0  # the pool bound held, and requests queued behind it
+    sums = dict(drafts=0, draft_tokens=0, accepted=0, prompt=0, completion=0)
+    per_pos = [0] * SPEC["num_speculative_tokens"]
+    for results in rounds:
+        for (text, finish, spec, usage), ref in zip(results, refs):
+            assert text == text_of(loaded, ref.token_ids)
+            assert finish == ref.finish_reason and usage.completion_tokens == len(ref.token_ids)
+            assert spec_counts(spec) == ref_counts(ref)
+            sums["drafts"] += spec["num_drafts"]
+            sums["draft_tokens"] += spec["num_draft_tokens"]
+            sums["accepted"] += spec["num_accepted_tokens"]
+            sums["prompt"] += usage.prompt_tokens
+            sums["completion"] += usage.completion_tokens
+            for i, c in enumerate(spec["num_accepted_tokens_per_pos"]):
+                per_pos[i] += c
+
+    after = server.metrics()
+
+    def delta(name: str, extra: str = "") -> float:
+        return after[(name, extra)] - before.get((name, extra), 0.0)
+
+    assert delta("vllm:spec_decode_num_drafts_total") == sums["drafts"] > 0
+    assert delta("vllm:spec_decode_num_draft_tokens_total") == sums["draft_tokens"]
+    assert delta("vllm:spec_decode_num_accepted_tokens_total") == sums["accepted"] > 0
+    for i, c in enumerate(per_pos):
+        assert delta("vllm:spec_decode_num_accepted_tokens_per_pos_total", f'position="{i}"') == c
+    assert delta("vllm:prompt_tokens_total") == sums["prompt"]
+    assert delta("vllm:generation_tokens_total") == sums["completion"]
+    finished = sum(delta("vllm:request_success_total", f'finished_reason="{r}"') for r in ("stop", "length"))
+    assert finished == 48
+    assert after[("vllm:num_requests_running", "")] == 0 and after[("vllm:num_requests_waiting", "")] == 0
