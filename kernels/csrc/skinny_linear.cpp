@@ -33,21 +33,21 @@ inline float from_bf16(uint16_t h) {
   return f;
 }
 
-// NB weight rows at a time share each x load; NB * M accumulators stay in registers.
-template <int M, int NB>
-inline void block_kernel(const uint16_t* x, const uint16_t* wr, int64_t K, int64_t kfull, __mmask32 tail,
-                         float out[NB][M]) {
-  __m512 acc[NB][M];
+// One group: x rows [M0, M0 + MB) against NB weight rows; recurses over the groups at compile time.
+template <int MB, int NB>
+inline void block(const uint16_t* x, const uint16_t* wr, int64_t K, int64_t kfull, __mmask32 tail, float* out,
+                  int ostride) {
+  __m512 acc[NB][MB];
 #pragma GCC unroll 4
   for (int j = 0; j < NB; ++j)
-#pragma GCC unroll 16
-    for (int m = 0; m < M; ++m) acc[j][m] = _mm512_setzero_ps();
+#pragma GCC unroll 4
+    for (int m = 0; m < MB; ++m) acc[j][m] = _mm512_setzero_ps();
   for (int64_t k = 0; k < kfull; k += 32) {
     __m512bh wv[NB];
 #pragma GCC unroll 4
     for (int j = 0; j < NB; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(wr + j * K + k);
-#pragma GCC unroll 16
-    for (int m = 0; m < M; ++m) {
+#pragma GCC unroll 4
+    for (int m = 0; m < MB; ++m) {
       __m512bh xv = (__m512bh)_mm512_loadu_si512(x + m * K + k);
 #pragma GCC unroll 4
       for (int j = 0; j < NB; ++j) acc[j][m] = _mm512_dpbf16_ps(acc[j][m], xv, wv[j]);
@@ -56,35 +56,49 @@ inline void block_kernel(const uint16_t* x, const uint16_t* wr, int64_t K, int64
   if (tail) {
     __m512bh wv[NB];
     for (int j = 0; j < NB; ++j) wv[j] = (__m512bh)_mm512_maskz_loadu_epi16(tail, wr + j * K + kfull);
-    for (int m = 0; m < M; ++m) {
+    for (int m = 0; m < MB; ++m) {
       __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(tail, x + m * K + kfull);
       for (int j = 0; j < NB; ++j) acc[j][m] = _mm512_dpbf16_ps(acc[j][m], xv, wv[j]);
     }
   }
   for (int j = 0; j < NB; ++j)
-    for (int m = 0; m < M; ++m) out[j][m] = reduce(acc[j][m]);
+    for (int m = 0; m < MB; ++m) out[j * ostride + m] = reduce(acc[j][m]);
 }
 
+template <int M, int NB, int M0>
+inline void group(const uint16_t* x, const uint16_t* wr, int64_t K, int64_t kfull, __mmask32 tail,
+                  float out[][M]) {
+  if constexpr (M0 < M) {
+    constexpr int MB = (M - M0) < 4 ? (M - M0) : 4;
+    block<MB, NB>(x + M0 * K, wr, K, kfull, tail, &out[0][M0], M);
+    group<M, NB, M0 + MB>(x, wr, K, kfull, tail, out);
+  }
+}
+
+// Rows of x in groups of at most 4 (MB), weight rows in blocks of 4 (NB): 16 accumulators in
+// registers, each weight block read from memory once and from L1 for the other row groups.
 template <int M>
 void rows_kernel(const uint16_t* x, const uint16_t* w, const uint16_t* b, uint16_t* y,
                  int64_t N, int64_t K, int64_t n0, int64_t n1) {
-  constexpr int NB = M <= 4 ? 4 : (M <= 8 ? 3 : (M <= 13 ? 2 : 1));
+  constexpr int NB = 4;
   const int64_t kfull = K / 32 * 32;
   const __mmask32 tail = (K - kfull) ? ((__mmask32)((1ull << (K - kfull)) - 1)) : 0;
   int64_t n = n0;
-  float out[NB][M];
   for (; n + NB <= n1; n += NB) {
-    block_kernel<M, NB>(x, w + n * K, K, kfull, tail, out);
+    const uint16_t* wr = w + n * K;
+    float out[NB][M];
+    // groups of 4 rows, then the remainder
+    group<M, NB, 0>(x, wr, K, kfull, tail, out);
     for (int j = 0; j < NB; ++j) {
       const float bias = b ? from_bf16(b[n + j]) : 0.0f;
       for (int m = 0; m < M; ++m) y[m * N + n + j] = to_bf16(out[j][m] + bias);
     }
   }
-  float out1[1][M];
   for (; n < n1; ++n) {
-    block_kernel<M, 1>(x, w + n * K, K, kfull, tail, out1);
+    float out[1][M];
+    group<M, 1, 0>(x, w + n * K, K, kfull, tail, out);
     const float bias = b ? from_bf16(b[n]) : 0.0f;
-    for (int m = 0; m < M; ++m) y[m * N + n] = to_bf16(out1[0][m] + bias);
+    for (int m = 0; m < M; ++m) y[m * N + n] = to_bf16(out[0][m] + bias);
   }
 }
 

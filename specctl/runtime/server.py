@@ -254,6 +254,9 @@ class Engine:
                     gen.manual_seed(req.seed)
                 else:
                     gen.seed()
+            proposer = self._decoder.proposer
+            if hasattr(proposer, "set_sampling"):  # a draft that samples like its request (draft_model)
+                proposer.set_sampling(slot, req.params, gen)
             st = self._decoder.start(req.prompt_ids, req.params, gen, runner=self._runners[slot], slot=slot)
         except Exception as e:  # noqa: BLE001 - this request fails, the engine keeps serving
             log.warning("request %s failed at prefill: %s", req.id, e)
@@ -736,7 +739,12 @@ class _SSEResponse(StreamingResponse):
 
 
 def render_metrics(engine: Engine, model_name: str) -> str:
-    """Prometheus text (format 0.0.4) with vLLM's metric names and labels."""
+    """Prometheus text (format 0.0.4) with vLLM's metric names and labels.
+
+    Counters are engine-side and advance every step. They equal the sums of the responses' usage and
+    ``spec_decode`` fields, except after a stop string: the engine may have run one step past it
+    (those tokens are dropped from the response but were generated, and are counted here).
+    """
     esc = model_name.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
     labels = f'engine="0",model_name="{esc}"'
     m = engine.metrics

@@ -5,8 +5,8 @@ What it does:
     undone: byte-level BPE's printable stand-ins ('Ġ' = space, 'Ċ' = newline, ...), sentencepiece's
     '▁' space marker and its ``<0xNN>`` byte tokens. Added/special tokens stand for their content.
   - ``build_vocab_map(draft_tok, target_tok)``: the token-level intersection. A draft id maps to the
-    target id with the same byte string (normal tokens to normal tokens, added tokens to added tokens
-    with the same content), else to -1. Worked example, GPT-2 style draft -> sentencepiece target:
+    target id with the same byte string (a token of the same kind, normal or added, first), else to
+    -1. Worked example, GPT-2 style draft -> sentencepiece target:
         draft 'Ġhello' = b' hello'  -> target '▁hello' = b' hello'
         draft 'Ċ'      = b'\\n'      -> target '<0x0A>' = b'\\n'
         draft 'Ġhelloworld' (no such target token) -> -1, suppressed when drafting.
@@ -462,24 +462,32 @@ def build_vocab_map(draft_tok, target_tok, draft_name: str | None = None, target
     """The token-level intersection of two tokenizers by decoded byte string (see the module docstring).
 
     ``target_vocab_size``: the target model's vocabulary when larger than its tokenizer (padded heads).
-    Among several target ids with the same bytes (sentencepiece's '▁' and '<0x20>'), a normal token is
-    preferred over a byte-fallback token, then the lowest id.
+    A draft token maps to a target token of the same kind first (added/special to added, normal to
+    normal), then of the other kind; among several target ids with the same bytes (sentencepiece's
+    '▁' and '<0x20>'), a normal token is preferred over a byte-fallback token, then the lowest id.
     """
     d_bytes, t_bytes = token_bytes(draft_tok), token_bytes(target_tok)
     d_added, t_added = _added_ids(draft_tok), _added_ids(target_tok)
     t_table = _id_to_token(target_tok)
-    lookup: dict[tuple[bool, bytes], int] = {}
-    fallback: dict[tuple[bool, bytes], int] = {}
+    normal: dict[bytes, int] = {}
+    byte_tokens: dict[bytes, int] = {}
+    added: dict[bytes, int] = {}
     for i, b in enumerate(t_bytes):
         if b is None:
             continue
-        key = (i in t_added, b)
-        is_byte_token = t_table[i] is not None and _BYTE_TOKEN.match(t_table[i]) is not None
-        (fallback if is_byte_token else lookup).setdefault(key, i)
-    for key, i in fallback.items():
-        lookup.setdefault(key, i)
-    d2t = torch.tensor([SUPPRESSED if b is None else lookup.get((i in d_added, b), SUPPRESSED)
-                        for i, b in enumerate(d_bytes)], dtype=torch.int64)
+        if i in t_added:
+            added.setdefault(b, i)
+        elif t_table[i] is not None and _BYTE_TOKEN.match(t_table[i]):
+            byte_tokens.setdefault(b, i)
+        else:
+            normal.setdefault(b, i)
+    for b, i in byte_tokens.items():
+        normal.setdefault(b, i)
+    ids = []
+    for i, b in enumerate(d_bytes):
+        first, second = (added, normal) if i in d_added else (normal, added)  # same kind of token first
+        ids.append(SUPPRESSED if b is None else first.get(b, second.get(b, SUPPRESSED)))
+    d2t = torch.tensor(ids, dtype=torch.int64)
     return VocabMap(
         target_fingerprint=tokenizer_fingerprint(target_tok),
         target_vocab_size=max(target_vocab_size or 0, len(t_bytes)),

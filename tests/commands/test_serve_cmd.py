@@ -92,8 +92,14 @@ def test_engine_vllm_execs_vllm_serve_with_the_translation(tiny_model_dir, tmp_p
     (["-k", "3"], "without --method"),
 ])
 def test_usage_errors(args, needle, tiny_model_dir):
-    r = run_cli("serve", "--model", str(tiny_model_dir), *args)
-    assert r.returncode == 2 and needle in r.stderr, r.stderr
+    """Caught before the model loads (in-process: the CLI maps UsageError to exit code 2)."""
+    from typer.testing import CliRunner
+
+    from specctl.cli import app
+
+    r = CliRunner().invoke(app, ["serve", "--model", str(tiny_model_dir), *args])
+    assert isinstance(r.exception, UsageError) and r.exception.exit_code == 2, r.output
+    assert needle in str(r.exception)
 
 
 def test_help_has_an_example():

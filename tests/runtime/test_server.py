@@ -239,6 +239,40 @@ def test_text_stream_holds_back_incomplete_characters_and_stop_prefixes(loaded):
     assert s.stopped and s.take() == "" and bytes(s.ids).decode() == "héllo wörld END"
 
 
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
+def test_model_free_methods_serve_plain_greedy_output(loaded, method):
+    """Concurrent greedy requests through each draft method that needs no draft model give the
+    plain (no speculation) greedy output; prompts whose greedy path has a near tie are skipped."""
+    from specctl.config import implemented_methods
+
+    if method not in implemented_methods():
+        pytest.skip(f"{method} is not implemented in this tree")
+    plain = SpecDecoder(TargetRunner(loaded.model, MAX_LEN))
+    cases = []
+    for p in PROMPTS[:8]:
+        ids = chat_ids(loaded, p)
+        res = plain.generate(ids, SamplingParams(max_new_tokens=NEW, stop_token_ids=loaded.stop_token_ids,
+                                                 record_margins=True))
+        if min(res.margins) >= 1e-4:
+            cases.append((p, text_of(loaded, res.token_ids)))
+    assert len(cases) >= 4
+    with LiveServer(Engine(loaded, SpecConfig.from_dict({"method": method, "num_speculative_tokens": 4}),
+                           MAX_LEN, max_num_seqs=3)) as s:
+        async def main():
+            client = s.client(cls=openai.AsyncOpenAI)
+            rs = await asyncio.gather(*(client.chat.completions.create(
+                model=NAME, messages=[{"role": "user", "content": p}], max_tokens=NEW, temperature=0)
+                for p, _ in cases))
+            await client.close()
+            return rs
+
+        responses = asyncio.run(main())
+    for (_, expected), r in zip(cases, responses):
+        assert r.choices[0].message.content == expected
+        assert r.model_extra["spec_decode"]["method"] == method
+    assert sum(r.model_extra["spec_decode"]["num_accepted_tokens"] for r in responses) > 0
+
+
 # --------------------------------------------------------------------------- errors
 
 
@@ -285,10 +319,19 @@ def test_bad_requests_get_4xx_json_and_the_server_keeps_serving(server):
     assert server.raw("GET", "/health")[0] == 200
 
 
+class SlowEngine(Engine):
+    """10 ms per step, so that a client can leave while its request is still running."""
+
+    def _step(self, req, st):
+        time.sleep(0.01)
+        return super()._step(req, st)
+
+
 @pytest.fixture(scope="module")
 def keyed_server(loaded):
     """A second server: API key required, one slot (so a leaked slot would block the next request)."""
-    with LiveServer(Engine(loaded, SpecConfig.from_dict(dict(SPEC)), MAX_LEN, max_num_seqs=1), api_key="s3cret") as s:
+    engine = SlowEngine(loaded, SpecConfig.from_dict(dict(SPEC)), MAX_LEN, max_num_seqs=1)
+    with LiveServer(engine, api_key="s3cret") as s:
         yield s
 
 
@@ -324,6 +367,19 @@ def test_disconnect_mid_stream_frees_the_slot(keyed_server):
     # the only slot is free again: a new request completes
     r = keyed_server.client("s3cret").completions.create(model=NAME, prompt="xy xy", max_tokens=3, temperature=0)
     assert r.usage.completion_tokens >= 1
+
+    # a non-streaming client that goes away is noticed too (no send fails: the server watches the socket)
+    aborted = keyed_server.metrics()[("vllm:request_success_total", 'finished_reason="abort"')]
+    conn = http.client.HTTPConnection("127.0.0.1", keyed_server.port, timeout=30)
+    conn.request("POST", "/v1/completions", body.replace('"stream": true', '"stream": false'),
+                 {"Content-Type": "application/json", "Authorization": "Bearer s3cret"})
+    time.sleep(0.2)
+    conn.sock.shutdown(socket.SHUT_RDWR)
+    conn.close()
+    deadline = time.time() + 20
+    while keyed_server.metrics()[("vllm:request_success_total", 'finished_reason="abort"')] == aborted:
+        assert time.time() < deadline, "the abandoned non-streaming request was never freed"
+        time.sleep(0.05)
 
 
 # --------------------------------------------------------------------------- concurrency

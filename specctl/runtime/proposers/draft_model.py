@@ -129,7 +129,10 @@ class DraftModelProposer(Proposer):
         # draft tokens per target token can exceed 1 with another tokenizer: room for that
         self.draft_max_len = self.max_model_len + self.k + 1 if self.mode == "same" else int(1.5 * self.max_model_len) + self.k + 8
         self.slots: dict[int, _Slot] = {}
-        self._own_generator = torch.Generator(device=self.device)
+        # Draft sampling must be independent of everything else (a draft seeded alike for every request
+        # would not be distributed as its q across requests): one stream for the proposer's life, seeded
+        # from torch's global generator (reproducible under torch.manual_seed) unless a slot brings its own.
+        self._own_generator = torch.Generator(device=self.device).manual_seed(int(torch.randint(2**62, ())))
 
     # ------------------------------------------------------------------ setup
     def _vocab_map(self, config: SpecConfig, given) -> VocabMap:
@@ -158,8 +161,6 @@ class DraftModelProposer(Proposer):
         s = self._slot(slot)
         s.n, s.pieces, s.active = 0, [], True
         self._extend(s, np.asarray(prompt_ids, dtype=np.int64))
-        if s.sampling is None or s.sampling.generator is None:
-            self._own_generator.manual_seed(0)  # drafts reproducible per request when nobody passes a generator
 
     def end_request(self, slot: int) -> None:
         s = self.slots.get(slot)
@@ -282,7 +283,7 @@ class DraftModelProposer(Proposer):
         if self.identity:
             return ids, q
         qt = torch.zeros(len(q_rows), self.Vt, dtype=torch.float32, device=self.device)  # [n, V_target]
-        qt.index_add_(1, self.mapped_target_ids, q[:, self.mapped_draft_ids])
+        qt.index_add_(1, self.mapped_target_ids.roll(1), q[:, self.mapped_draft_ids])
         return ids, qt
 
     def _text_to_target(self, s: _Slot, draft_ids: list[int], k: int) -> list[int]:
