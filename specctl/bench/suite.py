@@ -123,6 +123,7 @@ def run_bench(
     params: SamplingParams,
     seed: int = 0,
     progress=None,  # callable(advance: int, description: str) or None
+    adaptive: bool = True,
 ) -> BenchReport:
     tok = loaded.tokenizer
     prompts: dict[str, list[tuple[Request, list[int]]]] = {}
@@ -133,7 +134,8 @@ def run_bench(
     runner = TargetRunner(loaded.model, max_len=longest + params.max_new_tokens + max_k + 8)
     decoders = [(BASELINE, None, SpecDecoder(runner))]
     for c in configs:
-        decoders.append((c.method, c, SpecDecoder(runner, build_proposer(c, runner.max_len, target=loaded), c.num_speculative_tokens)))
+        decoders.append((c.method, c, SpecDecoder(runner, build_proposer(c, runner.max_len, target=loaded),
+                                                   c.num_speculative_tokens, adaptive=adaptive)))
 
     # warm-up: every decoder once on a short prompt (numba compilation, first-call allocations)
     warm_ids = next(iter(prompts.values()))[0][1][:64]

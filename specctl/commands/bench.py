@@ -34,6 +34,7 @@ def bench(
     num_prompts: Annotated[int, typer.Option("--num-prompts", "-n", help="Prompts per workload.")] = 4,
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", help="Tokens generated per prompt.")] = 128,
     temperature: Annotated[float, typer.Option("--temperature", help="0 = greedy (outputs comparable token for token).")] = 0.0,
+    fixed_k: Annotated[bool, typer.Option("--fixed-k", help="Always draft k tokens (default: adapt the draft length per request to what pays).")] = False,
     seed: SeedOpt = 0,
     dtype: DtypeOpt = "bfloat16",
     device: DeviceOpt = "cpu",
@@ -82,7 +83,9 @@ def bench(
                   TimeElapsedColumn(), console=err, transient=True, disable=not err.is_terminal) as prog:
         task = prog.add_task("warm-up", total=total)
         report = run_bench(loaded, configs, workloads, num_prompts, params, seed,
-                           progress=lambda adv, desc: prog.update(task, advance=adv, description=desc))
+                           progress=lambda adv, desc: prog.update(task, advance=adv, description=desc),
+                           adaptive=not fixed_k)
+    report.header["draft_length"] = "fixed k" if fixed_k else "adaptive (up to k)"
 
     if json_out:
         typer.echo(json.dumps({"header": report.header, "results": report.rows()}, indent=2))
@@ -97,7 +100,8 @@ def render(report) -> None:
     h = report.header
     out = Console()
     title = (f"{h['model']} · {h['dtype']} · {h['device']} ({h['machine']}, {h['threads']} threads) · "
-             f"torch {h['torch']} · {h['max_new_tokens']} new tokens · temperature {h['temperature']}")
+             f"torch {h['torch']} · {h['max_new_tokens']} new tokens · temperature {h['temperature']} · "
+             f"draft length {h.get('draft_length', 'fixed k')}")
     t = Table(title=title, title_justify="left")
     for col in ("workload", "method", "k", "tok/s", "speedup", "accept", "acc. len", "per-position", "= base"):
         t.add_column(col, justify="left" if col in ("workload", "method", "per-position") else "right", no_wrap=True)

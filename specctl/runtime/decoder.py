@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from specctl.runtime.controller import DraftLengthController
 from specctl.runtime.metrics import SpecStats
 from specctl.runtime.proposers.base import Proposer
 from specctl.runtime.rejection import greedy_verify, logits_to_probs, rejection_sample
@@ -76,6 +77,7 @@ class DecodeState:
     steps: int = 0
     t_start: float = 0.0
     t_first: float = 0.0
+    controller: DraftLengthController | None = None
 
     def result(self) -> GenerationResult:
         t_end = time.perf_counter()
@@ -95,10 +97,13 @@ class SpecDecoder:
     i.e. its own KV cache, and proposer slot).
     """
 
-    def __init__(self, runner: TargetRunner, proposer: Proposer | None = None, num_speculative_tokens: int = 0):
+    def __init__(self, runner: TargetRunner, proposer: Proposer | None = None, num_speculative_tokens: int = 0,
+                 adaptive: bool = False):
         self.runner = runner
         self.proposer = proposer
         self.k = num_speculative_tokens if proposer is not None else 0
+        self.adaptive = adaptive and self.k > 0
+        self._costs: dict[int, float] = {}  # forward time by token count, shared by this decoder's requests
 
     def generate(self, prompt_ids: list[int], params: SamplingParams,
                  generator: torch.Generator | None = None) -> GenerationResult:
@@ -125,6 +130,8 @@ class SpecDecoder:
         ctx[0, :T] = prompt_ids
         st = DecodeState(runner, slot, params, generator, ctx, T,
                          set() if params.ignore_eos else set(params.stop_token_ids))
+        if self.adaptive:
+            st.controller = DraftLengthController(self.k, costs=self._costs)
         runner.reset()
         if self.proposer is not None:
             self.proposer.start_request(slot, ctx[0, :T])
@@ -147,6 +154,8 @@ class SpecDecoder:
             st.finish = st.finish or "length"
             return []
         k = min(self.k, room - 1)
+        if st.controller is not None:
+            k = min(k, st.controller.draft_len())
         draft_ids, num_draft, draft_probs = _EMPTY, _ZERO, None
         if k > 0:
             d = self.proposer.propose(st.ctx, np.array([st.n_ctx], dtype=np.int32), k,
@@ -158,6 +167,7 @@ class SpecDecoder:
         nd = draft_ids.shape[1]
         base = runner.length
         inp = torch.cat([torch.tensor([[st.last]], dtype=torch.long), draft_ids], 1)  # [1, 1+nd]
+        t0 = time.perf_counter()
         logits = runner.forward(inp)  # [1, 1+nd, V]
         if params.greedy:
             margins = [] if params.record_margins else None
@@ -167,6 +177,8 @@ class SpecDecoder:
             out_ids, n_emit = rejection_sample(draft_ids, num_draft, draft_probs, probs, st.generator)
         n = int(n_emit[0])
         emitted = out_ids[0, :n].tolist()
+        if st.controller is not None:
+            st.controller.observe(nd, n - 1, nd + 1, time.perf_counter() - t0)
         if params.record_margins and params.greedy:
             st.margins.extend(margins[:n])
         runner.rollback(base + n)  # last + (n-1) accepted drafts are valid

@@ -25,7 +25,6 @@ What it does not know: how a step drafts and verifies (SpecDecoder, proposers), 
 from __future__ import annotations
 
 import asyncio
-import copy
 import itertools
 import json
 import logging
@@ -236,12 +235,13 @@ class Engine:
         except BaseException as e:  # noqa: BLE001 - a bug in the loop itself: fail every request, stop
             log.exception("engine thread failed")
             self.failure = e
+        why = "the server is shutting down" if self.failure is None else f"engine failure: {self.failure}"
         for req, st in active:
-            self._end(req, st, None if self.failure is None else f"engine failure: {self.failure}", "abort")
+            self._end(req, st, None if self.failure is None else why, "abort")
         with self._cv:
             for req in self._waiting:
                 req.done = True
-                self._post(req, Event([], SpecStats(), finish="abort", error="the server is shutting down"))
+                self._post(req, Event([], SpecStats(), finish="abort", error=why))
             self._waiting.clear()
         self.num_running = 0
 
@@ -315,8 +315,7 @@ class Engine:
 
 
 def _copy_stats(s: SpecStats) -> SpecStats:
-    return copy.copy(s) if not s.num_accepted_tokens_per_pos else SpecStats(
-        s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens, list(s.num_accepted_tokens_per_pos))
+    return SpecStats(s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens, list(s.num_accepted_tokens_per_pos))
 
 
 # =========================================================================== text out

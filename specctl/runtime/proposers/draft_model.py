@@ -283,7 +283,7 @@ class DraftModelProposer(Proposer):
         if self.identity:
             return ids, q
         qt = torch.zeros(len(q_rows), self.Vt, dtype=torch.float32, device=self.device)  # [n, V_target]
-        qt.index_add_(1, self.mapped_target_ids.roll(1), q[:, self.mapped_draft_ids])
+        qt.index_add_(1, self.mapped_target_ids, q[:, self.mapped_draft_ids])
         return ids, qt
 
     def _text_to_target(self, s: _Slot, draft_ids: list[int], k: int) -> list[int]:

@@ -1,0 +1,90 @@
+"""Adaptive draft length: speculate only as far as it pays, per request.
+
+A step that verifies d draft tokens costs c(d+1) target-forward units (c(1) = 1, plain decoding)
+and emits, with a per-token acceptance rate a, on average E(d) = (1 - a^(d+1)) / (1 - a) tokens
+(accepted drafts plus the recovered/bonus token). The controller picks the d in [0, k] that
+maximises E(d) / c(d+1); d = 0 means "do not draft this step".
+
+  a    : accepted positions / tried positions (accepted + the first rejected), decayed
+         over recent drafting steps: the per-token acceptance rate
+  c(T) : exponential moving average of measured step time for T tokens, over the time of a
+         one-token step (measured on the same runner; unmeasured T are interpolated, and an
+         unmeasured cost is taken as optimistic, 1.0, so it gets measured)
+
+When drafting is off it probes again every ``probe_every`` steps (a short draft), so acceptance
+that rises later (a repetitive stretch of output) is noticed. Greedy output does not depend on any
+of this: the verifier keeps it lossless whatever d is chosen.
+
+Pure bookkeeping: no torch; the decode loop calls ``draft_len()`` before and ``observe()`` after
+each step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class DraftLengthController:
+    k: int  # the most draft tokens a step may verify
+    alpha: float = 0.6  # prior acceptance rate
+    ema: float = 0.3  # weight of the newest observation
+    probe_every: int = 8  # steps between probes while drafting is off
+    probe_len: int = 2
+    costs: dict[int, float] = field(default_factory=dict)  # T -> seconds (EMA)
+    _off_steps: int = 0
+
+    def cost(self, T: int) -> float:
+        """Relative cost c(T) = time(T tokens) / time(1 token); 1.0 while unmeasured."""
+        one = self.costs.get(1)
+        if one is None or one <= 0:
+            return 1.0
+        if T in self.costs:
+            return max(self.costs[T] / one, 1.0)
+        lo = max((t for t in self.costs if t < T), default=None)
+        hi = min((t for t in self.costs if t > T), default=None)
+        if lo is None or hi is None:
+            return max(self.costs[lo] / one, 1.0) if lo is not None else 1.0
+        f = (T - lo) / (hi - lo)
+        return max((self.costs[lo] * (1 - f) + self.costs[hi] * f) / one, 1.0)
+
+    _succ: float = 0.0  # decayed counts of accepted positions / tried positions
+    _tried: float = 0.0
+
+    def expected_tokens(self, d: int) -> float:
+        a = min(max(self.alpha, 0.0), 0.999)
+        return (1 - a ** (d + 1)) / (1 - a)
+
+    def best_len(self) -> int:
+        """argmax over d in [0, k] of E(d) / c(d+1)."""
+        best_d, best_v = 0, 1.0
+        for d in range(1, self.k + 1):
+            v = self.expected_tokens(d) / self.cost(d + 1)
+            if v > best_v * 1.02:  # a 2% margin: ties go to drafting less
+                best_d, best_v = d, v
+        return best_d
+
+    def draft_len(self) -> int:
+        """The number of draft tokens to ask for this step (0: plain decoding step)."""
+        if 1 not in self.costs:
+            return 0  # measure a plain step first: every cost is relative to it
+        d = self.best_len()
+        if d > 0:
+            self._off_steps = 0
+            return d
+        self._off_steps += 1
+        if self._off_steps >= self.probe_every:
+            self._off_steps = 0
+            return min(self.probe_len, self.k)
+        return 0
+
+    def observe(self, num_draft: int, num_accepted: int, tokens_forwarded: int, seconds: float) -> None:
+        """After a step: drafts verified, drafts accepted, tokens in the forward, its wall time."""
+        if num_draft > 0:
+            # positions tried: the accepted ones, plus the first rejected one if any
+            tried = num_accepted + (1 if num_accepted < num_draft else 0)
+            self._succ = (1 - self.ema) * self._succ + num_accepted
+            self._tried = (1 - self.ema) * self._tried + tried
+            self.alpha = self._succ / self._tried if self._tried > 0 else self.alpha
+        old = self.costs.get(tokens_forwarded)
+        self.costs[tokens_forwarded] = seconds if old is None else old + self.ema * (seconds - old)

@@ -1,0 +1,78 @@
+"""The adaptive draft-length controller on synthetic traces."""
+
+from __future__ import annotations
+
+from specctl.runtime.controller import DraftLengthController
+
+
+def costs_flat(k: int) -> dict[int, float]:
+    """Verifying k tokens costs about one decode step (bf16 on CPU, a big model)."""
+    return {t: 0.1 * (1 + 0.02 * (t - 1)) for t in range(1, k + 2)}
+
+
+def costs_steep(k: int) -> dict[int, float]:
+    """Each extra token costs 30% of a decode step (fp32 on CPU, a small model)."""
+    return {t: 0.1 * (1 + 0.3 * (t - 1)) for t in range(1, k + 2)}
+
+
+def run_trace(c: DraftLengthController, accept_prob_per_token: float, steps: int) -> list[int]:
+    """Feed steps where each drafted token is accepted deterministically at the given rate."""
+    lens = []
+    for _ in range(steps):
+        d = c.draft_len()
+        lens.append(d)
+        n = int(round(accept_prob_per_token * d)) if accept_prob_per_token < 1 else d
+        c.observe(d, n, d + 1, c.costs.get(d + 1, 0.1))
+    return lens
+
+
+def test_first_step_measures_plain_cost():
+    c = DraftLengthController(k=8)
+    assert c.draft_len() == 0  # c(1) unknown: take a plain step first
+
+
+def test_high_acceptance_cheap_verify_drafts_long():
+    c = DraftLengthController(k=10, costs=costs_flat(10))
+    lens = run_trace(c, 1.0, 20)
+    assert lens[-1] == 10
+
+
+def test_backs_off_on_low_acceptance_with_costly_verify():
+    c = DraftLengthController(k=10, costs=costs_steep(10), probe_every=1000)
+    for _ in range(10):
+        d = c.draft_len()
+        c.observe(d, 0, d + 1, c.costs[d + 1]) if d else c.observe(0, 0, 1, 0.1)
+    lens = [c.draft_len() for _ in range(7)]
+    assert c.alpha < 0.1
+    assert all(d == 0 for d in lens)  # off
+
+
+def test_probes_while_off_and_recovers_when_acceptance_rises():
+    c = DraftLengthController(k=10, costs=costs_steep(10), probe_every=4)
+    for _ in range(12):  # bad stretch
+        d = c.draft_len()
+        c.observe(d, 0, d + 1, c.costs[d + 1])
+    assert c.best_len() == 0
+    probes = 0
+    lens = []
+    for _ in range(40):  # good stretch: every drafted token accepted
+        d = c.draft_len()
+        probes += d > 0
+        c.observe(d, d, d + 1, c.costs[d + 1])
+        lens.append(d)
+    assert probes > 0
+    assert lens[-1] >= 4  # recovered to long drafts
+
+
+def test_cost_interpolation_and_relative():
+    c = DraftLengthController(k=8, costs={1: 0.1, 5: 0.2})
+    assert c.cost(1) == 1.0
+    assert abs(c.cost(3) - 1.5) < 1e-9
+    assert abs(c.cost(5) - 2.0) < 1e-9
+    assert c.cost(9) == 2.0  # beyond the measured range: the last measured cost
+
+
+def test_expected_tokens_geometric():
+    c = DraftLengthController(k=4, alpha=0.5)
+    assert abs(c.expected_tokens(0) - 1.0) < 1e-9
+    assert abs(c.expected_tokens(2) - 1.75) < 1e-9
