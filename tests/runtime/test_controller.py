@@ -76,3 +76,28 @@ def test_expected_tokens_geometric():
     c = DraftLengthController(k=4, alpha=0.5)
     assert abs(c.expected_tokens(0) - 1.0) < 1e-9
     assert abs(c.expected_tokens(2) - 1.75) < 1e-9
+
+
+def test_adaptive_decoding_stays_lossless(tiny_model_factory):
+    import torch
+
+    from specctl.config import SpecConfig
+    from specctl.runtime.decoder import SamplingParams, SpecDecoder
+    from specctl.runtime.model import load_transformer
+    from specctl.runtime.proposers import build_proposer
+    from specctl.runtime.runner import TargetRunner
+
+    folder = tiny_model_factory("qwen2", initializer_range=0.05, hidden_size=128, intermediate_size=256)
+    runner = TargetRunner(load_transformer(folder, torch.float32), 256)
+    cfg = SpecConfig(method="ngram", num_speculative_tokens=8, prompt_lookup_min=1).validated()
+    plain = SpecDecoder(runner)
+    adaptive = SpecDecoder(runner, build_proposer(cfg, 256), 8, adaptive=True)
+    g = torch.Generator().manual_seed(5)
+    drafted = 0
+    for _ in range(10):
+        prompt = (torch.randint(0, 128, (6,), generator=g).tolist() * 3)[:16]
+        want = plain.generate(prompt, SamplingParams(max_new_tokens=40)).token_ids
+        got = adaptive.generate(prompt, SamplingParams(max_new_tokens=40))
+        assert got.token_ids == want
+        drafted += got.stats.num_draft_tokens
+    assert drafted > 0 and adaptive._costs.get(1)  # it measured plain steps and did draft
