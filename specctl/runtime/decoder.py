@@ -78,6 +78,7 @@ class DecodeState:
     t_start: float = 0.0
     t_first: float = 0.0
     controller: DraftLengthController | None = None
+    hidden: torch.Tensor | None = None  # [1, H] target's final hidden state at the position that produced `last`
 
     def result(self) -> GenerationResult:
         t_end = time.perf_counter()
@@ -137,6 +138,8 @@ class SpecDecoder:
             self.proposer.start_request(slot, ctx[0, :T])
         st.t_start = time.perf_counter()
         logits = runner.forward(torch.tensor([prompt_ids], dtype=torch.long), logits="last")  # [1, 1, V]
+        if self.proposer is not None and self.proposer.needs_hidden_states:
+            st.hidden = runner.last_hidden[:, -1]
         if params.greedy:
             first = int(runner.greedy(logits, margins=st.margins if params.record_margins else None)[0, -1])
         else:
@@ -158,8 +161,7 @@ class SpecDecoder:
             k = min(k, st.controller.draft_len())
         draft_ids, num_draft, draft_probs = _EMPTY, _ZERO, None
         if k > 0:
-            d = self.proposer.propose(st.ctx, np.array([st.n_ctx], dtype=np.int32), k,
-                                      runner.last_hidden[:, -1] if self.proposer.needs_hidden_states else None)
+            d = self.proposer.propose(st.ctx, np.array([st.n_ctx], dtype=np.int32), k, st.hidden)
             nd = int(d.num_tokens[0])
             if nd > 0:
                 draft_ids, num_draft = d.token_ids[:, :nd], d.num_tokens
@@ -182,6 +184,8 @@ class SpecDecoder:
         if params.record_margins and params.greedy:
             st.margins.extend(margins[:n])
         runner.rollback(base + n)  # last + (n-1) accepted drafts are valid
+        if self.proposer is not None and self.proposer.needs_hidden_states:
+            st.hidden = runner.last_hidden[:, n - 1]  # row n-1 produced the step's final token
         st.stats.observe(nd, n - 1)
         if self.proposer is not None:
             self.proposer.on_verified(st.slot, n - 1, emitted)
