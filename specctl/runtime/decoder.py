@@ -135,6 +135,7 @@ class SpecDecoder:
             st.controller = DraftLengthController(self.k, costs=self._costs)
         runner.reset()
         if self.proposer is not None:
+            self.proposer.set_sampling(slot, params, generator)
             self.proposer.start_request(slot, ctx[0, :T])
         st.t_start = time.perf_counter()
         logits = runner.forward(torch.tensor([prompt_ids], dtype=torch.long), logits="last")  # [1, 1, V]

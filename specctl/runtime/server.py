@@ -25,19 +25,14 @@ What it does not know: how a step drafts and verifies (SpecDecoder, proposers), 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import json
 import logging
 import secrets
-import threading
 import time
 import uuid
-from collections import Counter, deque
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from typing import Any, Optional, Union
 
-import torch
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -46,12 +41,11 @@ from starlette.responses import StreamingResponse
 
 from specctl.bench.workloads import Request as ChatPrompt
 from specctl.bench.workloads import render_prompt
-from specctl.config import SpecConfig
 from specctl.errors import UsageError
-from specctl.runtime.decoder import DecodeState, SamplingParams, SpecDecoder
+from specctl.runtime.decoder import SamplingParams
 from specctl.runtime.metrics import SpecStats
-from specctl.runtime.proposers import build_proposer
-from specctl.runtime.runner import LoadedModel, TargetRunner
+from specctl.runtime.runner import LoadedModel
+from specctl.runtime.engine import Engine, EngineRequest, _copy_stats
 
 log = logging.getLogger("specctl.serve")
 
@@ -72,253 +66,6 @@ def resolve_max_model_len(loaded: LoadedModel, requested: int | None) -> int:
 
 
 # =========================================================================== engine
-
-
-@dataclass
-class Event:
-    """Engine -> handler: new tokens, then (last event) why the request ended."""
-
-    tokens: list[int]
-    stats: SpecStats  # a copy, as of these tokens
-    finish: str | None = None  # "stop" | "length" | "abort"; None while running
-    error: str | None = None
-
-
-class EngineRequest:
-    """One request's link between its HTTP handler (event loop) and the engine thread."""
-
-    _ids = itertools.count()
-
-    def __init__(self, prompt_ids: list[int], params: SamplingParams, seed: int | None,
-                 loop: asyncio.AbstractEventLoop, request_id: str | None = None):
-        self.id = request_id or f"req-{next(self._ids)}"
-        self.prompt_ids, self.params, self.seed = prompt_ids, params, seed
-        self.loop = loop
-        self.queue: asyncio.Queue[Event] = asyncio.Queue()
-        self.abort_reason: str | None = None  # set by the handler side; the engine checks it every step
-        self.done = False  # set by the engine (under its lock) before the last event is posted
-        self.t_arrival = time.perf_counter()
-
-
-class EngineMetrics:
-    """Counters over all requests (read by /metrics); updated by the engine thread."""
-
-    def __init__(self):
-        self.lock = threading.Lock()
-        self.spec = SpecStats()
-        self.prompt_tokens = 0
-        self.generation_tokens = 0
-        self.finished: Counter[str] = Counter()  # finished_reason -> requests
-
-
-class Engine:
-    """The engine thread: a KV-cache pool, a FIFO queue, and round-robin stepping (see module doc)."""
-
-    def __init__(self, loaded: LoadedModel, spec: SpecConfig | None, max_model_len: int, max_num_seqs: int = 8):
-        if max_num_seqs < 1:
-            raise UsageError(f"--max-num-seqs must be >= 1, got {max_num_seqs}", "pass e.g. --max-num-seqs 8")
-        self.loaded, self.spec = loaded, spec
-        self.max_model_len, self.max_num_seqs = max_model_len, max_num_seqs
-        self.k = spec.num_speculative_tokens if spec is not None else 0
-        self.metrics = EngineMetrics()
-        self.num_running = 0
-        self._cv = threading.Condition()
-        self._waiting: deque[EngineRequest] = deque()
-        self._free: list[int] = []
-        self._thread: threading.Thread | None = None
-        self._stopping = False
-        self._ready = threading.Event()
-        self.failure: BaseException | None = None
-        self._torch_threads = torch.get_num_threads()  # per-thread setting: carried into the engine thread
-
-    # ------------------------------------------------------------------ handler side (any thread)
-    @property
-    def num_waiting(self) -> int:
-        return len(self._waiting)
-
-    @property
-    def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and self.failure is None
-
-    def kv_cache_bytes(self) -> int:
-        a = self.loaded.model.args
-        elem = torch.finfo(self.loaded.dtype).bits // 8
-        return 2 * a.num_layers * a.num_kv_heads * a.head_dim * self.max_model_len * elem * self.max_num_seqs
-
-    def start(self) -> None:
-        """Start the thread; returns once the pool is allocated and warmed up (raises its failure)."""
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="specctl-engine", daemon=True)
-            self._thread.start()
-        self._ready.wait()
-        if self.failure is not None:
-            raise self.failure
-
-    def shutdown(self, timeout: float = 10.0) -> None:
-        with self._cv:
-            self._stopping = True
-            self._cv.notify()
-        if self._thread is not None:
-            self._thread.join(timeout)
-
-    def submit(self, req: EngineRequest) -> None:
-        with self._cv:
-            if not self.alive:
-                raise RuntimeError(f"the engine is not running ({self.failure or 'stopped'})")
-            self._waiting.append(req)
-            self._cv.notify()
-
-    def abort(self, req: EngineRequest, reason: str = "abort") -> None:
-        """Stop ``req`` ("abort": client gone; "stop": a stop string matched). No-op once it ended."""
-        with self._cv:
-            if req.done:
-                return
-            if req.abort_reason is None:
-                req.abort_reason = reason
-            if req in self._waiting:  # never started: it ends here
-                self._waiting.remove(req)
-                req.done = True
-                self._count_finished(req.abort_reason)
-                self._post(req, Event([], SpecStats(), finish=req.abort_reason))
-            self._cv.notify()
-
-    # ------------------------------------------------------------------ engine thread
-    def _setup(self) -> None:
-        torch.set_num_threads(self._torch_threads)
-        # TargetRunner's constructor also sets this thread's flush-denormal mode (per thread on x86).
-        runners = [TargetRunner(self.loaded.model, self.max_model_len) for _ in range(self.max_num_seqs)]
-        proposer = None
-        if self.spec is not None:
-            proposer = build_proposer(self.spec, self.max_model_len, target=self.loaded)
-        self._runners = runners
-        self._decoder = SpecDecoder(runners[0], proposer, self.k)
-        self._free = list(range(self.max_num_seqs - 1, -1, -1))  # pop() hands out slot 0 first
-        vocab = self.loaded.model.args.vocab_size
-        if self.max_model_len >= 24 and vocab > 16:  # warm-up: allocator, numba kernels, first-call costs
-            self._decoder.generate([8, 9, 10, 11, 12, 13] * 2, SamplingParams(max_new_tokens=8, ignore_eos=True))
-
-    def _run(self) -> None:
-        try:
-            self._setup()
-        except BaseException as e:  # noqa: BLE001 - reported by start()
-            self.failure = e
-            self._ready.set()
-            return
-        self._ready.set()
-        active: list[tuple[EngineRequest, DecodeState]] = []
-        try:
-            while True:
-                with self._cv:
-                    while not (self._stopping or self._waiting or active):
-                        self._cv.wait()
-                    if self._stopping:
-                        break
-                    admitted = []
-                    while self._waiting and self._free:
-                        admitted.append((self._waiting.popleft(), self._free.pop()))
-                    self.num_running = len(active) + len(admitted)
-                for req, slot in admitted:
-                    st = self._start(req, slot)
-                    if st is not None:
-                        active.append((req, st))
-                still = []
-                for req, st in active:  # one round: one step per request
-                    error = None
-                    if req.abort_reason is None and st.finish is None:
-                        error = self._step(req, st)
-                    if error is not None or req.abort_reason is not None or st.finish is not None:
-                        self._end(req, st, error)
-                    else:
-                        still.append((req, st))
-                active = still
-                self.num_running = len(active)
-        except BaseException as e:  # noqa: BLE001 - a bug in the loop itself: fail every request, stop
-            log.exception("engine thread failed")
-            self.failure = e
-        why = "the server is shutting down" if self.failure is None else f"engine failure: {self.failure}"
-        for req, st in active:
-            self._end(req, st, None if self.failure is None else why, "abort")
-        with self._cv:
-            for req in self._waiting:
-                req.done = True
-                self._post(req, Event([], SpecStats(), finish="abort", error=why))
-            self._waiting.clear()
-        self.num_running = 0
-
-    def _start(self, req: EngineRequest, slot: int) -> DecodeState | None:
-        try:
-            gen = None
-            if not req.params.greedy:
-                gen = torch.Generator(device=self.loaded.device)
-                if req.seed is not None:
-                    gen.manual_seed(req.seed)
-                else:
-                    gen.seed()
-            proposer = self._decoder.proposer
-            if hasattr(proposer, "set_sampling"):  # a draft that samples like its request (draft_model)
-                proposer.set_sampling(slot, req.params, gen)
-            st = self._decoder.start(req.prompt_ids, req.params, gen, runner=self._runners[slot], slot=slot)
-        except Exception as e:  # noqa: BLE001 - this request fails, the engine keeps serving
-            log.warning("request %s failed at prefill: %s", req.id, e)
-            if self._decoder.proposer is not None:
-                self._decoder.proposer.end_request(slot)
-            with self._cv:
-                req.done = True
-                self._free.append(slot)
-                self._count_finished("error")
-            self._post(req, Event([], SpecStats(), finish="abort", error=f"{type(e).__name__}: {e}"))
-            return None
-        with self.metrics.lock:
-            self.metrics.prompt_tokens += len(req.prompt_ids)
-            self.metrics.generation_tokens += len(st.out)
-        self._post(req, Event(list(st.out), _copy_stats(st.stats)))
-        return st
-
-    def _step(self, req: EngineRequest, st: DecodeState) -> str | None:
-        d0, a0 = st.stats.num_draft_tokens, st.stats.num_accepted_tokens
-        try:
-            emitted = self._decoder.step(st)
-        except Exception as e:  # noqa: BLE001
-            log.warning("request %s failed at step %d: %s", req.id, st.steps, e)
-            return f"{type(e).__name__}: {e}"
-        with self.metrics.lock:  # a step observes at most one draft: the deltas are that observation
-            self.metrics.spec.observe(st.stats.num_draft_tokens - d0, st.stats.num_accepted_tokens - a0)
-            self.metrics.generation_tokens += len(emitted)
-        if emitted:
-            self._post(req, Event(emitted, _copy_stats(st.stats)))
-        return None
-
-    def _end(self, req: EngineRequest, st: DecodeState, error: str | None, reason: str | None = None) -> None:
-        res = self._decoder.finish(st)
-        reason = reason or req.abort_reason or st.finish or "length"
-        with self._cv:
-            req.done = True
-            self._free.append(st.slot)
-            self._count_finished("error" if error else reason)
-            self._cv.notify()
-        self._post(req, Event([], _copy_stats(st.stats), finish=reason, error=error))
-        s = res.stats
-        log.info("%s: %d prompt + %d new tokens, %s, %.1f tok/s decode, %.2f mean acceptance length, "
-                 "queued %.2fs", req.id, len(req.prompt_ids), len(res.token_ids), error or reason,
-                 res.decode_tokens_per_s, s.mean_acceptance_length, st.t_start - req.t_arrival)
-
-    def _count_finished(self, reason: str) -> None:
-        with self.metrics.lock:
-            self.metrics.finished[reason] += 1
-
-    @staticmethod
-    def _post(req: EngineRequest, ev: Event) -> None:
-        try:
-            req.loop.call_soon_threadsafe(req.queue.put_nowait, ev)
-        except RuntimeError:  # the event loop is closed: nobody is listening any more
-            pass
-
-
-def _copy_stats(s: SpecStats) -> SpecStats:
-    return SpecStats(s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens, list(s.num_accepted_tokens_per_pos))
-
-
-# =========================================================================== text out
 
 
 class TextStream:

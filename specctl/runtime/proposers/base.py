@@ -30,6 +30,9 @@ class Proposer:
     def start_request(self, slot: int, prompt_ids: np.ndarray) -> None:
         """A new request enters batch slot ``slot`` with its prompt (int32 [T])."""
 
+    def set_sampling(self, slot: int, params, generator: torch.Generator | None = None) -> None:
+        """The request in ``slot`` samples with ``params`` (SamplingParams); a drafting model may follow."""
+
     def propose(
         self,
         token_ids: np.ndarray,  # [batch, max_len] int32, row b valid up to num_tokens[b]
