@@ -71,12 +71,14 @@ class EngineMetrics:
 class Engine:
     """The engine thread: a KV-cache pool, a FIFO queue, and round-robin stepping (see module doc)."""
 
-    def __init__(self, loaded: LoadedModel, spec: SpecConfig | None, max_model_len: int, max_num_seqs: int = 8):
+    def __init__(self, loaded: LoadedModel, spec: SpecConfig | None, max_model_len: int, max_num_seqs: int = 8,
+                 adaptive: bool = True):
         if max_num_seqs < 1:
             raise UsageError(f"--max-num-seqs must be >= 1, got {max_num_seqs}", "pass e.g. --max-num-seqs 8")
         self.loaded, self.spec = loaded, spec
         self.max_model_len, self.max_num_seqs = max_model_len, max_num_seqs
         self.k = spec.num_speculative_tokens if spec is not None else 0
+        self.adaptive = adaptive
         self.metrics = EngineMetrics()
         self.num_running = 0
         self._cv = threading.Condition()
@@ -148,7 +150,7 @@ class Engine:
         if self.spec is not None:
             proposer = build_proposer(self.spec, self.max_model_len, target=self.loaded)
         self._runners = runners
-        self._decoder = SpecDecoder(runners[0], proposer, self.k)
+        self._decoder = SpecDecoder(runners[0], proposer, self.k, adaptive=self.adaptive)
         self._free = list(range(self.max_num_seqs - 1, -1, -1))  # pop() hands out slot 0 first
         vocab = self.loaded.model.args.vocab_size
         if self.max_model_len >= 24 and vocab > 16:  # warm-up: allocator, numba kernels, first-call costs

@@ -100,7 +100,7 @@ def loaded(tiny_model_factory):
 
 @pytest.fixture(scope="module")
 def server(loaded):
-    with LiveServer(Engine(loaded, SpecConfig.from_dict(dict(SPEC)), MAX_LEN, max_num_seqs=4)) as s:
+    with LiveServer(Engine(loaded, SpecConfig.from_dict(dict(SPEC)), MAX_LEN, max_num_seqs=4, adaptive=False)) as s:
         yield s
 
 
@@ -330,7 +330,7 @@ class SlowEngine(Engine):
 @pytest.fixture(scope="module")
 def keyed_server(loaded):
     """A second server: API key required, one slot (so a leaked slot would block the next request)."""
-    engine = SlowEngine(loaded, SpecConfig.from_dict(dict(SPEC)), MAX_LEN, max_num_seqs=1)
+    engine = SlowEngine(loaded, SpecConfig.from_dict(dict(SPEC)), MAX_LEN, max_num_seqs=1, adaptive=False)
     with LiveServer(engine, api_key="s3cret") as s:
         yield s
 
