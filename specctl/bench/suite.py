@@ -43,12 +43,25 @@ class MethodRun:
     first_divergence: list = field(default_factory=list)  # per request: index or None
     divergence_margins: list = field(default_factory=list)  # baseline's top-1 - top-2 logit gap there
     stats: SpecStats = field(default_factory=SpecStats)
+    rep_tokens: dict = field(default_factory=dict)  # repetition -> decode tokens
+    rep_s: dict = field(default_factory=dict)  # repetition -> decode seconds
+
+    @property
+    def rep_rates(self) -> list[float]:
+        return sorted(self.rep_tokens[r] / self.rep_s[r] for r in self.rep_tokens if self.rep_s[r] > 0)
 
     @property
     def tokens_per_s(self) -> float:
-        return self.decode_tokens / self.decode_s if self.decode_s > 0 else 0.0
+        """Median over repetitions of (decode tokens / decode seconds) summed over the prompts."""
+        rates = self.rep_rates
+        if not rates:
+            return 0.0
+        mid = len(rates) // 2
+        return rates[mid] if len(rates) % 2 else (rates[mid - 1] + rates[mid]) / 2
 
-    def add(self, res: GenerationResult, baseline: GenerationResult | None) -> None:
+    def add(self, res: GenerationResult, baseline: GenerationResult | None, rep: int = 0) -> None:
+        self.rep_tokens[rep] = self.rep_tokens.get(rep, 0) + max(len(res.token_ids) - 1, 0)
+        self.rep_s[rep] = self.rep_s.get(rep, 0.0) + res.decode_s
         self.new_tokens += len(res.token_ids)
         self.decode_tokens += max(len(res.token_ids) - 1, 0)
         self.decode_s += res.decode_s
@@ -79,14 +92,19 @@ class BenchReport:
 
     def rows(self) -> list[dict]:
         base = {r.workload: r for r in self.runs if r.method == BASELINE}
+        hf_base = {r.workload: r for r in self.runs if r.method == "hf:plain"}
         out = []
         for r in self.runs:
-            b = base.get(r.workload)
+            # specctl methods against specctl's plain decoding; transformers peers against hf:plain
+            b = (hf_base if r.method.startswith("hf:") else base).get(r.workload)
             speedup = r.tokens_per_s / b.tokens_per_s if b and b.tokens_per_s > 0 else None
             out.append({
                 "workload": r.workload, "method": r.method, "k": r.k, "config": r.config,
                 "requests": r.num_requests, "new_tokens": r.new_tokens,
-                "tokens_per_s": r.tokens_per_s, "speedup": speedup,
+                "tokens_per_s": r.tokens_per_s, "tokens_per_s_min": min(r.rep_rates, default=0.0),
+                "tokens_per_s_max": max(r.rep_rates, default=0.0), "runs": len(r.rep_rates), "speedup": speedup,
+                "speedup_vs_specctl_baseline": (r.tokens_per_s / base[r.workload].tokens_per_s
+                                                if r.workload in base and base[r.workload].tokens_per_s > 0 else None),
                 "ttft_s": r.prefill_s / max(r.num_requests, 1),
                 "target_forwards": r.steps,
                 "identical_to_baseline": r.identical if r.method != BASELINE else r.num_requests,
@@ -124,6 +142,8 @@ def run_bench(
     seed: int = 0,
     progress=None,  # callable(advance: int, description: str) or None
     adaptive: bool = True,
+    peers: tuple[str, ...] = (),
+    runs: int = 1,
 ) -> BenchReport:
     tok = loaded.tokenizer
     prompts: dict[str, list[tuple[Request, list[int]]]] = {}
@@ -137,30 +157,53 @@ def run_bench(
         decoders.append((c.method, c, SpecDecoder(runner, build_proposer(c, runner.max_len, target=loaded),
                                                    c.num_speculative_tokens, adaptive=adaptive)))
 
+    hf = None
+    if "hf" in peers:
+        from specctl.bench.peers import HFPeers
+        from specctl.models import resolve_model
+
+        draft = next((c for c in configs if c.method == "draft_model"), None)
+        k = next((c.num_speculative_tokens for c in configs if c.method == "ngram"), 10)
+        hf = HFPeers(loaded.path, loaded.dtype, prompt_lookup_k=k,
+                     draft_path=resolve_model(draft.model, dtype=str(loaded.dtype).removeprefix("torch.")) if draft else None)
+
     # warm-up: every decoder once on a short prompt (numba compilation, first-call allocations)
     warm_ids = next(iter(prompts.values()))[0][1][:64]
     for _, _, dec in decoders:
         dec.generate(warm_ids, SamplingParams(max_new_tokens=8, temperature=params.temperature), _gen(seed))
+    if hf is not None:
+        for peer in hf.peers:
+            hf.run(peer, warm_ids, 8, loaded.stop_token_ids)
 
-    runs: list[MethodRun] = []
+    runs_out: list[MethodRun] = []
     for w, reqs in prompts.items():
         wruns = [MethodRun(name, w, 0 if c is None else c.num_speculative_tokens, {} if c is None else c.to_dict())
                  for name, c, _ in decoders]
+        peer_runs = [MethodRun(p.name, w, p.kwargs.get("prompt_lookup_num_tokens", 0), {}) for p in (hf.peers if hf else [])]
         for req, ids in reqs:
-            baseline_res = None
-            for (name, _, dec), run in zip(decoders, wruns):
-                if progress:
-                    progress(0, f"{w} · {name} · {req.id}")
-                res = dec.generate(ids, replace(params, record_margins=name == BASELINE and params.greedy), _gen(seed))
-                if name == BASELINE:
-                    baseline_res = res
-                    run.add(res, None)
-                else:
-                    run.add(res, baseline_res if params.greedy else None)
-                if progress:
-                    progress(1, f"{w} · {name} · {req.id}")
-        runs.extend(wruns)
-    return BenchReport(machine_header(loaded, params.max_new_tokens, params.temperature), runs)
+            for rep in range(runs):
+                baseline_res = None
+                for (name, _, dec), run in zip(decoders, wruns):
+                    if progress:
+                        progress(0, f"{w} · {name} · {req.id}")
+                    res = dec.generate(ids, replace(params, record_margins=name == BASELINE and params.greedy), _gen(seed))
+                    if name == BASELINE:
+                        baseline_res = res
+                        run.add(res, None, rep)
+                    else:
+                        run.add(res, baseline_res if params.greedy else None, rep)
+                    if progress:
+                        progress(1, f"{w} · {name} · {req.id}")
+                for peer, run in zip(hf.peers if hf else [], peer_runs):
+                    if progress:
+                        progress(0, f"{w} · {peer.name} · {req.id}")
+                    run.add(hf.run(peer, ids, params.max_new_tokens, loaded.stop_token_ids),
+                            baseline_res if params.greedy else None, rep)
+                    if progress:
+                        progress(1, f"{w} · {peer.name} · {req.id}")
+        all_w = wruns + peer_runs
+        runs_out.extend(all_w)
+    return BenchReport(machine_header(loaded, params.max_new_tokens, params.temperature), runs_out)
 
 
 def _gen(seed: int) -> torch.Generator:

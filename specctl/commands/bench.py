@@ -9,6 +9,8 @@ import typer
 
 from specctl.commands._options import DeviceOpt, DtypeOpt, JsonOpt, ModelOpt, SeedOpt
 
+PEERS = ("hf",)
+
 HELP = """Measure speculative methods on real workloads against the plain-decoding baseline.
 
 Every prompt runs without speculation and with each method in the same run; the table shows decode
@@ -22,6 +24,8 @@ Examples:
   specctl bench --model qwen2.5-coder-1.5b --method ngram -k 10 --workload code-edit --json
 
   specctl bench --speculative-config '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}'
+
+  specctl bench --model qwen2.5-coder-1.5b --method ngram --peer hf --runs 3 --csv out.csv --plot plots/
 """
 
 
@@ -34,6 +38,10 @@ def bench(
     num_prompts: Annotated[int, typer.Option("--num-prompts", "-n", help="Prompts per workload.")] = 4,
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", help="Tokens generated per prompt.")] = 128,
     temperature: Annotated[float, typer.Option("--temperature", help="0 = greedy (outputs comparable token for token).")] = 0.0,
+    peer: Annotated[Optional[list[str]], typer.Option("--peer", help="Also run peers on the same prompts: hf (transformers generate: plain, prompt lookup, assisted).")] = None,
+    runs: Annotated[int, typer.Option("--runs", help="Repeat every prompt N times; tok/s is the median over repetitions (min/max in --json).")] = 1,
+    csv_out: Annotated[Optional[str], typer.Option("--csv", help="Also write the results as CSV to this file.")] = None,
+    plot: Annotated[Optional[str], typer.Option("--plot", help="Also write speedup.png and acceptance.png into this folder.")] = None,
     fixed_k: Annotated[bool, typer.Option("--fixed-k", help="Always draft k tokens (default: adapt the draft length per request to what pays).")] = False,
     seed: SeedOpt = 0,
     dtype: DtypeOpt = "bfloat16",
@@ -53,6 +61,12 @@ def bench(
     if temperature < 0:
         raise UsageError(f"--temperature must be >= 0, got {temperature}", "use 0 for greedy")
     workloads = workload or ["code-edit", "chat"]
+    peers = tuple(peer or ())
+    for p in peers:
+        if p not in PEERS:
+            raise UsageError(f"unknown peer '{p}'", f"use one of: {', '.join(PEERS)}")
+    if runs < 1:
+        raise UsageError(f"--runs must be >= 1, got {runs}", "pass e.g. --runs 3")
 
     from rich.console import Console
 
@@ -76,7 +90,8 @@ def bench(
 
     torch.manual_seed(seed)
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, stop_token_ids=loaded.stop_token_ids)
-    total = len(workloads) * num_prompts * (len(configs) + 1)
+    n_peers = 0 if "hf" not in peers else 2 + any(c.method == "draft_model" for c in configs)
+    total = len(workloads) * num_prompts * (len(configs) + 1 + n_peers) * runs
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     with Progress(TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -84,11 +99,21 @@ def bench(
         task = prog.add_task("warm-up", total=total)
         report = run_bench(loaded, configs, workloads, num_prompts, params, seed,
                            progress=lambda adv, desc: prog.update(task, advance=adv, description=desc),
-                           adaptive=not fixed_k)
+                           adaptive=not fixed_k, peers=peers, runs=runs)
     report.header["draft_length"] = "fixed k" if fixed_k else "adaptive (up to k)"
 
+    rows = report.rows()
+    if csv_out:
+        from specctl.bench.report import write_csv
+
+        err.log(f"wrote {write_csv(rows, csv_out)}")
+    if plot:
+        from specctl.bench.report import write_plots
+
+        for p in write_plots(rows, report.header, plot):
+            err.log(f"wrote {p}")
     if json_out:
-        typer.echo(json.dumps({"header": report.header, "results": report.rows()}, indent=2))
+        typer.echo(json.dumps({"header": report.header, "results": rows}, indent=2))
         return
     render(report)
 
@@ -102,22 +127,28 @@ def render(report) -> None:
     title = (f"{h['model']} · {h['dtype']} · {h['device']} ({h['machine']}, {h['threads']} threads) · "
              f"torch {h['torch']} · {h['max_new_tokens']} new tokens · temperature {h['temperature']} · "
              f"draft length {h.get('draft_length', 'fixed k')}")
-    t = Table(title=title, title_justify="left")
+    t = Table(title=title, title_justify="left",
+              caption="speedup: specctl methods over specctl's plain decoding; hf:* over hf:plain. "
+                      "= base: outputs equal to specctl's plain output.", caption_justify="left")
     for col in ("workload", "method", "k", "tok/s", "speedup", "accept", "acc. len", "per-position", "= base"):
         t.add_column(col, justify="left" if col in ("workload", "method", "per-position") else "right", no_wrap=True)
     for r in report.rows():
         base = r["method"] == "baseline"
+        no_stats = base or r["method"].startswith("hf:")
         per_pos = " ".join(f"{x:.2f}" for x in r["acceptance_rate_per_pos"][:4])
         if len(r["acceptance_rate_per_pos"]) > 4:
             per_pos += " …"
         same = "—" if base else (f"{r['identical_to_baseline']}/{r['requests']}" if r["first_divergence"] else "n/a (sampling)")
         if r["divergence_margins"]:
             same += f" (tie Δ≤{max(r['divergence_margins']):.2g})"
+        tps = f"{r['tokens_per_s']:.2f}"
+        if r["runs"] > 1:
+            tps += f" [{r['tokens_per_s_min']:.1f}–{r['tokens_per_s_max']:.1f}]"
         t.add_row(
-            r["workload"], r["method"], "—" if base else str(r["k"]), f"{r['tokens_per_s']:.2f}",
+            r["workload"], r["method"], "—" if no_stats and not r["k"] else str(r["k"]), tps,
             f"{r['speedup']:.2f}x" if r["speedup"] is not None else "—",
-            "—" if base else f"{r['acceptance_rate']:.2f}", "—" if base else f"{r['mean_acceptance_length']:.2f}",
-            "—" if base else per_pos, same,
+            "—" if no_stats else f"{r['acceptance_rate']:.2f}", "—" if no_stats else f"{r['mean_acceptance_length']:.2f}",
+            "—" if no_stats else per_pos, same,
         )
     out.print(t)
 

@@ -80,3 +80,29 @@ def test_bad_input_one_line_error(args, code, needle, tmp_path):
     assert len(lines) == 1, r.stderr  # one line, no traceback
     assert "Traceback" not in r.stderr
     assert needle.lower() in lines[0].lower()
+
+
+def test_bench_csv_plot_runs_and_hf_peer(tiny_model_dir, prompts_file, tmp_path):
+    import csv
+
+    out_csv, plots = tmp_path / "r.csv", tmp_path / "plots"
+    r = run_cli("bench", "--model", str(tiny_model_dir), "--dtype", "float32", "-w", str(prompts_file), "-n", "2",
+                "--max-new-tokens", "12", "--runs", "2", "--peer", "hf", "--csv", str(out_csv), "--plot", str(plots),
+                "--json", env_extra={"SPECCTL_CACHE": str(tmp_path / "cache")})
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(r.stdout)["results"]
+    methods = [x["method"] for x in rows]
+    assert methods == ["baseline", "ngram", "hf:plain", "hf:prompt-lookup"]
+    assert all(x["runs"] == 2 and x["tokens_per_s_min"] <= x["tokens_per_s"] <= x["tokens_per_s_max"] for x in rows)
+    # the CSV carries the same numbers as the JSON
+    with open(out_csv) as fh:
+        csv_rows = list(csv.DictReader(fh))
+    assert [c["method"] for c in csv_rows] == methods
+    for c, j in zip(csv_rows, rows):
+        assert float(c["tokens_per_s"]) == pytest.approx(j["tokens_per_s"])
+        assert float(c["acceptance_rate"]) == pytest.approx(j["acceptance_rate"])
+        assert int(c["num_accepted_tokens"]) == j["num_accepted_tokens"]
+    for name in ("speedup.png", "acceptance.png"):
+        assert (plots / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # transformers' greedy output on the same prompts equals specctl's plain output (fp32)
+    assert next(x for x in rows if x["method"] == "hf:plain")["identical_to_baseline"] == 4

@@ -1,0 +1,58 @@
+"""Peers for `specctl bench --peer hf`: transformers' own generation on the same prompts, same run.
+
+  hf:plain          model.generate, greedy
+  hf:prompt-lookup  model.generate(prompt_lookup_num_tokens=k)  (transformers' n-gram speculation)
+  hf:assisted       model.generate(assistant_model=draft)       (when a draft_model config is benched;
+                    with the draft's own tokenizer where it differs: universal assisted generation)
+
+Timing: generate() does not report prefill apart, so decode time = time of the full generate minus
+the time of a 1-token generate on the same prompt (its prefill + first token), measured just before.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from specctl.runtime.decoder import GenerationResult
+from specctl.runtime.metrics import SpecStats
+
+
+@dataclass
+class HFPeer:
+    name: str
+    kwargs: dict
+
+
+class HFPeers:
+    """Loads the target (and a draft) with transformers once; runs each peer mode per prompt."""
+
+    def __init__(self, model_path, dtype: torch.dtype, prompt_lookup_k: int = 10, draft_path=None):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=dtype).eval()
+        self.tokenizer = AutoTokenizer.from_pretrained(str(model_path))
+        self.peers = [HFPeer("hf:plain", {}), HFPeer("hf:prompt-lookup", {"prompt_lookup_num_tokens": prompt_lookup_k})]
+        if draft_path is not None:
+            draft = AutoModelForCausalLM.from_pretrained(str(draft_path), dtype=dtype).eval()
+            dtok = AutoTokenizer.from_pretrained(str(draft_path))
+            kw = {"assistant_model": draft}
+            if dtok.get_vocab() != self.tokenizer.get_vocab():
+                kw.update(tokenizer=self.tokenizer, assistant_tokenizer=dtok)
+            self.peers.append(HFPeer("hf:assisted", kw))
+
+    @torch.inference_mode()
+    def run(self, peer: HFPeer, prompt_ids: list[int], max_new_tokens: int, stop_ids) -> GenerationResult:
+        x = torch.tensor([prompt_ids])
+        common = dict(do_sample=False, eos_token_id=list(stop_ids) or None, pad_token_id=(list(stop_ids) or [0])[0])
+        t0 = time.perf_counter()
+        self.model.generate(x, max_new_tokens=1, **common)
+        t1 = time.perf_counter()
+        out = self.model.generate(x, max_new_tokens=max_new_tokens, **common, **peer.kwargs)
+        t2 = time.perf_counter()
+        tokens = out[0, len(prompt_ids):].tolist()
+        finish = "stop" if tokens and tokens[-1] in set(stop_ids) else "length"
+        prefill = t1 - t0
+        return GenerationResult(tokens, finish, SpecStats(), prefill, max(t2 - t1 - prefill, 1e-9), 0)
