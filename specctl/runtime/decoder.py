@@ -141,6 +141,7 @@ class SpecDecoder:
         logits = runner.forward(torch.tensor([prompt_ids], dtype=torch.long), logits="last")  # [1, 1, V]
         if self.proposer is not None and self.proposer.needs_hidden_states:
             st.hidden = runner.last_hidden[:, -1]
+            self.proposer.on_target_hidden(slot, runner.last_hidden, runner.last_aux)
         if params.greedy:
             first = int(runner.greedy(logits, margins=st.margins if params.record_margins else None)[0, -1])
         else:
@@ -187,6 +188,8 @@ class SpecDecoder:
         runner.rollback(base + n)  # last + (n-1) accepted drafts are valid
         if self.proposer is not None and self.proposer.needs_hidden_states:
             st.hidden = runner.last_hidden[:, n - 1]  # row n-1 produced the step's final token
+            aux = runner.last_aux
+            self.proposer.on_target_hidden(st.slot, runner.last_hidden[:, :n], None if aux is None else aux[:, :n])
         st.stats.observe(nd, n - 1)
         if self.proposer is not None:
             self.proposer.on_verified(st.slot, n - 1, emitted)

@@ -187,6 +187,11 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.lm_head = None if a.tie_word_embeddings else nn.Linear(a.hidden_size, a.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(a), persistent=False)
+        # Layers whose *input* hidden state (the residual stream, as vLLM's aux hidden states and
+        # transformers' hidden_states[i]) a proposer wants, e.g. EAGLE-3's (2, L//2, L-3). After a
+        # forward, ``aux_out`` holds them concatenated: [B, T, len(aux_layers) * H], else None.
+        self.aux_layers: tuple[int, ...] = ()
+        self.aux_out: torch.Tensor | None = None
 
     @property
     def head_weight(self) -> torch.Tensor:
@@ -207,8 +212,12 @@ class Transformer(nn.Module):
         """
         x = self.embed(tokens)
         cos, sin = self.rope(start, tokens.shape[1], x.dtype)
+        aux = []
         for i, layer in enumerate(self.layers):
+            if i in self.aux_layers:
+                aux.append(x)
             x = layer(x, cos, sin, cache.k[i], cache.v[i], start, mask)
+        self.aux_out = torch.cat(aux, dim=-1) if aux else None
         h = self.norm(x)
         if logits == "none":
             return None, h

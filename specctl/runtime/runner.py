@@ -57,6 +57,7 @@ class TargetRunner:
         self.device = p.device
         self.length = 0
         self.last_hidden: torch.Tensor | None = None  # [B, T, H] of the latest forward
+        self.last_aux: torch.Tensor | None = None  # [B, T, len(model.aux_layers) * H], when asked
 
     @property
     def vocab_size(self) -> int:
@@ -85,6 +86,7 @@ class TargetRunner:
         out, hidden = self.model(tokens.to(self.device), start, self.cache, mask, logits=logits)
         self.length = start + T
         self.last_hidden = hidden
+        self.last_aux = self.model.aux_out
         return out
 
     @torch.inference_mode()

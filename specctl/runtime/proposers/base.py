@@ -42,6 +42,14 @@ class Proposer:
     ) -> DraftOutput:
         raise NotImplementedError
 
+    def on_target_hidden(self, slot: int, hidden: torch.Tensor, aux: torch.Tensor | None) -> None:
+        """Only with ``needs_hidden_states``: the target's states of the rows now in its cache.
+
+        Called after the prefill (every prompt row) and after each verification (the rows kept:
+        the previous last token and the accepted drafts). hidden: [1, T, H] final-normed (what
+        the LM head reads); aux: [1, T, A*H] the inputs of ``target.model.aux_layers``, or None.
+        """
+
     def on_verified(self, slot: int, num_accepted: int, emitted: list[int]) -> None:
         """After verification: ``num_accepted`` drafts kept, ``emitted`` tokens appended."""
 
