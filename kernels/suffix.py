@@ -288,18 +288,19 @@ def tree_extend(nd, meta, hk, hv, pool, seq_off, seq_len, act, depth, seq, token
 
 
 @njit(cache=True)
-def tree_remove(nd, meta, hk, hv, pool, seq_off, seq_len, depth, seq, start, path):
-    """Remove the entries of complete sequence ``seq`` from ``start`` on; returns the start reached.
+def tree_remove(nd, meta, hk, hv, pool, seq_off, seq_len, depth, seq, path):
+    """Remove the entries of the complete sequence ``seq`` (counts down, nodes left at 0 freed).
 
-    Must be the oldest sequence in the tree, with none growing: then a node whose count falls to 1
-    has, as its most-recent reference, its surviving occurrence, so it becomes a leaf again by
-    freeing what is below it. Entries go in order of start (path: int32 scratch [D]).
+    A node whose count falls to 1 becomes a leaf again: what is below it is freed, and its
+    reference (the most recent entry through it) already points at the survivor, because entries
+    leave oldest first: ``seq`` must be the oldest sequence (FIFO), none may be growing, and its
+    entries go in order of start; the survivor is then newer than every entry removed so far.
+    path: int32 scratch [D].
     """
     D = depth
     base = seq_off[seq]
     n = seq_len[seq]
-    i = start
-    while i < n:
+    for i in range(n):
         end = min(i + D, n)
         node = ROOT
         plen = 0
@@ -325,8 +326,6 @@ def tree_remove(nd, meta, hk, hv, pool, seq_off, seq_len, depth, seq, start, pat
                 if nd[x, CNT] == 0:
                     _free_node(nd, meta, hk, hv, x)
                 break
-        i += 1
-    return i
 
 
 # ------------------------------------------------------------------------------ drafting
@@ -467,12 +466,12 @@ class SuffixTree:
 
     def remove_oldest(self) -> None:
         """Evict the oldest complete sequence: its counts go, nodes left with no occurrence are freed."""
-        if not self.live or self.live[0] == self.growing:
-            raise RuntimeError("no complete sequence to remove")
         if self.growing >= 0:
-            raise RuntimeError("cannot remove while a sequence grows in the same tree")
+            raise RuntimeError("cannot remove while a sequence grows in the same tree; end_seq() it first")
+        if not self.live:
+            raise RuntimeError("no sequence to remove")
         seq = self.live.popleft()
-        tree_remove(self.nd, self.meta, self.hk, self.hv, self.pool, self.seq_off, self.seq_len, self.depth, seq, 0,
+        tree_remove(self.nd, self.meta, self.hk, self.hv, self.pool, self.seq_off, self.seq_len, self.depth, seq,
                     self._path)
         self.seq_len[seq] = 0
         self._free_seqs.append(seq)
@@ -534,8 +533,7 @@ class SuffixTree:
         used = self.pool_used - lo
         if lo > 0:
             self.pool[:used] = self.pool[lo:self.pool_used].copy()
-            for s in self.live:
-                self.seq_off[s] -= lo
+            self.seq_off[list(self.live)] -= lo
             self.pool_used = used
         if used + extra > self.pool.size:
             bigger = np.zeros(_pow2(2 * (used + extra)), dtype=np.int32)

@@ -47,6 +47,7 @@ class ModelArgs:
     tie_word_embeddings: bool
     max_position_embeddings: int
     rope_scaling: dict | None = None
+    num_mtp_layers: int = 0  # DeepSeek-style num_nextn_predict_layers: MTP modules after the main layers
     o_bias: bool = False  # llama attention_bias=True also biases o_proj
     mlp_bias: bool = False
     sliding_window: int | None = None  # each query sees at most this many keys (itself included)
@@ -89,6 +90,7 @@ class ModelArgs:
             o_bias=arch != "qwen2" and bool(cfg.get("attention_bias", False)),
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             sliding_window=int(window) if window else None,
+            num_mtp_layers=int(cfg.get("num_nextn_predict_layers") or 0),
         )
 
 
@@ -306,7 +308,15 @@ def fuse_hf_state_dict(sd: dict[str, torch.Tensor], a: ModelArgs) -> dict[str, t
         if a.mlp_bias:
             out[f"layers.{i}.gate_up.bias"] = torch.cat([take(p + "mlp.gate_proj.bias"), take(p + "mlp.up_proj.bias")], 0)
             out[f"layers.{i}.down.bias"] = take(p + "mlp.down_proj.bias")
-    unused = sorted(k for k in sd if k not in used and not k.endswith("rotary_emb.inv_freq"))
+    def mtp_tensor(k: str) -> bool:
+        """MTP modules (DeepSeek-V3: model.layers.{L+i}.*; Qwen3-Next: mtp.*) load in the mtp proposer."""
+        if k.startswith("mtp."):
+            return True
+        parts = k.split(".")
+        return (a.num_mtp_layers > 0 and len(parts) > 2 and parts[:2] == ["model", "layers"]
+                and parts[2].isdigit() and int(parts[2]) >= a.num_layers)
+
+    unused = sorted(k for k in sd if k not in used and not k.endswith("rotary_emb.inv_freq") and not mtp_tensor(k))
     if unused:
         raise ModelError(
             f"checkpoint has {len(unused)} tensor(s) the own runtime does not understand (e.g. '{unused[0]}')",

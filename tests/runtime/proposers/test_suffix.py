@@ -69,10 +69,11 @@ def suffix_config(**kw) -> SpecConfig:
     return SpecConfig.from_dict({"method": "suffix", **kw})
 
 
-def suffix_decoder(model, **kw) -> SpecDecoder:
+def suffix_decoder(model, adaptive: bool = False, **kw) -> SpecDecoder:
     cfg = suffix_config(**kw)
     runner = TargetRunner(model, MAX_LEN)
-    return SpecDecoder(runner, build_proposer(cfg, max_model_len=runner.max_len), cfg.num_speculative_tokens)
+    return SpecDecoder(runner, build_proposer(cfg, max_model_len=runner.max_len), cfg.num_speculative_tokens,
+                       adaptive=adaptive)
 
 
 # --------------------------------------------------------------------------- registry and config
@@ -95,7 +96,8 @@ def test_registered_with_vllm_defaults():
     {"num_speculative_tokens": 4, "suffix_decoding_max_spec_factor": 2.0, "suffix_decoding_max_tree_depth": 8},
     {"num_speculative_tokens": 8, "suffix_decoding_min_token_prob": 0.0, "suffix_decoding_max_cached_requests": 0},
     {"num_speculative_tokens": 1, "suffix_decoding_max_cached_requests": 3},
-], ids=["defaults", "k4-factor2-depth8", "k8-minprob0-noglobal", "k1-cache3"])
+    {"num_speculative_tokens": 16, "adaptive": True},
+], ids=["defaults", "k4-factor2-depth8", "k8-minprob0-noglobal", "k1-cache3", "adaptive-k"])
 def test_greedy_speculative_equals_greedy_plain(loopy_model, greedy_cases, settings):
     dec = suffix_decoder(loopy_model, **settings)
     k = dec.k
