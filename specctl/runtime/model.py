@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import skinny_linear
+from kernels import amx_linear, skinny_linear
 from specctl.errors import ModelError
 
 SUPPORTED_ARCHS = ("llama", "qwen2", "mistral")
@@ -133,6 +133,31 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+def lin(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
+    """layer(x) through the fastest exact path: AMX on packed weights, the skinny bf16 kernel, F.linear."""
+    if getattr(layer, "amx_packed", False):
+        return amx_linear.linear(x, layer.weight, layer.bias)
+    return skinny_linear.linear(x, layer.weight, layer.bias)
+
+
+def pack_for_amx(model: "Transformer") -> bool:
+    """Repack every bf16 projection (and a copy of the LM head) into AMX tiles, where AMX runs.
+
+    Packed layers keep their nn.Linear but hold the weight as [N/16, K/32, 16, 16, 2]; only
+    ``lin`` reads them. Returns whether the model now runs on AMX.
+    """
+    if amx_linear.load() is None:
+        return False
+    for block in model.layers:
+        for layer in (block.qkv, block.o, block.gate_up, block.down):
+            if amx_linear.packable(layer.weight) and not getattr(layer, "amx_packed", False):
+                layer.weight = nn.Parameter(amx_linear.pack(layer.weight.data), requires_grad=False)
+                layer.amx_packed = True
+    if amx_linear.packable(model.head_weight):
+        model.head_packed = amx_linear.pack(model.head_weight.data)
+    return True
+
+
 class Block(nn.Module):
     def __init__(self, a: ModelArgs):
         super().__init__()
@@ -149,8 +174,7 @@ class Block(nn.Module):
         # x: [B, T, H]; cos/sin: [T, head_dim]; k_cache/v_cache: [B, n_kv, max_len, head_dim]
         a = self.a
         B, T, _ = x.shape
-        lin = skinny_linear.linear
-        qkv = lin(self.input_norm(x), self.qkv.weight, self.qkv.bias)
+        qkv = lin(self.input_norm(x), self.qkv)
         q, k, v = qkv.split([a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.num_kv_heads * a.head_dim], -1)
         q = q.view(B, T, a.num_heads, a.head_dim).transpose(1, 2)  # [B, nh, T, hd]
         k = k.view(B, T, a.num_kv_heads, a.head_dim).transpose(1, 2)  # [B, nkv, T, hd]
@@ -173,9 +197,9 @@ class Block(nn.Module):
             att = F.scaled_dot_product_attention(
                 q, k_cache[:, :, :end], v_cache[:, :, :end], attn_mask=mask, enable_gqa=gqa,
             )  # [B, nh, T, hd]
-        x = x + lin(att.transpose(1, 2).reshape(B, T, a.num_heads * a.head_dim), self.o.weight, self.o.bias)
-        gate, up = lin(self.post_norm(x), self.gate_up.weight, self.gate_up.bias).chunk(2, dim=-1)
-        return x + lin(F.silu(gate) * up, self.down.weight, self.down.bias)
+        x = x + lin(att.transpose(1, 2).reshape(B, T, a.num_heads * a.head_dim), self.o)
+        gate, up = lin(self.post_norm(x), self.gate_up).chunk(2, dim=-1)
+        return x + lin(F.silu(gate) * up, self.down)
 
 
 class Transformer(nn.Module):
@@ -194,6 +218,7 @@ class Transformer(nn.Module):
         # forward, ``aux_out`` holds them concatenated: [B, T, len(aux_layers) * H], else None.
         self.aux_layers: tuple[int, ...] = ()
         self.aux_out: torch.Tensor | None = None
+        self.head_packed: torch.Tensor | None = None  # the LM head in AMX tiles (pack_for_amx)
 
     @property
     def head_weight(self) -> torch.Tensor:
@@ -224,6 +249,8 @@ class Transformer(nn.Module):
         if logits == "none":
             return None, h
         hh = h[:, -1:] if logits == "last" else h
+        if self.head_packed is not None:
+            return amx_linear.linear(hh, self.head_packed), h
         return skinny_linear.linear(hh, self.head_weight), h
 
 
@@ -271,9 +298,13 @@ def load_transformer(folder: str | Path, dtype: torch.dtype, device: str | torch
     model = model.to_empty(device=device)
     model.load_state_dict(fuse_hf_state_dict(sd, args), strict=True, assign=False)
     model.inv_freq = rope_inv_freq(args).to(device)
+    model = model.to(dtype).eval().requires_grad_(False)
     if dtype == torch.bfloat16 and torch.device(device).type == "cpu":
-        skinny_linear.load()  # compiles the bf16 decode kernel once (cached), or settles on F.linear
-    return model.to(dtype).eval().requires_grad_(False)
+        # bf16 on CPU: AMX tiles where the CPU has them, else the AVX512-BF16 skinny kernel, else
+        # F.linear (each compiled once, cached); the first two keep rows independent (exact verify).
+        if not pack_for_amx(model):
+            skinny_linear.load()
+    return model
 
 
 def fuse_hf_state_dict(sd: dict[str, torch.Tensor], a: ModelArgs) -> dict[str, torch.Tensor]:

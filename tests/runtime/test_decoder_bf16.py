@@ -11,14 +11,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import skinny_linear
+from kernels import amx_linear, skinny_linear
 from specctl.config import SpecConfig
 from specctl.runtime.decoder import SamplingParams, SpecDecoder
 from specctl.runtime.model import load_transformer
 from specctl.runtime.proposers import build_proposer
 from specctl.runtime.runner import TargetRunner
 
-pytestmark = pytest.mark.skipif(not skinny_linear.available(), reason="needs the avx512_bf16 kernel")
+pytestmark = pytest.mark.skipif(not (amx_linear.available() or skinny_linear.available()),
+                                reason="needs the AMX or avx512_bf16 kernel")
 
 
 def test_greedy_ngram_equals_plain_in_bf16(tiny_model_factory):

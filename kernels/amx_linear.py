@@ -1,0 +1,76 @@
+"""bf16 linear on Intel AMX with weights packed once at load (decode, verification and prefill).
+
+``pack(w)`` turns w [N, K] into AMX B tiles [N/16, K/32, 16, 16, 2] (N % 16 == 0, K % 32 == 0);
+``linear(x, wp, b)`` computes F.linear(x, w, b) for bf16 x of any number of rows. Each output is
+accumulated in a fixed order whatever the row count, so the rows of a verification forward equal,
+bit for bit, the same rows decoded one at a time. ``load()`` compiles ``csrc/amx_linear.cpp`` once
+(torch cpp_extension, cached) and returns None where AMX cannot run (no amx_bf16 CPU, no compiler,
+kernel refused the tile state, or SPECCTL_AMX=0): callers then keep plain weights and F.linear.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+_ext = None
+_tried = False
+
+
+def _cpu_flags() -> str:
+    try:
+        return Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+
+
+def load():
+    global _ext, _tried
+    if _tried:
+        return _ext
+    _tried = True
+    flags = _cpu_flags()
+    if os.environ.get("SPECCTL_AMX", "1") == "0" or "amx_bf16" not in flags or "amx_tile" not in flags:
+        return None
+    try:
+        from torch.utils.cpp_extension import load as load_ext
+
+        src = Path(__file__).parent / "csrc" / "amx_linear.cpp"
+        ext = load_ext(name="specctl_amx_linear", sources=[str(src)],
+                       extra_cflags=["-O3", "-mamx-tile", "-mamx-bf16", "-mavx512f", "-std=c++17"], verbose=False)
+        if not ext.amx_init():
+            raise RuntimeError("the kernel refused AMX tile state")
+        _ext = ext
+    except Exception as e:  # noqa: BLE001 - any failure: use the fallback
+        print(f"specctl: AMX kernel unavailable ({type(e).__name__}: {e}); using torch's linear", file=sys.stderr)
+        _ext = None
+    return _ext
+
+
+def available() -> bool:
+    return load() is not None
+
+
+def packable(w: torch.Tensor) -> bool:
+    return w.dim() == 2 and w.shape[0] % 16 == 0 and w.shape[1] % 32 == 0 and w.dtype == torch.bfloat16
+
+
+def pack(w: torch.Tensor) -> torch.Tensor:
+    """w [N, K] -> [N/16, K/32, 16, 16, 2]: element (nb, kb, kp, n, j) = w[16 nb + n, 32 kb + 2 kp + j]."""
+    N, K = w.shape
+    return w.view(N // 16, 16, K // 32, 16, 2).permute(0, 2, 3, 1, 4).contiguous()
+
+
+def unpack(wp: torch.Tensor) -> torch.Tensor:
+    nb, kb = wp.shape[:2]
+    return wp.permute(0, 3, 1, 2, 4).reshape(nb * 16, kb * 32)
+
+
+def linear(x: torch.Tensor, wp: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] bf16 on CPU, wp packed -> [..., N]."""
+    K = x.shape[-1]
+    y = _ext.amx_linear(x.reshape(-1, K), wp, b)
+    return y.view(*x.shape[:-1], y.shape[-1])
