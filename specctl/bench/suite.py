@@ -177,15 +177,26 @@ def run_bench(
 
     runs_out: list[MethodRun] = []
     for w, reqs in prompts.items():
-        wruns = [MethodRun(name, w, 0 if c is None else c.num_speculative_tokens, {} if c is None else c.to_dict())
-                 for name, c, _ in decoders]
-        peer_runs = [MethodRun(p.name, w, p.kwargs.get("prompt_lookup_num_tokens", 0), {}) for p in (hf.peers if hf else [])]
-        for req, ids in reqs:
-            for rep in range(runs):
+        # a multi-round workload (NAME@R) gets one row per round: acceptance per round is the point
+        labels = list(dict.fromkeys(_label(w, req) for req, _ in reqs))
+        wruns = {lab: [MethodRun(name, lab, 0 if c is None else c.num_speculative_tokens, {} if c is None else c.to_dict())
+                       for name, c, _ in decoders] for lab in labels}
+        peer_runs = {lab: [MethodRun(p.name, lab, p.kwargs.get("prompt_lookup_num_tokens", 0), {})
+                           for p in (hf.peers if hf else [])] for lab in labels}
+        for rep in range(runs):
+            # a proposer that learns across requests (suffix) starts each repetition fresh, so a
+            # repetition does not find its own earlier answers in the cache
+            decs = decoders if rep == 0 else [
+                (name, c, dec if dec.proposer is None or not dec.proposer.learns_across_requests else
+                 SpecDecoder(runner, build_proposer(c, runner.max_len, target=loaded), c.num_speculative_tokens,
+                             adaptive=adaptive))
+                for name, c, dec in decoders]
+            for req, ids in reqs:
+                lab = _label(w, req)
                 baseline_res = None
-                for (name, _, dec), run in zip(decoders, wruns):
+                for (name, _, dec), run in zip(decs, wruns[lab]):
                     if progress:
-                        progress(0, f"{w} · {name} · {req.id}")
+                        progress(0, f"{lab} · {name} · {req.id}")
                     res = dec.generate(ids, replace(params, record_margins=name == BASELINE and params.greedy), _gen(seed))
                     if name == BASELINE:
                         baseline_res = res
@@ -193,18 +204,23 @@ def run_bench(
                     else:
                         run.add(res, baseline_res if params.greedy else None, rep)
                     if progress:
-                        progress(1, f"{w} · {name} · {req.id}")
-                for peer, run in zip(hf.peers if hf else [], peer_runs):
+                        progress(1, f"{lab} · {name} · {req.id}")
+                for peer, run in zip(hf.peers if hf else [], peer_runs[lab]):
                     if progress:
-                        progress(0, f"{w} · {peer.name} · {req.id}")
+                        progress(0, f"{lab} · {peer.name} · {req.id}")
                     run.add(hf.run(peer, ids, params.max_new_tokens, loaded.stop_token_ids),
                             baseline_res if params.greedy else None, rep)
                     if progress:
-                        progress(1, f"{w} · {peer.name} · {req.id}")
-        all_w = wruns + peer_runs
-        runs_out.extend(all_w)
+                        progress(1, f"{lab} · {peer.name} · {req.id}")
+        for lab in labels:
+            runs_out.extend(wruns[lab] + peer_runs[lab])
     return BenchReport(machine_header(loaded, params.max_new_tokens, params.temperature), runs_out)
 
 
 def _gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
+
+
+def _label(workload: str, req: Request) -> str:
+    r = req.meta.get("round")
+    return f"{workload} r{r}" if r is not None and "@" in workload else workload

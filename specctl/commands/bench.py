@@ -34,7 +34,7 @@ def bench(
     method: Annotated[Optional[list[str]], typer.Option("--method", help="Draft method (repeatable). Default: ngram.")] = None,
     num_speculative_tokens: Annotated[Optional[int], typer.Option("--num-speculative-tokens", "-k", help="Draft tokens per step (k) for --method; method default when unset.")] = None,
     speculative_config: Annotated[Optional[str], typer.Option("--speculative-config", help="vLLM's --speculative-config JSON (keys unchanged); adds one more configuration.")] = None,
-    workload: Annotated[Optional[list[str]], typer.Option("--workload", "-w", help="code-edit, chat, or a .jsonl file of prompts (repeatable). Default: code-edit and chat.")] = None,
+    workload: Annotated[Optional[list[str]], typer.Option("--workload", "-w", help="code-edit, chat, agentic, or a .jsonl file of prompts (repeatable); NAME@R repeats it for R rounds (one row per round). Default: code-edit and chat.")] = None,
     num_prompts: Annotated[int, typer.Option("--num-prompts", "-n", help="Prompts per workload.")] = 4,
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", help="Tokens generated per prompt.")] = 128,
     temperature: Annotated[float, typer.Option("--temperature", help="0 = greedy (outputs comparable token for token).")] = 0.0,
@@ -73,8 +73,8 @@ def bench(
     err = Console(stderr=True)
     from specctl.bench.workloads import load_workload
 
-    for w in workloads:  # fail fast on a bad workload, before loading the model
-        load_workload(w, 1, seed)
+    # fail fast on a bad workload, before loading the model; count the requests for the progress bar
+    num_requests = sum(len(load_workload(w, num_prompts, seed)) for w in workloads)
 
     from specctl.models import resolve_model
     from specctl.runtime.runner import load_model
@@ -91,7 +91,7 @@ def bench(
     torch.manual_seed(seed)
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, stop_token_ids=loaded.stop_token_ids)
     n_peers = 0 if "hf" not in peers else 2 + any(c.method == "draft_model" for c in configs)
-    total = len(workloads) * num_prompts * (len(configs) + 1 + n_peers) * runs
+    total = num_requests * (len(configs) + 1 + n_peers) * runs
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     with Progress(TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),

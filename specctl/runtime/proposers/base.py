@@ -26,6 +26,7 @@ class Proposer:
 
     method: str = ""
     needs_hidden_states: bool = False
+    learns_across_requests: bool = False  # e.g. suffix's global cache of earlier responses
 
     def start_request(self, slot: int, prompt_ids: np.ndarray) -> None:
         """A new request enters batch slot ``slot`` with its prompt (int32 [T])."""

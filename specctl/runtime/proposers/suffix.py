@@ -49,6 +49,8 @@ class _Request:
 
 
 class SuffixProposer(Proposer):
+
+    learns_across_requests = True
     method = "suffix"
 
     def __init__(self, config: SpecConfig, *, target=None, max_model_len: int):
