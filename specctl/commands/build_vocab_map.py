@@ -71,10 +71,19 @@ def build_vocab_map_cmd(
 
     report = dict(vmap.overlap(), output=str(output))
     if draft is not None:
-        from specctl.runtime.proposers.draft_model import MIN_TLI_COVERAGE
+        from specctl.runtime.proposers.draft_model import MIN_TLI_AGREEMENT, MIN_TLI_COVERAGE
+        from specctl.runtime.vocab_map import boundary_agreement
 
         same = vmap.draft_fingerprint == vmap.target_fingerprint
-        report["draft_model_mode"] = "same" if same else ("tli" if vmap.draft_coverage >= MIN_TLI_COVERAGE else "text")
+        report["draft_model_mode"] = "same" if same else ("auto" if vmap.draft_coverage >= MIN_TLI_COVERAGE else "text")
+        report["min_tli_agreement"] = MIN_TLI_AGREEMENT
+        # how often the two tokenizers cut real text at the same bytes (the ceiling of the intersection)
+        probes = {"code": Path(json.decoder.__file__).read_text()[:8000]}
+        if data is not None:
+            from specctl.runtime.vocab_map import read_texts
+
+            probes["data"] = "\n".join(t for _, t in zip(range(200), read_texts(data)))[:20000]
+        report["boundary_agreement"] = {k: boundary_agreement(d_tok, t_tok, v) for k, v in probes.items() if v}
     if json_out:
         typer.echo(json.dumps(report, indent=2))
         return
@@ -128,9 +137,13 @@ def render(r: dict) -> None:
     if "draft_vocab_size" in r:
         t.add_row("shared tokens", f"{r['shared_tokens']}")
         t.add_row("overlap", f"{r['draft_coverage']:.1%} of the draft vocabulary, {r['target_coverage']:.1%} of the target's")
+        for name, a in r.get("boundary_agreement", {}).items():
+            what = "stdlib json/decoder.py" if name == "code" else r.get("data", "--data")
+            t.add_row(f"cut alike ({name})", f"{a:.1%} of the target's tokens are draft tokens too, on {what}")
         mode = {"same": "same tokenizer: ids pass straight through",
-                "tli": "token-level intersection (draft tokens outside it are suppressed)",
-                "text": "text-level (overlap too low: the draft's text is re-tokenized)"}[r["draft_model_mode"]]
+                "auto": f"token-level intersection while the recent text is cut alike (>= {r['min_tli_agreement']:.0%}), "
+                        "else text (the draft's text re-tokenized)",
+                "text": "text: the draft's text re-tokenized (the vocabularies share too little)"}[r["draft_model_mode"]]
         t.add_row("draft_model drafts by", mode)
     if "eagle3_draft_vocab" in r:
         e = r["eagle3_draft_vocab"]

@@ -154,6 +154,30 @@ def tokenizer_fingerprint(tok) -> str:
     return h.hexdigest()
 
 
+def span_agreement(target_lens: list[int], draft_lens: list[int]) -> float:
+    """Fraction of target tokens whose byte span is also one draft token's span, both texts aligned at
+    their end. The most a token-level intersection can accept: a target token cut elsewhere by the
+    draft's tokenizer is never proposed. Example: target [b'(n', b'):'] vs draft [b'(', b'n', b'):'] -> 0.5.
+    """
+    def spans(lens: list[int]) -> set[tuple[int, int]]:
+        out, end = set(), 0
+        for n in reversed(lens):
+            out.add((end, end + n))
+            end += n
+        return out
+
+    t = spans(target_lens)
+    return len(t & spans(draft_lens)) / len(t) if t else 1.0
+
+
+def boundary_agreement(draft_tok, target_tok, text: str) -> float:
+    """``span_agreement`` of the two tokenizations of ``text`` (see there)."""
+    tb, db = token_bytes(target_tok), token_bytes(draft_tok)
+    t = [len(tb[i] or b"") for i in target_tok.encode(text, add_special_tokens=False)]
+    d = [len(db[i] or b"") for i in draft_tok.encode(text, add_special_tokens=False)]
+    return span_agreement(t, d)
+
+
 def _tokenizer_name(tok) -> str:
     return Path(str(getattr(tok, "name_or_path", "") or "")).name or "tokenizer"
 

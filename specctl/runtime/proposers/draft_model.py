@@ -12,17 +12,22 @@ d1 d2 d3 and feeds d1 d2 (L = 12). The target accepts d1 and emits the recovered
 on_verified rolls the draft back to 10 + 1 = 11 (p0..p9 d1); the next propose feeds just [r].
 All three accepted plus a bonus b: the draft keeps 12 (d3 was never fed) and next feeds [d3, b].
 
-How the draft speaks the target's vocabulary, picked once at construction:
+How the draft speaks the target's vocabulary:
   same : identical tokenizer fingerprints: draft ids are target ids (a padded head is cut to V_target).
   tli  : token-level intersection (Timor et al., arXiv 2502.05202, as vLLM's and transformers'
          heterogeneous-vocabulary support): the draft reads the target's text re-tokenized with its
          own tokenizer; its distribution is restricted to the draft tokens whose byte string is one
          target token (``specctl.runtime.vocab_map``), renormalised, and moved onto target ids. q is
          exactly the distribution each draft token was sampled from, so verification is lossless.
-  text : when the intersection covers too little of the draft vocabulary (< MIN_TLI_COVERAGE): the
-         draft writes freely, its text is re-tokenized for the target (transformers' universal
+  text : the draft writes freely, its text is re-tokenized for the target (transformers' universal
          assisted generation). The draft is then deterministic from the target's view (probs None,
          q one-hot), which the verifier handles losslessly whatever produced the tokens.
+  auto : (different tokenizers, the default) tli or text, chosen at every step. The intersection can
+         only ever propose a target token that the draft's tokenizer cuts at the same bytes, so tli is
+         used while the two tokenizations of the last 64 target tokens agree on >= MIN_TLI_AGREEMENT of
+         the target's tokens (prose: ~95% for SmolLM2 -> Qwen2.5), text otherwise (code: ~67%, where
+         Qwen's '(n' '):\\n' '    ' merges are not SmolLM2 tokens). Both read the same draft cache, so
+         switching costs nothing. A vocabulary shared below MIN_TLI_COVERAGE always drafts by text.
 
 Sampling: greedy drafts (probs None) unless the slot samples (``set_sampling``, or the proposer's
 ``temperature`` attribute); then the draft samples from its own processed distribution and returns
@@ -42,12 +47,15 @@ from specctl.config import SpecConfig
 from specctl.errors import UsageError
 from specctl.runtime.proposers.base import DraftOutput, Proposer
 from specctl.runtime.rejection import logits_to_probs
-from specctl.runtime.vocab_map import VocabMap, build_vocab_map, token_bytes, tokenizer_fingerprint
+from specctl.runtime.vocab_map import VocabMap, build_vocab_map, span_agreement, token_bytes, tokenizer_fingerprint
 
 # Below this fraction of the draft vocabulary inside the intersection, drafting through the
 # intersection suppresses too much of the draft; the text-level path takes over.
 MIN_TLI_COVERAGE = 0.5
-MODES = ("same", "tli", "text")
+# auto mode: tli while at least this fraction of the recent target tokens are also draft tokens
+MIN_TLI_AGREEMENT = 0.9
+AGREEMENT_WINDOW = 64  # target tokens
+MODES = ("same", "tli", "text", "auto")
 _TEXT_ANCHOR = 3  # target tokens of context re-tokenized with the draft text (keeps word boundaries)
 
 
@@ -70,6 +78,7 @@ class _Slot:
         self.pieces: list[bytes] = []  # [n] target token byte strings (mapped modes)
         self.base = 0  # draft cache length before the last propose's drafts were fed
         self.num_fed_drafts = 0  # drafts of the last propose that went into the cache
+        self.step_mode = "same"  # how the last propose drafted (same, tli or text)
         self.sampling: _Sampling | None = None
         self.active = False
 
@@ -110,24 +119,30 @@ class DraftModelProposer(Proposer):
             n = min(self.Vd, self.vocab_map.draft_vocab_size)
             d2t[:n] = self.vocab_map.draft_to_target[:n]
         d2t[d2t >= self.Vt] = -1  # a draft head wider than the target's vocabulary
-        auto = "same" if same else ("tli" if self.vocab_map.draft_coverage >= MIN_TLI_COVERAGE else "text")
+        auto = "same" if same else ("auto" if self.vocab_map.draft_coverage >= MIN_TLI_COVERAGE else "text")
         self.mode = mode or auto
-        if self.mode not in MODES or (self.mode == "same" and not same):
-            raise UsageError(f"draft_model mode '{self.mode}' does not fit this draft/target pair",
-                             f"use one of {', '.join(m for m in MODES if m != 'same' or same)}")
-        self.d2t = d2t.to(self.device)  # [Vd] target id of each draft id, -1 = suppressed
+        if self.mode not in MODES or (self.mode == "same") != same:
+            fits = ["same"] if same else ["auto", "tli", "text"]
+            raise UsageError(f"draft_model mode '{self.mode}' does not fit this draft/target pair", f"use {' or '.join(fits)}")
+        self.d2t = d2t.to(self.device)  # [Vd] target id of each draft id, -1 = outside the intersection
         suppress = d2t < 0
-        # text mode drafts freely (only ids the draft tokenizer cannot spell are kept out)
-        self.suppress = suppress.to(self.device) if (self.mode != "text" and bool(suppress.any())) else None  # [Vd]
-        self.identity = self.mode == "same" and self.Vd == self.Vt and self.suppress is None
+        self.suppress_tli = suppress.to(self.device) if bool(suppress.any()) else None  # [Vd] or None
+        self.suppress_text = None  # [Vd]: ids the draft's tokenizer cannot spell (a padded head)
+        self.identity = same and self.Vd == self.Vt and self.suppress_tli is None
         mapped = torch.nonzero(~suppress).flatten()
         self.mapped_draft_ids = mapped.to(self.device)  # [n_shared]
         self.mapped_target_ids = d2t[mapped].to(self.device)  # [n_shared]
-        if self.mode != "same":
+        if not same:
             self.target_bytes = token_bytes(target.tokenizer)
             self.draft_bytes = token_bytes(draft.tokenizer)
+            self.draft_lens = [len(b or b"") for b in self.draft_bytes]
+            spellable = torch.zeros(self.Vd, dtype=torch.bool)
+            spellable[:min(self.Vd, len(self.draft_bytes))] = torch.tensor(
+                [b is not None for b in self.draft_bytes[:self.Vd]], dtype=torch.bool)
+            if not bool(spellable.all()):
+                self.suppress_text = (~spellable).to(self.device)
         # draft tokens per target token can exceed 1 with another tokenizer: room for that
-        self.draft_max_len = self.max_model_len + self.k + 1 if self.mode == "same" else int(1.5 * self.max_model_len) + self.k + 8
+        self.draft_max_len = self.max_model_len + self.k + 1 if same else int(1.5 * self.max_model_len) + self.k + 8
         self.slots: dict[int, _Slot] = {}
         # Draft sampling must be independent of everything else (a draft seeded alike for every request
         # would not be distributed as its q across requests): one stream for the proposer's life, seeded
@@ -172,7 +187,7 @@ class DraftModelProposer(Proposer):
         if s is None:
             return
         self._extend(s, np.asarray(emitted, dtype=np.int64))
-        if self.mode in ("same", "tli"):
+        if s.step_mode in ("same", "tli"):
             # drafts map one to one onto draft ids: keep the accepted ones that were fed, drop the rest (O(1))
             keep = s.base + min(num_accepted, s.num_fed_drafts)
             s.runner.rollback(min(keep, s.runner.length))
@@ -183,7 +198,7 @@ class DraftModelProposer(Proposer):
         ids = ids[: len(s.ctx) - s.n]
         s.ctx[s.n:s.n + len(ids)] = ids
         s.n += len(ids)
-        if self.mode != "same":
+        if self.mode != "same":  # mapped: the text of the context, token by token
             tb = self.target_bytes
             s.pieces.extend(tb[i] if 0 <= i < len(tb) and tb[i] is not None else b"" for i in ids.tolist())
 
@@ -246,11 +261,27 @@ class DraftModelProposer(Proposer):
         tokens = torch.from_numpy(want[c:]).to(self.device)[None]  # [1, len(want) - c]
         return runner.forward(tokens, logits="last")[0, -1]
 
+    def _step_mode(self, s: _Slot, want: np.ndarray) -> str:
+        """same / tli / text for this step (auto: by the recent tokenizations' agreement, see the docstring)."""
+        if self.mode != "auto":
+            return self.mode
+        t_lens = [len(p) for p in s.pieces[-AGREEMENT_WINDOW:]]
+        need, d_lens = sum(t_lens), []
+        for d in want[::-1].tolist():  # draft tokens covering (at least) the same last bytes
+            if need <= 0:
+                break
+            d_lens.append(self.draft_lens[d] if d < len(self.draft_lens) else 0)
+            need -= d_lens[-1]
+        return "tli" if span_agreement(t_lens, d_lens[::-1]) >= MIN_TLI_AGREEMENT else "text"
+
     def _propose_one(self, s: _Slot, k: int) -> tuple[list[int], torch.Tensor | None]:
         """k draft tokens for one request: (target ids, q [n, V_target] or None)."""
         want = self._context_ids(s)
         if len(want) == 0 or len(want) + k > s.runner.max_len:
+            s.base, s.num_fed_drafts = s.runner.length, 0  # on_verified then keeps the cache as it is
             return [], None  # nothing to read, or no room left in the draft cache: no draft this step
+        mode = s.step_mode = self._step_mode(s, want)
+        suppress = self.suppress_text if mode == "text" else self.suppress_tli
         logits = self._sync(s, want)
         sp = s.sampling or _Sampling(self.temperature, self.top_k, self.top_p)
         sample = sp.temperature > 0
@@ -259,8 +290,8 @@ class DraftModelProposer(Proposer):
         draft_ids: list[int] = []
         q_rows: list[torch.Tensor] = []
         for i in range(k):
-            if self.suppress is not None:
-                logits = logits.masked_fill(self.suppress, float("-inf"))
+            if suppress is not None:
+                logits = logits.masked_fill(suppress, float("-inf"))
             if sample:
                 p = logits_to_probs(logits, sp.temperature, sp.top_k, sp.top_p)  # [Vd]
                 d = int(torch.multinomial(p, 1, generator=gen))
@@ -268,13 +299,12 @@ class DraftModelProposer(Proposer):
             else:
                 d = int(torch.argmax(logits))
             draft_ids.append(d)
-            t = int(self.d2t[d])
-            if i + 1 == k or (self.mode != "text" and t in self.stop_ids):
+            if i + 1 == k or (mode != "text" and int(self.d2t[d]) in self.stop_ids):
                 break
             s.fed[base + i] = d
             logits = s.runner.forward(torch.tensor([[d]], device=self.device), logits="last")[0, -1]
         s.base, s.num_fed_drafts = base, s.runner.length - base
-        if self.mode == "text":
+        if mode == "text":
             return self._text_to_target(s, draft_ids, k), None
         ids = [int(self.d2t[d]) for d in draft_ids]
         if not sample:

@@ -158,16 +158,31 @@ def greedy_cases(target):
 def test_modes_are_picked_from_the_tokenizers(target, drafts):
     assert make_proposer(target, drafts["same"]).mode == "same"
     p = make_proposer(target, drafts["byte"])
-    assert p.mode == "tli" and p.vocab_map is not None
+    assert p.mode == "auto" and p.vocab_map is not None
     # every single ASCII byte token of the draft maps to the target's character, merges are suppressed
     btok, ttok = drafts["byte"].tokenizer, target.tokenizer
     for dtok, ttext in (("Ġ", " "), ("Ċ", "\n"), ("ĉ", "\t"), ("a", "a"), ("<|im_end|>", "<|im_end|>")):
         assert int(p.d2t[btok.convert_tokens_to_ids(dtok)]) == ttok.convert_tokens_to_ids(ttext), dtok
     for dtok in ("qu", "Ġ{", "Ã©", "Ã"):
-        assert int(p.d2t[btok.convert_tokens_to_ids(dtok)]) == -1 and bool(p.suppress[btok.convert_tokens_to_ids(dtok)])
-    assert bool(p.suppress[-1]) and bool(p.suppress[-2])  # head rows without a token
+        i = btok.convert_tokens_to_ids(dtok)
+        assert int(p.d2t[i]) == -1 and bool(p.suppress_tli[i]) and not bool(p.suppress_text[i])
+    assert bool(p.suppress_tli[-1]) and bool(p.suppress_text[-2])  # head rows without a token: never drafted
     with pytest.raises(UsageError, match="does not fit"):
         make_proposer(target, drafts["byte"], mode="same")
+    with pytest.raises(UsageError, match="does not fit"):
+        make_proposer(target, drafts["same"], mode="tli")
+
+
+def test_auto_drafts_by_text_where_the_tokenizers_cut_differently(target, drafts):
+    """'ququ...' is 'q' 'u' ... for the target but 'qu' 'qu' ... for the draft: no target token of it is a
+    draft token, so the intersection could never propose one; plain letters are cut alike."""
+    ttok = target.tokenizer
+    for text, expected in (("ququququququququququququ", "text"), ("abcdefghijklmnopqrstuvwx", "tli")):
+        prop = make_proposer(target, drafts["byte"])
+        prompt = ttok.encode(text, add_special_tokens=False)
+        prop.start_request(0, np.asarray(prompt))
+        d = prop.propose(np.asarray([prompt], dtype=np.int32), np.asarray([len(prompt)]), K)
+        assert prop.slots[0].step_mode == expected and int(d.num_tokens[0]) > 0
 
 
 def test_registry_builds_it_from_a_config(target, draft_dirs):
@@ -181,11 +196,14 @@ def test_registry_builds_it_from_a_config(target, draft_dirs):
 # --------------------------------------------------------------------------- greedy
 
 
-@pytest.mark.parametrize("draft_name,mode", [("same", None), ("byte", "tli"), ("byte", "text")])
+@pytest.mark.parametrize("draft_name,mode", [("same", None), ("byte", "auto"), ("byte", "tli"), ("byte", "text")])
 def test_greedy_with_draft_equals_greedy_plain(target, drafts, greedy_cases, draft_name, mode):
     prop = make_proposer(target, drafts[draft_name], mode)
     spec = SpecDecoder(TargetRunner(target.model, MAX_LEN), prop, K)
     drafted = accepted = multi = 0
+    modes = []
+    record = prop._step_mode
+    prop._step_mode = lambda s, want: modes.append(record(s, want)) or modes[-1]
     for prompt, expected in greedy_cases:
         res = spec.generate(prompt, SamplingParams(max_new_tokens=NEW))
         assert res.token_ids == expected, prompt
@@ -198,6 +216,8 @@ def test_greedy_with_draft_equals_greedy_plain(target, drafts, greedy_cases, dra
     assert rate > 0.3 and multi > 0, rate  # drafts are accepted, runs of several too
     if draft_name == "same":
         assert rate > 0.5
+    # auto: these two tokenizers cut the text alike (merges are rare), so the intersection is used
+    assert set(modes) == {"same" if draft_name == "same" else mode if mode != "auto" else "tli"}
 
 
 def test_draft_cache_is_rolled_back_and_never_reprefilled(target, drafts, greedy_cases):
@@ -369,7 +389,7 @@ def test_text_mode_is_deterministic_from_the_target_view(target, drafts):
 def test_a_map_for_another_pair_is_refused(target, drafts, tmp_path):
     good = build_vocab_map(drafts["byte"].tokenizer, target.tokenizer)
     path = good.save(tmp_path / "map.safetensors")
-    assert make_proposer(target, drafts["byte"], vocab_map=str(path)).mode == "tli"
+    assert make_proposer(target, drafts["byte"], vocab_map=str(path)).mode == "auto"
     swapped = build_vocab_map(target.tokenizer, drafts["byte"].tokenizer).save(tmp_path / "swapped.json")
     with pytest.raises(DataError, match="opposite direction") as e:
         make_proposer(target, drafts["byte"], vocab_map=str(swapped))
