@@ -13,6 +13,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+#include "bf16.h"
 #include <sys/syscall.h>
 #include <unistd.h>
 #include <cstdint>
@@ -40,20 +41,8 @@ inline void configure(int rows) {
   _tile_loadconfig(&cfg);
 }
 
-inline uint16_t to_bf16(float f) {  // round to nearest even, as torch does
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
-}
-
-inline float from_bf16(uint16_t h) {
-  uint32_t u = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
+using specctl::from_bf16;
+using specctl::to_bf16;
 
 }  // namespace
 

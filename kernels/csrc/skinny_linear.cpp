@@ -10,6 +10,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+#include "bf16.h"
 #include <cstdint>
 
 namespace {
@@ -18,20 +19,8 @@ constexpr int MAX_M = 16;
 
 inline float reduce(__m512 v) { return _mm512_reduce_add_ps(v); }
 
-inline uint16_t to_bf16(float f) {  // round to nearest even, as torch does
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;  // NaN
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
-}
-
-inline float from_bf16(uint16_t h) {
-  uint32_t u = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
+using specctl::from_bf16;
+using specctl::to_bf16;
 
 // One group: x rows [M0, M0 + MB) against NB weight rows; recurses over the groups at compile time.
 template <int MB, int NB>
