@@ -1,0 +1,139 @@
+"""`specctl recommend`: the tree and ready configs on stdout, --json, --help with an example, --probe's
+ranking with α, ρ, predicted and measured speedup (progress on stderr), one-line errors with exit 1.
+
+--probe runs on real tiny models from the conftest's factory: a 4-layer llama target and a 1-layer
+draft with the same tokenizer (fp32, a few prompts, a dozen tokens).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from typer.testing import CliRunner
+
+from specctl.cli import app
+from specctl.config import implemented_methods
+
+runner = CliRunner()
+
+
+@pytest.fixture(autouse=True)
+def empty_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECCTL_CACHE", str(tmp_path / "cache"))
+
+
+def run_main(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "200"}
+    env.pop("SPECCTL_DEBUG", None)
+    return subprocess.run([sys.executable, "-m", "specctl.cli", *args], capture_output=True, text=True, env=env,
+                          timeout=120)
+
+
+@pytest.fixture
+def target_with_medusa(tmp_path, tiny_model_dir):
+    """The conftest's tiny model copied into a folder, a Medusa draft (vLLM layout) beside it."""
+    import shutil
+
+    t = tmp_path / "models" / "tiny"
+    shutil.copytree(tiny_model_dir, t)
+    d = tmp_path / "models" / "tiny-medusa"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"model_type": "medusa", "num_heads": 2, "num_hidden_layers": 1,
+                                               "hidden_size": 64, "vocab_size": 128}))
+    save_file({"blocks.0.layers.0.weight": torch.zeros(64, 64), "blocks.1.layers.0.weight": torch.zeros(64, 64),
+               "lm_heads.0.weight": torch.zeros(128, 64), "lm_heads.1.weight": torch.zeros(128, 64)},
+              str(d / "model.safetensors"))
+    return t, d
+
+
+def test_help_has_an_example():
+    r = runner.invoke(app, ["recommend", "--help"], env={"COLUMNS": "200"})
+    assert r.exit_code == 0 and "specctl recommend qwen2.5-coder-1.5b --workload code" in r.stdout
+    assert "--probe" in r.stdout and "--drafts" in r.stdout and "--own-training" in r.stdout
+
+
+def test_tree_and_ready_configs(target_with_medusa):
+    t, d = target_with_medusa
+    r = runner.invoke(app, ["recommend", str(t), "--candidates", str(t)], env={"COLUMNS": "250"})
+    assert r.exit_code == 0, r.output
+    out = r.stdout
+    assert "Do you train this model yourself? → no" in out
+    assert "Is there a Medusa head or EAGLE draft made for this model? → yes" in out
+    assert "► medusa with" in out and "Recommended: medusa" in out
+    assert "vllm serve" in out and '"method": "medusa"' in out and '"num_speculative_tokens": 2' in out
+    if "medusa" not in implemented_methods():
+        assert "not runnable in this installation" in out
+    assert "Alternative: ngram" in out
+
+
+def test_json(target_with_medusa):
+    t, d = target_with_medusa
+    r = runner.invoke(app, ["recommend", str(t), "--candidates", str(t), "--workload", "agentic", "--json"])
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.stdout)
+    assert data["recommendation"]["method"] == "medusa" and data["recommendation"]["layer"] == 2
+    assert data["recommendation"]["vllm_config"] == {"method": "medusa", "model": str(d), "num_speculative_tokens": 2}
+    assert data["alternatives"][0]["method"] == "suffix"  # agentic: requests repeat
+    assert data["drafts"][0]["accepted"] is True and data["workload"]["repeats"] is True
+    assert data["tree"]["children"][0]["text"] == "Do you train this model yourself?"
+    assert data["implemented_methods"] == list(implemented_methods()) and data["probe"] is None
+
+
+def test_probe_ranks_methods_with_alpha_rho_and_speedups(tiny_model_factory, tmp_path):
+    tgt = tiny_model_factory(num_hidden_layers=4)
+    small = tiny_model_factory(num_hidden_layers=1, seed=1)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in (
+        "abc abc abc abc abc abc abc abc", "the cat sat on the mat. the cat sat on the mat. the")) + "\n")
+    r = runner.invoke(app, ["recommend", str(tgt), "--candidates", str(small), "--probe", "--prompts", str(prompts),
+                            "-n", "2", "--max-new-tokens", "12", "--dtype", "float32", "--json"])
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.stdout)
+    p = data["probe"]
+    assert "warm-up" in r.stderr and "prompt 2/2" in r.stderr  # progress on stderr only
+    rows = p["methods"]
+    expected = {"ngram", "suffix", "draft_model"} & set(implemented_methods())
+    assert {row["method"] for row in rows} == expected
+    assert [row["rank"] for row in rows] == list(range(1, len(rows) + 1))
+    speeds = [row["measured_speedup"] for row in rows]
+    assert speeds == sorted(speeds, reverse=True) and all(s > 0 for s in speeds)
+    for row in rows:
+        assert row["identical_to_baseline"] == 2  # greedy, fp32: lossless
+        assert row["rho"] is not None and row["rho"] >= 0
+        if row["alpha"] is not None:
+            assert 0 <= row["alpha"] <= 1 and row["predicted_k"] >= 1
+            assert row["predicted_speedup"] == pytest.approx(
+                max((1 - row["alpha"] ** (k + 1)) / (1 - row["alpha"]) / (1 + k * row["rho"]) if row["alpha"] < 1
+                    else (k + 1) / (1 + k * row["rho"]) for k in range(1, 17)))
+    dm = next(row for row in rows if row["method"] == "draft_model")
+    assert dm["config"]["model"] == str(small) and dm["rho"] > 0.05  # a model forward is not free
+    assert p["baseline_tokens_per_s"] > 0 and p["prompts"] == str(prompts)
+    probe_node = data["tree"]["children"][-1]
+    assert probe_node["text"].startswith("Measured (--probe)") and probe_node["answer"] == rows[0]["label"]
+
+
+def test_bad_input_is_one_line_exit_1(tmp_path):
+    r = run_main("recommend", str(tmp_path / "no-such-model"))
+    assert r.returncode == 1 and r.stdout == ""
+    assert r.stderr.count("\n") == 1 and r.stderr.startswith("Error: no such file or folder")
+    r = run_main("recommend", "no-such-catalogue-model")
+    assert r.returncode == 1 and r.stderr.count("\n") == 1 and "unknown model" in r.stderr
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text("{not json")
+    save_file({"w": torch.zeros(1)}, str(broken / "model.safetensors"))
+    r = run_main("recommend", str(broken))
+    assert r.returncode == 1 and r.stderr.count("\n") == 1 and "cannot read" in r.stderr and "config.json" in r.stderr
+
+
+def test_usage_errors_exit_2(tiny_model_dir):
+    r = run_main("recommend", str(tiny_model_dir), "--workload", "poetry")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "unknown workload" in r.stderr
+    r = run_main("recommend", str(tiny_model_dir), "--prompts", "x.jsonl")
+    assert r.returncode == 2 and "--probe" in r.stderr
