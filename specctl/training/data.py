@@ -1,0 +1,417 @@
+"""Training data for draft heads (Medusa today, EAGLE/MTP alike): records, prompts, self-distillation,
+and tokenisation with a loss mask on the response tokens.
+
+Record files (``read_records``), one JSON object a line in ``.jsonl`` (or a JSON array in ``.json``):
+
+    {"prompt": "...", "response": "..."}                 (also "completion", "output", "answer")
+    {"messages": [{"role": "user", "content": "..."}, {"role": "assistant", "content": "..."}]}
+    {"conversations": [{"from": "human", "value": "..."}, {"from": "gpt", "value": "..."}]}  (ShareGPT)
+    {"text": "..."}                                      (plain text: every token is learnt)
+
+``.txt``/``.py``/``.md`` files are plain text; a folder is read recursively. A bad line raises
+``DataError`` naming the file and the line number. The learnt tokens are the assistant turns (up to
+and including the end-of-turn token), rendered with the target's chat template, or all of a text.
+
+Self-distillation (``self_distill``): the target answers prompts itself with specctl's own runtime
+(``SpecDecoder`` with prompt-lookup drafts, which leave the output unchanged: greedy output is the
+plain greedy output, sampled output is distributed as the target's). The exact token ids are kept
+(no decode/re-encode round trip) and every answer is appended to a JSONL cache as soon as it is
+written, so an interrupted run continues where it stopped. The cache is an ordinary record file.
+
+What it does not know: models' internals, heads, losses. torch is imported only where needed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import zlib
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from specctl.errors import DataError
+
+TEXT_SUFFIXES = (".txt", ".py", ".md", ".rst")
+ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant",
+         "model": "assistant", "bard": "assistant", "bing": "assistant", "system": "system", "tool": "tool"}
+_FIX = ('each line must be one JSON object: {"prompt": ..., "response": ...}, {"messages": [...]}, '
+        '{"conversations": [{"from": "human", "value": ...}, ...]} or {"text": ...}')
+
+
+@dataclass
+class Record:
+    """One training item, before tokenisation."""
+
+    messages: list[dict] | None = None  # chat turns; the assistant turns are learnt
+    text: str | None = None  # plain text; every token is learnt
+    prompt_ids: list[int] | None = None  # exact ids (self-distillation): the prompt ...
+    response_ids: list[int] | None = None  # ... and the response, which is learnt
+    source: str = ""  # "file, line N": where it came from
+
+
+@dataclass
+class Example:
+    """One tokenised training sequence."""
+
+    input_ids: list[int]  # [T]
+    loss_mask: list[int]  # [T] 1 where the token is learnt (a response token)
+    source: str = ""
+
+
+# --------------------------------------------------------------------------- reading records
+
+def read_records(path: str | Path) -> list[Record]:
+    """All records of a file or folder (see the module docstring); DataError with the line on bad input."""
+    path = Path(path).expanduser()
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in (".jsonl", ".json", *TEXT_SUFFIXES))
+        if not files:
+            raise DataError(f"{path} holds no .jsonl/.json/.txt/.py/.md files", "point --data at a data file or a folder of them")
+        return [r for f in files for r in read_records(f)]
+    if not path.is_file():
+        raise DataError(f"data file {path} does not exist", "check the path given to --data")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise DataError(f"cannot read {path} ({e})", "give a readable UTF-8 file") from None
+    if path.suffix == ".jsonl":
+        out = []
+        for n, line in enumerate(text.splitlines(), 1):
+            if line.strip():
+                where = f"{path}, line {n}"
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise DataError(f"{where}: invalid JSON ({e.msg})", _FIX) from None
+                out.append(parse_record(obj, where))
+        if not out:
+            raise DataError(f"{path} holds no records", _FIX)
+        return out
+    if path.suffix == ".json":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}: invalid JSON ({e.msg} at line {e.lineno})", "give a JSON array of records, or .jsonl") from None
+        items = data if isinstance(data, list) else [data]
+        return [parse_record(obj, f"{path}, item {i}") for i, obj in enumerate(items, 1)]
+    return [Record(text=text, source=str(path))]
+
+
+def parse_record(obj, where: str) -> Record:
+    """One JSON object -> Record, or DataError naming ``where``."""
+    if not isinstance(obj, dict):
+        raise DataError(f"{where}: expected a JSON object, got {type(obj).__name__}", _FIX)
+    if "conversations" in obj or "messages" in obj:
+        key = "conversations" if "conversations" in obj else "messages"
+        turns = obj[key]
+        if not isinstance(turns, list) or not turns:
+            raise DataError(f"{where}: \"{key}\" must be a non-empty list of turns", _FIX)
+        msgs = []
+        for i, t in enumerate(turns):
+            role = t.get("from", t.get("role")) if isinstance(t, dict) else None
+            content = t.get("value", t.get("content")) if isinstance(t, dict) else None
+            if not isinstance(role, str) or role.lower() not in ROLES or not isinstance(content, str):
+                raise DataError(f"{where}: turn {i} needs a known role (human/gpt/user/assistant/system) and string content",
+                                _FIX)
+            msgs.append({"role": ROLES[role.lower()], "content": content})
+        if not any(m["role"] == "assistant" and m["content"] for m in msgs):
+            raise DataError(f"{where}: no assistant (gpt) turn to learn from", "each conversation needs an answer")
+        return Record(messages=msgs, source=where)
+    if "prompt" in obj:
+        resp_key = next((k for k in ("response", "completion", "output", "answer") if k in obj), None)
+        if resp_key is None:
+            raise DataError(f"{where}: \"prompt\" without \"response\"", _FIX)
+        p, r = obj["prompt"], obj[resp_key]
+        if not isinstance(p, str) or not isinstance(r, str) or not r:
+            raise DataError(f"{where}: \"prompt\" and \"{resp_key}\" must be strings (a non-empty response)", _FIX)
+        return Record(messages=[{"role": "user", "content": p}, {"role": "assistant", "content": r}], source=where)
+    if "text" in obj:
+        if not isinstance(obj["text"], str) or not obj["text"]:
+            raise DataError(f"{where}: \"text\" must be a non-empty string", _FIX)
+        return Record(text=obj["text"], source=where)
+    raise DataError(f"{where}: no \"prompt\"/\"response\", \"messages\", \"conversations\" or \"text\" key", _FIX)
+
+
+def read_texts(path: str | Path) -> list[str]:
+    """The plain texts of a data file or folder (every record flattened to text), for text-only trainers."""
+    out = []
+    for r in read_records(path):
+        out.append(r.text if r.text is not None else "\n".join(m["content"] for m in r.messages or []))
+    return out
+
+
+# --------------------------------------------------------------------------- prompts
+
+def load_prompts(spec: str, hold_out: int = 0) -> list:
+    """Requests (``specctl.bench.workloads.Request``) to self-distill from.
+
+    ``spec``: a built-in workload name (code-edit, chat, agentic), whose first ``hold_out`` prompts
+    (seed 0: those ``specctl bench -n N`` runs for N <= hold_out) are left out, together with any
+    other prompt on the same function; a ``.txt`` file (one prompt a line); or a ``.jsonl`` prompt file.
+    """
+    from specctl.bench.workloads import WORKLOADS, Request, load_workload
+
+    if spec in WORKLOADS:
+        reqs = load_workload(spec, None, 0)
+        held = reqs[:hold_out]
+        funcs = {(r.meta.get("module"), r.meta.get("function")) for r in held if r.meta.get("function")}
+        return [r for r in reqs[hold_out:] if (r.meta.get("module"), r.meta.get("function")) not in funcs]
+    path = Path(spec).expanduser()
+    if path.suffix == ".txt":
+        if not path.is_file():
+            raise DataError(f"prompt file {path} does not exist", "give a .jsonl/.txt prompt file or a workload name")
+        lines = [x for x in path.read_text(encoding="utf-8").splitlines() if x.strip()]
+        return [Request(id=f"{path.stem}:{i}", messages=[{"role": "user", "content": x}], workload=str(path))
+                for i, x in enumerate(lines, 1)]
+    return load_workload(str(path))
+
+
+def self_distill(loaded, requests: list, *, max_new_tokens: int, temperature: float = 0.0, seed: int = 0,
+                 seq_len: int | None = None, cache: Path | None = None, samples: int = 1,
+                 progress: Callable[[str, int, int], None] = lambda *a: None,
+                 log: Callable[[str], None] = lambda m: None) -> list[Record]:
+    """The target (a LoadedModel) answers each request with the own runtime; returns Records with exact ids.
+
+    ``samples`` > 1 (with temperature > 0): that many sampled answers per prompt, decoded together as
+    the rows of one batch (rows of equal length advance together in the runner, so n answers cost
+    little more than one on a CPU, where decoding is bound by reading the weights).
+    """
+    import torch
+
+    if samples > 1 and temperature <= 0:
+        from specctl.errors import UsageError
+
+        raise UsageError("several answers per prompt need sampling", "set --distill-temperature > 0 (e.g. 0.7)")
+
+    from specctl.bench.workloads import render_prompt
+    from specctl.config import SpecConfig
+    from specctl.runtime.decoder import SamplingParams, SpecDecoder
+    from specctl.runtime.proposers import build_proposer
+    from specctl.runtime.runner import TargetRunner
+
+    settings = {"model": str(loaded.path), "dtype": str(loaded.dtype).removeprefix("torch."),
+                "max_new_tokens": max_new_tokens, "temperature": temperature, "seed": seed}
+    if samples > 1:
+        settings["samples"] = samples
+    done = _read_cache(cache, settings) if cache is not None else {}
+    prompts, skipped = [], 0
+    for req in requests:
+        ids = render_prompt(loaded.tokenizer, req)
+        room = max_new_tokens if seq_len is None else min(max_new_tokens, seq_len - len(ids))
+        if room < min(8, max_new_tokens):  # no room left for a useful answer
+            skipped += 1
+            continue
+        prompts.append((req, ids, room))
+    if skipped:
+        log(f"self-distillation: {skipped} prompt(s) longer than the sequence length left out")
+    todo = [p for p in prompts if p[0].id not in done]
+    if prompts:
+        log(f"self-distillation: the target answers {len(todo)} prompt(s), {len(prompts) - len(todo)} answered "
+            f"already{f' (in {cache})' if cache is not None else ''}")
+    max_len = max([len(ids) + room for _, ids, room in todo], default=0) + 24
+    dec = None
+    if todo and samples == 1:
+        runner = TargetRunner(loaded.model, max_len=max_len)
+        k = 8  # prompt-lookup drafts: lossless, and fast on answers that copy their prompt
+        ngram = build_proposer(SpecConfig(method="ngram", num_speculative_tokens=k).validated(), max_len)
+        dec = SpecDecoder(runner, ngram, k, adaptive=True)
+    fh = None
+    if cache is not None and todo:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        torn = cache.is_file() and cache.stat().st_size > 0 and not cache.read_bytes().endswith(b"\n")
+        fh = open(cache, "a", encoding="utf-8")
+        if torn:  # a crash mid-line: end that line, so the next answer starts a line of its own
+            fh.write("\n")
+    try:
+        for i, (req, ids, room) in enumerate(todo):
+            gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(req.id.encode()))
+            if samples == 1:
+                params = SamplingParams(max_new_tokens=room, temperature=temperature, stop_token_ids=loaded.stop_token_ids)
+                res = dec.generate(ids, params, gen)
+                answers = [(res.token_ids, res.finish_reason)]
+            else:
+                answers = sample_batch(loaded, ids, samples, room, temperature, gen)
+            rows = []
+            for response, finish in answers:
+                text = loaded.tokenizer.decode(response, skip_special_tokens=True)
+                rows.append({"id": req.id, "messages": req.messages + [{"role": "assistant", "content": text}],
+                             "prompt_ids": ids, "response_ids": response, "finish_reason": finish, "settings": settings})
+            done[req.id] = rows
+            if fh is not None:
+                fh.write("".join(json.dumps(row) + "\n" for row in rows))
+                fh.flush()
+            progress("self-distill", i + 1, len(todo))
+    finally:
+        if fh is not None:
+            fh.close()
+    out = []
+    for req, _, _ in prompts:
+        for row in done[req.id]:
+            out.append(Record(messages=row["messages"], prompt_ids=row["prompt_ids"], response_ids=row["response_ids"],
+                              source=f"self-distilled {req.id}"))
+    return out
+
+
+def sample_batch(loaded, prompt_ids: list[int], n: int, max_new_tokens: int, temperature: float,
+                 generator=None) -> list[tuple[list[int], str]]:
+    """n sampled answers to one prompt, decoded as n rows of one batch: [(response ids, finish reason)]."""
+    import torch
+
+    from specctl.runtime.rejection import logits_to_probs
+    from specctl.runtime.runner import TargetRunner
+
+    stop = set(loaded.stop_token_ids)
+    runner = TargetRunner(loaded.model, max_len=len(prompt_ids) + max_new_tokens + 1, batch=n)
+    logits = runner.forward(torch.tensor([prompt_ids] * n), logits="last")[:, -1]  # [n, V]
+    outs: list[list[int]] = [[] for _ in range(n)]
+    finish = ["length"] * n
+    for step in range(max_new_tokens):
+        tok = torch.multinomial(logits_to_probs(logits, temperature), 1, generator=generator)  # [n, 1]
+        for b, t in enumerate(tok[:, 0].tolist()):
+            if finish[b] == "length" and len(outs[b]) == step:  # row b still writing
+                outs[b].append(t)
+                if t in stop:
+                    finish[b] = "stop"
+        if all(f == "stop" for f in finish) or step + 1 == max_new_tokens:
+            break
+        logits = runner.forward(tok.to(runner.device), logits="last")[:, -1]
+    return list(zip(outs, finish))
+
+
+def _read_cache(path: Path, settings: dict) -> dict[str, dict]:
+    """Answers already in the cache for these settings (a torn last line from a crash is ignored)."""
+    if not path.is_file():
+        return {}
+    out = {}
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(row, dict) and row.get("settings") == settings and "response_ids" in row:
+            out.setdefault(row["id"], []).append(row)
+    return out
+
+
+# --------------------------------------------------------------------------- tokenisation
+
+def chat_ids(tokenizer, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+    """Token ids of ``messages`` through the chat template (list[int] whatever transformers returns)."""
+    out = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
+    if hasattr(out, "keys"):
+        out = out["input_ids"]
+    if hasattr(out, "tolist"):
+        out = out.tolist()
+    if out and isinstance(out[0], (list, tuple)):
+        out = out[0]
+    return [int(t) for t in out]
+
+
+def encode(tokenizer, record: Record, seq_len: int, stop_ids=()) -> list[Example]:
+    """A record -> examples of at most ``seq_len`` tokens (a long text is cut into several).
+
+    Chat: each assistant turn's tokens are learnt, up to and including the first stop token in it
+    (what the template adds after the end-of-turn token is never generated). A record with nothing
+    left to learn gives no example.
+    """
+    stop = set(stop_ids)
+    if record.prompt_ids is not None:
+        ids = list(record.prompt_ids) + list(record.response_ids)
+        mask = [0] * len(record.prompt_ids) + [1] * len(record.response_ids)
+    elif record.text is not None:
+        ids = tokenizer(record.text)["input_ids"]
+        out = []
+        for s in range(0, max(1, len(ids) - 1), seq_len):
+            chunk = ids[s:s + seq_len]
+            if len(chunk) >= 4:
+                out.append(Example(chunk, [1] * len(chunk), record.source))
+        return out
+    elif getattr(tokenizer, "chat_template", None):
+        msgs = record.messages
+        ids = chat_ids(tokenizer, msgs, False)
+        mask = [0] * len(ids)
+        for i, m in enumerate(msgs):
+            if m["role"] != "assistant":
+                continue
+            start = len(chat_ids(tokenizer, msgs[:i], True)) if i else 0
+            end = len(chat_ids(tokenizer, msgs[:i + 1], False))
+            for j in range(start, min(end, len(ids))):
+                mask[j] = 1
+                if ids[j] in stop:
+                    break
+    else:  # no template: turns joined by blank lines
+        ids, mask = [], []
+        for m in record.messages:
+            piece = tokenizer.encode(m["content"] + "\n\n", add_special_tokens=not ids)
+            ids += piece
+            mask += [int(m["role"] == "assistant")] * len(piece)
+    ids, mask = ids[:seq_len], mask[:seq_len]
+    return [Example(ids, mask, record.source)] if any(mask[1:]) else []
+
+
+def build_examples(cfg, loaded, data_dir: Path, log: Callable[[str], None] = lambda m: None,
+                   progress: Callable[[str, int, int], None] = lambda *a: None,
+                   records: list[Record] | None = None) -> list[Example]:
+    """Every training sequence of a run: cfg.data records (read here unless given), then the
+    self-distilled answers to cfg.self_distill."""
+    if records is None:
+        records = [r for path in cfg.data for r in read_records(path)]
+    records = list(records)
+    if records:
+        log(f"{len(records)} record(s) from {', '.join(map(str, cfg.data))}")
+    if cfg.self_distill:
+        requests, seen = [], set()
+        for spec in cfg.self_distill:
+            for r in load_prompts(spec, cfg.hold_out)[:cfg.distill_max_prompts]:
+                if r.id not in seen:
+                    seen.add(r.id)
+                    requests.append(r)
+        records += self_distill(loaded, requests, max_new_tokens=cfg.distill_max_new_tokens,
+                                temperature=cfg.distill_temperature, seed=cfg.seed, seq_len=cfg.seq_len,
+                                samples=getattr(cfg, "distill_samples", 1),
+                                cache=Path(data_dir) / "self_distill.jsonl", progress=progress, log=log)
+    examples = [e for r in records for e in encode(loaded.tokenizer, r, cfg.seq_len, loaded.stop_token_ids)]
+    if not examples:
+        raise DataError("no training sequence has tokens to learn", "check that the data has responses (assistant turns)")
+    return examples
+
+
+def split(examples: list[Example], eval_split: float, seed: int) -> tuple[list[Example], list[Example]]:
+    """(train, eval): a seeded shuffle; eval gets round(eval_split * n) examples, at least one when asked and n >= 2."""
+    order = list(range(len(examples)))
+    random.Random(seed).shuffle(order)
+    n_eval = 0 if eval_split <= 0 or len(examples) < 2 else max(1, round(eval_split * len(examples)))
+    return [examples[i] for i in sorted(order[n_eval:])], [examples[i] for i in sorted(order[:n_eval])]
+
+
+def top_tokens(examples: list[Example], n: int, vocab_size: int, always=()):
+    """The n most frequent learnt tokens (plus ``always``), as a sorted LongTensor of vocabulary ids."""
+    import torch
+
+    counts = Counter(t for e in examples for t, m in zip(e.input_ids, e.loss_mask) if m)
+    keep = dict.fromkeys(t for t in always if 0 <= t < vocab_size)  # an ordered set
+    ranked = [t for t, _ in counts.most_common() if 0 <= t < vocab_size]
+    for t in ranked + list(range(vocab_size)):  # fewer distinct tokens than n: fill with the lowest ids
+        if len(keep) >= n:
+            break
+        keep.setdefault(t)
+    return torch.tensor(sorted(list(keep)[:n]), dtype=torch.long)
+
+
+def coverage(examples: list[Example], token_map) -> float:
+    """Fraction of the learnt tokens inside ``token_map``."""
+    inside = set(token_map.tolist())
+    toks = [t for e in examples for t, m in zip(e.input_ids, e.loss_mask) if m]
+    return sum(t in inside for t in toks) / max(1, len(toks))
+
+
+def write_prompt_file(requests: list, path: str | Path) -> Path:
+    """Write requests as a .jsonl prompt file ({"id", "messages"} a line), atomically."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text("".join(json.dumps({"id": r.id, "messages": r.messages}) + "\n" for r in requests), encoding="utf-8")
+    os.replace(tmp, path)
+    return path

@@ -1,0 +1,270 @@
+"""Medusa heads on disk: vLLM's layout (written and read), FasterDecoding's original layout (read and
+written), and training checkpoints (atomic folders with the training config beside them).
+
+vLLM layout (``vllm/model_executor/models/medusa.py``, ``vllm/transformers_utils/configs/medusa.py``):
+
+    config.json        {"model_type": "medusa", "architectures": ["MedusaModel"], "num_heads": K,
+                        "num_hidden_layers": L, "hidden_size": H, "vocab_size": V,
+                        "truncated_vocab_size": V' (only with token_map), "medusa_fc_bias": bool,
+                        "original_lm_head": bool}
+    model.safetensors  blocks.{h}.layers.{l}.weight [H, H] (+ blocks.{h}.layers.{l}.bias with medusa_fc_bias)
+                       lm_heads.{h}.weight [V', H]    (only lm_heads.0.weight with original_lm_head:
+                                                       one LM head shared by every head)
+                       token_map [V'] int64           (optional: head row i is vocabulary id token_map[i])
+
+  vLLM's MedusaConfig.from_pretrained renames *every* top-level key containing "num" and "heads"
+  (or "layers") to num_heads (num_hidden_layers), so the config carries no other such key; specctl's
+  own notes go under "specctl". vLLM strips a "medusa_heads." prefix from tensor names (read here too).
+
+FasterDecoding/Medusa layout (``medusa/model/medusa_model.py``): config ``medusa_num_heads``,
+``medusa_num_layers``, ``base_model_name_or_path``; weights in ``medusa_lm_head.pt`` (or
+``.safetensors``), the state dict of ``medusa_head`` (``[medusa_head.]{h}.{l}.linear.weight/.bias``
+for the residual blocks, which always have a bias there, and ``[medusa_head.]{h}.{L}.weight`` for
+the LM head, L = num_layers).
+
+What it does not know: training, the decode loop. Imports only torch and safetensors.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+
+import torch
+
+from specctl.errors import ModelError, UsageError
+from specctl.training.medusa import MedusaHeads
+
+WEIGHTS = "model.safetensors"
+TRAINING_CONFIG = "training_config.json"
+CHECKPOINTS = "checkpoints"
+_FD_FILES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")
+
+
+# --------------------------------------------------------------------------- writing
+
+def medusa_config(heads: MedusaHeads, dtype: torch.dtype, notes: dict | None = None) -> dict:
+    """vLLM's Medusa config for ``heads`` (see the module docstring for why no other *num* keys)."""
+    cfg = {
+        "model_type": "medusa",
+        "architectures": ["MedusaModel"],
+        "num_heads": heads.num_heads,
+        "num_hidden_layers": heads.num_layers,
+        "hidden_size": heads.hidden_size,
+        "vocab_size": heads.vocab_size,
+        "medusa_fc_bias": heads.bias,
+        "original_lm_head": heads.shared_lm_head,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+    }
+    if heads.token_map is not None:
+        cfg["truncated_vocab_size"] = int(heads.token_map.numel())
+    if notes:
+        cfg["specctl"] = notes
+    return cfg
+
+
+def _write_atomic(path: Path, write) -> None:
+    """write(tmp_path) then rename over ``path``: a reader sees the old file or the new one, whole."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def save_medusa(heads: MedusaHeads, folder: str | Path, dtype: torch.dtype | None = None,
+                notes: dict | None = None) -> Path:
+    """Write ``heads`` in vLLM's layout into ``folder`` (created; other files there are left alone).
+
+    Each file is replaced atomically; the weights go first, the config last, so a folder whose
+    config.json names K heads always holds their weights.
+    """
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    dtype = dtype or next(heads.parameters()).dtype
+    tensors = {name: t.detach().to("cpu", dtype).contiguous() for name, t in heads.state_dict().items()
+               if name != "token_map"}
+    if heads.token_map is not None:
+        tensors["token_map"] = heads.token_map.detach().to("cpu", torch.int64).contiguous()
+    _write_atomic(folder / WEIGHTS, lambda p: save_file(tensors, str(p), metadata={"format": "pt"}))
+    cfg = medusa_config(heads, dtype, notes)
+    _write_atomic(folder / "config.json", lambda p: p.write_text(json.dumps(cfg, indent=2) + "\n"))
+    return folder
+
+
+def save_fasterdecoding(heads: MedusaHeads, folder: str | Path, base_model: str = "") -> Path:
+    """Write ``heads`` in FasterDecoding's layout (medusa_lm_head.safetensors + config.json).
+
+    That layout has full-vocabulary, per-head LM heads and biased residual blocks: a shared head is
+    copied per head, a missing bias is written as zeros; a truncated vocabulary cannot be expressed.
+    """
+    from safetensors.torch import save_file
+
+    if heads.token_map is not None:
+        raise UsageError("FasterDecoding's layout has no truncated vocabulary", "export with the vLLM layout instead")
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    L, out = heads.num_layers, {}
+    for h in range(heads.num_heads):
+        for l, lin in enumerate(heads.blocks[h].layers):
+            out[f"medusa_head.{h}.{l}.linear.weight"] = lin.weight.detach().cpu().contiguous()
+            b = lin.bias if lin.bias is not None else torch.zeros(heads.hidden_size, dtype=lin.weight.dtype)
+            out[f"medusa_head.{h}.{l}.linear.bias"] = b.detach().cpu().contiguous()
+        out[f"medusa_head.{h}.{L}.weight"] = heads.lm_head(h).weight.detach().cpu().clone().contiguous()
+    save_file(out, str(folder / _FD_FILES[0]))
+    cfg = {"medusa_num_heads": heads.num_heads, "medusa_num_layers": L, "base_model_name_or_path": base_model,
+           "hidden_size": heads.hidden_size, "vocab_size": heads.vocab_size}
+    (folder / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    return folder
+
+
+# --------------------------------------------------------------------------- reading
+
+def detect_layout(folder: str | Path) -> str:
+    """'vllm' or 'fasterdecoding'; ModelError when the folder holds neither."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise ModelError(f"Medusa heads folder {folder} does not exist",
+                         "give the folder `specctl train-medusa --output` wrote (config.json + model.safetensors)")
+    cfg = _read_json(folder / "config.json") if (folder / "config.json").is_file() else {}
+    if any((folder / f).is_file() for f in _FD_FILES) or "medusa_num_heads" in cfg:
+        return "fasterdecoding"
+    if cfg.get("model_type") == "medusa" or "num_heads" in cfg:
+        return "vllm"
+    raise ModelError(f"{folder} holds no Medusa heads (no config.json with model_type 'medusa', no medusa_lm_head.*)",
+                     "give a folder written by `specctl train-medusa`, or FasterDecoding's medusa_lm_head.pt + config.json")
+
+
+def load_medusa(folder: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> MedusaHeads:
+    """Read Medusa heads in either layout (auto-detected) into a MedusaHeads in eval mode."""
+    folder = Path(folder)
+    layout = detect_layout(folder)
+    sd = _read_weights(folder, layout)
+    heads = _from_vllm(folder, sd) if layout == "vllm" else _from_fasterdecoding(folder, sd)
+    heads.layout = layout
+    if dtype is not None:
+        heads = heads.to(dtype)
+    return heads.to(device).eval().requires_grad_(False)
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ModelError(f"cannot read {path} ({e})", "re-export the heads with `specctl train-medusa`") from None
+
+
+def _read_weights(folder: Path, layout: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    if layout == "fasterdecoding":
+        for name in _FD_FILES:
+            f = folder / name
+            if f.is_file():
+                sd = load_file(str(f)) if f.suffix == ".safetensors" else torch.load(f, map_location="cpu", weights_only=True)
+                return {re.sub(r"^medusa_head\.", "", k): v for k, v in sd.items()}
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ModelError(f"{folder} has no weights (*.safetensors / medusa_lm_head.pt)",
+                         "re-export the heads with `specctl train-medusa`")
+    sd = {}
+    for f in files:
+        sd.update(load_file(str(f)))
+    return {k.replace("medusa_heads.", "") if layout == "vllm" else re.sub(r"^medusa_head\.", "", k): v
+            for k, v in sd.items()}
+
+
+def _from_vllm(folder: Path, sd: dict[str, torch.Tensor]) -> MedusaHeads:
+    cfg = _read_json(folder / "config.json")
+    K, L = int(cfg.get("num_heads", 0)), int(cfg.get("num_hidden_layers", 1))
+    H, V = int(cfg["hidden_size"]), int(cfg["vocab_size"])
+    token_map = sd.get("token_map")
+    tv = cfg.get("truncated_vocab_size")
+    if tv is not None and int(tv) < V and token_map is None:
+        raise ModelError(f"{folder}: truncated_vocab_size {tv} < vocab_size {V} but no token_map tensor",
+                         "re-export the heads; the token_map tensor must travel with a truncated vocabulary")
+    truncated = tv is not None and int(tv) < V  # vLLM ignores a token_map otherwise
+    heads = MedusaHeads(H, V, K, L, bias=bool(cfg.get("medusa_fc_bias", False)),
+                        shared_lm_head=bool(cfg.get("original_lm_head", False)),
+                        token_map=token_map.long() if truncated else None)
+    if truncated:  # full-vocabulary LM heads beside a token_map are cut to it, as vLLM does
+        sd = {k: v[heads.token_map] if k.startswith("lm_heads.") and v.shape[0] == V else v for k, v in sd.items()}
+    want = heads.state_dict()
+    extra = sorted(set(sd) - set(want) - {"token_map"})
+    missing = sorted(set(want) - set(sd) - {"token_map"})
+    if missing or extra:
+        what = f"lacks '{missing[0]}'" if missing else f"has an unexpected tensor '{extra[0]}'"
+        raise ModelError(f"{folder} {what} for {K} heads x {L} layers", "check config.json against the weights, or re-export")
+    sd = {k: v for k, v in sd.items() if k in want}
+    if heads.token_map is not None:
+        sd["token_map"] = heads.token_map
+    _load_checked(heads, sd, folder)
+    return heads
+
+
+def _from_fasterdecoding(folder: Path, sd: dict[str, torch.Tensor]) -> MedusaHeads:
+    cfg = _read_json(folder / "config.json") if (folder / "config.json").is_file() else {}
+    keys = [tuple(int(x) for x in m.groups()) for k in sd if (m := re.fullmatch(r"(\d+)\.(\d+)\.weight", k))]
+    if not keys:
+        raise ModelError(f"{folder}: no '{{h}}.{{l}}.weight' LM-head tensors in the Medusa weights",
+                         "expected FasterDecoding's medusa_head state dict")
+    K = int(cfg.get("medusa_num_heads", max(h for h, _ in keys) + 1))
+    L = int(cfg.get("medusa_num_layers", max(l for _, l in keys)))
+    V, H = sd[f"0.{L}.weight"].shape
+    heads = MedusaHeads(H, V, K, L, bias=True)
+    new = {}
+    for h in range(K):
+        for l in range(L):
+            new[f"blocks.{h}.layers.{l}.weight"] = sd[f"{h}.{l}.linear.weight"]
+            new[f"blocks.{h}.layers.{l}.bias"] = sd[f"{h}.{l}.linear.bias"]
+        new[f"lm_heads.{h}.weight"] = sd[f"{h}.{L}.weight"]
+    _load_checked(heads, new, folder)
+    return heads
+
+
+def _load_checked(heads: MedusaHeads, sd: dict[str, torch.Tensor], folder: Path) -> None:
+    want = heads.state_dict()
+    for k, v in sd.items():
+        if k in want and tuple(want[k].shape) != tuple(v.shape):
+            raise ModelError(f"{folder}: tensor '{k}' has shape {tuple(v.shape)}, expected {tuple(want[k].shape)}",
+                             "check hidden_size / vocab_size in config.json, or re-export")
+    heads.to(next((v.dtype for v in sd.values() if v.is_floating_point()), torch.float32))
+    heads.load_state_dict(sd, strict=True)
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+def checkpoint_dirs(output: str | Path) -> list[Path]:
+    """Complete checkpoints under output/checkpoints/, oldest first (a folder is complete once renamed)."""
+    root = Path(output) / CHECKPOINTS
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and re.fullmatch(r"step-\d+", p.name)
+             and (p / "trainer_state.json").is_file()]
+    return sorted(found, key=lambda p: int(p.name.split("-")[1]))
+
+
+def save_checkpoint(output: str | Path, step: int, write, keep: int = 2) -> Path:
+    """Write checkpoint ``step`` atomically: ``write(tmp_folder)`` fills a temp folder, which is then
+    renamed to output/checkpoints/step-NNNNNNN; older checkpoints beyond ``keep`` are removed."""
+    from specctl.fetch import atomic_dir
+
+    final = Path(output) / CHECKPOINTS / f"step-{step:07d}"
+    with atomic_dir(final) as tmp:
+        write(tmp)
+    if keep > 0:
+        for old in checkpoint_dirs(output)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def write_training_config(folder: str | Path, config: dict) -> None:
+    """The training config as JSON, beside every checkpoint and every export."""
+    path = Path(folder) / TRAINING_CONFIG
+    _write_atomic(path, lambda p: p.write_text(json.dumps(config, indent=2, default=str) + "\n"))

@@ -1,0 +1,70 @@
+"""`specctl train-medusa` end to end on the tiny model: self-distils, trains, checkpoints, exports the
+vLLM layout, prints a JSON summary on stdout; the heads then serve in `specctl bench` with outputs
+equal to the baseline; bad data is one line on stderr with its line number (exit 1), usage errors exit 2.
+
+The end-to-end run is in-process (typer's CliRunner: no second torch import); the error format,
+which ``specctl.cli.main`` produces, is checked through a real subprocess.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from typer.testing import CliRunner
+
+from specctl.cli import app
+from specctl.errors import UsageError
+
+
+def test_help_has_an_example():
+    r = CliRunner().invoke(app, ["train-medusa", "--help"])
+    assert r.exit_code == 0
+    assert "Examples:" in r.stdout and "specctl train-medusa --model" in r.stdout and "--self-distill" in r.stdout
+
+
+def test_train_then_bench(tiny_model_dir, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"p{i}", "prompt": s}) + "\n" for i, s in enumerate(
+        ["abc abc abc", "the cat sat", "xyz", "hello hello", "one two", "b c d"])))
+    out = tmp_path / "heads"
+    r = CliRunner().invoke(app, [
+        "train-medusa", "--model", str(tiny_model_dir), "--self-distill", str(prompts), "--num-heads", "2",
+        "--output", str(out), "--steps", "8", "--save-every", "4", "--batch-size", "2", "--seq-len", "96",
+        "--distill-max-new-tokens", "16", "--eval-split", "0.34", "--dtype", "float32", "--json"])
+    assert r.exit_code == 0, r.output
+    s = json.loads(r.stdout)
+    assert s["steps"] == 8 and s["mode"] == "medusa-1" and s["final_loss"] < s["first_loss"]
+    assert len(s["eval"]["top1_per_head"]) == 2 and s["eval"]["acceptance_length"] >= 1.0
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["model_type"] == "medusa" and cfg["num_heads"] == 2
+    assert (out / "training_config.json").is_file() and (out / "data" / "self_distill.jsonl").is_file()
+    assert (out / "checkpoints" / "step-0000004" / "training_config.json").is_file()
+    assert (out / "checkpoints" / "step-0000008" / "optimizer.pt").is_file()
+
+    spec = json.dumps({"method": "medusa", "model": str(out), "num_speculative_tokens": 2})
+    b = CliRunner().invoke(app, ["bench", "--model", str(tiny_model_dir), "--dtype", "float32", "--speculative-config",
+                                 spec, "-w", str(prompts), "-n", "2", "--max-new-tokens", "12", "--json"])
+    assert b.exit_code == 0, b.output
+    rows = {row["method"]: row for row in json.loads(b.stdout)["results"]}
+    assert rows["medusa"]["identical_to_baseline"] == 2 and rows["medusa"]["num_drafts"] > 0
+
+
+def test_usage_error_before_anything_loads(tmp_path):
+    r = CliRunner().invoke(app, ["train-medusa", "--model", "x", "--output", str(tmp_path / "o")])
+    assert isinstance(r.exception, UsageError) and r.exception.exit_code == 2 and "no training data" in str(r.exception)
+
+
+def test_bad_data_line_is_one_line_on_stderr(tiny_model_dir, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "a", "response": "b"}\n{"prompt": "no answer"}\n')
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("SPECCTL_DEBUG", None)
+    r = subprocess.run([sys.executable, "-m", "specctl.cli", "train-medusa", "--model", str(tiny_model_dir), "--data",
+                        str(bad), "--output", str(tmp_path / "o"), "--dtype", "float32"],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 1
+    assert r.stderr.strip().count("\n") == 0 and r.stderr.startswith("Error: ") and "bad.jsonl, line 2" in r.stderr
+    assert not (tmp_path / "o").exists()  # nothing was written

@@ -1,0 +1,177 @@
+"""EAGLE-1/-3 proposers: export -> load round trip in vLLM's layouts, the TTT forward equals chain
+drafting row by row, and greedy decoding with a trained tiny draft equals plain greedy (drafts accepted)."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from specctl.config import SpecConfig
+from specctl.errors import UsageError
+from specctl.runtime.decoder import SamplingParams, SpecDecoder
+from specctl.runtime.proposers import build_proposer
+from specctl.runtime.proposers.eagle import EagleDraft, load_eagle_draft, spec_from_target
+from specctl.runtime.runner import TargetRunner, load_model
+from specctl.training.data import chat_ids
+from specctl.training.eagle import EagleTrainConfig, train, ttt_forward
+from specctl.training.eagle_export import export_eagle
+
+WORDS = ["def", "return", "print", "hello", "world", "x", "y", "=", "(", ")", "for", "in", "if", "else"]
+
+
+def _draft(model, version: int, seed: int = 0) -> EagleDraft:
+    torch.manual_seed(seed)
+    d = EagleDraft(spec_from_target(model.args, version, 100 if version == 3 else None))
+    with torch.no_grad():
+        for p in d.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+        if version == 3:
+            d.d2t.copy_(torch.arange(100) % 7)  # some non-trivial map: target id = i + d2t[i], all distinct
+            d.t2d.zero_()
+            d.t2d[d.target_ids] = True
+    return d.eval()
+
+
+@pytest.mark.parametrize("version", [3, 1])
+def test_ttt_forward_equals_chain_drafting(tiny_model, version):
+    d = _draft(tiny_model, version)
+    emb = tiny_model.embed.weight
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
+    feat = torch.randn(2, 12, 64, generator=torch.Generator().manual_seed(2))
+    outs = ttt_forward(d, emb, ids, feat, 3)
+    assert [tuple(o.shape) for o in outs] == [(2, 12, 64)] * 3
+    for t in (0, 4, 8):
+        k = torch.zeros(1, 2, 32, 16)
+        v = torch.zeros_like(k)
+        o = d.forward_cached(emb[ids[1:, 1:t + 2]], feat[1:, :t + 1], 0, k, v)[:, -1:]
+        torch.testing.assert_close(o[0, 0], outs[0][1, t], atol=1e-5, rtol=0)
+        for j in (1, 2):  # chain step j: the draft's own out, token x[t+1+j], position t+j
+            o = d.forward_cached(emb[ids[1:, t + 1 + j:t + 2 + j]], o, t + j, k, v)
+            torch.testing.assert_close(o[0, 0], outs[j][1, t], atol=1e-5, rtol=0)
+
+
+def test_export_load_round_trip_eagle3(tiny_model_dir, tiny_model, tmp_path):
+    d = _draft(tiny_model, 3)
+    out = export_eagle(d, tmp_path / "tiny-eagle3", load_model(tiny_model_dir, dtype="float32"))
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["num_hidden_layers"] == 1
+    assert cfg["draft_vocab_size"] == 100 and cfg["vocab_size"] == 128 and cfg["target_hidden_size"] == 64
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == list(d.spec.aux_layers)
+    sd = load_file(str(out / "model.safetensors"))
+    assert {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d", "midlayer.hidden_norm.weight",
+            "midlayer.input_layernorm.weight", "midlayer.self_attn.q_proj.weight", "midlayer.mlp.down_proj.weight"} <= set(sd)
+    assert sd["d2t"].dtype == torch.int64 and sd["t2d"].dtype == torch.bool and sd["t2d"].shape == (128,)
+    assert sd["fc.weight"].shape == (64, 64 * len(d.spec.aux_layers))
+    assert sd["midlayer.self_attn.q_proj.weight"].shape == (64, 128)  # attention reads cat(emb, hidden): 2H
+    d2, embed = load_eagle_draft(out, tiny_model.args)
+    assert embed is None and d2.version == 3
+    for k, t in d.state_dict().items():
+        assert torch.equal(t, d2.state_dict()[k]), k
+
+
+def test_export_load_round_trip_eagle1(tiny_model_dir, tiny_model, tmp_path):
+    d = _draft(tiny_model, 1)
+    out = export_eagle(d, tmp_path / "tiny-eagle", load_model(tiny_model_dir, dtype="float32"))
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLM"] and "draft_vocab_size" not in cfg
+    sd = load_file(str(out / "model.safetensors"))
+    assert sd["fc.weight"].shape == (64, 128)
+    assert "layers.0.self_attn.q_proj.weight" in sd and "layers.0.post_attention_layernorm.weight" in sd
+    assert not any("input_layernorm" in k or k.startswith("midlayer.") or k == "lm_head.weight" for k in sd)
+    d2, _ = load_eagle_draft(out, tiny_model.args)
+    assert d2.version == 1
+    for k, t in d.state_dict().items():
+        assert torch.equal(t, d2.state_dict()[k]), k
+
+
+def test_load_other_namings(tiny_model, tmp_path):
+    """What users have: 'model.'-prefixed 'layers.0.*' EAGLE-3 tensors, no t2d, plus an embedding."""
+    d = _draft(tiny_model, 3)
+    src = export_eagle(d, tmp_path / "a-eagle3")
+    sd = load_file(str(src / "model.safetensors"))
+    renamed = {("model.layers.0." + k[len("midlayer."):] if k.startswith("midlayer.") else k): v
+               for k, v in sd.items() if k != "t2d"}
+    renamed["embed_tokens.weight"] = torch.randn(128, 64)
+    dst = tmp_path / "b-eagle3"
+    dst.mkdir()
+    save_file(renamed, str(dst / "model.safetensors"))
+    (dst / "config.json").write_text((src / "config.json").read_text())
+    d2, embed = load_eagle_draft(dst, tiny_model.args)
+    assert embed is not None and embed.shape == (128, 64)
+    assert torch.equal(d2.t2d, d.t2d) and torch.equal(d2.midlayer.self_attn.q_proj.weight, d.midlayer.self_attn.q_proj.weight)
+
+
+def test_method_must_match_version(tiny_model_dir, tiny_model, tmp_path):
+    out = export_eagle(_draft(tiny_model, 3), tmp_path / "x-eagle3")
+    with pytest.raises(UsageError, match="eagle3"):
+        build_proposer(SpecConfig.from_dict({"method": "eagle", "model": str(out)}), 256,
+                       target=load_model(tiny_model_dir, dtype="float32"))
+
+
+# --------------------------------------------------------------------------- trained tiny drafts
+
+def _prompts(n: int, seed: int) -> list[str]:
+    r = random.Random(seed)
+    return [" ".join(r.choice(WORDS) for _ in range(r.randint(3, 8))) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_model_dir, tmp_path_factory):
+    """EAGLE-3 and EAGLE-1 drafts overfit on the tiny model's own greedy answers to 24 prompts."""
+    folder = tmp_path_factory.mktemp("eagle-train")
+    prompts = folder / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in _prompts(24, 0)) + "\n")
+    loaded = load_model(tiny_model_dir, dtype="float32")
+    out = {}
+    for version, steps in ((3, 60), (1, 40)):
+        cfg = EagleTrainConfig(model=str(tiny_model_dir), output=str(folder / f"run{version}"), self_distill=str(prompts),
+                               version=version, steps=steps, batch_size=8, seq_len=64, max_new_tokens=32, eval_split=0.1,
+                               lr=3e-3, eval_every=1000, draft_vocab_size=96)
+        out[version] = train(cfg, loaded=loaded, log=lambda m: None)
+    out["prompts"] = _prompts(24, 0)[:20]
+    return out
+
+
+@pytest.mark.parametrize("version", [3, 1])
+def test_greedy_equality_with_accepted_drafts(trained, tiny_model_dir, version):
+    s = trained[version]
+    assert s["final"]["acceptance_per_position"][0] > 0
+    loaded = load_model(tiny_model_dir, dtype="float32")
+    method = "eagle3" if version == 3 else "eagle"
+    prop = build_proposer(SpecConfig.from_dict({"method": method, "model": s["export"], "num_speculative_tokens": 4}),
+                          256, target=loaded)
+    if version == 3:
+        assert loaded.model.aux_layers == tuple(s["aux_layers"])
+    spec = SpecDecoder(TargetRunner(loaded.model, 256), prop, 4)
+    plain = SpecDecoder(TargetRunner(loaded.model, 256))
+    accepted = 0
+    for text in trained["prompts"]:
+        ids = chat_ids(loaded.tokenizer, [{"role": "user", "content": text}], True)  # as the draft was trained
+        params = SamplingParams(max_new_tokens=24)
+        a, b = spec.generate(ids, params), plain.generate(ids, params)
+        assert a.token_ids == b.token_ids, text
+        accepted += a.stats.num_accepted_tokens
+    assert accepted > 0
+
+
+def test_sampling_returns_draft_probs_on_target_ids(trained, tiny_model_dir):
+    loaded = load_model(tiny_model_dir, dtype="float32")
+    prop = build_proposer(SpecConfig.from_dict({"method": "eagle3", "model": trained[3]["export"],
+                                                "num_speculative_tokens": 3}), 256, target=loaded)
+    dec = SpecDecoder(TargetRunner(loaded.model, 256), prop, 3)
+    ids = loaded.tokenizer("print hello", add_special_tokens=False)["input_ids"]
+    st = dec.start(ids, SamplingParams(max_new_tokens=8, temperature=0.8), torch.Generator().manual_seed(0))
+    d = prop.propose(st.ctx, [st.n_ctx], 3)
+    n = int(d.num_tokens[0])
+    assert n >= 1 and d.probs.shape == (1, 3, 128)
+    q = d.probs[0, :n]
+    torch.testing.assert_close(q.sum(-1), torch.ones(n))
+    outside = ~prop.draft.t2d
+    assert float(q[:, outside].sum()) == 0.0
+    assert all(float(q[i, int(d.token_ids[0, i])]) > 0 for i in range(n))
+    while st.finish is None:  # stochastic verification runs through with these q
+        dec.step(st)

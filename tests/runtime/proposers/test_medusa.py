@@ -1,0 +1,160 @@
+"""MedusaProposer on a tiny llama (fp32): with heads overfit on the model's own greedy output, greedy
+decoding with Medusa drafts (chain through the decode loop; tree through ``tree_generate``) equals
+plain greedy decoding on >= 20 prompts while accepting many drafts; the tree mask is right on
+hand-built trees; sampled drafts come with q = the heads' processed softmax; both layouts draft alike."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from specctl.config import SpecConfig
+from specctl.errors import ConfigError, ModelError
+from specctl.runtime.decoder import SamplingParams, SpecDecoder
+from specctl.runtime.proposers import build_proposer
+from specctl.runtime.proposers.medusa import (MedusaProposer, greedy_tree_verify, tree_attention_mask,
+                                              tree_from_choices, tree_generate, tree_tokens)
+from specctl.runtime.runner import TargetRunner, load_model
+from specctl.training import data as D
+from specctl.training.export import load_medusa, save_fasterdecoding
+from specctl.training.medusa import MedusaHeads, MedusaTrainConfig, train
+
+NEW = 40
+NEAR_TIE = 1e-4  # prompts whose greedy path has a top-2 gap below this are skipped (fp32 rounding)
+
+
+def cfg(path: str, k: int = 3, **extra) -> SpecConfig:
+    return SpecConfig.from_dict({"method": "medusa", "model": str(path), "num_speculative_tokens": k, **extra})
+
+
+def min_gap(model, prompt, out) -> float:
+    logits = TargetRunner(model, len(prompt) + len(out)).forward(torch.tensor([prompt + out]))
+    top = logits[0, len(prompt) - 1:-1].topk(2, -1).values
+    return float((top[:, 0] - top[:, 1]).min())
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_model_factory, tmp_path_factory):
+    """A loopy tiny llama, 24 prompts with its plain greedy outputs, and heads overfit on them."""
+    path = tiny_model_factory(seed=1, initializer_range=0.05)
+    lm = load_model(path, dtype="float32")
+    rng = np.random.default_rng(0)
+    plain = SpecDecoder(TargetRunner(lm.model, 128))
+    cases = []
+    for _ in range(28):
+        p = rng.integers(6, 128, int(rng.integers(4, 12))).tolist()
+        out = plain.generate(p, SamplingParams(max_new_tokens=NEW)).token_ids
+        if min_gap(lm.model, p, out) > NEAR_TIE:
+            cases.append((p, out))
+    assert len(cases) >= 20
+    out_dir = tmp_path_factory.mktemp("medusa-heads")
+    examples = [D.Example(p + o, [0] * len(p) + [1] * len(o)) for p, o in cases]
+    orig = D.build_examples, D.read_records
+    D.build_examples, D.read_records = (lambda *a, **k: examples), (lambda path: [])
+    try:
+        train(MedusaTrainConfig(model=str(path), output=str(out_dir), data=["(in memory)"], num_heads=3, steps=200,
+                                lr=1e-2, batch_size=8, seq_len=128, dtype="float32", eval_split=0.0))
+    finally:
+        D.build_examples, D.read_records = orig
+    return lm, cases, out_dir
+
+
+def test_chain_greedy_equals_plain_and_accepts(trained):
+    lm, cases, heads_dir = trained
+    prop = build_proposer(cfg(heads_dir), 128, target=lm)
+    assert isinstance(prop, MedusaProposer) and prop.needs_hidden_states and prop.num_heads == 3
+    dec = SpecDecoder(TargetRunner(lm.model, 128), prop, 3)
+    accepted = drafts = 0
+    for p, out in cases:
+        res = dec.generate(p, SamplingParams(max_new_tokens=NEW))
+        assert res.token_ids == out
+        accepted += res.stats.num_accepted_tokens
+        drafts += res.stats.num_drafts
+    assert 1 + accepted / drafts > 2.5  # the heads memorised these outputs: most drafts are accepted
+
+
+def test_tree_greedy_equals_plain_and_accepts(trained):
+    lm, cases, heads_dir = trained
+    prop = build_proposer(cfg(heads_dir), 128, target=lm)
+    total_acc, steps = 0, 0
+    for p, out in cases:
+        toks, stats = tree_generate(TargetRunner(lm.model, 160), prop, p, NEW)
+        assert toks == out
+        total_acc += stats.num_accepted_tokens
+        steps += stats.num_drafts
+    assert 1 + total_acc / steps > 2.5
+
+
+def test_tree_mask_on_hand_built_trees():
+    paths, parents, depths = tree_from_choices([(0, 0), (0,), (1,)])  # the module docstring's tree
+    assert paths == [(), (0,), (1,), (0, 0)] and parents == [-1, 0, 0, 1] and depths == [0, 1, 1, 2]
+    assert tree_attention_mask(parents).int().tolist() == [[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]]
+    # deeper: root -> a(0) -> c(0,0) -> e(0,0,0); root -> b(1) -> d(1,0)
+    paths, parents, depths = tree_from_choices([(0,), (1,), (0, 0), (1, 0), (0, 0, 0)])
+    assert parents == [-1, 0, 0, 1, 2, 3] and depths == [0, 1, 1, 2, 2, 3]
+    m = tree_attention_mask(parents)
+    assert m[5].nonzero().flatten().tolist() == [0, 1, 3, 5]  # e sees root, a, c, itself
+    assert m[4].nonzero().flatten().tolist() == [0, 2, 4]  # d sees root, b, itself
+    assert not m[3, 2] and not m[1, 2] and bool(m.diagonal().all())
+    with pytest.raises(ConfigError, match="no parent"):
+        tree_from_choices([(0, 1)])
+    assert len(tree_from_choices([(0,), (0, 0), (0, 0, 0)], num_heads=2)[0]) == 3  # deeper than the heads: cut
+
+
+def test_tree_tokens_and_greedy_verify():
+    heads = MedusaHeads(4, 10, 2)
+    logits = torch.tensor([[0, 9, 8, 0, 0, 0, 0, 0, 0, 7.0], [5, 0, 0, 6, 0, 0, 0, 0, 0, 0.0]])  # [K=2, V]
+    paths, parents, _ = tree_from_choices([(0,), (1,), (0, 0), (0, 1)])
+    # nodes: (0,) head0 top1=1, (1,) head0 top2=2, (0,0) head1 top1=3, (0,1) head1 top2=0
+    assert tree_tokens(logits, paths, heads).tolist() == [1, 2, 3, 0]
+    tokens = [7, 1, 2, 3, 0]
+    path, emitted = greedy_tree_verify(tokens, parents, [1, 0, 9, 9, 9])  # target: after root 1, after node1 0
+    assert path == [0, 1, 4] and emitted == [1, 0, 9]
+    path, emitted = greedy_tree_verify(tokens, parents, [2, 5, 6, 9, 9])  # second branch, then no match
+    assert path == [0, 2] and emitted == [2, 6]
+    assert greedy_tree_verify(tokens, parents, [4, 0, 0, 0, 0]) == ([0], [4])
+
+
+def test_sampled_drafts_carry_their_distribution(trained):
+    lm, cases, heads_dir = trained
+    prop = build_proposer(cfg(heads_dir, k=3), 128, target=lm)
+    prop.set_sampling(0, SamplingParams(temperature=0.7, top_k=20), torch.Generator().manual_seed(0))
+    hidden = torch.randn(1, 64)
+    d = prop.propose(np.zeros((1, 8), np.int32), np.array([4], np.int32), 3, hidden)
+    assert d.probs.shape == (1, 3, 128)
+    want = torch.softmax(prop.head_logits(hidden) / 0.7, -1)
+    kth = want.topk(20, -1).values[..., -1:]
+    want = torch.where(want >= kth, want, torch.zeros_like(want))
+    torch.testing.assert_close(d.probs, want / want.sum(-1, keepdim=True))
+    for i in range(int(d.num_tokens[0])):
+        assert float(d.probs[0, i, d.token_ids[0, i]]) > 0
+    # a whole sampled decode runs, seeded and reproducible
+    dec = SpecDecoder(TargetRunner(lm.model, 128), prop, 3)
+    p = cases[0][0]
+    a = dec.generate(p, SamplingParams(max_new_tokens=20, temperature=0.8), torch.Generator().manual_seed(3))
+    b = dec.generate(p, SamplingParams(max_new_tokens=20, temperature=0.8), torch.Generator().manual_seed(3))
+    assert a.token_ids == b.token_ids and len(a.token_ids) == 20
+
+
+def test_both_layouts_draft_alike_and_k_is_capped(trained, tmp_path):
+    lm, cases, heads_dir = trained
+    save_fasterdecoding(load_medusa(heads_dir), tmp_path / "fd")
+    hidden = torch.randn(2, 64)
+    ids = np.zeros((2, 8), np.int32)
+    a = build_proposer(cfg(heads_dir, k=5), 128, target=lm)
+    b = build_proposer(cfg(tmp_path / "fd", k=5), 128, target=lm)
+    da, db = a.propose(ids, np.array([4, 4]), 5, hidden), b.propose(ids, np.array([4, 4]), 5, hidden)
+    assert da.token_ids.shape == (2, 5) and int(da.num_tokens.max()) <= 3  # 3 heads: at most 3 drafts
+    assert torch.equal(da.token_ids, db.token_ids) and da.probs is None
+
+
+def test_errors_name_the_fix(trained, tiny_model_dir, tmp_path):
+    lm, _, heads_dir = trained
+    with pytest.raises(ModelError, match="no Medusa heads"):
+        build_proposer(cfg(tmp_path), 128, target=lm)
+    wrong = MedusaHeads(32, 128, 2)
+    with pytest.raises(ModelError, match="hidden size 32"):
+        MedusaProposer(cfg(heads_dir), target=lm, max_model_len=128, heads=wrong)
+    with pytest.raises(ConfigError, match="tree verification"):
+        build_proposer(cfg(heads_dir, speculative_token_tree="[(0,)]"), 128, target=lm)

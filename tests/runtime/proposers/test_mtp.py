@@ -1,0 +1,180 @@
+"""MTP proposer: both checkpoint layouts load and draft; incremental drafts (per-depth caches rolled back
+with the target) equal drafts recomputed from scratch; greedy output with MTP equals plain greedy over
+>= 20 prompts in fp32, with drafts accepted (the tiny MTP is first overfit on the tiny model's own
+outputs); recursion past the number of modules warns; sampled drafts carry q."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from specctl.config import SpecConfig
+from specctl.runtime.decoder import SamplingParams, SpecDecoder
+from specctl.runtime.proposers import build_proposer
+from specctl.runtime.proposers.mtp import MtpProposer, load_mtp, mtp_logits, mtp_step
+from specctl.runtime.runner import TargetRunner, load_model
+from specctl.training.mtp import init_stack, mtp_loss, step_weights, target_states, unroll
+from specctl.training.mtp_export import MTP_FILE, export_mtp, mtp_state_dict
+
+K = 3
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_model_dir):
+    return load_model(tiny_model_dir, dtype="float32")
+
+
+PROMPTS = [torch.randint(6, 128, (12,), generator=torch.Generator().manual_seed(100 + i)).tolist() for i in range(24)]
+
+
+def _own_outputs(loaded, new: int) -> list[list[int]]:
+    """PROMPTS continued greedily by the tiny model (prompt + output ids)."""
+    dec = SpecDecoder(TargetRunner(loaded.model, 256))
+    return [p + dec.generate(p, SamplingParams(max_new_tokens=new, ignore_eos=True)).token_ids for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def trained_stack(loaded):
+    """A 1-module MTP overfit (depth 3) on the tiny model's own greedy continuations of PROMPTS."""
+    torch.manual_seed(0)
+    seqs = torch.tensor(_own_outputs(loaded, 52))  # [24, 64]
+    h0, y = target_states(loaded.model, seqs)
+    stack = init_stack(loaded.model, 1)
+    opt = torch.optim.AdamW(stack.parameters(), lr=1e-2)
+    w = step_weights(K)
+    for _ in range(60):
+        loss = mtp_loss(unroll(stack, loaded.model, seqs, h0, K), y, w)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return stack.eval().requires_grad_(False)
+
+
+@pytest.fixture(scope="module")
+def layout_dirs(loaded, trained_stack, tiny_model_dir, tmp_path_factory):
+    """The trained stack as a DeepSeek-V3 draft folder and as a Qwen3-Next (mtp.*) draft folder."""
+    ds = export_mtp(trained_stack, tiny_model_dir, tmp_path_factory.mktemp("mtp-ds"), head_weight=loaded.model.head_weight)
+    qn = tmp_path_factory.mktemp("mtp-qn")
+    for f in ds.iterdir():
+        shutil.copy2(f, qn / f.name)
+    from safetensors.torch import save_file
+
+    save_file(mtp_state_dict(trained_stack, 2, layout="qwen3_next"), str(qn / MTP_FILE))
+    return {"deepseek_v3": ds, "qwen3_next": qn}
+
+
+def _reference_drafts(stack, model, seq: list[int], k: int) -> list[int]:
+    """Greedy drafts recomputed from scratch (no cache reuse) for context ``seq``."""
+    a = model.args
+    t = torch.tensor([seq])
+    h, _ = target_states(model, t[:, :-1])  # h^0 of positions 0..n-2
+    n, drafts = len(seq), []
+    for d in range(1, k + 1):
+        toks = torch.tensor([(seq + drafts)[d:d + n - 1]])
+        kc = torch.zeros(1, a.num_kv_heads, n, a.head_dim)
+        h, normed = mtp_step(stack, model, d, h, toks, 0, kc, torch.zeros_like(kc))
+        drafts.append(int(mtp_logits(stack, model, d, normed[0, -1]).argmax()))
+    return drafts
+
+
+@pytest.mark.parametrize("layout", ["deepseek_v3", "qwen3_next"])
+def test_layout_loads_and_drafts(loaded, trained_stack, layout_dirs, layout):
+    stack = load_mtp(layout_dirs[layout], loaded.model)
+    assert stack.layout == layout and stack.num_layers == 1
+    ref = trained_stack.layers[0]
+    got = stack.layers[0]
+    for name in ("enorm.weight", "hnorm.weight", "eh_proj.weight", "norm.weight"):
+        assert torch.equal(got.state_dict()[name], ref.state_dict()[name]), name
+    for name, v in ref.block.state_dict().items():
+        assert torch.equal(got.block.state_dict()[name], v), name
+    assert got.head is None  # shared_head.head equal to the target's head is the target's head
+    cfg = SpecConfig.from_dict({"method": "deepseek_mtp" if layout == "deepseek_v3" else "mtp",
+                                "model": str(layout_dirs[layout]), "num_speculative_tokens": K})
+    prop = build_proposer(cfg, 256, target=loaded)
+    dec = SpecDecoder(TargetRunner(loaded.model, 256), prop, K)
+    res = dec.generate([7, 8, 9, 10, 11, 12], SamplingParams(max_new_tokens=24, ignore_eos=True))
+    assert res.stats.num_drafts > 0 and res.stats.num_draft_tokens > 0
+
+
+def test_incremental_drafts_equal_scratch(loaded, trained_stack):
+    """Drafts from the rolled-back per-depth caches equal drafts recomputed from the whole context."""
+    prop = MtpProposer(SpecConfig.from_dict({"method": "mtp", "num_speculative_tokens": K}), target=loaded,
+                       max_model_len=256, stack=trained_stack)
+    seen = []
+    orig = prop._propose_one
+
+    def checked(s, seq, k):
+        ids, q = orig(s, seq, k)
+        seen.append((seq.tolist(), ids, k))
+        return ids, q
+
+    prop._propose_one = checked
+    dec = SpecDecoder(TargetRunner(loaded.model, 256), prop, K)
+    for p in ([20, 30, 40, 50, 60], [99, 98, 97]):
+        dec.generate(p, SamplingParams(max_new_tokens=30, ignore_eos=True))
+    assert len(seen) > 10
+    for seq, ids, k in seen:
+        assert ids == _reference_drafts(trained_stack, loaded.model, seq, k)[:len(ids)]
+
+
+def test_greedy_equals_plain_with_drafts_accepted(loaded, trained_stack):
+    prompts = PROMPTS  # 24 prompts, the ones the MTP was overfit on (their continuations)
+    plain = SpecDecoder(TargetRunner(loaded.model, 256))
+    prop = MtpProposer(SpecConfig.from_dict({"method": "mtp", "num_speculative_tokens": K}), target=loaded,
+                       max_model_len=256, stack=trained_stack)
+    spec = SpecDecoder(TargetRunner(loaded.model, 256), prop, K)
+    accepted = drafted = drafts = 0
+    for p in prompts:
+        sp = SamplingParams(max_new_tokens=40, ignore_eos=True)
+        a, b = plain.generate(p, sp), spec.generate(p, sp)
+        assert a.token_ids == b.token_ids
+        accepted += b.stats.num_accepted_tokens
+        drafted += b.stats.num_draft_tokens
+        drafts += b.stats.num_drafts
+    assert drafted > 0
+    assert 1 + accepted / drafts > 1.5, (accepted, drafted, drafts)  # trained on the model's own outputs
+
+
+def test_recursion_warns(loaded, trained_stack, caplog):
+    with caplog.at_level(logging.WARNING, logger="specctl"):
+        MtpProposer(SpecConfig.from_dict({"method": "mtp", "num_speculative_tokens": 4}), target=loaded,
+                    max_model_len=64, stack=trained_stack)
+    assert "recursively" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="specctl"):
+        MtpProposer(SpecConfig.from_dict({"method": "mtp", "num_speculative_tokens": 1}), target=loaded,
+                    max_model_len=64, stack=trained_stack)
+    assert "recursively" not in caplog.text
+
+
+def test_sampled_drafts_carry_q(loaded, trained_stack):
+    torch.manual_seed(0)
+    prop = MtpProposer(SpecConfig.from_dict({"method": "mtp", "num_speculative_tokens": K}), target=loaded,
+                       max_model_len=128, stack=trained_stack)
+    dec = SpecDecoder(TargetRunner(loaded.model, 128), prop, K)
+    st = dec.start([10, 11, 12, 13], SamplingParams(max_new_tokens=20, temperature=0.8, ignore_eos=True),
+                   torch.Generator().manual_seed(0))
+    d = prop.propose(st.ctx, np.array([st.n_ctx], dtype=np.int32), K)
+    assert d.probs is not None and d.probs.shape == (1, K, 128)
+    n = int(d.num_tokens[0])
+    assert torch.allclose(d.probs[0, :n].sum(-1), torch.ones(n), atol=1e-5)
+    assert all(float(d.probs[0, i, int(d.token_ids[0, i])]) > 0 for i in range(n))
+    while st.finish is None:
+        dec.step(st)
+    assert len(st.out) == 20
+
+
+def test_target_without_mtp_is_a_clear_error(loaded):
+    from specctl.errors import ModelError
+
+    with pytest.raises(ModelError, match="no MTP modules"):
+        build_proposer(SpecConfig.from_dict({"method": "mtp"}), 64, target=loaded)
+
+
+def test_config_records_modules(layout_dirs):
+    assert json.loads((layout_dirs["deepseek_v3"] / "config.json").read_text())["num_nextn_predict_layers"] == 1

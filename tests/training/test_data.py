@@ -1,0 +1,176 @@
+"""Training data: every record format parses, bad lines are reported with their line number, the loss
+mask covers exactly the assistant's tokens (up to its end-of-turn token), workload prompts keep their
+held-out part apart, and self-distillation writes the target's own greedy output, cached and resumable."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from specctl.errors import DataError
+from specctl.training import data as D
+
+TINY_EOS_ID = 5  # <|im_end|> of the conftest's tokenizer
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    t = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    assert t.convert_tokens_to_ids("<|im_end|>") == TINY_EOS_ID
+    return t
+
+
+def write_jsonl(path, rows) -> str:
+    path.write_text("\n".join(r if isinstance(r, str) else json.dumps(r) for r in rows) + "\n")
+    return str(path)
+
+
+def test_every_format_parses(tmp_path):
+    f = write_jsonl(tmp_path / "d.jsonl", [
+        {"prompt": "p", "response": "r"},
+        {"prompt": "p", "completion": "c"},
+        {"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
+                      {"role": "assistant", "content": "a"}]},
+        {"conversations": [{"from": "human", "value": "h"}, {"from": "gpt", "value": "g"}]},
+        {"text": "plain"},
+        "",
+    ])
+    recs = D.read_records(f)
+    assert len(recs) == 5
+    assert recs[0].messages == [{"role": "user", "content": "p"}, {"role": "assistant", "content": "r"}]
+    assert recs[1].messages[1]["content"] == "c"
+    assert [m["role"] for m in recs[2].messages] == ["system", "user", "assistant"]
+    assert recs[3].messages == [{"role": "user", "content": "h"}, {"role": "assistant", "content": "g"}]
+    assert recs[4].text == "plain" and recs[4].source.endswith("line 5")
+    arr = tmp_path / "d.json"
+    arr.write_text(json.dumps([{"prompt": "a", "response": "b"}, {"text": "t"}]))
+    assert len(D.read_records(arr)) == 2
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "dir" / "x.txt").write_text("some text")
+    (tmp_path / "dir" / "y.jsonl").write_text(json.dumps({"text": "t"}) + "\n")
+    assert [r.text for r in D.read_records(tmp_path / "dir")] == ["some text", "t"]
+    assert D.read_texts(f)[0] == "p\nr"
+
+
+@pytest.mark.parametrize("bad, line, words", [
+    ("{not json", 2, "invalid JSON"),
+    ('["a list"]', 2, "expected a JSON object"),
+    ('{"prompt": "only a prompt"}', 2, "without \"response\""),
+    ('{"conversations": [{"from": "human", "value": "q"}]}', 2, "no assistant"),
+    ('{"conversations": [{"from": "alien", "value": "q"}]}', 2, "known role"),
+    ('{"something": 1}', 2, "no \"prompt\""),
+])
+def test_bad_lines_name_their_line_number(tmp_path, bad, line, words):
+    f = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "p", "response": "r"}, bad, {"text": "t"}])
+    with pytest.raises(DataError) as e:
+        D.read_records(f)
+    assert f"d.jsonl, line {line}:" in str(e.value) and words in str(e.value)
+
+
+def test_missing_file_is_a_data_error(tmp_path):
+    with pytest.raises(DataError, match="does not exist"):
+        D.read_records(tmp_path / "nope.jsonl")
+
+
+def test_loss_mask_is_the_assistant_turns(tok):
+    rec = D.Record(messages=[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"},
+                             {"role": "user", "content": "q"}, {"role": "assistant", "content": "ab"}])
+    (ex,) = D.encode(tok, rec, seq_len=512, stop_ids=(TINY_EOS_ID,))
+    learnt = [t for t, m in zip(ex.input_ids, ex.loss_mask) if m]
+    # each answer and its end-of-turn token; not the "\n" the template puts after it, not the prompts
+    assert learnt == tok.encode("yo", add_special_tokens=False) + [TINY_EOS_ID] + \
+        tok.encode("ab", add_special_tokens=False) + [TINY_EOS_ID]
+    full = D.chat_ids(tok, rec.messages, False)
+    assert ex.input_ids == full
+    # truncation keeps the start; a record with nothing left to learn gives no example
+    assert D.encode(tok, rec, seq_len=8, stop_ids=(TINY_EOS_ID,)) == []
+
+
+def test_text_is_cut_into_windows(tok):
+    exs = D.encode(tok, D.Record(text="abcdefghij" * 10), seq_len=32)
+    assert [len(e.input_ids) for e in exs][:3] == [32, 32, 32] and all(all(e.loss_mask) for e in exs)
+    assert sum(len(e.input_ids) for e in exs) == len(tok("abcdefghij" * 10)["input_ids"])
+
+
+def test_exact_ids_bypass_the_template(tok):
+    (ex,) = D.encode(tok, D.Record(prompt_ids=[4, 10, 11], response_ids=[12, 13, 5]), seq_len=64)
+    assert ex.input_ids == [4, 10, 11, 12, 13, 5] and ex.loss_mask == [0, 0, 0, 1, 1, 1]
+
+
+def test_split_and_token_map():
+    exs = [D.Example([i, i + 1, 7, 7], [0, 1, 1, 1]) for i in range(20)]
+    tr, ev = D.split(exs, 0.1, seed=3)
+    assert len(ev) == 2 and len(tr) == 18 and D.split(exs, 0.1, seed=3) == (tr, ev)
+    assert not set(map(id, tr)) & set(map(id, ev))
+    tm = D.top_tokens(exs, 4, vocab_size=128, always=[5])
+    assert tm.tolist() == sorted(tm.tolist()) and 5 in tm.tolist() and 7 in tm.tolist() and len(tm) == 4
+    assert 0 < D.coverage(exs, tm) < 1
+
+
+def test_workload_prompts_keep_the_held_out_ones_apart():
+    from specctl.bench.workloads import load_workload
+
+    bench = load_workload("code-edit", 4, 0)  # what `specctl bench -w code-edit -n 4` runs
+    train = D.load_prompts("code-edit", hold_out=4)
+    ids = {r.id for r in train}
+    funcs = {(r.meta["module"], r.meta["function"]) for r in train}
+    for r in bench:
+        assert r.id not in ids and (r.meta["module"], r.meta["function"]) not in funcs
+    assert len(train) > 100
+
+
+def test_self_distill_is_the_targets_greedy_output_and_is_cached(tiny_model_dir, tmp_path):
+    from specctl.bench.workloads import Request
+    from specctl.runtime.decoder import SamplingParams, SpecDecoder
+    from specctl.runtime.runner import TargetRunner, load_model
+
+    lm = load_model(tiny_model_dir, dtype="float32")
+    reqs = [Request(id=f"r{i}", messages=[{"role": "user", "content": s}], workload="t")
+            for i, s in enumerate(["abc abc abc", "hello", "xyz xyz"])]
+    cache = tmp_path / "sd.jsonl"
+    recs = D.self_distill(lm, reqs, max_new_tokens=20, cache=cache)
+    plain = SpecDecoder(TargetRunner(lm.model, 128))
+    for req, rec in zip(reqs, recs):
+        ids = D.chat_ids(lm.tokenizer, req.messages, True)
+        res = plain.generate(ids, SamplingParams(max_new_tokens=20, stop_token_ids=lm.stop_token_ids))
+        assert rec.prompt_ids == ids and rec.response_ids == res.token_ids
+    assert len(cache.read_text().splitlines()) == 3
+    assert [r.messages for r in D.read_records(cache)] == [r.messages for r in recs]  # an ordinary record file
+    # a torn last line (a crash mid-write) is ignored; cached answers are not generated again
+    with open(cache, "a") as fh:
+        fh.write('{"id": "r9", "messa')
+    again = D.self_distill(lm, reqs, max_new_tokens=20, cache=cache)
+    assert [r.response_ids for r in again] == [r.response_ids for r in recs]
+    assert len(cache.read_text().splitlines()) == 4  # nothing appended
+    # other settings do not reuse the cache
+    longer = D.self_distill(lm, reqs[:1], max_new_tokens=24, cache=cache)
+    assert len(longer[0].response_ids) >= len(recs[0].response_ids)
+    assert len(cache.read_text().splitlines()) == 5
+    sampled = D.self_distill(lm, reqs[:2], max_new_tokens=12, temperature=1.0, seed=1)
+    assert sampled[0].response_ids == D.self_distill(lm, reqs[:2], max_new_tokens=12, temperature=1.0, seed=1)[0].response_ids
+
+
+def test_several_sampled_answers_per_prompt_decode_as_one_batch(tiny_model_dir, tmp_path):
+    from specctl.bench.workloads import Request
+    from specctl.errors import UsageError
+    from specctl.runtime.runner import load_model
+
+    lm = load_model(tiny_model_dir, dtype="float32")
+    reqs = [Request(id="a", messages=[{"role": "user", "content": "abc"}], workload="t"),
+            Request(id="b", messages=[{"role": "user", "content": "hello there"}], workload="t")]
+    cache = tmp_path / "s.jsonl"
+    recs = D.self_distill(lm, reqs, max_new_tokens=12, temperature=1.0, seed=2, samples=3, cache=cache)
+    assert len(recs) == 6 and len(cache.read_text().splitlines()) == 6
+    a = [r.response_ids for r in recs[:3]]
+    assert len({tuple(x) for x in a}) > 1 and all(r.prompt_ids == recs[0].prompt_ids for r in recs[:3])
+    for r in recs:  # each answer ends at a stop token or at the length limit
+        ids = r.response_ids
+        assert len(ids) == 12 or ids[-1] in lm.stop_token_ids
+        assert not any(t in lm.stop_token_ids for t in ids[:-1])
+    again = D.self_distill(lm, reqs, max_new_tokens=12, temperature=1.0, seed=2, samples=3, cache=cache)
+    assert [r.response_ids for r in again] == [r.response_ids for r in recs]  # from the cache
+    with pytest.raises(UsageError, match="sampling"):
+        D.self_distill(lm, reqs, max_new_tokens=12, temperature=0.0, samples=3)

@@ -1,0 +1,142 @@
+"""EAGLE training: the TTT mask on a hand-built case, loss masking of padded rows, data formats,
+the hidden-state cache, and --resume reproducing an uninterrupted run exactly."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import specctl.training.eagle as E
+from specctl.runtime.proposers.eagle import EagleDraft, spec_from_target
+from specctl.runtime.runner import load_model
+
+
+def test_ttt_mask_hand_built():
+    m = E.ttt_mask(3, 1).int().tolist()
+    assert m == [[1, 0, 0, 1, 0, 0],
+                 [1, 1, 0, 0, 1, 0],
+                 [1, 1, 1, 0, 0, 1]]
+    assert E.ttt_mask(4, 0).equal(torch.ones(4, 4, dtype=torch.bool).tril())
+    assert E.ttt_mask(5, 3).shape == (5, 20)
+
+
+def test_shift_and_step_valid():
+    x = torch.arange(10).view(2, 5)
+    assert E.shift(x, 2).tolist() == [[2, 3, 4, 0, 0], [7, 8, 9, 0, 0]]
+    v = E.step_valid(torch.tensor([5, 3]), 5, 1)  # row t is scored at step 1 when t + 2 < length
+    assert v.tolist() == [[True, True, True, False, False], [True, False, False, False, False]]
+
+
+@pytest.mark.parametrize("version", [3, 1])
+def test_losses_ignore_padding(tiny_model, version):
+    torch.manual_seed(0)
+    d = EagleDraft(spec_from_target(tiny_model.args, version, 128))
+    if version == 3:
+        d.d2t.zero_()
+        d.t2d.fill_(True)
+    ids = torch.randint(6, 128, (2, 10))
+    lengths = torch.tensor([10, 6])
+    st = E.target_states(tiny_model, ids, d.spec.aux_layers)
+    assert tiny_model.aux_layers == ()  # the shared model is left as found
+    st.update(ids=ids, lengths=lengths)
+    outs = E.ttt_forward(d, tiny_model.embed.weight, ids, d.feature(st["hidden"], st.get("aux")), 3)
+    loss, stats = E.eagle_losses(d, outs, st, tiny_model.head_weight)
+    assert loss.ndim == 0 and torch.isfinite(loss) and len(stats["rows"]) == 3
+    assert stats["rows"] == [9 + 5, 8 + 4, 7 + 3]  # rows t with t+1+i < length
+    # garbage in the padded tail of row 1 changes nothing
+    ids2 = ids.clone()
+    ids2[1, 6:] = 7
+    st2 = dict(st, ids=ids2)
+    for k in ("hidden", "aux"):
+        if k in st2:
+            st2[k] = st[k].clone()
+            st2[k][1, 6:] = 3.0
+    st2["argmax"] = st["argmax"].clone()
+    st2["argmax"][1, 6:] = 1
+    outs2 = E.ttt_forward(d, tiny_model.embed.weight, ids2, d.feature(st2["hidden"], st2.get("aux")), 3)
+    loss2, _ = E.eagle_losses(d, outs2, st2, tiny_model.head_weight)
+    torch.testing.assert_close(loss, loss2)
+    loss.backward()
+    assert d.fc.weight.grad is not None and d.fc.weight.grad.abs().sum() > 0
+
+
+def test_load_sequences_reads_data_and_self_distills(tiny_model_dir, tmp_path):
+    """Through specctl.training.data: records of every kind, then the target's answers to prompts."""
+    loaded = load_model(tiny_model_dir, dtype="float32")
+    data, prompts = tmp_path / "d.jsonl", tmp_path / "p.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in [
+        {"text": "plain text here"},
+        {"prompt": "hi", "response": "hello there"},
+        {"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a!"}]},
+    ]) + "\n")
+    prompts.write_text(json.dumps({"prompt": "print x"}) + "\n")
+    cfg = E.EagleTrainConfig(model=str(tiny_model_dir), output=str(tmp_path / "run"), data=str(data),
+                             self_distill=str(prompts), max_new_tokens=6, seq_len=64)
+    seqs = E.load_sequences(cfg, loaded, lambda m: None)
+    tok = loaded.tokenizer
+    assert len(seqs) == 4 and "plain text here" in tok.decode(seqs[0])
+    assert "<|im_start|>assistant\nhello there<|im_end|>" in tok.decode(seqs[1])
+    assert tok.decode(seqs[3]).startswith("<|im_start|>user\nprint x<|im_end|>") and len(seqs[3]) > 20
+    assert (tmp_path / "run" / "self_distill.jsonl").exists()
+
+
+def _cfg(tiny_model_dir, tmp_path, **kw):
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    data = tmp_path / "data.jsonl"
+    if not data.exists():
+        data.write_text("\n".join(json.dumps({"text": f"def f{i}(x): return x + {i} * y"}) for i in range(12)) + "\n")
+    base = dict(model=str(tiny_model_dir), output=str(tmp_path / "run"), data=str(data), steps=6, batch_size=4,
+                seq_len=32, eval_split=0.2, eval_every=3, lr=1e-3, draft_vocab_size=64, ttt_steps=2)
+    base.update(kw)
+    return E.EagleTrainConfig(**base)
+
+
+def test_resume_reproduces_uninterrupted_run(tiny_model_dir, tmp_path, monkeypatch):
+    loaded = load_model(tiny_model_dir, dtype="float32")
+    full = E.train(_cfg(tiny_model_dir, tmp_path / "a"), loaded=loaded, log=lambda m: None)
+    a = load_file(f"{full['export']}/model.safetensors")
+
+    calls = {"n": 0}
+    real = E.eagle_losses
+
+    def crash_at_step_5(*args, **kw):
+        if torch.is_grad_enabled():
+            calls["n"] += 1
+            if calls["n"] == 5:
+                raise KeyboardInterrupt
+        return real(*args, **kw)
+
+    monkeypatch.setattr(E, "eagle_losses", crash_at_step_5)
+    cfg = _cfg(tiny_model_dir, tmp_path / "b")
+    with pytest.raises(KeyboardInterrupt):
+        E.train(cfg, loaded=loaded, log=lambda m: None)
+    monkeypatch.setattr(E, "eagle_losses", real)
+    ck = torch.load(tmp_path / "b" / "run" / "checkpoint" / "state.pt", weights_only=False)
+    assert ck["step"] == 3
+    assert json.loads((tmp_path / "b" / "run" / "checkpoint" / "train_config.json").read_text())["steps"] == 6
+    resumed = E.train(_cfg(tiny_model_dir, tmp_path / "b", resume=True), loaded=loaded, log=lambda m: None)
+    b = load_file(f"{resumed['export']}/model.safetensors")
+    assert resumed["steps"] == 6 and sorted(a) == sorted(b)
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=0)
+    ev = resumed["final"]
+    assert len(ev["acceptance_per_position"]) == 2
+    assert ev["simulated_acceptance_length"] == pytest.approx(1 + sum(ev["acceptance_per_position"]))
+
+
+def test_hidden_state_cache_written_then_reused(tiny_model_dir, tmp_path):
+    loaded = load_model(tiny_model_dir, dtype="float32")
+    cache = tmp_path / "states"
+    logs: list[str] = []
+    E.train(_cfg(tiny_model_dir, tmp_path, steps=2, cache_hidden_states=str(cache)), loaded=loaded, log=logs.append)
+    shards = sorted(cache.glob("shard-*.safetensors"))
+    assert shards and (cache / "index.json").exists()
+    t = load_file(str(shards[0]))
+    assert any(k.endswith(".aux") for k in t) and t[next(k for k in t if k.endswith(".aux"))].dtype == torch.bfloat16
+    logs.clear()
+    E.train(_cfg(tiny_model_dir, tmp_path, steps=2, cache_hidden_states=str(cache), output=str(tmp_path / "run2")),
+            loaded=loaded, log=logs.append)
+    assert any("reusing cached target states" in m for m in logs)

@@ -1,0 +1,220 @@
+"""Medusa training on tiny models: fresh heads are the identity, the index convention holds, the loss
+falls and a small batch is overfit, export -> load reproduces the heads' logits in both layouts (and
+in what vLLM's loader expects), checkpoints resume exactly where they stopped, and Medusa-2 (LoRA)
+trains and exports a loadable target."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+
+import pytest
+import torch
+
+from specctl.errors import UsageError
+from specctl.training import data as D
+from specctl.training.export import (checkpoint_dirs, detect_layout, load_medusa, save_fasterdecoding, save_medusa)
+from specctl.training.medusa import (MedusaHeads, MedusaTrainConfig, chain_acceptance, extract_features,
+                                     head_targets, lr_lambda, train)
+
+
+def test_fresh_heads_are_the_targets_lm_head(tiny_model):
+    h = MedusaHeads(64, 128, num_heads=3)
+    h.init_lm_heads(tiny_model.head_weight)
+    x = torch.randn(5, 64)
+    logits = h(x)  # [5, 3, 128]
+    for k in range(3):  # zero-initialised residual blocks: every head starts as the target's LM head
+        torch.testing.assert_close(logits[:, k], x @ tiny_model.head_weight.T)
+
+
+def test_head_targets_worked_example():
+    ids = torch.tensor([10, 11, 12, 13, 14, 15])
+    mask = torch.tensor([0, 0, 0, 1, 1, 1], dtype=torch.bool)
+    t = head_targets(ids, mask, K=2)  # the module docstring's example
+    assert t[1].tolist() == [13, 14] and t[3].tolist() == [15, -1] and t[0].tolist() == [-1, 13]
+    assert t[4].tolist() == [-1, -1] and t[5].tolist() == [-1, -1]
+
+
+def test_chain_acceptance_and_schedule():
+    right = torch.tensor([[1, 1, 0], [0, 1, 1], [1, 1, 1]], dtype=torch.bool)
+    assert chain_acceptance(right).tolist() == [2, 0, 3]
+    f = lr_lambda(100, 0.1)
+    assert f(0) == pytest.approx(0.1) and f(9) == pytest.approx(1.0) and f(99) == pytest.approx(0.1, abs=0.01)
+
+
+@pytest.fixture(scope="module")
+def loopy(tiny_model_factory):
+    """A tiny llama whose greedy output falls into loops (learnable), and 16 of its own answers."""
+    import numpy as np
+
+    from specctl.runtime.decoder import SamplingParams, SpecDecoder
+    from specctl.runtime.runner import TargetRunner, load_model
+
+    path = tiny_model_factory(seed=1, initializer_range=0.05)
+    lm = load_model(path, dtype="float32")
+    rng = np.random.default_rng(0)
+    plain = SpecDecoder(TargetRunner(lm.model, 128))
+    recs = []
+    for _ in range(16):
+        p = rng.integers(6, 128, int(rng.integers(4, 10))).tolist()
+        recs.append(D.Record(prompt_ids=p, response_ids=plain.generate(p, SamplingParams(max_new_tokens=32)).token_ids))
+    return path, lm, recs
+
+
+def patch_examples(monkeypatch, recs):
+    """Train on these in-memory records (exact ids) instead of reading cfg.data."""
+    monkeypatch.setattr(D, "read_records", lambda path: [])
+    monkeypatch.setattr(D, "build_examples", lambda cfg, loaded, d, **kw: [e for r in recs for e in D.encode(None, r, cfg.seq_len)])
+
+
+def cfg_for(path, out, **kw) -> MedusaTrainConfig:
+    base = dict(model=str(path), output=str(out), data=["(patched)"], num_heads=3, lr=1e-2, batch_size=4, seq_len=64,
+                dtype="float32", eval_split=0.0, steps=40)
+    base.update(kw)
+    return MedusaTrainConfig(**base)
+
+
+def test_loss_falls_and_a_small_batch_is_overfit(loopy, tmp_path, monkeypatch):
+    path, lm, recs = loopy
+    patch_examples(monkeypatch, recs[:4])
+    s = train(cfg_for(path, tmp_path / "run", steps=150))
+    assert s["final_loss"] < 0.1 * s["first_loss"]
+    heads = load_medusa(tmp_path / "run")
+    exs = [e for r in recs[:4] for e in D.encode(None, r, 64)]
+    f = extract_features(lm.model, exs, 3, 64)
+    pred = heads.vocab_ids(heads(f.hidden[f.rows]).argmax(-1))  # [M, 3]
+    valid = f.targets >= 0
+    assert float((pred == f.targets)[valid].float().mean()) > 0.95  # memorised
+
+
+def test_eval_split_reports_per_head_accuracy_and_acceptance(loopy, tmp_path, monkeypatch):
+    path, _, recs = loopy
+    patch_examples(monkeypatch, recs)
+    s = train(cfg_for(path, tmp_path / "run", eval_split=0.25, steps=30, soft_labels=True, truncated_vocab_size=64))
+    ev = s["eval"]
+    assert len(ev["top1_per_head"]) == 3 and all(0 <= x <= 1 for x in ev["top1_per_head"])
+    assert 1.0 <= ev["acceptance_length"] <= 4.0 and ev["positions"] > 0
+    assert s["eval_sequences"] == 4 and s["train_sequences"] == 12
+    cfg = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert cfg["truncated_vocab_size"] == 64
+    assert json.loads((tmp_path / "run" / "training_config.json").read_text())["soft_labels"] is True
+
+
+def _vllm_names_ok(folder, K: int, L: int, bias: bool, shared: bool, truncated: bool) -> None:
+    """What vLLM's Medusa.load_weights and MedusaConfig.from_pretrained expect of the folder."""
+    from safetensors import safe_open
+
+    cfg = json.loads((folder / "config.json").read_text())
+    assert cfg["model_type"] == "medusa" and cfg["architectures"] == ["MedusaModel"]
+    assert cfg["num_heads"] == K and cfg["num_hidden_layers"] == L and cfg["medusa_fc_bias"] == bias
+    # MedusaConfig.from_pretrained renames every key with "num" and "heads"/"layers": only ours may exist
+    assert [k for k in cfg if "num" in k] == ["num_heads", "num_hidden_layers"]
+    with safe_open(str(folder / "model.safetensors"), framework="pt") as fh:
+        names = set(fh.keys())
+    want = {f"blocks.{h}.layers.{l}.weight" for h in range(K) for l in range(L)}
+    want |= {f"blocks.{h}.layers.{l}.bias" for h in range(K) for l in range(L)} if bias else set()
+    want |= {"lm_heads.0.weight"} if shared else {f"lm_heads.{h}.weight" for h in range(K)}
+    want |= {"token_map"} if truncated else set()
+    assert names == want
+    assert all(re.fullmatch(r"(blocks\.\d+\.layers\.\d+\.(weight|bias)|lm_heads\.\d+\.weight|token_map)", n) for n in names)
+
+
+@pytest.mark.parametrize("bias, shared, truncated, L", [(False, False, False, 1), (True, False, True, 2),
+                                                        (False, True, False, 1)])
+def test_export_load_reproduces_the_logits(tiny_model, tmp_path, bias, shared, truncated, L):
+    torch.manual_seed(0)
+    tm = torch.tensor([3, 5, 8, 13, 21, 34, 55, 89]) if truncated else None
+    h = MedusaHeads(64, 128, 3, L, bias=bias, shared_lm_head=shared, token_map=tm)
+    h.init_lm_heads(tiny_model.head_weight)
+    with torch.no_grad():
+        for p in h.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    save_medusa(h, tmp_path / "v", torch.float32)
+    _vllm_names_ok(tmp_path / "v", 3, L, bias, shared, truncated)
+    back = load_medusa(tmp_path / "v")
+    assert detect_layout(tmp_path / "v") == "vllm" and back.shared_lm_head == shared
+    x = torch.randn(7, 64)
+    torch.testing.assert_close(back(x), h(x), rtol=0, atol=0)
+    torch.testing.assert_close(back.full_vocab(back(x)), h.full_vocab(h(x)), rtol=0, atol=0)
+    if not truncated:  # FasterDecoding's layout (biased blocks, per-head LM heads): same logits
+        save_fasterdecoding(h, tmp_path / "fd", base_model="tiny")
+        fd = load_medusa(tmp_path / "fd")
+        assert detect_layout(tmp_path / "fd") == "fasterdecoding" and fd.bias
+        torch.testing.assert_close(fd(x), h(x), rtol=0, atol=0)
+
+
+def test_fasterdecoding_pt_file_and_vllm_prefix(tmp_path):
+    """medusa_lm_head.pt with bare keys ({h}.{l}.linear.weight, {h}.{L}.weight), as FasterDecoding saves it."""
+    torch.manual_seed(1)
+    h = MedusaHeads(64, 128, 2, 1, bias=True)
+    with torch.no_grad():
+        for p in h.parameters():
+            p.normal_()
+    sd = {}
+    for k in range(2):
+        sd[f"{k}.0.linear.weight"] = h.blocks[k].layers[0].weight.detach().clone()
+        sd[f"{k}.0.linear.bias"] = h.blocks[k].layers[0].bias.detach().clone()
+        sd[f"{k}.1.weight"] = h.lm_heads[k].weight.detach().clone()
+    (tmp_path / "fd").mkdir()
+    torch.save(sd, tmp_path / "fd" / "medusa_lm_head.pt")
+    (tmp_path / "fd" / "config.json").write_text(json.dumps({"medusa_num_heads": 2, "medusa_num_layers": 1}))
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(load_medusa(tmp_path / "fd")(x), h(x), rtol=0, atol=0)
+    # vLLM strips a "medusa_heads." prefix; so does the loader
+    from safetensors.torch import save_file
+
+    save_medusa(h, tmp_path / "v", torch.float32)
+    from safetensors.torch import load_file
+
+    sdv = load_file(str(tmp_path / "v" / "model.safetensors"))
+    save_file({f"medusa_heads.{k}": v for k, v in sdv.items()}, str(tmp_path / "v" / "model.safetensors"))
+    torch.testing.assert_close(load_medusa(tmp_path / "v")(x), h(x), rtol=0, atol=0)
+
+
+def test_resume_continues_from_the_checkpoint(loopy, tmp_path, monkeypatch):
+    path, _, recs = loopy
+    patch_examples(monkeypatch, recs[:6])
+    full = train(cfg_for(path, tmp_path / "a", steps=20, save_every=10))
+    assert [p.name for p in checkpoint_dirs(tmp_path / "a")] == ["step-0000010", "step-0000020"]
+    ck = tmp_path / "a" / "checkpoints" / "step-0000010"
+    assert json.loads((ck / "training_config.json").read_text())["num_heads"] == 3
+    # an interrupted run: only the step-10 checkpoint exists; --resume continues to step 20
+    (tmp_path / "b" / "checkpoints").mkdir(parents=True)
+    shutil.copytree(ck, tmp_path / "b" / "checkpoints" / ck.name)
+    with pytest.raises(UsageError, match="already holds checkpoints"):
+        train(cfg_for(path, tmp_path / "b", steps=20, save_every=10))
+    with pytest.raises(UsageError, match="num_heads"):
+        train(cfg_for(path, tmp_path / "b", steps=20, save_every=10, num_heads=2, resume=True))
+    resumed = train(cfg_for(path, tmp_path / "b", steps=20, save_every=10, resume=True))
+    assert resumed["steps"] == 20 and resumed["history"][-1]["step"] == 20
+    x = torch.randn(4, 64)
+    torch.testing.assert_close(load_medusa(tmp_path / "b")(x), load_medusa(tmp_path / "a")(x))
+    assert resumed["final_loss"] == pytest.approx(full["final_loss"], rel=1e-4)
+    assert resumed["first_loss"] == pytest.approx(full["first_loss"])
+    # a finished run extends: --resume with more steps continues from its last checkpoint
+    longer = train(cfg_for(path, tmp_path / "a", steps=24, save_every=10, resume=True))
+    assert longer["steps"] == 24 and [h["step"] for h in longer["history"]][-2:] == [20, 24]
+
+
+def test_joint_medusa2_trains_lora_and_exports_the_merged_target(loopy, tmp_path, monkeypatch):
+    from specctl.runtime.runner import load_model
+
+    path, _, recs = loopy
+    patch_examples(monkeypatch, recs[:4])
+    s = train(cfg_for(path, tmp_path / "j", steps=25, joint=True, lr=5e-3, save_every=20))
+    assert s["mode"] == "medusa-2" and s["final_loss"] < s["first_loss"]
+    assert (tmp_path / "j" / "checkpoints" / "step-0000020" / "adapter.safetensors").is_file()
+    base = load_model(tmp_path / "j" / "base", dtype="float32")  # the merged target loads in the own runtime
+    heads = load_medusa(tmp_path / "j")
+    assert json.loads((tmp_path / "j" / "config.json").read_text())["specctl"]["base_dir"] == "base"
+    assert heads(torch.randn(2, 64)).shape == (2, 3, 128) and base.model.args.hidden_size == 64
+
+
+def test_config_validation():
+    with pytest.raises(UsageError, match="no training data"):
+        MedusaTrainConfig(model="m", output="o").validated()
+    with pytest.raises(UsageError, match="num-heads"):
+        MedusaTrainConfig(model="m", output="o", data=["d"], num_heads=0).validated()
+    with pytest.raises(UsageError, match="--joint and --shared-lm-head"):
+        MedusaTrainConfig(model="m", output="o", data=["d"], joint=True, shared_lm_head=True).validated()
