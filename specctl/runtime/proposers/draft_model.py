@@ -202,10 +202,13 @@ class DraftModelProposer(Proposer):
             tb = self.target_bytes
             s.pieces.extend(tb[i] if 0 <= i < len(tb) and tb[i] is not None else b"" for i in ids.tolist())
 
-    def _slot_for_row(self, row: np.ndarray, n: int) -> _Slot:
-        """The slot whose known context is the longest prefix of ``row[:n]`` (the decoder passes no slot)."""
+    def _slot_for_row(self, row: np.ndarray, n: int, slot: int | None = None) -> _Slot:
+        """The given slot, else the one whose known context is the longest prefix of ``row[:n]``."""
         active = [s for s in self.slots.values() if s.active]
-        if len(active) == 1:
+        if slot is not None:
+            best = self._slot(slot)
+            best.active = True
+        elif len(active) == 1:
             best = active[0]
         else:
             best, best_n = None, -1
@@ -221,13 +224,15 @@ class DraftModelProposer(Proposer):
         return best
 
     # ------------------------------------------------------------------ drafting
-    def propose(self, token_ids, num_tokens, k, hidden_states=None) -> DraftOutput:
+    def propose(self, token_ids, num_tokens, k, hidden_states=None, slots=None) -> DraftOutput:
+        """``slots`` [batch] (optional): the slot of each row; without it a row is matched to the slot
+        whose known context it extends (always correct: the draft cache is checked token by token)."""
         B = token_ids.shape[0]
         out = torch.full((B, k), -1, dtype=torch.long)
         num = torch.zeros(B, dtype=torch.long)
         qs: list[torch.Tensor | None] = [None] * B
         for b in range(B):
-            s = self._slot_for_row(token_ids[b], int(num_tokens[b]))
+            s = self._slot_for_row(token_ids[b], int(num_tokens[b]), None if slots is None else int(slots[b]))
             ids, q = self._propose_one(s, k)
             out[b, :len(ids)] = torch.tensor(ids, dtype=torch.long)
             num[b] = len(ids)

@@ -249,6 +249,28 @@ def test_draft_cache_is_rolled_back_and_never_reprefilled(target, drafts, greedy
     torch.testing.assert_close(runner.cache.v[:, :, :, :L], fresh.cache.v[:, :, :, :L], atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("same_prompt", [False, True])
+def test_interleaved_requests_keep_their_own_draft_cache(target, drafts, greedy_cases, same_prompt):
+    """Two requests stepped in turn (as the server does: a runner and a proposer slot each)."""
+    prop = make_proposer(target, drafts["byte"])
+    dec = SpecDecoder(TargetRunner(target.model, MAX_LEN), prop, K)
+    cases = [greedy_cases[2], greedy_cases[2 if same_prompt else 3]]
+    states = [dec.start(p, SamplingParams(max_new_tokens=NEW), runner=TargetRunner(target.model, MAX_LEN), slot=i)
+              for i, (p, _) in enumerate(cases)]
+    fed = {0: [], 1: []}
+    for i in (0, 1):
+        r = prop.slots[i].runner
+        r.forward = (lambda f, log: lambda tokens, logits="all": (log.append(tokens.shape[1]), f(tokens, logits))[1])(
+            r.forward, fed[i])
+    while any(st.finish is None for st in states):
+        for st in states:
+            if st.finish is None:
+                dec.step(st)
+    assert [dec.finish(st).token_ids for st in states] == [e for _, e in cases]
+    for i, (p, _) in enumerate(cases):  # each slot read its prompt once, then only new tokens and drafts
+        assert fed[i][0] > len(p) // 2 and all(n <= 2 for n in fed[i][1:]), (i, fed[i][:3])
+
+
 def test_on_verified_rolls_back_in_place(target, drafts):
     prop = make_proposer(target, drafts["byte"], "tli")
     prompt = random_text_prompts(1, seed=5)[0]
