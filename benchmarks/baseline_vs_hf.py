@@ -10,6 +10,8 @@ outputs are identical.
 
 from __future__ import annotations
 
+import specctl  # noqa: F401  (sets OMP_WAIT_POLICY before torch loads)
+
 import argparse
 import time
 

@@ -10,6 +10,8 @@ plus the KV cache read. Prints GB/s of each and their ratio, and the one-token v
 
 from __future__ import annotations
 
+import specctl  # noqa: F401  (sets OMP_WAIT_POLICY before torch loads)
+
 import argparse
 import time
 

@@ -286,7 +286,8 @@ def tree_generate(runner, proposer: MedusaProposer, prompt_ids: list[int], max_n
         tokens = torch.cat([torch.tensor([out[-1]]), drafts])[None]  # [1, N+1]
         start = runner.length
         lg, h = tree_forward(runner, tokens, depths, mask)
-        path, emitted = greedy_tree_verify(tokens[0].tolist(), parents, lg[0].argmax(-1).tolist())
+        runner.last_hidden = h  # runner.greedy re-scores bf16 near-ties in fp32 from these rows
+        path, emitted = greedy_tree_verify(tokens[0].tolist(), parents, runner.greedy(lg)[0].tolist())
         compact_path(runner, start, path)
         hidden = h[:, path[-1]]
         stats.observe(max(depths), len(path) - 1)
