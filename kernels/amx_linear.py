@@ -5,12 +5,11 @@
 accumulated in a fixed order whatever the row count, so the rows of a verification forward equal,
 bit for bit, the same rows decoded one at a time. ``load()`` compiles ``csrc/amx_linear.cpp`` once
 (torch cpp_extension, cached) and returns None where AMX cannot run (no amx_bf16 CPU, no compiler,
-kernel refused the tile state, or SPECCTL_AMX=0): callers then keep plain weights and F.linear.
+kernel refused the tile state): callers then keep plain weights and F.linear.
 """
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -33,7 +32,7 @@ def load():
         return _ext
     _tried = True
     flags = _cpu_flags()
-    if os.environ.get("SPECCTL_AMX", "1") == "0" or "amx_bf16" not in flags or "amx_tile" not in flags:
+    if "amx_bf16" not in flags or "amx_tile" not in flags:
         return None
     try:
         from torch.utils.cpp_extension import load as load_ext

@@ -8,7 +8,7 @@ without avx512_bf16, or no compiler. ``available()`` says which path runs.
 Why it exists: decode is memory bound, and torch's bf16 GEMV on CPU reads weights well below the
 memory bandwidth; and each output is reduced in an order independent of the row count, so a row
 verified among k+1 rows is bit-identical to that row decoded alone (lossless greedy in bf16).
-Set SPECCTL_SKINNY_LINEAR=0 to disable it.
+Models use it only when ``ENABLED`` (specctl's exact-bf16 mode, ``SPECCTL_EXACT_BF16=1``).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ MAX_ROWS = 16  # the kernel's limit
 KERNEL_ROWS = int(os.environ.get("SPECCTL_SKINNY_ROWS", "16"))
 _ext = None
 _tried = False
+ENABLED = False  # set by the model loader in exact-bf16 mode
 
 
 def _cpu_has_avx512_bf16() -> bool:
@@ -39,7 +40,7 @@ def load():
     if _tried:
         return _ext
     _tried = True
-    if os.environ.get("SPECCTL_SKINNY_LINEAR", "1") == "0" or not _cpu_has_avx512_bf16():
+    if not _cpu_has_avx512_bf16():
         return None
     try:
         from torch.utils.cpp_extension import load as load_ext
@@ -64,7 +65,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
     """F.linear(x, w, b) for x [..., K], w [N, K]; the kernel path for bf16 CPU x with <= 16 rows."""
     rows = x.numel() // x.shape[-1]
     if (x.dtype is torch.bfloat16 and x.device.type == "cpu" and rows <= KERNEL_ROWS and w.is_contiguous()
-            and _ext is not None):
+            and _ext is not None and ENABLED):
         y = _ext.skinny_linear(x.reshape(rows, x.shape[-1]), w, b)
         return y.view(*x.shape[:-1], w.shape[0])
     return F.linear(x, w, b)

@@ -14,7 +14,7 @@ import torch
 from kernels import amx_linear, skinny_linear
 from specctl.config import SpecConfig
 from specctl.runtime.decoder import SamplingParams, SpecDecoder
-from specctl.runtime.model import load_transformer
+from specctl.runtime.model import enable_exact_bf16, load_transformer
 from specctl.runtime.proposers import build_proposer
 from specctl.runtime.runner import TargetRunner
 
@@ -27,6 +27,7 @@ def test_greedy_ngram_equals_plain_in_bf16(tiny_model_factory):
     # together (near-ties are frequent: without row independence about half the outputs differ)
     folder = tiny_model_factory("qwen2", initializer_range=0.05, hidden_size=128, intermediate_size=256)
     model = load_transformer(folder, torch.bfloat16)
+    assert enable_exact_bf16(model)
     runner = TargetRunner(model, 512)
     cfg = SpecConfig(method="ngram", num_speculative_tokens=6, prompt_lookup_min=1).validated()
     plain, spec = SpecDecoder(runner), SpecDecoder(runner, build_proposer(cfg, 512), 6)
@@ -44,7 +45,9 @@ def test_greedy_ngram_equals_plain_in_bf16(tiny_model_factory):
 
 def test_verify_rows_equal_decode_rows_in_bf16(tiny_model_factory):
     folder = tiny_model_factory("qwen2", initializer_range=0.05, hidden_size=128, intermediate_size=256)
-    runner = TargetRunner(load_transformer(folder, torch.bfloat16), 256)
+    model = load_transformer(folder, torch.bfloat16)
+    assert enable_exact_bf16(model)
+    runner = TargetRunner(model, 256)
     ids = torch.randint(0, 128, (1, 60), generator=torch.Generator().manual_seed(3))
 
     def run(chunks):
