@@ -21,6 +21,16 @@ class DraftOutput:
     probs: torch.Tensor | None = None  # [batch, k, vocab] q; None = deterministic draft (one-hot)
 
 
+@dataclass
+class DraftSampling:
+    """How a request samples (from SamplingParams), kept per slot by proposers that draft from a model."""
+
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float | None = None
+    generator: torch.Generator | None = None
+
+
 class Proposer:
     """Base class: one subclass per method, in its own file (``<Method>Proposer``)."""
 

@@ -46,6 +46,7 @@ import torch
 from specctl.config import SpecConfig
 from specctl.errors import UsageError
 from specctl.runtime.proposers.base import DraftOutput, Proposer
+from specctl.runtime.proposers.base import DraftSampling as _Sampling
 from specctl.runtime.rejection import logits_to_probs
 from specctl.runtime.vocab_map import VocabMap, build_vocab_map, span_agreement, token_bytes, tokenizer_fingerprint
 
@@ -59,12 +60,6 @@ MODES = ("same", "tli", "text", "auto")
 _TEXT_ANCHOR = 3  # target tokens of context re-tokenized with the draft text (keeps word boundaries)
 
 
-@dataclass
-class _Sampling:
-    temperature: float = 0.0
-    top_k: int | None = None
-    top_p: float | None = None
-    generator: torch.Generator | None = None
 
 
 class _Slot:

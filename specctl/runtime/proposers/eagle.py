@@ -39,6 +39,7 @@ from specctl.config import SpecConfig
 from specctl.errors import ModelError, UsageError
 from specctl.runtime.model import ModelArgs, RMSNorm, rope_inv_freq, rotate_half
 from specctl.runtime.proposers.base import DraftOutput, Proposer
+from specctl.runtime.proposers.base import DraftSampling as _Sampling
 from specctl.runtime.rejection import logits_to_probs
 
 
@@ -287,12 +288,6 @@ def load_eagle_draft(folder: str | Path, target_args: ModelArgs, version: int | 
 
 # --------------------------------------------------------------------------- proposers
 
-@dataclass
-class _Sampling:
-    temperature: float = 0.0
-    top_k: int | None = None
-    top_p: float | None = None
-    generator: torch.Generator | None = None
 
 
 class _Slot:

@@ -35,18 +35,13 @@ import torch.nn.functional as F
 from specctl.config import SpecConfig
 from specctl.errors import ConfigError, ModelError
 from specctl.runtime.proposers.base import DraftOutput, Proposer
+from specctl.runtime.proposers.base import DraftSampling as _Sampling
 from specctl.runtime.rejection import logits_to_probs
 
 # A 10-node tree for 3 heads (Medusa's sparse trees put the widest fan-out on the first head).
 DEFAULT_TREE = ((0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (2, 0), (0, 0, 0), (0, 0, 1), (0, 1, 0))
 
 
-@dataclass
-class _Sampling:
-    temperature: float = 0.0
-    top_k: int | None = None
-    top_p: float | None = None
-    generator: torch.Generator | None = None
 
 
 class MedusaProposer(Proposer):

@@ -52,6 +52,7 @@ from specctl.config import SpecConfig
 from specctl.errors import ModelError, UsageError
 from specctl.runtime.model import Block, ModelArgs, RMSNorm, Transformer
 from specctl.runtime.proposers.base import DraftOutput, Proposer
+from specctl.runtime.proposers.base import DraftSampling as _Sampling
 from specctl.runtime.rejection import logits_to_probs
 
 log = logging.getLogger("specctl")
@@ -237,12 +238,6 @@ def load_mtp(source: str | Path, target: Transformer) -> MtpStack:
 
 # --------------------------------------------------------------------------- proposer
 
-@dataclass
-class _Sampling:
-    temperature: float = 0.0
-    top_k: int | None = None
-    top_p: float | None = None
-    generator: torch.Generator | None = None
 
 
 class _Slot:
