@@ -395,7 +395,11 @@ def test_probe_uses_an_exported_eagle3_draft(tiny_model_factory, tmp_path):
     from specctl.runtime.proposers.eagle import EagleDraft, spec_from_target
     from specctl.runtime.runner import load_model
 
-    tgt = tiny_model_factory(num_hidden_layers=4)
+    import shutil
+
+    # a private copy: the session's shared model folders sit beside other tests' drafts
+    tgt = tmp_path / "target" / "tiny"
+    shutil.copytree(tiny_model_factory(num_hidden_layers=4), tgt)
     loaded = load_model(tgt, dtype="float32")
     torch.manual_seed(0)
     d = EagleDraft(spec_from_target(loaded.model.args, 3, 100)).eval()
