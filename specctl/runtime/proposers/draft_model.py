@@ -38,7 +38,6 @@ What it does not know: verification, the target's cache, stop handling beyond no
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 import numpy as np
 import torch

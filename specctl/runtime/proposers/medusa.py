@@ -25,7 +25,6 @@ What it does not know: training (``specctl.training.medusa``), file layouts (``s
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np

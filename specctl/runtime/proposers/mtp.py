@@ -40,7 +40,6 @@ from __future__ import annotations
 import json
 import logging
 import re
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
