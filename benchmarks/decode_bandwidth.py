@@ -40,9 +40,10 @@ def main() -> None:
 
     loaded = load_model(resolve_model(a.model), "bfloat16")
     m = loaded.model
-    weight_bytes = sum(p.numel() * p.element_size() for n, p in m.named_parameters() if not n.startswith("embed"))
-    if m.head_packed is not None or m.lm_head is None:
-        weight_bytes += m.head_weight.numel() * m.head_weight.element_size()
+    # every projection and norm once, plus the LM head once (tied or not, packed copy or not)
+    weight_bytes = sum(p.numel() * p.element_size() for n, p in m.named_parameters()
+                       if not n.startswith(("embed", "lm_head")))
+    weight_bytes += m.head_weight.numel() * m.head_weight.element_size()
     runner = TargetRunner(m, 1024)
     runner.forward(torch.randint(0, 1000, (1, 256)))
     base = runner.length

@@ -47,7 +47,8 @@ def load():
 
         src = Path(__file__).parent / "csrc" / "skinny_linear.cpp"
         _ext = load_ext(name="specctl_skinny_linear", sources=[str(src)],
-                        extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mavx512bf16", "-std=c++17"],
+                        extra_cflags=["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512bf16", "-std=c++17"],
+                        extra_ldflags=["-fopenmp"],
                         verbose=False)
     except Exception as e:  # noqa: BLE001 - any build failure means: use the fallback
         import sys

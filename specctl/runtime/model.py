@@ -152,10 +152,10 @@ def pack_for_amx(model: "Transformer") -> bool:
     for block in model.layers:
         for layer in (block.qkv, block.o, block.gate_up, block.down):
             if amx_linear.packable(layer.weight) and not getattr(layer, "amx_packed", False):
-                layer.weight = nn.Parameter(amx_linear.pack(layer.weight.data), requires_grad=False)
+                layer.weight = nn.Parameter(amx_linear.pack(layer.weight.data, huge=True), requires_grad=False)
                 layer.amx_packed = True
     if amx_linear.packable(model.head_weight):
-        model.head_packed = amx_linear.pack(model.head_weight.data)
+        model.head_packed = amx_linear.pack(model.head_weight.data, huge=True)
     return True
 
 
@@ -300,17 +300,16 @@ def load_transformer(folder: str | Path, dtype: torch.dtype, device: str | torch
     model.load_state_dict(fuse_hf_state_dict(sd, args), strict=True, assign=False)
     model.inv_freq = rope_inv_freq(args).to(device)
     model = model.to(dtype).eval().requires_grad_(False)
-    if dtype == torch.bfloat16 and torch.device(device).type == "cpu" and os.environ.get("SPECCTL_EXACT_BF16") == "1":
+    if dtype == torch.bfloat16 and torch.device(device).type == "cpu" and os.environ.get("SPECCTL_EXACT_BF16", "1") != "0":
         enable_exact_bf16(model)
     return model
 
 
 def enable_exact_bf16(model: "Transformer") -> bool:
     """Row-independent bf16 linears (AMX tiles, else the AVX512-BF16 skinny kernel): verification
-    then equals plain decoding bit for bit. Off by default: on the 2-core machine here torch's
-    oneDNN path decodes Qwen2.5-Coder-1.5B faster (214 vs 265 ms/token), and in the default mode
-    greedy re-scores the top candidates in fp32, so bf16 divergences are rare and reported as ties.
-    Returns whether a row-independent path is active."""
+    then equals plain decoding bit for bit, and decode reads the weights faster than torch's oneDNN
+    GEMV (see benchmarks/decode_bandwidth.py). On by default for bf16 on CPU; SPECCTL_EXACT_BF16=0
+    keeps torch's F.linear. Returns whether a row-independent path is active."""
     if pack_for_amx(model):
         return True
     if skinny_linear.load() is not None:
