@@ -12,41 +12,27 @@ from __future__ import annotations
 
 import mmap
 import sys
-from pathlib import Path
 
 import torch
+
+from kernels._build import build
 
 _ext = None
 _tried = False
 
 
-def _cpu_flags() -> str:
-    try:
-        return Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return ""
-
-
 def load():
+    """The compiled extension with AMX tile state granted, or None where AMX cannot run here."""
     global _ext, _tried
     if _tried:
         return _ext
     _tried = True
-    flags = _cpu_flags()
-    if "amx_bf16" not in flags or "amx_tile" not in flags:
-        return None
-    try:
-        from torch.utils.cpp_extension import load as load_ext
-
-        src = Path(__file__).parent / "csrc" / "amx_linear.cpp"
-        ext = load_ext(name="specctl_amx_linear", sources=[str(src)],
-                       extra_cflags=["-O3", "-fopenmp", "-mamx-tile", "-mamx-bf16", "-mavx512f", "-std=c++17"], extra_ldflags=["-fopenmp"], verbose=False)
-        if not ext.amx_init():
-            raise RuntimeError("the kernel refused AMX tile state")
-        _ext = ext
-    except Exception as e:  # noqa: BLE001 - any failure: use the fallback
-        print(f"specctl: AMX kernel unavailable ({type(e).__name__}: {e}); using torch's linear", file=sys.stderr)
-        _ext = None
+    ext = build("specctl_amx_linear", "amx_linear.cpp", ("amx_bf16", "amx_tile", "avx512_bf16"),
+                ["-mamx-tile", "-mamx-bf16", "-mavx512f", "-mavx512bf16", "-mavx512vl"])
+    if ext is not None and not ext.amx_init():
+        print("specctl: the OS refused AMX tile state; using torch's linear", file=sys.stderr)
+        ext = None
+    _ext = ext
     return _ext
 
 

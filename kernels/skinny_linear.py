@@ -14,10 +14,11 @@ Models use it only when ``ENABLED`` (specctl's exact-bf16 mode, ``SPECCTL_EXACT_
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from kernels._build import build
 
 MAX_ROWS = 16  # the kernel's limit
 # Rows up to which the kernel is used (above: torch's GEMM, which uses AMX tiles for many rows).
@@ -27,34 +28,13 @@ _tried = False
 ENABLED = False  # set by the model loader in exact-bf16 mode
 
 
-def _cpu_has_avx512_bf16() -> bool:
-    try:
-        return "avx512_bf16" in Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-
-
 def load():
     """The compiled extension, or None where it cannot run here (compiled at most once)."""
     global _ext, _tried
-    if _tried:
-        return _ext
-    _tried = True
-    if not _cpu_has_avx512_bf16():
-        return None
-    try:
-        from torch.utils.cpp_extension import load as load_ext
-
-        src = Path(__file__).parent / "csrc" / "skinny_linear.cpp"
-        _ext = load_ext(name="specctl_skinny_linear", sources=[str(src)],
-                        extra_cflags=["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512bf16", "-std=c++17"],
-                        extra_ldflags=["-fopenmp"],
-                        verbose=False)
-    except Exception as e:  # noqa: BLE001 - any build failure means: use the fallback
-        import sys
-
-        print(f"specctl: skinny bf16 kernel unavailable ({type(e).__name__}); using torch's linear", file=sys.stderr)
-        _ext = None
+    if not _tried:
+        _tried = True
+        _ext = build("specctl_skinny_linear", "skinny_linear.cpp", ("avx512_bf16",),
+                     ["-mavx512f", "-mavx512bw", "-mavx512bf16"])
     return _ext
 
 

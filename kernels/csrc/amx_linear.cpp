@@ -20,7 +20,6 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
-#include "bf16.h"
 #include <sys/syscall.h>
 #include <unistd.h>
 #include <algorithm>
@@ -57,8 +56,10 @@ inline void prefetch_tile(const uint16_t* p) {
   for (int l = 0; l < 16; ++l) _mm_prefetch(c + 64 * l, _MM_HINT_T2);
 }
 
-using specctl::from_bf16;
-using specctl::to_bf16;
+inline __m512 load_bf16x16(const uint16_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(
+      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
 
 // C tiles 0..g-1 accumulate x[m0:m0+mt] against output blocks nb..nb+g-1 (g <= 4).
 template <int g>
@@ -99,12 +100,12 @@ void group(const uint16_t* xp, int64_t M, int64_t K, const uint16_t* w, int64_t 
     }
     tiles<g>(xp + m0 * K, K, w, KB, nb, m0 == 0);  // later row chunks find the tiles in cache
     store<g>(cbuf);
-    for (int j = 0; j < g; ++j) {
+    for (int j = 0; j < g; ++j) {  // + bias, one rounding to bf16 (nearest even, as torch)
       const int64_t n0 = (nb + j) * 16;
+      const __m512 bias = bp ? load_bf16x16(bp + n0) : _mm512_setzero_ps();
       for (int m = 0; m < mt; ++m) {
-        uint16_t* yrow = yp + (m0 + m) * N + n0;
-        const float* c = cbuf + j * 256 + m * 16;
-        for (int n = 0; n < 16; ++n) yrow[n] = to_bf16(c[n] + (bp ? from_bf16(bp[n0 + n]) : 0.0f));
+        const __m512 c = _mm512_add_ps(_mm512_load_ps(cbuf + j * 256 + m * 16), bias);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(yp + (m0 + m) * N + n0), (__m256i)_mm512_cvtneps_pbh(c));
       }
     }
   }

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import amx_linear, skinny_linear
+from kernels import amx_linear, decode_attention, skinny_linear
 from specctl.errors import ModelError
 
 SUPPORTED_ARCHS = ("llama", "qwen2", "mistral")
@@ -170,6 +170,7 @@ class Block(nn.Module):
         self.post_norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.gate_up = nn.Linear(a.hidden_size, 2 * a.intermediate_size, bias=a.mlp_bias)
         self.down = nn.Linear(a.intermediate_size, a.hidden_size, bias=a.mlp_bias)
+        self.exact_attention = False  # decode/verify rows through kernels/decode_attention (bf16 CPU)
 
     def forward(self, x, cos, sin, k_cache, v_cache, start: int, mask):
         # x: [B, T, H]; cos/sin: [T, head_dim]; k_cache/v_cache: [B, n_kv, max_len, head_dim]
@@ -186,6 +187,12 @@ class Block(nn.Module):
         k_cache[:, :, start:end] = k
         v_cache[:, :, start:end] = v
         gqa = a.num_kv_heads != a.num_heads
+        if self.exact_attention and T <= VERIFY_ROWS and a.sliding_window is None and q.dtype is torch.bfloat16:
+            # Decode and verification rows in one kernel call; each row computed as if alone.
+            att = decode_attention.attention(q, k_cache, v_cache, start)  # [B, T, nh * hd]
+            x = x + lin(att, self.o)
+            gate, up = lin(self.post_norm(x), self.gate_up).chunk(2, dim=-1)
+            return x + lin(F.silu(gate) * up, self.down)
         if mask is not None and T <= VERIFY_ROWS and a.sliding_window is None:
             # Verification: each row attends exactly as it would when decoded alone (one query, no
             # mask, keys [0, pos]), so its output is bit-identical to plain decoding's.
@@ -310,12 +317,16 @@ def enable_exact_bf16(model: "Transformer") -> bool:
     then equals plain decoding bit for bit, and decode reads the weights faster than torch's oneDNN
     GEMV (see benchmarks/decode_bandwidth.py). On by default for bf16 on CPU; SPECCTL_EXACT_BF16=0
     keeps torch's F.linear. Returns whether a row-independent path is active."""
-    if pack_for_amx(model):
-        return True
-    if skinny_linear.load() is not None:
+    exact = pack_for_amx(model)
+    if not exact and skinny_linear.load() is not None:
         skinny_linear.ENABLED = True
-        return True
-    return False
+        exact = True
+    if exact and decode_attention.load() is not None:
+        a = model.args
+        probe = torch.empty(1, a.num_heads, 1, a.head_dim, dtype=torch.bfloat16)
+        for block in model.layers:
+            block.exact_attention = decode_attention.supports(probe, a.num_kv_heads)
+    return exact
 
 
 def fuse_hf_state_dict(sd: dict[str, torch.Tensor], a: ModelArgs) -> dict[str, torch.Tensor]:

@@ -1,0 +1,41 @@
+"""Row-independent bf16 attention for decode and verification forwards (AVX512-BF16 CPUs).
+
+``attention(q, k_cache, v_cache, start)`` with q [B, nh, T, hd] (rows at positions start..start+T-1)
+returns [B, T, nh * hd]: row i attends to cache positions [0, start + i], computed exactly as a
+one-row call at that position would (``csrc/decode_attention.cpp``). ``supports(...)`` says whether
+the kernel covers a shape; callers fall back to torch's SDPA otherwise (and for fp32, CUDA, or where
+the kernel cannot be built).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kernels._build import build
+
+_ext = None
+_tried = False
+
+
+def load():
+    global _ext, _tried
+    if not _tried:
+        _tried = True
+        _ext = build("specctl_decode_attention", "decode_attention.cpp", ("avx512_bf16",),
+                     ["-mavx512f", "-mavx512bw", "-mavx512bf16"])
+    return _ext
+
+
+def supports(q: torch.Tensor, num_kv_heads: int) -> bool:
+    hd = q.shape[-1]
+    nh = q.shape[1]
+    return (q.dtype is torch.bfloat16 and q.device.type == "cpu" and hd % 32 == 0 and hd <= 256
+            and nh % num_kv_heads == 0 and nh // num_kv_heads <= 16)
+
+
+def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start: int,
+              scale: float | None = None) -> torch.Tensor:
+    hd = q.shape[-1]
+    return _ext.decode_attention(q, k_cache, v_cache, start, scale if scale is not None else 1.0 / math.sqrt(hd))
