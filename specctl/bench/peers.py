@@ -1,21 +1,26 @@
 """Peers for `specctl bench --peer hf`: transformers' own generation on the same prompts, same run.
 
-  hf:plain          model.generate, greedy
-  hf:prompt-lookup  model.generate(prompt_lookup_num_tokens=k)  (transformers' n-gram speculation)
-  hf:assisted       model.generate(assistant_model=draft)       (when a draft_model config is benched;
-                    with the draft's own tokenizer where it differs: universal assisted generation)
+  hf:plain                model.generate, greedy
+  hf:prompt-lookup        model.generate(prompt_lookup_num_tokens=k)  (transformers' n-gram speculation)
+  hf:assisted:<draft>     model.generate(assistant_model=draft), one per draft benched with draft_model;
+                          a draft with another tokenizer runs as universal assisted generation
+                          (``tokenizer=target's, assistant_tokenizer=draft's``)
 
 Timing: generate() does not report prefill apart, so decode time = time of the full generate minus
 the time of a 1-token generate on the same prompt (its prefill + first token), measured just before.
+
+What it does not know: which drafts to run or how they are named (the suite decides), specctl's own runtime.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
+from specctl.errors import UsageError
 from specctl.runtime.decoder import GenerationResult
 from specctl.runtime.metrics import SpecStats
 
@@ -23,25 +28,37 @@ from specctl.runtime.metrics import SpecStats
 @dataclass
 class HFPeer:
     name: str
-    kwargs: dict
+    kwargs: dict  # extra generate() arguments
+    config: dict = field(default_factory=dict)  # what the row reports as its configuration
 
 
 class HFPeers:
-    """Loads the target (and a draft) with transformers once; runs each peer mode per prompt."""
+    """Loads the target (and each draft) with transformers once; runs each peer mode per prompt."""
 
-    def __init__(self, model_path, dtype: torch.dtype, prompt_lookup_k: int = 10, draft_path=None):
+    def __init__(self, model_path, dtype: torch.dtype, prompt_lookup_k: int = 10,
+                 drafts: list[tuple[str, Path]] = ()):
+        """``drafts``: (name, dense HF folder) pairs; each adds the peer ``hf:assisted:<name>``."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=dtype).eval()
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_path))
-        self.peers = [HFPeer("hf:plain", {}), HFPeer("hf:prompt-lookup", {"prompt_lookup_num_tokens": prompt_lookup_k})]
-        if draft_path is not None:
-            draft = AutoModelForCausalLM.from_pretrained(str(draft_path), dtype=dtype).eval()
-            dtok = AutoTokenizer.from_pretrained(str(draft_path))
+        self.peers = [HFPeer("hf:plain", {}),
+                      HFPeer("hf:prompt-lookup", {"prompt_lookup_num_tokens": prompt_lookup_k},
+                             {"prompt_lookup_num_tokens": prompt_lookup_k})]
+        for name, path in drafts:
+            draft = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).eval()
+            dtok = AutoTokenizer.from_pretrained(str(path))
             kw = {"assistant_model": draft}
-            if dtok.get_vocab() != self.tokenizer.get_vocab():
+            # transformers tells a different tokenizer by the vocabulary size alone
+            universal = draft.config.get_text_config().vocab_size != self.model.config.get_text_config().vocab_size
+            if not universal and dtok.get_vocab() != self.tokenizer.get_vocab():
+                raise UsageError(f"transformers cannot run assisted generation with draft {name}: its tokenizer differs "
+                                 "from the target's but its vocabulary size is the same",
+                                 "bench that draft without --peer hf")
+            if universal:
                 kw.update(tokenizer=self.tokenizer, assistant_tokenizer=dtok)
-            self.peers.append(HFPeer("hf:assisted", kw))
+            self.peers.append(HFPeer(f"hf:assisted:{name}", kw,
+                                     {"assistant_model": str(path), "universal_assisted_generation": universal}))
 
     @torch.inference_mode()
     def run(self, peer: HFPeer, prompt_ids: list[int], max_new_tokens: int, stop_ids) -> GenerationResult:

@@ -6,12 +6,20 @@ warm-up generation runs first (kernel compilation, allocator warm-up), outside t
 
 Speed is decode tokens/s: tokens after the first one, over the time after the first one (the
 prompt's prefill is the same work for every method and is reported apart, as TTFT).
+
+Rows are named by ``config_labels``: the method, the draft for methods that draft with a model
+(``draft_model:smollm2-135m``), and what tells apart configurations that would still share a name.
+Each draft model is loaded once, however many configurations use it. With ``peers=("hf",)``,
+transformers' plain, prompt-lookup and assisted generation (one per distinct draft) run on the same
+prompt ids right after specctl's (``specctl.bench.peers``).
 """
 
 from __future__ import annotations
 
+import json
 import platform
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import torch
 
@@ -133,6 +141,92 @@ def machine_header(loaded: LoadedModel, max_new_tokens: int, temperature: float)
     }
 
 
+MODEL_METHODS = ("draft_model", "medusa", "eagle", "eagle3", "mtp")  # methods whose 'model' names a draft
+_SHORT_KEYS = {"num_speculative_tokens": "k"}
+
+
+def draft_name(spec: str) -> str:
+    """A short readable name for a draft given as a catalogue name, an HF folder or a .gguf file.
+
+    'smollm2-135m' -> 'smollm2-135m'; '/x/y/my-draft/' -> 'my-draft'; '/x/d.gguf' -> 'd'. As
+    ``specctl.models.resolve_model`` does, an existing path wins over a catalogue name.
+    """
+    from specctl.models import CATALOGUE
+
+    s = str(spec).strip()
+    p = Path(s).expanduser()
+    if not p.exists() and s.lower() in CATALOGUE:
+        return s.lower()
+    return (p.stem if p.suffix.lower() == ".gguf" else p.name) or s
+
+
+def config_labels(configs: list[SpecConfig]) -> list[str]:
+    """One unique, readable label per configuration, in order.
+
+    The method, plus ':<draft>' for methods that draft with a model. Labels still shared by several
+    configurations get the one key that tells them apart (``ngram:k=4`` / ``ngram:k=8``), else a
+    ``#N`` suffix (``ngram``, ``ngram#2``). E.g. [draft_model 0.5b, draft_model 135m, ngram] ->
+    ['draft_model:qwen2.5-coder-0.5b', 'draft_model:smollm2-135m', 'ngram'].
+    """
+    labels = [f"{c.method}:{draft_name(c.model)}" if c.method in MODEL_METHODS and c.model else str(c.method)
+              for c in configs]
+    groups: dict[str, list[int]] = {}
+    for i, lab in enumerate(labels):
+        groups.setdefault(lab, []).append(i)
+    for lab, idx in groups.items():
+        if len(idx) < 2:
+            continue
+        dicts = [configs[i].to_dict() for i in idx]
+        values = {k: [json.dumps(d.get(k), sort_keys=True) for d in dicts] for d in dicts for k in d}
+        varying = [k for k, v in values.items() if len(set(v)) > 1]
+        if len(varying) == 1 and len(set(values[varying[0]])) == len(idx):
+            key = varying[0]
+            for i, d in zip(idx, dicts):
+                labels[i] = f"{lab}:{_SHORT_KEYS.get(key, key)}={d.get(key)}"
+        else:
+            for n, i in enumerate(idx[1:], 2):
+                labels[i] = f"{lab}#{n}"
+    # a '#N' label may still collide with a user's own; number on until unique
+    seen: set[str] = set()
+    for i, lab in enumerate(labels):
+        n, out = 2, lab
+        while out in seen:
+            out, n = f"{lab}#{n}", n + 1
+        labels[i] = out
+        seen.add(out)
+    return labels
+
+
+@dataclass
+class Entry:
+    """One row source: a label, its configuration (None = the baseline) and the decoder that runs it."""
+
+    label: str
+    config: SpecConfig | None
+    decoder: SpecDecoder
+
+
+class _Proposers:
+    """Builds proposers; every draft model is loaded once and shared (each proposer keeps its own caches)."""
+
+    def __init__(self, loaded: LoadedModel, max_len: int):
+        self.loaded, self.max_len = loaded, max_len
+        self.drafts: dict[str, LoadedModel] = {}
+
+    def build(self, c: SpecConfig):
+        if c.method != "draft_model":
+            return build_proposer(c, self.max_len, target=self.loaded)
+        from specctl.models import resolve_model
+        from specctl.runtime.proposers.draft_model import DraftModelProposer
+        from specctl.runtime.runner import load_model
+
+        t = self.loaded
+        if c.model not in self.drafts:  # as DraftModelProposer itself resolves and loads it
+            path = resolve_model(c.model, dtype="float32" if t.dtype == torch.float32 else "bfloat16")
+            self.drafts[c.model] = load_model(path, dtype=str(t.dtype).removeprefix("torch."), device=str(t.device))
+        return DraftModelProposer(c, target=t, max_model_len=self.max_len, draft=self.drafts[c.model])
+
+
 def run_bench(
     loaded: LoadedModel,
     configs: list[SpecConfig],
@@ -140,11 +234,13 @@ def run_bench(
     num_prompts: int | None,
     params: SamplingParams,
     seed: int = 0,
-    progress=None,  # callable(advance: int, description: str) or None
+    progress=None,  # callable(advance: int, description: str, total: int | None = None) or None
     adaptive: bool = True,
     peers: tuple[str, ...] = (),
     runs: int = 1,
 ) -> BenchReport:
+    """Every prompt by the baseline, each configuration and each peer; ``progress`` is told the total first."""
+    say = progress or (lambda advance, description, total=None: None)
     tok = loaded.tokenizer
     prompts: dict[str, list[tuple[Request, list[int]]]] = {}
     for w in workloads:
@@ -152,25 +248,32 @@ def run_bench(
     longest = max(len(ids) for ps in prompts.values() for _, ids in ps)
     max_k = max([c.num_speculative_tokens for c in configs], default=0)
     runner = TargetRunner(loaded.model, max_len=longest + params.max_new_tokens + max_k + 8)
-    decoders = [(BASELINE, None, SpecDecoder(runner))]
-    for c in configs:
-        decoders.append((c.method, c, SpecDecoder(runner, build_proposer(c, runner.max_len, target=loaded),
-                                                   c.num_speculative_tokens, adaptive=adaptive)))
+    proposers = _Proposers(loaded, runner.max_len)
+    entries = [Entry(BASELINE, None, SpecDecoder(runner))]
+    for label, c in zip(config_labels(configs), configs):
+        entries.append(Entry(label, c, SpecDecoder(runner, proposers.build(c), c.num_speculative_tokens,
+                                                   adaptive=adaptive)))
 
     hf = None
     if "hf" in peers:
         from specctl.bench.peers import HFPeers
         from specctl.models import resolve_model
 
-        draft = next((c for c in configs if c.method == "draft_model"), None)
+        dt = str(loaded.dtype).removeprefix("torch.")
+        drafts: dict[Path, str] = {}  # one assisted peer per distinct draft, named after it
+        for c in configs:
+            if c.method == "draft_model":
+                drafts.setdefault(resolve_model(c.model, dtype=dt), draft_name(c.model))
+        names = dict(zip(drafts, _unique(list(drafts.values()))))
         k = next((c.num_speculative_tokens for c in configs if c.method == "ngram"), 10)
-        hf = HFPeers(loaded.path, loaded.dtype, prompt_lookup_k=k,
-                     draft_path=resolve_model(draft.model, dtype=str(loaded.dtype).removeprefix("torch.")) if draft else None)
+        hf = HFPeers(loaded.path, loaded.dtype, prompt_lookup_k=k, drafts=[(names[p], p) for p in drafts])
 
+    total = sum(len(reqs) for reqs in prompts.values()) * (len(entries) + len(hf.peers if hf else [])) * runs
+    say(0, "warm-up", total)
     # warm-up: every decoder once on a short prompt (numba compilation, first-call allocations)
     warm_ids = next(iter(prompts.values()))[0][1][:64]
-    for _, _, dec in decoders:
-        dec.generate(warm_ids, SamplingParams(max_new_tokens=8, temperature=params.temperature), _gen(seed))
+    for e in entries:
+        e.decoder.generate(warm_ids, SamplingParams(max_new_tokens=8, temperature=params.temperature), _gen(seed))
     if hf is not None:
         for peer in hf.peers:
             hf.run(peer, warm_ids, 8, loaded.stop_token_ids)
@@ -179,42 +282,47 @@ def run_bench(
     for w, reqs in prompts.items():
         # a multi-round workload (NAME@R) gets one row per round: acceptance per round is the point
         labels = list(dict.fromkeys(_label(w, req) for req, _ in reqs))
-        wruns = {lab: [MethodRun(name, lab, 0 if c is None else c.num_speculative_tokens, {} if c is None else c.to_dict())
-                       for name, c, _ in decoders] for lab in labels}
-        peer_runs = {lab: [MethodRun(p.name, lab, p.kwargs.get("prompt_lookup_num_tokens", 0), {})
+        wruns = {lab: [MethodRun(e.label, lab, 0 if e.config is None else e.config.num_speculative_tokens,
+                                 {} if e.config is None else e.config.to_dict()) for e in entries] for lab in labels}
+        peer_runs = {lab: [MethodRun(p.name, lab, p.kwargs.get("prompt_lookup_num_tokens", 0), p.config)
                            for p in (hf.peers if hf else [])] for lab in labels}
         for rep in range(runs):
             # a proposer that learns across requests (suffix) starts each repetition fresh, so a
             # repetition does not find its own earlier answers in the cache
-            decs = decoders if rep == 0 else [
-                (name, c, dec if dec.proposer is None or not dec.proposer.learns_across_requests else
-                 SpecDecoder(runner, build_proposer(c, runner.max_len, target=loaded), c.num_speculative_tokens,
-                             adaptive=adaptive))
-                for name, c, dec in decoders]
+            decs = [e.decoder if rep == 0 or e.decoder.proposer is None or not e.decoder.proposer.learns_across_requests
+                    else SpecDecoder(runner, proposers.build(e.config), e.config.num_speculative_tokens, adaptive=adaptive)
+                    for e in entries]
             for req, ids in reqs:
                 lab = _label(w, req)
                 baseline_res = None
-                for (name, _, dec), run in zip(decs, wruns[lab]):
-                    if progress:
-                        progress(0, f"{lab} · {name} · {req.id}")
-                    res = dec.generate(ids, replace(params, record_margins=name == BASELINE and params.greedy), _gen(seed))
-                    if name == BASELINE:
+                for e, dec, run in zip(entries, decs, wruns[lab]):
+                    say(0, f"{lab} · {e.label} · {req.id}")
+                    res = dec.generate(ids, replace(params, record_margins=e.config is None and params.greedy), _gen(seed))
+                    if e.config is None:
                         baseline_res = res
                         run.add(res, None, rep)
                     else:
                         run.add(res, baseline_res if params.greedy else None, rep)
-                    if progress:
-                        progress(1, f"{lab} · {name} · {req.id}")
+                    say(1, f"{lab} · {e.label} · {req.id}")
                 for peer, run in zip(hf.peers if hf else [], peer_runs[lab]):
-                    if progress:
-                        progress(0, f"{lab} · {peer.name} · {req.id}")
+                    say(0, f"{lab} · {peer.name} · {req.id}")
                     run.add(hf.run(peer, ids, params.max_new_tokens, loaded.stop_token_ids),
                             baseline_res if params.greedy else None, rep)
-                    if progress:
-                        progress(1, f"{lab} · {peer.name} · {req.id}")
+                    say(1, f"{lab} · {peer.name} · {req.id}")
         for lab in labels:
             runs_out.extend(wruns[lab] + peer_runs[lab])
     return BenchReport(machine_header(loaded, params.max_new_tokens, params.temperature), runs_out)
+
+
+def _unique(names: list[str]) -> list[str]:
+    """['a', 'b', 'a'] -> ['a', 'b', 'a#2']."""
+    out: list[str] = []
+    for n in names:
+        lab, i = n, 2
+        while lab in out:
+            lab, i = f"{n}#{i}", i + 1
+        out.append(lab)
+    return out
 
 
 def _gen(seed: int) -> torch.Generator:

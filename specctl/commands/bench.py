@@ -26,6 +26,11 @@ Examples:
   specctl bench --speculative-config '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}'
 
   specctl bench --model qwen2.5-coder-1.5b --method ngram --peer hf --runs 3 --csv out.csv --plot plots/
+
+Two drafts in one run (each --speculative-config adds a row, labelled draft_model:<draft>; --peer hf adds
+transformers' assisted generation per draft, hf:assisted:<draft>, universal for another tokenizer):
+
+  specctl bench --model qwen2.5-coder-1.5b --peer hf --speculative-config '{"method": "draft_model", "model": "qwen2.5-coder-0.5b", "num_speculative_tokens": 5}' --speculative-config '{"method": "draft_model", "model": "smollm2-135m", "num_speculative_tokens": 5}'
 """
 
 
@@ -33,7 +38,7 @@ def bench(
     model: ModelOpt = None,
     method: Annotated[Optional[list[str]], typer.Option("--method", help="Draft method (repeatable). Default: ngram.")] = None,
     num_speculative_tokens: Annotated[Optional[int], typer.Option("--num-speculative-tokens", "-k", help="Draft tokens per step (k) for --method; method default when unset.")] = None,
-    speculative_config: Annotated[Optional[str], typer.Option("--speculative-config", help="vLLM's --speculative-config JSON (keys unchanged); adds one more configuration.")] = None,
+    speculative_config: Annotated[Optional[list[str]], typer.Option("--speculative-config", help="vLLM's --speculative-config JSON (keys unchanged); repeatable, each adds one configuration (labelled by method and draft, e.g. draft_model:smollm2-135m).")] = None,
     workload: Annotated[Optional[list[str]], typer.Option("--workload", "-w", help="code-edit, chat, agentic, or a .jsonl file of prompts (repeatable); NAME@R repeats it for R rounds (one row per round). Default: code-edit and chat.")] = None,
     num_prompts: Annotated[int, typer.Option("--num-prompts", "-n", help="Prompts per workload.")] = 4,
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", help="Tokens generated per prompt.")] = 128,
@@ -54,8 +59,8 @@ def bench(
     configs: list[SpecConfig] = []
     for m in method or ([] if speculative_config else ["ngram"]):
         configs.append(SpecConfig(method=m, num_speculative_tokens=num_speculative_tokens).validated())
-    if speculative_config is not None:
-        configs.append(SpecConfig.from_json(speculative_config))
+    for text in speculative_config or []:
+        configs.append(SpecConfig.from_json(text))
     if max_new_tokens <= 0:
         raise UsageError(f"--max-new-tokens must be positive, got {max_new_tokens}", "pass e.g. --max-new-tokens 128")
     if temperature < 0:
@@ -73,8 +78,9 @@ def bench(
     err = Console(stderr=True)
     from specctl.bench.workloads import load_workload
 
-    # fail fast on a bad workload, before loading the model; count the requests for the progress bar
-    num_requests = sum(len(load_workload(w, num_prompts, seed)) for w in workloads)
+    # fail fast on a bad workload, before loading the model
+    for w in workloads:
+        load_workload(w, num_prompts, seed)
 
     from specctl.models import resolve_model
     from specctl.runtime.runner import load_model
@@ -90,15 +96,14 @@ def bench(
 
     torch.manual_seed(seed)
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, stop_token_ids=loaded.stop_token_ids)
-    n_peers = 0 if "hf" not in peers else 2 + any(c.method == "draft_model" for c in configs)
-    total = num_requests * (len(configs) + 1 + n_peers) * runs
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     with Progress(TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), console=err, transient=True, disable=not err.is_terminal) as prog:
-        task = prog.add_task("warm-up", total=total)
+        task = prog.add_task("loading", total=None)  # run_bench gives the total first
         report = run_bench(loaded, configs, workloads, num_prompts, params, seed,
-                           progress=lambda adv, desc: prog.update(task, advance=adv, description=desc),
+                           progress=lambda adv, desc, total=None: prog.update(task, advance=adv, description=desc,
+                                                                              total=total),
                            adaptive=not fixed_k, peers=peers, runs=runs)
     report.header["draft_length"] = "fixed k" if fixed_k else "adaptive (up to k)"
 

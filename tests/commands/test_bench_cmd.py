@@ -106,3 +106,15 @@ def test_bench_csv_plot_runs_and_hf_peer(tiny_model_dir, prompts_file, tmp_path)
         assert (plots / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # transformers' greedy output on the same prompts equals specctl's plain output (fp32)
     assert next(x for x in rows if x["method"] == "hf:plain")["identical_to_baseline"] == 4
+
+
+def test_speculative_config_is_repeatable_and_rows_are_labelled(tiny_model_dir, prompts_file, tmp_path):
+    r = run_cli("bench", "--model", str(tiny_model_dir), "--dtype", "float32", "-w", str(prompts_file), "-n", "1",
+                "--max-new-tokens", "8", "--json",
+                "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}',
+                "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 5}',
+                env_extra={"SPECCTL_CACHE": str(tmp_path / "cache")})
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(r.stdout)["results"]
+    assert [(x["method"], x["k"]) for x in rows] == [("baseline", 0), ("ngram:k=3", 3), ("ngram:k=5", 5)]
+    assert all(x["identical_to_baseline"] == 1 for x in rows)

@@ -1,0 +1,142 @@
+"""specctl.bench.suite in-process on tiny models: labels, one row per configuration, HF peers per draft.
+
+Target: the conftest's tiny llama (character-level tokenizer, vocab 128). Drafts: ``same``, another
+tiny llama over the same tokenizer (seed 1), and ``other``, a tiny llama over a different tokenizer
+(the same characters in another order, vocabulary 130), which transformers can only use through
+universal assisted generation and specctl through a vocabulary mapping.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from specctl.bench.suite import config_labels, draft_name, run_bench
+from specctl.config import SpecConfig
+from specctl.runtime.decoder import SamplingParams
+from specctl.runtime.runner import load_model
+
+OTHER_VOCAB = 130
+
+
+def _other_tokenizer():
+    """The conftest's characters, specials first, the printable ones in reverse order: other ids."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    from tests.conftest import TINY_SPECIAL_TOKENS
+
+    chars = ["\n", "\t"] + [chr(c) for c in range(126, 31, -1)]
+    tokens = list(TINY_SPECIAL_TOKENS) + chars
+    raw = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=[], unk_token="<unk>"))
+    raw.decoder = decoders.Fuse()
+    raw.add_special_tokens(list(TINY_SPECIAL_TOKENS))
+    return PreTrainedTokenizerFast(tokenizer_object=raw, pad_token="<pad>", unk_token="<unk>", bos_token="<s>",
+                                   eos_token="<|im_end|>")
+
+
+@pytest.fixture(scope="module")
+def drafts(tiny_model_factory, tmp_path_factory):
+    """{"same": folder, "other": folder} (see the module docstring)."""
+    from tests.conftest import TINY_CHAT_TEMPLATE, build_tiny_hf_model
+
+    same = tiny_model_factory(seed=1)
+    other = tmp_path_factory.mktemp("draft-other-tok")
+    build_tiny_hf_model(seed=2, vocab_size=OTHER_VOCAB).save_pretrained(other)
+    tok = _other_tokenizer()
+    tok.chat_template = TINY_CHAT_TEMPLATE
+    tok.save_pretrained(other)
+    return {"same": same, "other": other}
+
+
+@pytest.fixture(scope="module")
+def target(tiny_model_dir):
+    return load_model(tiny_model_dir, dtype="float32")
+
+
+@pytest.fixture
+def prompts(tmp_path):
+    p = tmp_path / "prompts.jsonl"
+    p.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in ("abc abc abc abc", "the cat sat on the mat")))
+    return str(p)
+
+
+def _draft(model: str, k: int = 3) -> SpecConfig:
+    return SpecConfig.from_dict({"method": "draft_model", "model": model, "num_speculative_tokens": k})
+
+
+# --------------------------------------------------------------------------- labels
+
+
+def test_labels_name_the_draft():
+    cfgs = [_draft("qwen2.5-coder-0.5b"), _draft("smollm2-135m"), SpecConfig(method="ngram").validated()]
+    assert config_labels(cfgs) == ["draft_model:qwen2.5-coder-0.5b", "draft_model:smollm2-135m", "ngram"]
+
+
+def test_labels_from_paths(tmp_path):
+    folder = tmp_path / "my-draft"
+    folder.mkdir()
+    assert draft_name(str(folder) + "/") == "my-draft"
+    assert draft_name("/models/d.gguf") == "d"
+    assert draft_name("SmolLM2-135M") == "smollm2-135m"
+    assert config_labels([_draft(str(folder))]) == ["draft_model:my-draft"]
+
+
+def test_labels_told_apart_by_the_one_key_that_differs_else_numbered():
+    ng = [SpecConfig(method="ngram", num_speculative_tokens=k).validated() for k in (4, 8)]
+    assert config_labels(ng) == ["ngram:k=4", "ngram:k=8"]
+    assert config_labels([_draft("smollm2-135m", 3), _draft("smollm2-135m", 5)]) == [
+        "draft_model:smollm2-135m:k=3", "draft_model:smollm2-135m:k=5"]
+    two_keys = [SpecConfig(method="ngram", num_speculative_tokens=4, prompt_lookup_max=3).validated(),
+                SpecConfig(method="ngram", num_speculative_tokens=8, prompt_lookup_max=5).validated()]
+    assert config_labels(two_keys) == ["ngram", "ngram#2"]
+    same = [SpecConfig(method="ngram").validated() for _ in range(3)]
+    assert config_labels(same) == ["ngram", "ngram#2", "ngram#3"]
+
+
+# --------------------------------------------------------------------------- two drafts, peers per draft
+
+
+def test_two_drafts_one_run_distinct_rows_and_assisted_peer_per_draft(target, drafts, prompts):
+    cfgs = [_draft(str(drafts["same"])), _draft(str(drafts["other"]))]
+    events = []
+    report = run_bench(target, cfgs, [prompts], None, SamplingParams(max_new_tokens=10, stop_token_ids=target.stop_token_ids),
+                       progress=lambda adv, desc, total=None: events.append((adv, total)), peers=("hf",))
+    rows = report.rows()
+    same, other = drafts["same"].name, drafts["other"].name
+    assert [r["method"] for r in rows] == [
+        "baseline", f"draft_model:{same}", f"draft_model:{other}",
+        "hf:plain", "hf:prompt-lookup", f"hf:assisted:{same}", f"hf:assisted:{other}"]
+    by = {r["method"]: r for r in rows}
+    assert by[f"draft_model:{same}"]["config"]["model"] == str(drafts["same"])
+    assert by[f"draft_model:{other}"]["config"]["model"] == str(drafts["other"])
+    assert by[f"hf:assisted:{same}"]["config"] == {"assistant_model": str(drafts["same"]),
+                                                   "universal_assisted_generation": False}
+    assert by[f"hf:assisted:{other}"]["config"] == {"assistant_model": str(drafts["other"]),
+                                                    "universal_assisted_generation": True}
+    for r in rows:
+        assert r["requests"] == 2
+        if r["method"] != "baseline":  # fp32 greedy: every method and peer reproduces the plain output
+            assert r["identical_to_baseline"] == 2, r["method"]
+    for lab in (f"draft_model:{same}", f"draft_model:{other}"):
+        assert by[lab]["num_drafts"] > 0
+    # the progress bar: told its total first, then advanced exactly that often
+    assert events[0][1] == 2 * (3 + 4)
+    assert sum(adv for adv, _ in events) == events[0][1]
+
+
+def test_hf_peers_use_each_drafts_model_and_tokenizer(tiny_model_dir, drafts):
+    from specctl.bench.peers import HFPeers
+
+    hf = HFPeers(tiny_model_dir, torch.float32, drafts=[("a", drafts["same"]), ("b", drafts["other"])])
+    assert [p.name for p in hf.peers] == ["hf:plain", "hf:prompt-lookup", "hf:assisted:a", "hf:assisted:b"]
+    a, b = hf.peers[2].kwargs, hf.peers[3].kwargs
+    assert a["assistant_model"].config.vocab_size == 128 and "assistant_tokenizer" not in a
+    assert b["assistant_model"].config.vocab_size == OTHER_VOCAB
+    assert b["assistant_tokenizer"].get_vocab() != b["tokenizer"].get_vocab()
+    assert b["tokenizer"] is hf.tokenizer
+    # the two assistants are different models
+    pa, pb = (next(x["assistant_model"].parameters()) for x in (a, b))
+    assert pa.shape != pb.shape or not torch.equal(pa, pb)
