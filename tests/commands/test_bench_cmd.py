@@ -118,3 +118,13 @@ def test_speculative_config_is_repeatable_and_rows_are_labelled(tiny_model_dir, 
     rows = json.loads(r.stdout)["results"]
     assert [(x["method"], x["k"]) for x in rows] == [("baseline", 0), ("ngram:k=3", 3), ("ngram:k=5", 5)]
     assert all(x["identical_to_baseline"] == 1 for x in rows)
+
+
+def test_help_lists_every_workload_and_the_new_options(tmp_path):
+    from specctl.bench.workloads import WORKLOADS
+
+    r = run_cli("bench", "--help", env_extra={"COLUMNS": "200"}, timeout=120)
+    assert r.returncode == 0, r.stderr
+    for name in WORKLOADS:
+        assert f"{name}:" in r.stdout
+    assert r.stdout.count("--speculative-config '") >= 3  # the two-draft example repeats it

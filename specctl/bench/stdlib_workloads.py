@@ -1,0 +1,282 @@
+"""Workloads built from the Python standard library on the machine: code-edit, agentic, summarize.
+
+See ``specctl.bench.workloads`` for what each one is; that module dispatches here by name. The
+prompts are deterministic for a given Python and seed (a fixed list of modules, seeded choices).
+
+What it does not know: the data in wheels, user prompt files, tokenizers. No torch import.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import random
+import sysconfig
+import textwrap
+from dataclasses import dataclass
+from pathlib import Path
+
+from specctl.bench.workloads import Request, _round_robin
+from specctl.errors import DataError
+
+# --- code-edit: real stdlib functions ----------------------------------------------------------
+
+# Fixed list, so the prompts are the same on every machine with the same Python version.
+CODE_MODULES = (
+    "textwrap", "argparse", "json/decoder", "json/encoder", "shutil", "csv", "difflib", "configparser",
+    "fractions", "calendar", "gettext", "pprint", "tarfile", "zipfile", "ftplib", "http/cookiejar",
+    "urllib/parse", "logging/__init__", "dataclasses", "inspect", "tokenize", "statistics", "optparse",
+    "smtplib", "string", "heapq", "fnmatch", "glob", "netrc", "plistlib",
+)
+MIN_LINES, MAX_LINES = 25, 70
+_FENCE = "Reply with the complete updated function only, in a ```python block."
+
+
+@dataclass
+class _Func:
+    module: str
+    qualname: str
+    code: str
+    node: ast.FunctionDef | ast.AsyncFunctionDef
+
+
+@functools.lru_cache(maxsize=1)
+def _stdlib_functions() -> list[_Func]:
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    out: list[_Func] = []
+    for mod in CODE_MODULES:
+        src_path = next((p for p in (stdlib / f"{mod}.py", stdlib / mod / "__init__.py") if p.is_file()), None)
+        if src_path is None:
+            continue
+        try:
+            source = src_path.read_text(encoding="utf-8")
+            tree = ast.parse(source)
+        except (OSError, SyntaxError, UnicodeDecodeError):
+            continue
+        lines = source.splitlines()
+        defs = [(n, n.name) for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+        for cls in (n for n in tree.body if isinstance(n, ast.ClassDef)):
+            defs += [(n, f"{cls.name}.{n.name}") for n in cls.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+        for node, qualname in defs:
+            start = min([node.lineno] + [d.lineno for d in node.decorator_list])
+            if not MIN_LINES <= node.end_lineno - start + 1 <= MAX_LINES:
+                continue
+            code = textwrap.dedent("\n".join(lines[start - 1:node.end_lineno]))
+            if "\t" in code or code[:1].isspace():
+                continue
+            try:
+                fn = ast.parse(code).body[0]
+            except SyntaxError:
+                continue
+            out.append(_Func(mod.replace("/__init__", "").replace("/", "."), qualname, code, fn))
+    return out
+
+
+def _rename_target(fn: _Func, rng: random.Random) -> tuple[str, str, str] | None:
+    """(kind, old, new): a parameter or local variable safe to rename textually, and a new name."""
+    node = fn.node
+    params = [a.arg for a in node.args.posonlyargs + node.args.args + node.args.kwonlyargs
+              if a.arg not in ("self", "cls")]
+    params += [a.arg for a in (node.args.vararg, node.args.kwarg) if a is not None]
+    stored, used, unsafe = [], set(), set()
+    for n in ast.walk(node):
+        if isinstance(n, ast.Name):
+            used.add(n.id)
+            if isinstance(n.ctx, ast.Store) and n.id not in stored:
+                stored.append(n.id)
+        elif isinstance(n, ast.arg):
+            used.add(n.arg)
+        elif isinstance(n, ast.Attribute):
+            unsafe.add(n.attr)
+        elif isinstance(n, ast.keyword) and n.arg:
+            unsafe.add(n.arg)
+        elif isinstance(n, (ast.Global, ast.Nonlocal)):
+            unsafe.update(n.names)
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)) and n is not node:
+            unsafe.update(a.arg for a in ast.walk(n.args) if isinstance(a, ast.arg))  # shadowed in a nested scope
+    cands = [("parameter", p) for p in params] + [("variable", v) for v in stored if v not in params]
+    cands = [(k, c) for k, c in cands if len(c) >= 2 and c not in unsafe and not c.startswith("_")
+             and sum(1 for n in ast.walk(node) if isinstance(n, ast.Name) and n.id == c) >= 2]
+    if not cands:
+        return None
+    kind, old = rng.choice(cands)
+    for new in (f"{old}_value", f"{old}_item", f"the_{old}", f"{old}2"):
+        if new not in used and new not in fn.code:
+            return kind, old, new
+    return None
+
+
+def _edits(fn: _Func, rng: random.Random) -> dict[str, str]:
+    """The edit instructions that apply to ``fn``, by kind."""
+    node, out = fn.node, {}
+    rename = _rename_target(fn, rng)
+    if rename:
+        kind, old, new = rename
+        out["rename"] = (f"Rename the {kind} `{old}` to `{new}` in the following Python function, "
+                         f"updating every use of it. Change nothing else.")
+    args = [a for a in node.args.posonlyargs + node.args.args + node.args.kwonlyargs if a.arg not in ("self", "cls")]
+    if args and node.returns is None and all(a.annotation is None for a in args):
+        out["type-hints"] = ("Add type hints to the parameters and the return value of the following "
+                             "Python function. Keep the body unchanged.")
+    if ast.get_docstring(node) is None:
+        out["docstring"] = ("Add a concise docstring (summary line, then Args and Returns sections) to the "
+                            "following Python function. Keep the code unchanged.")
+    def is_str(n):
+        return isinstance(n, ast.Constant) and isinstance(n.value, str)
+    if any((isinstance(n, ast.BinOp) and isinstance(n.op, ast.Mod) and is_str(n.left))
+           or (isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "format" and is_str(n.func.value))
+           for n in ast.walk(node)):
+        out["f-strings"] = ("Convert every %-formatting and str.format() call in the following Python function "
+                            "to an f-string. Change nothing else.")
+    return out
+
+
+def _code_edit(num_prompts: int | None, seed: int) -> list[Request]:
+    """Balanced over edit kinds (round-robin), distinct functions first, then the other edits."""
+    rng = random.Random(seed)
+    funcs = _stdlib_functions()
+    if not funcs:
+        raise DataError(f"No functions of {MIN_LINES}-{MAX_LINES} lines found in the standard library at "
+                        f"{sysconfig.get_paths()['stdlib']}", "Use a Python with its standard library sources installed")
+    by_kind: dict[str, list[tuple[_Func, str, str]]] = {}
+    for fn in funcs:
+        for kind, instruction in _edits(fn, rng).items():
+            by_kind.setdefault(kind, []).append((fn, kind, instruction))
+    for kind in sorted(by_kind):
+        rng.shuffle(by_kind[kind])
+    pairs = _round_robin([by_kind[k] for k in sorted(by_kind)])
+    firsts, rest, seen = [], [], set()
+    for p in pairs:
+        key = (p[0].module, p[0].qualname)
+        (rest if key in seen else firsts).append(p)
+        seen.add(key)
+    reqs = []
+    for fn, kind, instruction in (firsts + rest)[:num_prompts]:
+        text = f"{instruction} {_FENCE}\n\n```python\n{fn.code}\n```"
+        reqs.append(Request(id=f"code-edit/{fn.module}:{fn.qualname}/{kind}",
+                            messages=[{"role": "user", "content": text}], workload="code-edit",
+                            meta={"edit": kind, "module": fn.module, "function": fn.qualname, "code": fn.code}))
+    return reqs
+
+
+# --- agentic: one tool-calling template over real stdlib functions -----------------------------
+
+AGENTIC_SYSTEM = """You are a code-indexing agent. For every Python function you are shown, call the \
+`index_function` tool exactly once. Reply with one JSON object and nothing else, in exactly this format:
+
+{"tool": "index_function", "arguments": {"module": "<module>", "name": "<function name>", \
+"parameters": ["<parameter>", ...], "returns": "<type or description of the return value>", \
+"raises": ["<exception>", ...], "summary": "<one sentence>"}}
+
+Example, for posixpath.join:
+
+{"tool": "index_function", "arguments": {"module": "posixpath", "name": "join", "parameters": ["a", "*p"], \
+"returns": "str", "raises": ["TypeError"], "summary": "Join two or more pathname components, inserting '/' as needed."}}"""
+AGENTIC_USER = "Index this function.\n\nModule: {module}\nFunction: {qualname}\n\n```python\n{code}\n```"
+
+
+def _agentic(num_prompts: int | None, seed: int) -> list[Request]:
+    """The same system prompt and instruction for every request; only the function changes."""
+    funcs = list(_stdlib_functions())
+    if not funcs:
+        raise DataError(f"No functions of {MIN_LINES}-{MAX_LINES} lines found in the standard library at "
+                        f"{sysconfig.get_paths()['stdlib']}", "Use a Python with its standard library sources installed")
+    random.Random(seed).shuffle(funcs)
+    return [
+        Request(id=f"agentic/{fn.module}:{fn.qualname}",
+                messages=[{"role": "system", "content": AGENTIC_SYSTEM},
+                          {"role": "user", "content": AGENTIC_USER.format(module=fn.module, qualname=fn.qualname,
+                                                                          code=fn.code)}],
+                workload="agentic", meta={"module": fn.module, "function": fn.qualname, "code": fn.code})
+        for fn in funcs[:num_prompts]
+    ]
+
+
+# --- summarize: a long real document in the prompt -----------------------------------------------
+
+DOC_MIN_CHARS, DOC_MAX_CHARS = 3000, 10000  # about 800 to 2500 tokens
+SUMMARY_INSTRUCTION = ("Summarise the following section of the Python documentation for a programmer who knows other "
+                       "languages: one short paragraph, then its key rules as a bulleted list.")
+QA_INSTRUCTION = ("Answer the question using only the document above.\n\nQuestion: what does `{name}` in module "
+                  "`{module}` do, which parameters does it take, and what does it return? Quote its signature line.")
+
+
+def _cut(text: str, limit: int) -> str:
+    """``text`` up to its last paragraph break within ``limit`` characters (all of it when it fits)."""
+    if len(text) <= limit:
+        return text
+    head = text[:limit]
+    return head[:head.rfind("\n\n")] if "\n\n" in head else head
+
+
+@functools.lru_cache(maxsize=1)
+def _reference_sections() -> tuple[tuple[str, str], ...]:
+    """(topic, text) of the Python reference manual sections shipped with the interpreter (pydoc_data)."""
+    try:
+        from pydoc_data.topics import topics
+    except ImportError:
+        return ()
+    out = []
+    for name in sorted(topics):
+        text = _cut(topics[name].strip(), DOC_MAX_CHARS)
+        if len(text) >= DOC_MIN_CHARS:
+            out.append((name, text))
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=1)
+def _source_documents() -> tuple[tuple[str, str, tuple[str, ...]], ...]:
+    """(module, excerpt, public functions defined in it): each CODE_MODULES file from its start, whole
+    top-level statements up to DOC_MAX_CHARS."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    out = []
+    for mod in CODE_MODULES:
+        src_path = next((p for p in (stdlib / f"{mod}.py", stdlib / mod / "__init__.py") if p.is_file()), None)
+        if src_path is None:
+            continue
+        try:
+            source = src_path.read_text(encoding="utf-8")
+            tree = ast.parse(source)
+        except (OSError, SyntaxError, UnicodeDecodeError):
+            continue
+        lines = source.splitlines()
+        end, names = 0, []
+        for node in tree.body:
+            if len("\n".join(lines[:node.end_lineno])) > DOC_MAX_CHARS:
+                break
+            end = node.end_lineno
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                names.append(node.name)
+            elif isinstance(node, ast.ClassDef):
+                names += [f"{node.name}.{n.name}" for n in node.body
+                          if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and not n.name.startswith("_")]
+        excerpt = "\n".join(lines[:end])
+        names = [n for n in names if not n.split(".")[-1].startswith("_")]
+        if len(excerpt) >= DOC_MIN_CHARS and names:
+            out.append((mod.replace("/__init__", "").replace("/", "."), excerpt, tuple(names)))
+    return tuple(out)
+
+
+def _summarize(num_prompts: int | None, seed: int) -> list[Request]:
+    """Reference sections to summarise and source files to answer from, alternating, each kind shuffled by seed."""
+    rng = random.Random(seed)
+    summaries = [
+        Request(id=f"summarize/reference:{name}", workload="summarize",
+                messages=[{"role": "user", "content": f"{SUMMARY_INSTRUCTION}\n\n{text}"}],
+                meta={"task": "summary", "document": f"reference:{name}", "chars": len(text)})
+        for name, text in _reference_sections()
+    ]
+    questions = []
+    for module, excerpt, names in _source_documents():
+        name = rng.choice(names)
+        text = f"Document: {module}.py\n\n```python\n{excerpt}\n```\n\n" + QA_INSTRUCTION.format(name=name, module=module)
+        questions.append(Request(id=f"summarize/source:{module}:{name}", workload="summarize",
+                                 messages=[{"role": "user", "content": text}],
+                                 meta={"task": "qa", "document": f"source:{module}", "function": name,
+                                       "chars": len(excerpt)}))
+    if not summaries and not questions:
+        raise DataError(f"No documents of {DOC_MIN_CHARS}-{DOC_MAX_CHARS} characters found in the standard library at "
+                        f"{sysconfig.get_paths()['stdlib']}", "Use a Python with its standard library sources installed")
+    rng.shuffle(summaries)
+    rng.shuffle(questions)
+    return _round_robin([summaries, questions])[:num_prompts]
