@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import amx_linear, decode_attention, skinny_linear
+from kernels import amx_linear, decode_attention, decode_layer, skinny_linear
 from specctl.errors import ModelError
 
 SUPPORTED_ARCHS = ("llama", "qwen2", "mistral")
@@ -171,11 +171,14 @@ class Block(nn.Module):
         self.gate_up = nn.Linear(a.hidden_size, 2 * a.intermediate_size, bias=a.mlp_bias)
         self.down = nn.Linear(a.intermediate_size, a.hidden_size, bias=a.mlp_bias)
         self.exact_attention = False  # decode/verify rows through kernels/decode_attention (bf16 CPU)
+        self.fused = False  # decode/verify rows through kernels/decode_layer (one call per block)
 
     def forward(self, x, cos, sin, k_cache, v_cache, start: int, mask):
         # x: [B, T, H]; cos/sin: [T, head_dim]; k_cache/v_cache: [B, n_kv, max_len, head_dim]
         a = self.a
         B, T, _ = x.shape
+        if self.fused and B * T <= decode_layer.MAX_ROWS:
+            return decode_layer.layer(self, x, cos, sin, k_cache, v_cache, start)
         qkv = lin(self.input_norm(x), self.qkv)
         q, k, v = qkv.split([a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.num_kv_heads * a.head_dim], -1)
         q = q.view(B, T, a.num_heads, a.head_dim).transpose(1, 2)  # [B, nh, T, hd]
@@ -326,6 +329,11 @@ def enable_exact_bf16(model: "Transformer") -> bool:
         probe = torch.empty(1, a.num_heads, 1, a.head_dim, dtype=torch.bfloat16)
         for block in model.layers:
             block.exact_attention = decode_attention.supports(probe, a.num_kv_heads)
+            block.fused = (block.exact_attention and getattr(block.qkv, "amx_packed", False)
+                           and all(getattr(l, "amx_packed", False) for l in (block.o, block.gate_up, block.down))
+                           and block.gate_up.bias is None and block.down.bias is None
+                           and a.sliding_window is None and a.head_dim <= 256
+                           and a.intermediate_size % 16 == 0 and decode_layer.load() is not None)
     return exact
 
 

@@ -1,0 +1,38 @@
+"""One transformer block per call for decode and verification forwards (bf16, AMX CPUs).
+
+``layer(block, x, cos, sin, k_cache, v_cache, start)`` runs specctl.runtime.model.Block for a few
+rows (batch x tokens <= 16) in one C++ call and one parallel region (``csrc/decode_layer.cpp``):
+the same arithmetic as the AMX linears and the row-independent attention, without ~25 torch
+dispatches and 5 thread-pool wake-ups per block. ``load()`` returns None where it cannot run (no
+AMX, no compiler); callers keep the per-op path.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels import amx_linear
+from kernels._build import build
+
+_ext = None
+_tried = False
+MAX_ROWS = 16
+
+
+def load():
+    global _ext, _tried
+    if not _tried:
+        _tried = True
+        if amx_linear.load() is not None:  # asks the OS for AMX tile state
+            _ext = build("specctl_decode_layer", "decode_layer.cpp", ("amx_bf16", "amx_tile", "avx512_bf16"),
+                         ["-mamx-tile", "-mamx-bf16", "-mavx512f", "-mavx512bf16", "-mavx512vl", "-mavx512bw"])
+    return _ext
+
+
+def layer(block, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+          v_cache: torch.Tensor, start: int) -> torch.Tensor:
+    a = block.a
+    return _ext.decode_layer(x.contiguous(), block.input_norm.weight, block.post_norm.weight, a.rms_norm_eps,
+                             block.qkv.weight, block.qkv.bias, block.o.weight, block.o.bias,
+                             block.gate_up.weight, block.down.weight, cos, sin, k_cache, v_cache, start,
+                             a.num_heads, a.num_kv_heads)

@@ -1,0 +1,56 @@
+"""The fused decode block (kernels/decode_layer): the same block as the per-op path to bf16 rounding,
+the same keys and values in the cache, and rows independent of how many share the call."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import decode_layer
+from specctl.runtime.model import KVCache, load_transformer
+
+pytestmark = pytest.mark.skipif(decode_layer.load() is None, reason="needs an AMX CPU and a compiler")
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_factory):
+    folder = tiny_model_factory("qwen2", initializer_range=0.05, hidden_size=128, intermediate_size=256)
+    m = load_transformer(folder, torch.bfloat16)  # exact bf16 is the default on CPU
+    assert all(b.fused for b in m.layers)
+    return m
+
+
+@pytest.mark.parametrize("start,T", [(0, 1), (5, 3), (60, 1), (60, 16)])
+def test_fused_block_matches_per_op_block(model, start, T):
+    a, blk = model.args, model.layers[0]
+    g = torch.Generator().manual_seed(start + T)
+    x = (torch.randn(1, T, a.hidden_size, generator=g) * 0.5).bfloat16()
+    cos, sin = model.rope(start, T, torch.bfloat16)
+    caches = []
+    outs = []
+    for fused in (False, True):
+        c = KVCache(a, 1, 128, torch.bfloat16, "cpu")
+        c.k.normal_(generator=torch.Generator().manual_seed(1))
+        c.v.normal_(generator=torch.Generator().manual_seed(2))
+        blk.fused = fused
+        mask = torch.ones(T, start + T, dtype=torch.bool).tril(start) if T > 1 else None
+        outs.append(blk(x, cos, sin, c.k[0], c.v[0], start, mask).float())
+        caches.append(c)
+    blk.fused = True
+    torch.testing.assert_close(outs[1], outs[0], atol=0.1, rtol=0.02)
+    torch.testing.assert_close(caches[1].k.float(), caches[0].k.float(), atol=0.05, rtol=0.02)
+    assert torch.equal(caches[1].v, caches[0].v)
+
+
+def test_rows_equal_rows_alone(model):
+    a, blk = model.args, model.layers[1]
+    g = torch.Generator().manual_seed(7)
+    x = (torch.randn(1, 9, a.hidden_size, generator=g) * 0.5).bfloat16()
+    c = KVCache(a, 1, 64, torch.bfloat16, "cpu")
+    c.k.normal_(generator=g)
+    c.v.normal_(generator=g)
+    cos, sin = model.rope(20, 9, torch.bfloat16)
+    full = blk(x, cos, sin, c.k[1], c.v[1], 20, None)
+    alone = torch.cat([blk(x[:, i:i + 1], cos[i:i + 1].contiguous(), sin[i:i + 1].contiguous(), c.k[1], c.v[1], 20 + i, None)
+                       for i in range(9)], 1)
+    assert torch.equal(full, alone)
