@@ -122,6 +122,20 @@ class BenchReport:
             })
         return out
 
+    def best_k(self) -> dict[str, dict[str, dict]]:
+        """method -> workload -> the fastest k there: {"k", "tokens_per_s", "speedup", "mean_acceptance_length",
+        "by_k": {k: tokens_per_s}}. specctl methods only (peers and the baseline have no k to choose)."""
+        out: dict[str, dict[str, dict]] = {}
+        for r in self.rows():
+            if r["method"] == BASELINE or r["method"].startswith("hf:"):
+                continue
+            cell = out.setdefault(r["method"], {}).setdefault(r["workload"], {"by_k": {}})
+            cell["by_k"][r["k"]] = r["tokens_per_s"]
+            if "k" not in cell or r["tokens_per_s"] > cell["tokens_per_s"]:
+                cell.update(k=r["k"], tokens_per_s=r["tokens_per_s"], speedup=r["speedup"],
+                            mean_acceptance_length=r["mean_acceptance_length"])
+        return out
+
 
 def machine_header(loaded: LoadedModel, max_new_tokens: int, temperature: float) -> dict:
     cpu = platform.processor() or platform.machine()
@@ -238,8 +252,13 @@ def run_bench(
     adaptive: bool = True,
     peers: tuple[str, ...] = (),
     runs: int = 1,
+    sweep_k: list[int] | None = None,
 ) -> BenchReport:
-    """Every prompt by the baseline, each configuration and each peer; ``progress`` is told the total first."""
+    """Every prompt by the baseline, each configuration and each peer; ``progress`` is told the total first.
+
+    ``sweep_k``: run every configuration once per k in it (rows share the label, differ in k);
+    ``BenchReport.best_k`` then picks the fastest k per method and workload.
+    """
     say = progress or (lambda advance, description, total=None: None)
     tok = loaded.tokenizer
     prompts: dict[str, list[tuple[Request, list[int]]]] = {}
@@ -250,13 +269,18 @@ def run_bench(
                   len(render_prompt(tok, replace(req, messages=turn_messages(req, [""] * len(req.followups)))))
                   + len(req.followups) * (2 * params.max_new_tokens + 8)
                   for ps in prompts.values() for req, ids in ps)
-    max_k = max([c.num_speculative_tokens for c in configs], default=0)
+    if sweep_k:
+        variants = [(i, replace(c, num_speculative_tokens=k)) for i, c in enumerate(configs) for k in dict.fromkeys(sweep_k)]
+    else:
+        variants = list(enumerate(configs))
+    max_k = max([v.num_speculative_tokens for _, v in variants], default=0)
     runner = TargetRunner(loaded.model, max_len=longest + params.max_new_tokens + max_k + 8)
     proposers = _Proposers(loaded, runner.max_len)
     entries = [Entry(BASELINE, None, SpecDecoder(runner))]
-    for label, c in zip(config_labels(configs), configs):
-        entries.append(Entry(label, c, SpecDecoder(runner, proposers.build(c), c.num_speculative_tokens,
-                                                   adaptive=adaptive)))
+    config_names = config_labels(configs)
+    for i, v in variants:
+        entries.append(Entry(config_names[i], v, SpecDecoder(runner, proposers.build(v), v.num_speculative_tokens,
+                                                           adaptive=adaptive)))
 
     hf = None
     if "hf" in peers:
@@ -325,7 +349,10 @@ def run_bench(
                         answers.append(_answer_text(tok, baseline_res.token_ids, loaded.stop_token_ids))
         for lab in labels:
             runs_out.extend(wruns[lab] + peer_runs[lab])
-    return BenchReport(machine_header(loaded, params.max_new_tokens, params.temperature), runs_out)
+    header = machine_header(loaded, params.max_new_tokens, params.temperature)
+    if sweep_k:
+        header["sweep_k"] = list(dict.fromkeys(sweep_k))
+    return BenchReport(header, runs_out)
 
 
 def _answer_text(tokenizer, token_ids: list[int], stop_ids) -> str:

@@ -33,6 +33,10 @@ transformers' assisted generation per draft, hf:assisted:<draft>, universal for 
 
   specctl bench --model qwen2.5-coder-1.5b --peer hf --speculative-config '{"method": "draft_model", "model": "qwen2.5-coder-0.5b", "num_speculative_tokens": 5}' --speculative-config '{"method": "draft_model", "model": "smollm2-135m", "num_speculative_tokens": 5}'
 
+The best k per method and workload, from one run over several k (add --fixed-k to draft exactly k):
+
+  specctl bench --model qwen2.5-coder-1.5b --method ngram --method suffix --sweep-k 2,4,8,16 -w code-edit -w chat --json
+
 Every workload, multi-turn chat included (one row per turn), in one run:
 
   specctl bench --model qwen2.5-coder-1.5b -w code-edit -w humaneval -w chat -w mt-bench -w summarize -w math -w agentic
@@ -56,6 +60,7 @@ def bench(
     csv_out: Annotated[Optional[str], typer.Option("--csv", help="Also write the results as CSV to this file.")] = None,
     plot: Annotated[Optional[str], typer.Option("--plot", help="Also write speedup.png and acceptance.png into this folder.")] = None,
     fixed_k: Annotated[bool, typer.Option("--fixed-k", help="Always draft k tokens (default: adapt the draft length per request to what pays).")] = False,
+    sweep_k: Annotated[Optional[str], typer.Option("--sweep-k", help="Comma-separated k values (e.g. 2,4,8): run every configuration at each k (overriding its own) and report the best k per method and workload (table; 'best_k' in --json).")] = None,
     seed: SeedOpt = 0,
     dtype: DtypeOpt = "bfloat16",
     device: DeviceOpt = "cpu",
@@ -80,6 +85,7 @@ def bench(
             raise UsageError(f"unknown peer '{p}'", f"use one of: {', '.join(PEERS)}")
     if runs < 1:
         raise UsageError(f"--runs must be >= 1, got {runs}", "pass e.g. --runs 3")
+    ks = parse_k_list(sweep_k) if sweep_k is not None else None
 
     from rich.console import Console
 
@@ -112,7 +118,7 @@ def bench(
         report = run_bench(loaded, configs, workloads, num_prompts, params, seed,
                            progress=lambda adv, desc, total=None: prog.update(task, advance=adv, description=desc,
                                                                               total=total),
-                           adaptive=not fixed_k, peers=peers, runs=runs)
+                           adaptive=not fixed_k, peers=peers, runs=runs, sweep_k=ks)
     report.header["draft_length"] = "fixed k" if fixed_k else "adaptive (up to k)"
 
     rows = report.rows()
@@ -126,9 +132,43 @@ def bench(
         for p in write_plots(rows, report.header, plot):
             err.log(f"wrote {p}")
     if json_out:
-        typer.echo(json.dumps({"header": report.header, "results": rows}, indent=2))
+        out = {"header": report.header, "results": rows}
+        if ks:
+            out["best_k"] = report.best_k()
+        typer.echo(json.dumps(out, indent=2))
         return
     render(report)
+    if ks:
+        render_best_k(report)
+
+
+def parse_k_list(text: str) -> list[int]:
+    """'2,4,8' -> [2, 4, 8] (duplicates dropped, order kept); anything else is a usage error."""
+    from specctl.errors import UsageError
+
+    try:
+        ks = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        ks = []
+    if not ks or any(k < 1 for k in ks):
+        raise UsageError(f"--sweep-k must be comma-separated integers >= 1, got '{text}'", "pass e.g. --sweep-k 2,4,8")
+    return list(dict.fromkeys(ks))
+
+
+def render_best_k(report) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"best k (of {', '.join(map(str, report.header['sweep_k']))}) by decode tok/s",
+              title_justify="left")
+    for col in ("workload", "method", "best k", "tok/s", "speedup", "acc. len", "tok/s by k"):
+        t.add_column(col, justify="left" if col in ("workload", "method", "tok/s by k") else "right", no_wrap=True)
+    for method, cells in report.best_k().items():
+        for w, c in cells.items():
+            t.add_row(w, method, str(c["k"]), f"{c['tokens_per_s']:.2f}",
+                      f"{c['speedup']:.2f}x" if c["speedup"] is not None else "—", f"{c['mean_acceptance_length']:.2f}",
+                      " · ".join(f"{k}: {v:.1f}" for k, v in c["by_k"].items()))
+    Console().print(t)
 
 
 def render(report) -> None:

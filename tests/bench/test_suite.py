@@ -185,3 +185,52 @@ def _req(messages):
     from specctl.bench.workloads import Request
 
     return Request("r", messages, "test")
+
+
+# --------------------------------------------------------------------------- --sweep-k
+
+
+def test_sweep_k_runs_each_config_at_each_k_and_loads_a_draft_once(target, drafts, prompts, monkeypatch):
+    import specctl.runtime.runner as runner_mod
+
+    loads = []
+    real_load = runner_mod.load_model
+    monkeypatch.setattr(runner_mod, "load_model", lambda path, **kw: loads.append(path) or real_load(path, **kw))
+    cfgs = [SpecConfig(method="ngram").validated(), _draft(str(drafts["same"]))]
+    events = []
+    report = run_bench(target, cfgs, [prompts], None, SamplingParams(max_new_tokens=10, stop_token_ids=target.stop_token_ids),
+                       progress=lambda adv, desc, total=None: events.append((adv, total)), sweep_k=[1, 3, 1])
+    rows = report.rows()
+    d = f"draft_model:{drafts['same'].name}"
+    assert [(r["method"], r["k"]) for r in rows] == [("baseline", 0), ("ngram", 1), ("ngram", 3), (d, 1), (d, 3)]
+    assert [r["config"].get("num_speculative_tokens") for r in rows[1:]] == [1, 3, 1, 3]
+    assert all(r["identical_to_baseline"] == 2 for r in rows)
+    assert len(loads) == 1  # one draft, however many k
+    assert report.header["sweep_k"] == [1, 3]
+    assert events[0][1] == 2 * 5 and sum(a for a, _ in events) == 10
+    best = report.best_k()
+    assert set(best) == {"ngram", d}
+    for method, cells in best.items():
+        cell = cells[prompts]
+        by_k = {r["k"]: r["tokens_per_s"] for r in rows if r["method"] == method}
+        assert cell["by_k"] == by_k
+        assert cell["k"] == max(by_k, key=by_k.get) and cell["tokens_per_s"] == max(by_k.values())
+        assert cell["speedup"] == next(r["speedup"] for r in rows if r["method"] == method and r["k"] == cell["k"])
+
+
+def test_best_k_picks_the_fastest_k_per_method_and_workload():
+    from specctl.bench.suite import BenchReport, MethodRun
+
+    def run(method, workload, k, tps):
+        r = MethodRun(method, workload, k, {})
+        r.rep_tokens, r.rep_s = {0: 100}, {0: 100 / tps}
+        return r
+
+    report = BenchReport({}, [run("baseline", "a", 0, 10), run("ngram", "a", 2, 20), run("ngram", "a", 4, 30),
+                              run("ngram", "a", 8, 25), run("hf:prompt-lookup", "a", 10, 50),
+                              run("baseline", "b", 0, 10), run("ngram", "b", 2, 12), run("ngram", "b", 4, 11)])
+    best = report.best_k()
+    assert list(best) == ["ngram"]
+    assert best["ngram"]["a"]["k"] == 4 and best["ngram"]["a"]["speedup"] == pytest.approx(3.0)
+    assert best["ngram"]["a"]["by_k"] == pytest.approx({2: 20, 4: 30, 8: 25})
+    assert best["ngram"]["b"]["k"] == 2

@@ -128,3 +128,34 @@ def test_help_lists_every_workload_and_the_new_options(tmp_path):
     for name in WORKLOADS:
         assert f"{name}:" in r.stdout
     assert r.stdout.count("--speculative-config '") >= 3  # the two-draft example repeats it
+
+
+def test_sweep_k_json_best_k_table_and_plots(tiny_model_dir, prompts_file, tmp_path):
+    args = ("bench", "--model", str(tiny_model_dir), "--dtype", "float32", "-w", str(prompts_file), "-n", "2",
+            "--max-new-tokens", "12", "--method", "ngram", "--sweep-k", "2,4", "--fixed-k")
+    env = {"SPECCTL_CACHE": str(tmp_path / "cache"), "COLUMNS": "200"}
+    plots = tmp_path / "plots"
+    r = run_cli(*args, "--json", "--plot", str(plots), env_extra=env)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    rows = out["results"]
+    assert [(x["method"], x["k"]) for x in rows] == [("baseline", 0), ("ngram", 2), ("ngram", 4)]
+    cell = out["best_k"]["ngram"][str(prompts_file)]
+    by_k = {str(x["k"]): x["tokens_per_s"] for x in rows[1:]}
+    assert cell["by_k"] == pytest.approx(by_k)
+    assert str(cell["k"]) == max(by_k, key=by_k.get)
+    assert out["header"]["sweep_k"] == [2, 4]
+    for name in ("speedup.png", "acceptance.png"):
+        assert (plots / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    r = run_cli(*args, env_extra=env)
+    assert r.returncode == 0, r.stderr
+    assert "best k (of 2, 4)" in r.stdout and "tok/s by k" in r.stdout
+
+
+@pytest.mark.parametrize("value", ["0,2", "a,b", ",", "2;4"])
+def test_bad_sweep_k_is_a_one_line_usage_error(value, tmp_path):
+    r = run_cli("bench", "--sweep-k", value, env_extra={"SPECCTL_CACHE": str(tmp_path / "cache")}, timeout=120)
+    assert r.returncode == 2, r.stderr
+    lines = [ln for ln in r.stderr.strip().splitlines() if ln.strip()]
+    assert len(lines) == 1 and "--sweep-k" in lines[0]
