@@ -22,8 +22,8 @@ import torch
 
 from specctl.runtime.controller import DraftLengthController
 from specctl.runtime.metrics import SpecStats
-from specctl.runtime.proposers.base import Proposer
-from specctl.runtime.rejection import greedy_verify, logits_to_probs, rejection_sample
+from specctl.runtime.proposers.base import DraftOutput, Proposer
+from specctl.runtime.rejection import greedy_tree_verify, greedy_verify, logits_to_probs, rejection_sample
 from specctl.runtime.runner import TargetRunner
 
 
@@ -164,6 +164,8 @@ class SpecDecoder:
         draft_ids, num_draft, draft_probs = _EMPTY, _ZERO, None
         if k > 0:
             d = self.proposer.propose(st.ctx, np.array([st.n_ctx], dtype=np.int32), k, st.hidden)
+            if d.parents is not None and int(d.num_tokens[0]) > 0:
+                return self._tree_step(st, d)
             nd = int(d.num_tokens[0])
             if nd > 0:
                 draft_ids, num_draft = d.token_ids[:, :nd], d.num_tokens
@@ -193,6 +195,39 @@ class SpecDecoder:
         st.stats.observe(nd, n - 1)
         if self.proposer is not None:
             self.proposer.on_verified(st.slot, n - 1, emitted)
+        st.steps += 1
+        return self._emit(st, emitted)
+
+    def _tree_step(self, st: DecodeState, d: DraftOutput) -> list[int]:
+        """Greedy verification of a draft tree (Medusa / EAGLE-2 style): one forward over every node
+        with a tree mask; from the last token, follow the child that is the target's own choice
+        while one exists; keep that path's keys/values. Lossless: every emitted token is the
+        target's greedy choice given the tokens before it."""
+        if not st.params.greedy:
+            raise ValueError("draft trees are verified greedily only; the proposer must send a chain when sampling")
+        runner, n = st.runner, int(d.num_tokens[0])
+        parents = [-1] + [p + 1 for p in d.parents[:n]]  # node 0 = the last token, draft i = node i+1
+        tokens = torch.cat([torch.tensor([[st.last]], dtype=torch.long), d.token_ids[:, :n]], 1)  # [1, 1+n]
+        base = runner.length
+        t0 = time.perf_counter()
+        logits = runner.forward_tree(tokens, parents)  # [1, 1+n, V]
+        path, emitted = greedy_tree_verify(tokens[0].tolist(), parents, runner.greedy(logits)[0].tolist())
+        depth = 0
+        depths = [0] * (n + 1)
+        for i in range(1, n + 1):
+            depths[i] = depths[parents[i]] + 1
+            depth = max(depth, depths[i])
+        if st.controller is not None:
+            st.controller.observe(depth, len(path) - 1, n + 1, time.perf_counter() - t0)
+        runner.compact(base, path)
+        if self.proposer.needs_hidden_states:
+            idx = torch.tensor(path, device=runner.last_hidden.device)
+            hidden = runner.last_hidden[:, idx]
+            aux = runner.last_aux
+            st.hidden = hidden[:, -1]
+            self.proposer.on_target_hidden(st.slot, hidden, None if aux is None else aux[:, idx])
+        st.stats.observe(depth, len(path) - 1)
+        self.proposer.on_verified(st.slot, len(path) - 1, emitted)
         st.steps += 1
         return self._emit(st, emitted)
 

@@ -173,11 +173,12 @@ class Block(nn.Module):
         self.exact_attention = False  # decode/verify rows through kernels/decode_attention (bf16 CPU)
         self.fused = False  # decode/verify rows through kernels/decode_layer (one call per block)
 
-    def forward(self, x, cos, sin, k_cache, v_cache, start: int, mask):
+    def forward(self, x, cos, sin, k_cache, v_cache, start: int, mask, tree: bool = False):
         # x: [B, T, H]; cos/sin: [T, head_dim]; k_cache/v_cache: [B, n_kv, max_len, head_dim]
+        # tree: the rows are a draft tree (mask = the prefix + each node's ancestors), not a chain
         a = self.a
         B, T, _ = x.shape
-        if self.fused and B * T <= decode_layer.MAX_ROWS:
+        if self.fused and not tree and B * T <= decode_layer.MAX_ROWS:
             return decode_layer.layer(self, x, cos, sin, k_cache, v_cache, start)
         qkv = lin(self.input_norm(x), self.qkv)
         q, k, v = qkv.split([a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.num_kv_heads * a.head_dim], -1)
@@ -190,13 +191,13 @@ class Block(nn.Module):
         k_cache[:, :, start:end] = k
         v_cache[:, :, start:end] = v
         gqa = a.num_kv_heads != a.num_heads
-        if self.exact_attention and T <= VERIFY_ROWS and a.sliding_window is None and q.dtype is torch.bfloat16:
+        if self.exact_attention and not tree and T <= VERIFY_ROWS and a.sliding_window is None and q.dtype is torch.bfloat16:
             # Decode and verification rows in one kernel call; each row computed as if alone.
             att = decode_attention.attention(q, k_cache, v_cache, start)  # [B, T, nh * hd]
             x = x + lin(att, self.o)
             gate, up = lin(self.post_norm(x), self.gate_up).chunk(2, dim=-1)
             return x + lin(F.silu(gate) * up, self.down)
-        if mask is not None and T <= VERIFY_ROWS and a.sliding_window is None:
+        if mask is not None and not tree and T <= VERIFY_ROWS and a.sliding_window is None:
             # Verification: each row attends exactly as it would when decoded alone (one query, no
             # mask, keys [0, pos]), so its output is bit-identical to plain decoding's.
             att = torch.cat([
@@ -235,26 +236,30 @@ class Transformer(nn.Module):
     def head_weight(self) -> torch.Tensor:
         return self.embed.weight if self.lm_head is None else self.lm_head.weight
 
-    def rope(self, start: int, T: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        pos = torch.arange(start, start + T, device=self.inv_freq.device, dtype=torch.float32)
+    def rope(self, start: int, T: int, dtype, positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        pos = (torch.arange(start, start + T, device=self.inv_freq.device, dtype=torch.float32) if positions is None
+               else positions.to(self.inv_freq.device, torch.float32))
         freqs = torch.outer(pos, self.inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)  # [T, head_dim]
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
     def forward(self, tokens: torch.Tensor, start: int, cache: "KVCache", mask: torch.Tensor | None,
-                logits: str = "all") -> tuple[torch.Tensor | None, torch.Tensor]:
-        """tokens: [B, T] at positions [start, start+T); mask: [T, start+T] bool or None (T == 1).
+                logits: str = "all", positions: torch.Tensor | None = None) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """tokens: [B, T] at cache slots [start, start+T); mask: [T, start+T] bool or None (T == 1).
+        ``positions`` [T] (rotary positions; default start..start+T-1) marks a draft tree: the rows
+        then attend as ``mask`` says (each node its ancestors), through SDPA.
 
         Returns (logits [B, T', V] with T' = T for "all", 1 for "last", None for "none";
         hidden [B, T, H], the final-normed hidden states the LM head reads).
         """
         x = self.embed(tokens)
-        cos, sin = self.rope(start, tokens.shape[1], x.dtype)
+        cos, sin = self.rope(start, tokens.shape[1], x.dtype, positions)
+        tree = positions is not None
         aux = []
         for i, layer in enumerate(self.layers):
             if i in self.aux_layers:
                 aux.append(x)
-            x = layer(x, cos, sin, cache.k[i], cache.v[i], start, mask)
+            x = layer(x, cos, sin, cache.k[i], cache.v[i], start, mask, tree)
         self.aux_out = torch.cat(aux, dim=-1) if aux else None
         h = self.norm(x)
         if logits == "none":

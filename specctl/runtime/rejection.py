@@ -117,3 +117,23 @@ def logits_to_probs(
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return torch.softmax(logits, dim=-1)
+
+
+def greedy_tree_verify(tokens: list[int], parents: list[int], target_argmax: list[int]) -> tuple[list[int], list[int]]:
+    """tokens [N+1] (root first), target_argmax [N+1] (the target's choice after each node) ->
+    (accepted path of node indices starting at the root, emitted tokens = accepted drafts + the next one).
+
+    From the root, move to the child whose token is the target's choice there, while one exists.
+    """
+    children: dict[int, list[int]] = {}
+    for i, p in enumerate(parents):
+        if p >= 0:
+            children.setdefault(p, []).append(i)
+    path = [0]
+    while True:
+        want = target_argmax[path[-1]]
+        nxt = next((c for c in children.get(path[-1], []) if tokens[c] == want), None)
+        if nxt is None:
+            break
+        path.append(nxt)
+    return path, [tokens[i] for i in path[1:]] + [target_argmax[path[-1]]]

@@ -41,6 +41,18 @@ def parse_device(name: str) -> torch.device:
     return dev
 
 
+def tree_attention_mask(parents: list[int]) -> torch.Tensor:
+    """[N+1, N+1] bool: node i attends to node j iff j is i or an ancestor of i (the root included)."""
+    n = len(parents)
+    mask = torch.zeros(n, n, dtype=torch.bool)
+    for i in range(n):
+        j = i
+        while j >= 0:
+            mask[i, j] = True
+            j = parents[j]
+    return mask
+
+
 class TargetRunner:
     """One model + one KV cache of ``max_len`` positions for ``batch`` rows (rows advance together)."""
 
@@ -115,6 +127,37 @@ class TargetRunner:
             top2 = exact[0].topk(2, dim=-1).values
             margins.extend((top2[:, 0] - top2[:, 1]).tolist())
         return cand.gather(-1, exact.argmax(-1, keepdim=True)).squeeze(-1)
+
+    @torch.inference_mode()
+    def forward_tree(self, tokens: torch.Tensor, parents: list[int]) -> torch.Tensor:
+        """A draft tree: tokens [1, N+1], node 0 the last emitted token, node i's parent parents[i]
+        (parents[0] = -1). Node i goes to cache slot length+i at position length+depth(i) and sees
+        the prefix and its ancestors. Returns logits [1, N+1, V]; ``compact`` then keeps a path."""
+        start, T = self.length, tokens.shape[1]
+        if start + T > self.max_len:
+            raise UsageError(f"draft tree of {T} nodes does not fit in the cache ({self.max_len})",
+                             "raise --max-model-len or use a smaller speculative_token_tree")
+        depths = [0] * T
+        for i in range(1, T):
+            depths[i] = depths[parents[i]] + 1
+        mask = torch.ones(T, start + T, dtype=torch.bool)
+        mask[:, start:] = tree_attention_mask(parents)
+        pos = start + torch.tensor(depths, dtype=torch.float32)
+        out, hidden = self.model(tokens.to(self.device), start, self.cache, mask.to(self.device), positions=pos)
+        self.length = start + T
+        self.last_hidden = hidden
+        self.last_aux = self.model.aux_out
+        return out
+
+    def compact(self, start: int, path: list[int]) -> None:
+        """Keep an accepted tree path: the keys/values of slots start+path[j] move to start+j, the
+        cache then holds start+len(path) positions (a path's depths are 0, 1, 2, ..., so the
+        rotary positions they were computed at are already right)."""
+        src = torch.tensor([start + i for i in path], device=self.device)
+        dst = torch.arange(start, start + len(path), device=self.device)
+        for cache in (self.cache.k, self.cache.v):  # [layers, B, n_kv, max_len, hd]
+            cache[:, :, :, dst] = cache[:, :, :, src]
+        self.length = start + len(path)
 
     def rollback(self, length: int) -> None:
         """Keep the first ``length`` positions of the cache (O(1): only the length changes)."""

@@ -19,6 +19,9 @@ class DraftOutput:
     token_ids: torch.Tensor  # [batch, k] int64, padded with -1
     num_tokens: torch.Tensor  # [batch] int64, valid draft tokens per request (may be 0)
     probs: torch.Tensor | None = None  # [batch, k, vocab] q; None = deterministic draft (one-hot)
+    # A draft tree instead of a chain (batch 1, greedy only): parents[i] is the draft index of draft
+    # i's parent, -1 for the last emitted token. None = a chain. Verified by SpecDecoder's tree step.
+    parents: list[int] | None = None
 
 
 @dataclass

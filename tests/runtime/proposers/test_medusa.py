@@ -1,9 +1,11 @@
 """MedusaProposer on a tiny llama (fp32): with heads overfit on the model's own greedy output, greedy
-decoding with Medusa drafts (chain through the decode loop; tree through ``tree_generate``) equals
+decoding with Medusa drafts (chains and trees through the decode loop) equals
 plain greedy decoding on >= 20 prompts while accepting many drafts; the tree mask is right on
 hand-built trees; sampled drafts come with q = the heads' processed softmax; both layouts draft alike."""
 
 from __future__ import annotations
+
+import json
 
 import numpy as np
 import pytest
@@ -13,8 +15,8 @@ from specctl.config import SpecConfig
 from specctl.errors import ConfigError, ModelError
 from specctl.runtime.decoder import SamplingParams, SpecDecoder
 from specctl.runtime.proposers import build_proposer
-from specctl.runtime.proposers.medusa import (MedusaProposer, greedy_tree_verify, tree_attention_mask,
-                                              tree_from_choices, tree_generate, tree_tokens)
+from specctl.runtime.proposers.medusa import (MedusaProposer, greedy_tree_verify, parse_token_tree, tree_attention_mask,
+                                              tree_from_choices, tree_tokens)
 from specctl.runtime.runner import TargetRunner, load_model
 from specctl.training import data as D
 from specctl.training.export import load_medusa, save_fasterdecoding
@@ -76,13 +78,19 @@ def test_chain_greedy_equals_plain_and_accepts(trained):
 
 def test_tree_greedy_equals_plain_and_accepts(trained):
     lm, cases, heads_dir = trained
-    prop = build_proposer(cfg(heads_dir), 128, target=lm)
+    c = SpecConfig.from_json(json.dumps({"method": "medusa", "model": str(heads_dir), "num_speculative_tokens": 3,
+                                         "speculative_token_tree": "[(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]"}))
+    prop = build_proposer(c, 160, target=lm)
+    d = prop.propose(np.zeros((1, 4), dtype=np.int32), np.array([4], dtype=np.int32), 2,
+                     torch.randn(1, lm.model.args.hidden_size))
+    assert d.parents == [-1, -1, 0, 0, 1] and int(d.num_tokens[0]) == 5  # cut to depth 2: (0,0,0) dropped
+    dec = SpecDecoder(TargetRunner(lm.model, 160), prop, 3)
     total_acc, steps = 0, 0
     for p, out in cases:
-        toks, stats = tree_generate(TargetRunner(lm.model, 160), prop, p, NEW)
-        assert toks == out
-        total_acc += stats.num_accepted_tokens
-        steps += stats.num_drafts
+        res = dec.generate(p, SamplingParams(max_new_tokens=NEW))
+        assert res.token_ids == out
+        total_acc += res.stats.num_accepted_tokens
+        steps += res.stats.num_drafts
     assert 1 + total_acc / steps > 2.5
 
 
@@ -156,5 +164,14 @@ def test_errors_name_the_fix(trained, tiny_model_dir, tmp_path):
     wrong = MedusaHeads(32, 128, 2)
     with pytest.raises(ModelError, match="hidden size 32"):
         MedusaProposer(cfg(heads_dir), target=lm, max_model_len=128, heads=wrong)
-    with pytest.raises(ConfigError, match="tree verification"):
-        build_proposer(cfg(heads_dir, speculative_token_tree="[(0,)]"), 128, target=lm)
+    with pytest.raises(ConfigError, match="no parent"):
+        build_proposer(cfg(heads_dir, speculative_token_tree="[(0, 1)]"), 128, target=lm)
+
+
+def test_token_tree_parsing():
+    assert parse_token_tree("[(0,), (1,), (0, 0)]") == [(0,), (1,), (0, 0)]
+    assert parse_token_tree([[0], [0, 1]]) == [(0,), (0, 1)]
+    assert len(parse_token_tree("default")) == 10
+    for bad in ("[(0,), oops]", "[]", [[-1]], "3"):
+        with pytest.raises(ConfigError, match="speculative_token_tree"):
+            parse_token_tree(bad)
