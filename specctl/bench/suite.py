@@ -7,8 +7,8 @@ warm-up generation runs first (kernel compilation, allocator warm-up), outside t
 Speed is decode tokens/s: tokens after the first one, over the time after the first one (the
 prompt's prefill is the same work for every method and is reported apart, as TTFT).
 
-Rows are named by ``config_labels``: the method, the draft for methods that draft with a model
-(``draft_model:smollm2-135m``), and what tells apart configurations that would still share a name.
+Rows are named by ``config_labels``: the method, and where several configurations share it, what
+tells them apart (their draft, ``draft_model:smollm2-135m``, else the key that differs, else ``#N``).
 Each draft model is loaded once, however many configurations use it. With ``peers=("hf",)``,
 transformers' plain, prompt-lookup and assisted generation (one per distinct draft) run on the same
 prompt ids right after specctl's (``specctl.bench.peers``).
@@ -177,13 +177,16 @@ def draft_name(spec: str) -> str:
 def config_labels(configs: list[SpecConfig]) -> list[str]:
     """One unique, readable label per configuration, in order.
 
-    The method, plus ':<draft>' for methods that draft with a model. Labels still shared by several
-    configurations get the one key that tells them apart (``ngram:k=4`` / ``ngram:k=8``), else a
-    ``#N`` suffix (``ngram``, ``ngram#2``). E.g. [draft_model 0.5b, draft_model 135m, ngram] ->
+    The method alone where it is unique. Configurations sharing a method are told apart by their
+    draft for methods that draft with a model (``draft_model:smollm2-135m``), then by the one key
+    that differs (``ngram:k=4`` / ``ngram:k=8``), else by a ``#N`` suffix (``ngram``, ``ngram#2``).
+    E.g. [draft_model 0.5b, draft_model 135m, ngram] ->
     ['draft_model:qwen2.5-coder-0.5b', 'draft_model:smollm2-135m', 'ngram'].
     """
-    labels = [f"{c.method}:{draft_name(c.model)}" if c.method in MODEL_METHODS and c.model else str(c.method)
-              for c in configs]
+    labels = [str(c.method) for c in configs]
+    shared = {m for m in labels if labels.count(m) > 1}
+    labels = [f"{c.method}:{draft_name(c.model)}" if lab in shared and c.method in MODEL_METHODS and c.model else lab
+              for lab, c in zip(labels, configs)]
     groups: dict[str, list[int]] = {}
     for i, lab in enumerate(labels):
         groups.setdefault(lab, []).append(i)

@@ -28,7 +28,7 @@ Examples:
 
   specctl bench --model qwen2.5-coder-1.5b --method ngram --peer hf --runs 3 --csv out.csv --plot plots/
 
-Two drafts in one run (each --speculative-config adds a row, labelled draft_model:<draft>; --peer hf adds
+Two drafts in one run (each --speculative-config adds a row, here draft_model:<draft>; --peer hf adds
 transformers' assisted generation per draft, hf:assisted:<draft>, universal for another tokenizer):
 
   specctl bench --model qwen2.5-coder-1.5b --peer hf --speculative-config '{"method": "draft_model", "model": "qwen2.5-coder-0.5b", "num_speculative_tokens": 5}' --speculative-config '{"method": "draft_model", "model": "smollm2-135m", "num_speculative_tokens": 5}'
@@ -50,7 +50,7 @@ def bench(
     model: ModelOpt = None,
     method: Annotated[Optional[list[str]], typer.Option("--method", help="Draft method (repeatable). Default: ngram.")] = None,
     num_speculative_tokens: Annotated[Optional[int], typer.Option("--num-speculative-tokens", "-k", help="Draft tokens per step (k) for --method; method default when unset.")] = None,
-    speculative_config: Annotated[Optional[list[str]], typer.Option("--speculative-config", help="vLLM's --speculative-config JSON (keys unchanged); repeatable, each adds one configuration (labelled by method and draft, e.g. draft_model:smollm2-135m).")] = None,
+    speculative_config: Annotated[Optional[list[str]], typer.Option("--speculative-config", help="vLLM's --speculative-config JSON (keys unchanged); repeatable, each adds one configuration, labelled by its method and, where several share one, by what tells them apart (draft_model:smollm2-135m, ngram:k=4, ngram#2).")] = None,
     workload: Annotated[Optional[list[str]], typer.Option("--workload", "-w", help=f"{', '.join(WORKLOADS)}, or a .jsonl file of prompts (repeatable); NAME@R repeats it for R rounds (one row per round). Default: code-edit and chat.")] = None,
     num_prompts: Annotated[int, typer.Option("--num-prompts", "-n", help="Prompts per workload.")] = 4,
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", help="Tokens generated per prompt.")] = 128,

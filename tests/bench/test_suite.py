@@ -81,7 +81,9 @@ def test_labels_from_paths(tmp_path):
     assert draft_name(str(folder) + "/") == "my-draft"
     assert draft_name("/models/d.gguf") == "d"
     assert draft_name("SmolLM2-135M") == "smollm2-135m"
-    assert config_labels([_draft(str(folder))]) == ["draft_model:my-draft"]
+    assert config_labels([_draft(str(folder))]) == ["draft_model"]  # the method alone where it is unique
+    assert config_labels([_draft(str(folder)), _draft("smollm2-135m")]) == ["draft_model:my-draft",
+                                                                           "draft_model:smollm2-135m"]
 
 
 def test_labels_told_apart_by_the_one_key_that_differs_else_numbered():
@@ -201,7 +203,7 @@ def test_sweep_k_runs_each_config_at_each_k_and_loads_a_draft_once(target, draft
     report = run_bench(target, cfgs, [prompts], None, SamplingParams(max_new_tokens=10, stop_token_ids=target.stop_token_ids),
                        progress=lambda adv, desc, total=None: events.append((adv, total)), sweep_k=[1, 3, 1])
     rows = report.rows()
-    d = f"draft_model:{drafts['same'].name}"
+    d = "draft_model"  # one draft config: the method alone
     assert [(r["method"], r["k"]) for r in rows] == [("baseline", 0), ("ngram", 1), ("ngram", 3), (d, 1), (d, 3)]
     assert [r["config"].get("num_speculative_tokens") for r in rows[1:]] == [1, 3, 1, 3]
     assert all(r["identical_to_baseline"] == 2 for r in rows)
