@@ -33,7 +33,7 @@ Examples:
 def train_eagle_cmd(
     output: Annotated[Path, typer.Option("--output", "-o", help="Run folder (checkpoint/ and the exported draft).")],
     model: ModelOpt = None,
-    data: Annotated[Optional[Path], typer.Option("--data", "-d", help="Training data: .jsonl/.json (text, prompt+response, messages, ShareGPT conversations) or text.")] = None,
+    data: Annotated[Optional[list[Path]], typer.Option("--data", "-d", help="Training data: .jsonl/.json (text, prompt+response, messages, ShareGPT conversations; self-distilled records keep their exact ids) or text (repeatable).")] = None,
     version: Annotated[int, typer.Option("--version", help="3 = EAGLE-3, 1 = EAGLE-1.")] = 3,
     draft_vocab_size: Annotated[Optional[int], typer.Option("--draft-vocab-size", help="EAGLE-3 reduced draft vocabulary (default min(32000, V)).")] = None,
     ttt_steps: Annotated[Optional[int], typer.Option("--ttt-steps", help="Training-time-test steps (default 4 for EAGLE-3, 1 for EAGLE-1).")] = None,
@@ -47,7 +47,10 @@ def train_eagle_cmd(
     eval_split: Annotated[float, typer.Option("--eval-split", help="Fraction of sequences held out for evaluation.")] = 0.05,
     eval_every: Annotated[int, typer.Option("--eval-every", help="Steps between evaluations and checkpoints.")] = 50,
     resume: Annotated[bool, typer.Option("--resume", help="Continue from OUTPUT/checkpoint.")] = False,
-    self_distill: Annotated[Optional[str], typer.Option("--self-distill", help="Prompts the target answers (greedy) as data: a workload name (code-edit, chat) or a .jsonl/.txt prompt file.")] = None,
+    self_distill: Annotated[Optional[list[str]], typer.Option("--self-distill", help="Prompts the target answers (greedy) as data: a workload name (code-edit, chat) or a .jsonl/.txt prompt file (repeatable).")] = None,
+    distill_max_prompts: Annotated[Optional[int], typer.Option("--distill-max-prompts", help="Answer at most the first N prompts of each --self-distill source.")] = None,
+    prompt_rows: Annotated[float, typer.Option("--prompt-rows", help="Fraction of the prompt rows of chat records unrolled and learnt per step (answer rows always are); below 1 spends the compute on the answers.")] = 1.0,
+    autocast: Annotated[bool, typer.Option("--autocast", help="Run the draft's matmuls in bfloat16 (weights and optimizer stay fp32).")] = False,
     hold_out: Annotated[int, typer.Option("--hold-out", help="With a workload name for --self-distill: leave its first N prompts out (those `specctl bench -n N` runs).")] = 0,
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", help="Self-distillation: tokens per answer.")] = 256,
     cache_hidden_states: Annotated[Optional[Path], typer.Option("--cache-hidden-states", help="Folder for the target's states (safetensors shards), computed once.")] = None,
@@ -65,10 +68,11 @@ def train_eagle_cmd(
     from specctl.training.eagle import EagleTrainConfig
 
     cfg = EagleTrainConfig(
-        model=model or "smollm2-135m", output=str(output), data=str(data) if data else None, version=version,
+        model=model or "smollm2-135m", output=str(output), data=[str(d) for d in data] if data else None, version=version,
         draft_vocab_size=draft_vocab_size, ttt_steps=ttt_steps, aux_layers=aux, epochs=epochs, steps=steps, lr=lr,
         batch_size=batch_size, seq_len=seq_len, seed=seed, eval_split=eval_split, resume=resume,
-        self_distill=self_distill, hold_out=hold_out, max_new_tokens=max_new_tokens,
+        self_distill=list(self_distill) if self_distill else None, distill_max_prompts=distill_max_prompts,
+        prompt_rows=prompt_rows, autocast=autocast, hold_out=hold_out, max_new_tokens=max_new_tokens,
         cache_hidden_states=str(cache_hidden_states) if cache_hidden_states else None, dtype=dtype,
         eval_every=eval_every,
     ).validated()

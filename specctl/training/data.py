@@ -8,6 +8,9 @@ Record files (``read_records``), one JSON object a line in ``.jsonl`` (or a JSON
     {"conversations": [{"from": "human", "value": "..."}, {"from": "gpt", "value": "..."}]}  (ShareGPT)
     {"text": "..."}                                      (plain text: every token is learnt)
 
+A record with ``"prompt_ids"`` and ``"response_ids"`` (lists of token ids, as ``self_distill`` writes
+them) is tokenised as exactly those ids, the response learnt: a self-distillation cache is data as it is.
+
 ``.txt``/``.py``/``.md`` files are plain text; a folder is read recursively. A bad line raises
 ``DataError`` naming the file and the line number. The learnt tokens are the assistant turns (up to
 and including the end-of-turn token), rendered with the target's chat template, or all of a text.
@@ -119,6 +122,9 @@ def parse_record(obj, where: str) -> Record:
             msgs.append({"role": ROLES[role.lower()], "content": content})
         if not any(m["role"] == "assistant" and m["content"] for m in msgs):
             raise DataError(f"{where}: no assistant (gpt) turn to learn from", "each conversation needs an answer")
+        pi, ri = obj.get("prompt_ids"), obj.get("response_ids")
+        if _int_list(pi) and _int_list(ri) and ri:  # a self-distilled answer: keep the exact token ids
+            return Record(messages=msgs, prompt_ids=list(pi), response_ids=list(ri), source=where)
         return Record(messages=msgs, source=where)
     if "prompt" in obj:
         resp_key = next((k for k in ("response", "completion", "output", "answer") if k in obj), None)
@@ -133,6 +139,10 @@ def parse_record(obj, where: str) -> Record:
             raise DataError(f"{where}: \"text\" must be a non-empty string", _FIX)
         return Record(text=obj["text"], source=where)
     raise DataError(f"{where}: no \"prompt\"/\"response\", \"messages\", \"conversations\" or \"text\" key", _FIX)
+
+
+def _int_list(x) -> bool:
+    return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
 
 
 def read_texts(path: str | Path) -> list[str]:

@@ -43,6 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from specctl.errors import DataError, UsageError
+from specctl.runtime.model import rotate_half
 from specctl.runtime.proposers.eagle import EagleDraft, rope_cos_sin, spec_from_target
 
 CKPT = "checkpoint"
@@ -56,8 +57,8 @@ class EagleTrainConfig:
     """Target model folder."""
     output: str
     """Run folder: checkpoint/, and the exported draft (a folder whose name contains eagle3/eagle)."""
-    data: str | None = None
-    """Training data: .jsonl / .json (text, prompt+response, messages, ShareGPT conversations) or text."""
+    data: str | list[str] | None = None
+    """Training data: .jsonl / .json (text, prompt+response, messages, ShareGPT conversations) or text; one path or several."""
     version: int = 3
     """3 = EAGLE-3, 1 = EAGLE-1."""
     draft_vocab_size: int | None = None
@@ -82,8 +83,10 @@ class EagleTrainConfig:
     """Fraction of sequences held out for evaluation (at least 1 when > 0)."""
     resume: bool = False
     """Continue from output/checkpoint."""
-    self_distill: str | None = None
-    """Prompts (a workload name such as code-edit or chat, a .jsonl or .txt file): the target answers them (greedy)."""
+    self_distill: str | list[str] | None = None
+    """Prompts (a workload name such as code-edit or chat, a .jsonl or .txt file; one or several): the target answers them (greedy)."""
+    distill_max_prompts: int | None = None
+    """Self-distillation: answer at most the first N prompts of each source."""
     hold_out: int = 0
     """With a workload name for self_distill: leave its first N prompts out (those `bench -n N` runs)."""
     max_new_tokens: int = 256
@@ -94,6 +97,11 @@ class EagleTrainConfig:
     """Target dtype while computing states (the draft trains in fp32)."""
     eval_every: int = 50
     """Optimizer steps between evaluations and checkpoints."""
+    prompt_rows: float = 1.0
+    """Fraction of the non-answer rows (prompt tokens of chat records) unrolled and learnt each step;
+    answer rows (and all of a plain text) always are. < 1 spends the compute on the answers."""
+    autocast: bool = False
+    """Run the draft's matmuls in bfloat16 (autocast; weights and optimizer stay fp32)."""
 
     def validated(self) -> "EagleTrainConfig":
         if self.version not in (1, 3):
@@ -112,6 +120,8 @@ class EagleTrainConfig:
             raise UsageError(f"--lr must be positive, got {self.lr}", "e.g. --lr 3e-4")
         if self.data is None and self.self_distill is None:
             raise UsageError("no training data", "pass --data FILE or --self-distill PROMPTS")
+        if not 0.0 <= self.prompt_rows <= 1.0:
+            raise UsageError(f"--prompt-rows must be in [0, 1], got {self.prompt_rows}", "e.g. --prompt-rows 0.2")
         if self.draft_vocab_size is not None and self.draft_vocab_size < 1:
             raise UsageError(f"--draft-vocab-size must be positive, got {self.draft_vocab_size}", "e.g. --draft-vocab-size 32000")
         return self
@@ -119,25 +129,56 @@ class EagleTrainConfig:
 
 # --------------------------------------------------------------------------- data (specctl.training.data)
 
-def load_sequences(cfg: EagleTrainConfig, loaded, log: Callable[[str], None]) -> list[list[int]]:
-    """Training sequences (token ids, at most seq_len): --data records, then the target's answers to
-    --self-distill prompts (``specctl.training.data``: formats, chat templates, the answer cache).
+def _paths(x) -> list[str]:
+    return [] if not x else [x] if isinstance(x, (str, Path)) else [str(p) for p in x]
 
-    Every position is trained on, prompts included: EAGLE's loss is against the target's own
-    distribution, which is defined everywhere (the data's loss mask matters for token-label losses).
+
+def load_examples(cfg: EagleTrainConfig, loaded, log: Callable[[str], None]) -> tuple[list[list[int]], list[list[int]]]:
+    """Training sequences (token ids, at most seq_len) and their learnt-token masks: --data records,
+    then the target's answers to --self-distill prompts (``specctl.training.data``: formats, chat
+    templates, the answer cache; records that carry exact ``prompt_ids``/``response_ids`` keep them).
+
+    Every position has a target distribution (EAGLE's loss is against it), prompts included; the
+    mask says which tokens are answers, the rows ``--prompt-rows`` < 1 concentrates on.
     """
     from specctl.training import data as D
 
-    records = [r for path in ([cfg.data] if cfg.data else []) for r in D.read_records(path)]
+    records = [r for path in _paths(cfg.data) for r in D.read_records(path)]
     if cfg.self_distill:
-        requests = D.load_prompts(cfg.self_distill, cfg.hold_out)
+        requests, seen = [], set()
+        for spec in _paths(cfg.self_distill):
+            for r in D.load_prompts(spec, cfg.hold_out)[:cfg.distill_max_prompts]:
+                if r.id not in seen:
+                    seen.add(r.id)
+                    requests.append(r)
         records += D.self_distill(loaded, requests, max_new_tokens=cfg.max_new_tokens, seed=cfg.seed,
                                   seq_len=cfg.seq_len, cache=Path(cfg.output) / "self_distill.jsonl", log=log)
-    seqs = [e.input_ids for r in records for e in D.encode(loaded.tokenizer, r, cfg.seq_len, loaded.stop_token_ids)]
-    if len(seqs) < 2:
+    ex = [e for r in records for e in D.encode(loaded.tokenizer, r, cfg.seq_len, loaded.stop_token_ids)]
+    if len(ex) < 2:
         raise DataError("fewer than 2 usable sequences in the training data", "pass more data (each record needs >= 4 tokens)")
-    log(f"{len(seqs)} sequences, {sum(map(len, seqs))} tokens")
-    return seqs
+    seqs, masks = [e.input_ids for e in ex], [list(e.loss_mask) for e in ex]
+    log(f"{len(seqs)} sequences, {sum(map(len, seqs))} tokens ({sum(map(sum, masks))} answer tokens)")
+    return seqs, masks
+
+
+def load_sequences(cfg: EagleTrainConfig, loaded, log: Callable[[str], None]) -> list[list[int]]:
+    """The token ids of ``load_examples``."""
+    return load_examples(cfg, loaded, log)[0]
+
+
+def batches(idx: list[int], lengths: list[int], batch_size: int, seed: int) -> list[list[int]]:
+    """One epoch's batches: a seeded shuffle, then sequences of similar length grouped (sorted within
+    windows of 32 batches, so little padding), the batches in a seeded random order."""
+    rng = random.Random(seed)
+    perm = list(idx)
+    rng.shuffle(perm)
+    win = 32 * batch_size
+    out = []
+    for w in range(0, len(perm), win):
+        chunk = sorted(perm[w:w + win], key=lambda i: lengths[i])
+        out += [chunk[s:s + batch_size] for s in range(0, len(chunk), batch_size)]
+    rng.shuffle(out)
+    return out
 
 
 # --------------------------------------------------------------------------- target states
@@ -175,16 +216,23 @@ def target_states(model, ids: torch.Tensor, aux_layers: tuple[int, ...] = ()) ->
 
 
 class StateSource:
-    """Target states for a batch of sequence indices: computed online, or read from a disk cache."""
+    """Target states for a batch of sequence indices: computed online, or read from a disk cache.
 
-    def __init__(self, model, seqs: list[list[int]], aux_layers: tuple[int, ...], cache_dir: str | None, key: dict, log):
+    ``masks`` (one 0/1 list per sequence, 1 on learnt tokens): row t is an answer row when the token
+    it reads, x[t+1], is learnt; ``batch`` unrolls those rows and a random ``prompt_rows`` fraction
+    of the others (1.0: every row, None masks: every row is an answer row).
+    """
+
+    def __init__(self, model, seqs: list[list[int]], aux_layers: tuple[int, ...], cache_dir: str | None, key: dict, log,
+                 masks: list[list[int]] | None = None):
         self.model, self.seqs, self.aux_layers = model, seqs, tuple(aux_layers)
+        self.masks = masks
         self.need_aux = bool(aux_layers)
         self.cache: dict[int, dict[str, torch.Tensor]] | None = None
         if cache_dir:
             self.cache = _cached_states(model, seqs, self.aux_layers, Path(cache_dir), key, log)
 
-    def batch(self, idx: list[int]) -> dict[str, torch.Tensor]:
+    def batch(self, idx: list[int], prompt_rows: float = 1.0, generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
         ids, lengths = pad_batch([self.seqs[i] for i in idx])
         if self.cache is None:
             st = target_states(self.model, ids, self.aux_layers)
@@ -198,7 +246,26 @@ class StateSource:
                     buf[b, :r.shape[0]] = r.to(buf.dtype)
                 st[name] = buf
         st.update(ids=ids, lengths=lengths)
+        st.update(self._rows(idx, ids.shape[1], prompt_rows, generator))
         return st
+
+    def _rows(self, idx: list[int], T: int, prompt_rows: float, generator) -> dict[str, torch.Tensor]:
+        B = len(idx)
+        if self.masks is None or prompt_rows >= 1.0:
+            return {"rows": all_rows(B, T).contiguous(), "row_mask": torch.ones(B, T, dtype=torch.bool)}
+        chosen = []
+        for i in idx:
+            m = torch.tensor(self.masks[i][1:] + [0], dtype=torch.bool)  # row t: x[t+1] is learnt
+            if prompt_rows > 0:
+                m = m | (torch.rand(m.shape, generator=generator) < prompt_rows)
+            chosen.append(m.nonzero()[:, 0])
+        R = max(1, max(len(c) for c in chosen))
+        rows = torch.zeros(B, R, dtype=torch.long)
+        row_mask = torch.zeros(B, R, dtype=torch.bool)
+        for b, c in enumerate(chosen):
+            rows[b, :len(c)] = c
+            row_mask[b, :len(c)] = True
+        return {"rows": rows, "row_mask": row_mask}
 
 
 def _cached_states(model, seqs, aux_layers: tuple[int, ...], folder: Path, key: dict, log) -> dict[int, dict[str, torch.Tensor]]:
@@ -259,55 +326,123 @@ def shift(x: torch.Tensor, n: int, fill=0) -> torch.Tensor:
     return torch.cat([x[:, n:], pad], dim=1)
 
 
+def all_rows(B: int, T: int, device=None) -> torch.Tensor:
+    """[B, T] the row positions 0..T-1 of every sequence (``ttt_forward``'s default)."""
+    return torch.arange(T, device=device).expand(B, T)
+
+
+def _gather_rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """x [B, T, ...], rows [B, R] (positions, clamped to T-1) -> x at those rows [B, R, ...]."""
+    idx = rows.clamp(max=x.shape[1] - 1)
+    return x.gather(1, idx.view(idx.shape + (1,) * (x.dim() - 2)).expand(idx.shape + x.shape[2:]))
+
+
 def ttt_forward(draft: EagleDraft, embed_weight: torch.Tensor, ids: torch.Tensor, feat: torch.Tensor,
-                steps: int) -> list[torch.Tensor]:
-    """ids [B, T], feat [B, T, H] (the target's features) -> [out_i [B, T, H] for i < steps]."""
+                steps: int, rows: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """ids [B, T], feat [B, T, H] (the target's features) -> [out_i [B, R, H] for i < steps].
+
+    ``rows`` [B, R]: the row positions t whose chains are unrolled (default all T). Every position
+    still gives its step-0 key/value (a chain from row t attends to the feature rows 0..t), but the
+    queries, the MLP and the later steps run on the chosen rows only: on a long prompt the rows
+    that matter (the answer) cost what they cost, the rest only fc and the k/v projections.
+
+    Attention is what ``ttt_mask`` draws, computed without materialising it: scores against the
+    step-0 keys (causal) plus, for each earlier step j >= 1, one score per row against that step's
+    key on the diagonal (q_t . k_j[t]); one softmax over both.
+    """
     lay, a = draft.midlayer, draft.spec.args
     B, T = ids.shape
-    pos = torch.arange(T, device=ids.device)
+    if rows is None:
+        rows = all_rows(B, T, ids.device)
+    attn = lay.self_attn
+    nh, nkv, hd = a.num_heads, a.num_kv_heads, a.head_dim
+    rep = nh // nkv
+    scale = 1.0 / math.sqrt(hd)
+
+    def heads(x, n):  # [B, R, n*hd] -> [B, n, R, hd]
+        return x.view(x.shape[0], x.shape[1], n, hd).transpose(1, 2)
+
+    def rope(x, cos, sin):
+        return x * cos + rotate_half(x) * sin
+
+    def expand_kv(x):
+        return x.repeat_interleave(rep, 1) if rep > 1 else x
+
+    # step 0 over every position: the keys/values all chains attend to
+    emb0 = embed_weight[shift(ids, 1)].float()  # [B, T, H] token x[t+1]
+    x0 = draft.layer_input(emb0, feat)
+    xin0 = lay.attn_input(emb0, x0)  # [B, T, in]
+    cos, sin = rope_cos_sin(draft.inv_freq, torch.arange(T, device=ids.device))
+    k0 = expand_kv(rope(heads(attn.k_proj(xin0), nkv), cos, sin))  # [B, nh, T, hd]
+    v0 = expand_kv(heads(attn.v_proj(xin0), nkv))
+    visible = torch.arange(T, device=ids.device)[None, None, :] <= rows[:, :, None]  # [B, R, T]
     keys, vals, outs = [], [], []
-    h = feat
+    h, x, xin = None, _gather_rows(x0, rows), _gather_rows(xin0, rows)
     for i in range(steps):
-        emb = embed_weight[shift(ids, 1 + i)].float()  # [B, T, H] token x[t+1+i]
-        x = draft.layer_input(emb, h)
-        cos, sin = rope_cos_sin(draft.inv_freq, pos + i)
-        q, k, v = lay.qkv(lay.attn_input(emb, x), cos, sin)
-        keys.append(k)
-        vals.append(v)
-        att = F.scaled_dot_product_attention(q, torch.cat(keys, 2), torch.cat(vals, 2), attn_mask=ttt_mask(T, i, ids.device),
-                                             enable_gqa=a.num_kv_heads != a.num_heads)  # [B, nh, T, hd]
-        h = lay.finish(att, x)
+        cos, sin = rope_cos_sin(draft.inv_freq, rows + i)  # [B, R, hd]
+        cos, sin = cos[:, None], sin[:, None]
+        if i > 0:
+            emb = embed_weight[ids.gather(1, (rows + 1 + i).clamp(max=T - 1))].float()  # [B, R, H] token x[t+1+i]
+            x = draft.layer_input(emb, h)
+            xin = lay.attn_input(emb, x)
+            keys.append(expand_kv(rope(heads(attn.k_proj(xin), nkv), cos, sin)))  # [B, nh, R, hd]
+            vals.append(expand_kv(heads(attn.v_proj(xin), nkv)))
+        q = rope(heads(attn.q_proj(xin), nh), cos, sin)  # [B, nh, R, hd]
+        s0 = torch.matmul(q, k0.transpose(-1, -2)).mul(scale).masked_fill(~visible[:, None], float("-inf"))  # [B, nh, R, T]
+        if i == 0:
+            att = torch.matmul(torch.softmax(s0, -1), v0)
+        else:
+            sd = torch.stack([(q * kj).sum(-1) for kj in keys], -1) * scale  # [B, nh, R, i]
+            w = torch.softmax(torch.cat([s0, sd], -1), -1)
+            att = torch.matmul(w[..., :T], v0)
+            for j, vj in enumerate(vals):
+                att = att + w[..., T + j, None] * vj
+        h = lay.finish(att, x)  # [B, R, H]
         outs.append(h)
     return outs
 
 
-def step_valid(lengths: torch.Tensor, T: int, i: int) -> torch.Tensor:
-    """[B, T] bool: row t has a target position t+1+i inside the sequence."""
-    return (torch.arange(T, device=lengths.device)[None, :] + 1 + i) < lengths[:, None]
+def step_valid(lengths: torch.Tensor, T: int, i: int, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """[B, R] bool: row t has a target position t+1+i inside the sequence (rows default: all T)."""
+    if rows is None:
+        rows = all_rows(lengths.shape[0], T, lengths.device)
+    return (rows + 1 + i) < lengths[:, None]
 
 
 def eagle_losses(draft: EagleDraft, outs: list[torch.Tensor], st: dict, head_weight: torch.Tensor,
                  decay: float = 0.8) -> tuple[torch.Tensor, dict]:
-    """The weighted TTT loss and per-step accuracy counts (see the module docstring)."""
+    """The weighted TTT loss and per-step accuracy counts (see the module docstring).
+
+    ``st`` may carry ``rows`` [B, R] (the rows ``ttt_forward`` unrolled) and ``row_mask`` [B, R]
+    (False on padding rows); default every row.
+    """
     lengths, hidden, targmax = st["lengths"], st["hidden"], st["argmax"]
     B, T = targmax.shape
+    rows = st.get("rows")
+    if rows is None:
+        rows = all_rows(B, T, targmax.device)
+    row_mask = st.get("row_mask")
     tids = draft.target_ids.to(hidden.device)
+    w_draft = head_weight[tids].float() if draft.version == 3 else None
     total = hidden.new_zeros(())
     stats = {"loss": [], "correct": [], "rows": []}
-    ok_chain = torch.ones(B, T, dtype=torch.bool, device=targmax.device)
+    ok_chain = torch.ones(rows.shape, dtype=torch.bool, device=targmax.device)
     for i, o in enumerate(outs):
-        valid = step_valid(lengths, T, i)
-        h_next = shift(hidden, 1 + i)  # [B, T, H] the target's state at t+1+i
-        am_next = shift(targmax, 1 + i)
-        logits = draft.logits(o, head_weight)  # [B, T, N]
+        valid = step_valid(lengths, T, i, rows)
+        if row_mask is not None:
+            valid = valid & row_mask
+        am_next = _gather_rows(targmax, rows + 1 + i)  # [B, R] the target's argmax at t+1+i
+        h_next = _gather_rows(hidden, rows + 1 + i)  # [B, R, H] the target's state at t+1+i
+        logits = draft.logits(o, head_weight)  # [B, R, N]
         if draft.version == 3:
-            p = torch.softmax(F.linear(h_next, head_weight[tids].float()), -1)  # [B, T, N]
+            with torch.no_grad():
+                p = torch.softmax(F.linear(h_next.float(), w_draft), -1)  # [B, R, N] over the draft vocabulary
             m = valid & draft.t2d[am_next]
-            loss_i = _masked_mean(-(p * torch.log_softmax(logits, -1)).sum(-1), m)
+            loss_i = _masked_mean(-(p * torch.log_softmax(logits.float(), -1)).sum(-1), m)
         else:
-            p = torch.softmax(F.linear(h_next.to(head_weight.dtype), head_weight).float(), -1)  # [B, T, V]
-            ce = _masked_mean(-(p * torch.log_softmax(logits, -1)).sum(-1), valid)
-            reg = _masked_mean(F.smooth_l1_loss(o, h_next, reduction="none").mean(-1), valid)
+            p = torch.softmax(F.linear(h_next.to(head_weight.dtype), head_weight).float(), -1)  # [B, R, V]
+            ce = _masked_mean(-(p * torch.log_softmax(logits.float(), -1)).sum(-1), valid)
+            reg = _masked_mean(F.smooth_l1_loss(o.float(), h_next.float(), reduction="none").mean(-1), valid)
             loss_i = reg + 0.1 * ce
         total = total + decay ** i * loss_i
         with torch.no_grad():
@@ -328,27 +463,28 @@ def _masked_mean(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def evaluate(draft, embed_weight, head_weight, source: StateSource, idx: list[int], steps: int, batch: int) -> dict:
-    """Per-position acceptance and simulated acceptance length on rows with all ``steps`` positions inside."""
+def evaluate(draft, embed_weight, head_weight, source: "StateSource", idx: list[int], steps: int, batch: int) -> dict:
+    """Per-position acceptance and simulated acceptance length on rows with all ``steps`` positions
+    inside, among the rows that are learnt (the answers of chat records; all of a text)."""
     correct = [0] * steps
-    rows = 0
+    rows_n = 0
     losses = []
     for s in range(0, len(idx), batch):
-        st = _to(source.batch(idx[s:s + batch]), draft.fc.weight.device)
-        outs = ttt_forward(draft, embed_weight, st["ids"], draft.feature(st["hidden"], st.get("aux")), steps)
+        st = _to(source.batch(idx[s:s + batch], prompt_rows=0.0), draft.fc.weight.device)
+        outs = ttt_forward(draft, embed_weight, st["ids"], draft.feature(st["hidden"], st.get("aux")), steps, st["rows"])
         loss, _ = eagle_losses(draft, outs, st, head_weight)
         losses.append(float(loss))
         T = st["ids"].shape[1]
-        full = step_valid(st["lengths"], T, steps - 1)  # rows where every step is scored
+        full = step_valid(st["lengths"], T, steps - 1, st["rows"]) & st["row_mask"]  # rows where every step is scored
         tids = draft.target_ids
         ok = torch.ones_like(full)
         for i, o in enumerate(outs):
-            ok = ok & (tids[draft.logits(o, head_weight).argmax(-1)] == shift(st["argmax"], 1 + i))
+            ok = ok & (tids[draft.logits(o, head_weight).argmax(-1)] == _gather_rows(st["argmax"], st["rows"] + 1 + i))
             correct[i] += int((ok & full).sum())
-        rows += int(full.sum())
-    acc = [c / rows if rows else 0.0 for c in correct]
+        rows_n += int(full.sum())
+    acc = [c / rows_n if rows_n else 0.0 for c in correct]
     return {"eval_loss": sum(losses) / max(len(losses), 1), "acceptance_per_position": acc,
-            "simulated_acceptance_length": 1.0 + sum(acc), "eval_rows": rows}
+            "simulated_acceptance_length": 1.0 + sum(acc), "eval_rows": rows_n}
 
 
 # --------------------------------------------------------------------------- trainer
@@ -427,9 +563,10 @@ def train(cfg: EagleTrainConfig, loaded=None, log: Callable[[str], None] = lambd
             raise UsageError(f"--resume: no checkpoint in {ckpt}", "drop --resume to start a new run")
         resume_state = torch.load(ckpt / "state.pt", map_location="cpu", weights_only=False)
         seqs = resume_state["seqs"]
+        masks = resume_state.get("masks") or [[1] * len(x) for x in seqs]
         log(f"resuming from step {resume_state['step']}")
     else:
-        seqs = load_sequences(cfg, loaded, log)
+        seqs, masks = load_examples(cfg, loaded, log)
     rng = random.Random(cfg.seed)
     order = list(range(len(seqs)))
     rng.shuffle(order)
@@ -442,9 +579,11 @@ def train(cfg: EagleTrainConfig, loaded=None, log: Callable[[str], None] = lambd
     spec = draft.spec
     key = {"model": str(Path(cfg.model).resolve()), "version": cfg.version, "aux_layers": list(spec.aux_layers),
            "seq_len": cfg.seq_len, "dtype": cfg.dtype}
-    source = StateSource(target, seqs, tuple(spec.aux_layers) if cfg.version == 3 else (), cfg.cache_hidden_states, key, log)
+    source = StateSource(target, seqs, tuple(spec.aux_layers) if cfg.version == 3 else (), cfg.cache_hidden_states, key, log,
+                         masks=masks)
     embed_w, head_w = target.embed.weight, target.head_weight
-    steps_per_epoch = math.ceil(len(train_idx) / cfg.batch_size)
+    lengths = [len(x) for x in seqs]
+    steps_per_epoch = len(batches(train_idx, lengths, cfg.batch_size, 0))
     total_steps = cfg.steps or steps_per_epoch * cfg.epochs
     draft = draft.to(target.embed.weight.device)
     opt = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=cfg.lr, betas=(0.9, 0.95),
@@ -465,7 +604,7 @@ def train(cfg: EagleTrainConfig, loaded=None, log: Callable[[str], None] = lambd
         if not main:
             return
         state = {"draft": core.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(), "step": step,
-                 "epoch": epoch, "history": history, "seqs": seqs, "torch_rng": torch.get_rng_state()}
+                 "epoch": epoch, "history": history, "seqs": seqs, "masks": masks, "torch_rng": torch.get_rng_state()}
 
         def write(d: Path):
             torch.save(state, d / "state.pt")
@@ -487,14 +626,16 @@ def train(cfg: EagleTrainConfig, loaded=None, log: Callable[[str], None] = lambd
     while step < total_steps:
         # the epoch and the place in it follow from the step alone, so a resumed run continues exactly
         epoch = step // steps_per_epoch
-        perm = list(train_idx)
-        random.Random(cfg.seed * 1000 + epoch).shuffle(perm)
-        for s in range((step % steps_per_epoch) * cfg.batch_size, len(perm), cfg.batch_size):
+        epoch_batches = batches(train_idx, lengths, cfg.batch_size, cfg.seed * 1000 + epoch)
+        for bidx in epoch_batches[step % steps_per_epoch:]:
             if step >= total_steps:
                 break
-            st = _to(source.batch(perm[s:s + cfg.batch_size]), core.fc.weight.device)
-            outs = ttt_forward(core, embed_w, st["ids"], core.feature(st["hidden"], st.get("aux")), cfg.ttt_steps)
-            loss, stats = eagle_losses(core, outs, st, head_w)
+            gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)  # the rows of this step, also on resume
+            st = _to(source.batch(bidx, cfg.prompt_rows, gen), core.fc.weight.device)
+            with torch.autocast(core.fc.weight.device.type, dtype=torch.bfloat16, enabled=cfg.autocast):
+                outs = ttt_forward(core, embed_w, st["ids"], core.feature(st["hidden"], st.get("aux")), cfg.ttt_steps,
+                                   st["rows"])
+                loss, stats = eagle_losses(core, outs, st, head_w)
             opt.zero_grad(set_to_none=True)
             if acc is not None:
                 acc.backward(loss)

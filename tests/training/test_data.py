@@ -174,3 +174,11 @@ def test_several_sampled_answers_per_prompt_decode_as_one_batch(tiny_model_dir, 
     assert [r.response_ids for r in again] == [r.response_ids for r in recs]  # from the cache
     with pytest.raises(UsageError, match="sampling"):
         D.self_distill(lm, reqs, max_new_tokens=12, temperature=0.0, samples=3)
+
+
+def test_a_self_distilled_row_keeps_its_exact_ids(tmp_path):
+    f = tmp_path / "sd.jsonl"
+    f.write_text(json.dumps({"id": "x", "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}],
+                             "prompt_ids": [4, 10, 11], "response_ids": [12, 5], "finish_reason": "stop"}) + "\n")
+    (r,) = D.read_records(f)
+    assert r.prompt_ids == [4, 10, 11] and r.response_ids == [12, 5] and r.messages[1]["content"] == "a"
