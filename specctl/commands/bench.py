@@ -156,7 +156,6 @@ def parse_k_list(text: str) -> list[int]:
 
 
 def render_best_k(report) -> None:
-    from rich.console import Console
     from rich.table import Table
 
     t = Table(title=f"best k (of {', '.join(map(str, report.header['sweep_k']))}) by decode tok/s",
@@ -168,15 +167,14 @@ def render_best_k(report) -> None:
             t.add_row(w, method, str(c["k"]), f"{c['tokens_per_s']:.2f}",
                       f"{c['speedup']:.2f}x" if c["speedup"] is not None else "—", f"{c['mean_acceptance_length']:.2f}",
                       " · ".join(f"{k}: {v:.1f}" for k, v in c["by_k"].items()))
-    Console().print(t)
+    _stdout().print(t)
 
 
 def render(report) -> None:
-    from rich.console import Console
     from rich.table import Table
 
     h = report.header
-    out = Console()
+    out = _stdout()
     title = (f"{h['model']} · {h['dtype']} · {h['device']} ({h['machine']}, {h['threads']} threads) · "
              f"torch {h['torch']} · {h['max_new_tokens']} new tokens · temperature {h['temperature']} · "
              f"draft length {h.get('draft_length', 'fixed k')}")
@@ -204,6 +202,18 @@ def render(report) -> None:
             "—" if no_stats else per_pos, same,
         )
     out.print(t)
+
+
+def _stdout():
+    """The results console: piped into a file (no terminal, no COLUMNS), wide enough that no column is cut."""
+    import os
+
+    from rich.console import Console
+
+    out = Console()
+    if not out.is_terminal and "COLUMNS" not in os.environ:
+        out = Console(width=240)
+    return out
 
 
 def register(app: typer.Typer) -> None:

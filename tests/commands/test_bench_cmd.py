@@ -13,6 +13,8 @@ import pytest
 def run_cli(*args: str, env_extra: dict | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", **(env_extra or {})}
     env.pop("SPECCTL_DEBUG", None)
+    if "COLUMNS" not in (env_extra or {}):
+        env.pop("COLUMNS", None)
     return subprocess.run([sys.executable, "-m", "specctl.cli", *args], capture_output=True, text=True,
                           env=env, timeout=timeout)
 
@@ -148,9 +150,10 @@ def test_sweep_k_json_best_k_table_and_plots(tiny_model_dir, prompts_file, tmp_p
     for name in ("speedup.png", "acceptance.png"):
         assert (plots / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
-    r = run_cli(*args, env_extra=env)
+    r = run_cli(*args, env_extra={"SPECCTL_CACHE": env["SPECCTL_CACHE"]})  # piped, no COLUMNS: no column cut
     assert r.returncode == 0, r.stderr
     assert "best k (of 2, 4)" in r.stdout and "tok/s by k" in r.stdout
+    assert "per-position" in r.stdout and "…" not in r.stdout.split("best k")[1]
 
 
 @pytest.mark.parametrize("value", ["0,2", "a,b", ",", "2;4"])
