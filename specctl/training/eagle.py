@@ -438,7 +438,8 @@ def eagle_losses(draft: EagleDraft, outs: list[torch.Tensor], st: dict, head_wei
             with torch.no_grad():
                 p = torch.softmax(F.linear(h_next.float(), w_draft), -1)  # [B, R, N] over the draft vocabulary
             m = valid & draft.t2d[am_next]
-            loss_i = _masked_mean(-(p * torch.log_softmax(logits.float(), -1)).sum(-1), m)
+            lf = logits.float()
+            loss_i = _masked_mean(torch.logsumexp(lf, -1) - (p * lf).sum(-1), m)  # soft CE (sum p = 1)
         else:
             p = torch.softmax(F.linear(h_next.to(head_weight.dtype), head_weight).float(), -1)  # [B, R, V]
             ce = _masked_mean(-(p * torch.log_softmax(logits.float(), -1)).sum(-1), valid)
