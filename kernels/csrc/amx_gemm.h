@@ -61,7 +61,8 @@ inline __m512 load_bf16x16(const uint16_t* p) {
 
 // C tiles 0..g-1 accumulate x[m0:m0+mt] against output blocks nb..nb+g-1 (g <= 4).
 template <int g>
-inline void tiles(const uint16_t* xrow, int64_t K, const uint16_t* w, int64_t KB, int64_t nb, bool prefetch) {
+inline void tiles(const uint16_t* xrow, int64_t K, const uint16_t* w, int64_t KB, int64_t nb, bool prefetch,
+                  int64_t nb_end) {
   const uint16_t* blk[G];
   for (int j = 0; j < g; ++j) blk[j] = w + (nb + j) * KB * 512;
   if constexpr (g > 0) _tile_zero(0);
@@ -69,8 +70,13 @@ inline void tiles(const uint16_t* xrow, int64_t K, const uint16_t* w, int64_t KB
   if constexpr (g > 2) _tile_zero(2);
   if constexpr (g > 3) _tile_zero(3);
   for (int64_t kb = 0; kb < KB; ++kb) {
-    if (prefetch && kb + PF < KB)
-      for (int j = 0; j < g; ++j) prefetch_tile(blk[j] + (kb + PF) * 512);
+    if (prefetch) {  // PF k blocks ahead; past this group's end, the next group's first tiles
+      if (kb + PF < KB) {
+        for (int j = 0; j < g; ++j) prefetch_tile(blk[j] + (kb + PF) * 512);
+      } else {
+        for (int j = 0; j < G && nb + g + j < nb_end; ++j) prefetch_tile(w + ((nb + g + j) * KB + kb + PF - KB) * 512);
+      }
+    }
     _tile_loadd(4, xrow + kb * 32, K * 2);
     if constexpr (g > 0) { _tile_loadd(5, blk[0] + kb * 512, 64); _tile_dpbf16ps(0, 4, 5); }
     if constexpr (g > 1) { _tile_loadd(6, blk[1] + kb * 512, 64); _tile_dpbf16ps(1, 4, 6); }
@@ -91,14 +97,14 @@ inline void store(float* cbuf) {
 // rounds in torch). y and r have row stride ldy.
 template <int g>
 inline void group(const uint16_t* xp, int64_t M, int64_t K, const uint16_t* w, int64_t KB, int64_t ldy, int64_t nb,
-           const uint16_t* bp, uint16_t* yp, const uint16_t* rp, float* cbuf, int& configured) {
+           const uint16_t* bp, uint16_t* yp, const uint16_t* rp, float* cbuf, int& configured, int64_t nb_end) {
   for (int64_t m0 = 0; m0 < M; m0 += 16) {
     const int mt = static_cast<int>(std::min<int64_t>(16, M - m0));
     if (mt != configured) {
       configure(mt);
       configured = mt;
     }
-    tiles<g>(xp + m0 * K, K, w, KB, nb, m0 == 0);  // later row chunks find the tiles in cache
+    tiles<g>(xp + m0 * K, K, w, KB, nb, m0 == 0, nb_end);  // later row chunks find the tiles in cache
     store<g>(cbuf);
     for (int j = 0; j < g; ++j) {  // + bias, one rounding to bf16 (nearest even, as torch)
       const int64_t n0 = (nb + j) * 16;
@@ -119,14 +125,14 @@ inline void group(const uint16_t* xp, int64_t M, int64_t K, const uint16_t* w, i
 inline void groups(const uint16_t* xp, int64_t M, int64_t K, const uint16_t* w, int64_t NB, const uint16_t* bp,
                    uint16_t* yp, const uint16_t* rp, int64_t ldy, int64_t g0, int64_t g1, int& configured) {
   alignas(64) float cbuf[G * 256];
-  const int64_t KB = K / 32;
+  const int64_t KB = K / 32, nb_end = std::min(NB, g1 * G);  // prefetch within this share
   for (int64_t gi = g0; gi < g1; ++gi) {
     const int64_t nb = gi * G;
     switch (std::min<int64_t>(G, NB - nb)) {
-      case 4: group<4>(xp, M, K, w, KB, ldy, nb, bp, yp, rp, cbuf, configured); break;
-      case 3: group<3>(xp, M, K, w, KB, ldy, nb, bp, yp, rp, cbuf, configured); break;
-      case 2: group<2>(xp, M, K, w, KB, ldy, nb, bp, yp, rp, cbuf, configured); break;
-      default: group<1>(xp, M, K, w, KB, ldy, nb, bp, yp, rp, cbuf, configured); break;
+      case 4: group<4>(xp, M, K, w, KB, ldy, nb, bp, yp, rp, cbuf, configured, nb_end); break;
+      case 3: group<3>(xp, M, K, w, KB, ldy, nb, bp, yp, rp, cbuf, configured, nb_end); break;
+      case 2: group<2>(xp, M, K, w, KB, ldy, nb, bp, yp, rp, cbuf, configured, nb_end); break;
+      default: group<1>(xp, M, K, w, KB, ldy, nb, bp, yp, rp, cbuf, configured, nb_end); break;
     }
   }
 }

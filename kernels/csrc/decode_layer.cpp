@@ -35,7 +35,7 @@ struct SpinBarrier {
     } else {
       // spin briefly, then yield: on a shared machine the other thread may have lost its core
       for (int spins = 0; sense.load(std::memory_order_acquire) != local_sense; ++spins) {
-        if (spins < 4000) _mm_pause();
+        if (spins < 1000) _mm_pause();
         else std::this_thread::yield();
       }
     }
@@ -82,6 +82,16 @@ inline void rope_head(const uint16_t* v, const uint16_t* cos, const uint16_t* si
   }
 }
 
+// Output groups handed out in chunks from a shared counter: on a busy machine a thread that lost
+// its core leaves its share to the others instead of holding everyone at the next barrier. (Who
+// computes a group changes nothing in its result.)
+inline void gemm_dynamic(std::atomic<int64_t>& next, const uint16_t* x, int64_t M, int64_t K, const uint16_t* w,
+                         int64_t NB, const uint16_t* b, uint16_t* y, const uint16_t* r, int64_t ldy, int& configured) {
+  const int64_t total = specctl::amx::num_groups(NB), chunk = 2;
+  for (int64_t g0 = next.fetch_add(chunk); g0 < total; g0 = next.fetch_add(chunk))
+    specctl::amx::groups(x, M, K, w, NB, b, y, r, ldy, g0, std::min(total, g0 + chunk), configured);
+}
+
 inline void share(int64_t n, int tid, int nt, int64_t& a, int64_t& b) {
   a = n * tid / nt;
   b = n * (tid + 1) / nt;
@@ -122,6 +132,7 @@ torch::Tensor decode_layer(torch::Tensor x, torch::Tensor in_norm, torch::Tensor
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
   const float feps = static_cast<float>(eps);
   SpinBarrier bar;
+  std::atomic<int64_t> next_qkv{0}, next_att{0}, next_o{0}, next_gu{0}, next_down{0};
   const int want = std::max(1, at::get_num_threads());
 #pragma omp parallel num_threads(want)
   {
@@ -133,8 +144,7 @@ torch::Tensor decode_layer(torch::Tensor x, torch::Tensor in_norm, torch::Tensor
     for (int64_t m = tid; m < M; m += nt) rmsnorm_row(xp + m * H, n1, feps, H, xnp + m * H);
     bar.wait(nt, sense);
     // 2. q|k|v
-    share(specctl::amx::num_groups(Nqkv / 16), tid, nt, a, b);
-    specctl::amx::groups(xnp, M, H, wq, Nqkv / 16, bq, qp, nullptr, Nqkv, a, b, configured);
+    gemm_dynamic(next_qkv, xnp, M, H, wq, Nqkv / 16, bq, qp, nullptr, Nqkv, configured);
     bar.wait(nt, sense);
     // 3. rotary on q (in place, via a copy of the head) and k; k and v into the caches
     const int64_t heads = nh + 2 * nkv;
@@ -156,7 +166,7 @@ torch::Tensor decode_layer(torch::Tensor x, torch::Tensor in_norm, torch::Tensor
     // 4. attention: items of G heads sharing a kv head, or single heads when that balances better
     const bool per_head = B * nkv * T < 2 * nt;
     const int64_t items = per_head ? M * nh : B * nkv * T;
-    for (int64_t it = tid; it < items; it += nt) {
+    for (int64_t it = next_att.fetch_add(1); it < items; it = next_att.fetch_add(1)) {
       int64_t m, head0;
       int g;
       if (per_head) { m = it / nh; head0 = it % nh; g = 1; }
@@ -168,15 +178,13 @@ torch::Tensor decode_layer(torch::Tensor x, torch::Tensor in_norm, torch::Tensor
     }
     bar.wait(nt, sense);
     // 5. output projection + residual
-    share(specctl::amx::num_groups(H / 16), tid, nt, a, b);
-    specctl::amx::groups(ap, M, nh * hd, wo, H / 16, bo, hp, xp, H, a, b, configured);
+    gemm_dynamic(next_o, ap, M, nh * hd, wo, H / 16, bo, hp, xp, H, configured);
     bar.wait(nt, sense);
     // 6. norm
     for (int64_t m = tid; m < M; m += nt) rmsnorm_row(hp + m * H, n2, feps, H, xnp + m * H);
     bar.wait(nt, sense);
     // 7. gate|up
-    share(specctl::amx::num_groups(I2 / 16), tid, nt, a, b);
-    specctl::amx::groups(xnp, M, H, wgu, I2 / 16, nullptr, gup, nullptr, I2, a, b, configured);
+    gemm_dynamic(next_gu, xnp, M, H, wgu, I2 / 16, nullptr, gup, nullptr, I2, configured);
     bar.wait(nt, sense);
     // 8. SiLU(gate) x up, rounded as torch: bf16(bf16(silu(g)) * u)
     share(M * (I / 16), tid, nt, a, b);
@@ -191,8 +199,7 @@ torch::Tensor decode_layer(torch::Tensor x, torch::Tensor in_norm, torch::Tensor
     }
     bar.wait(nt, sense);
     // 9. down projection + residual
-    share(specctl::amx::num_groups(H / 16), tid, nt, a, b);
-    specctl::amx::groups(actp, M, I, wd, H / 16, nullptr, op, hp, H, a, b, configured);
+    gemm_dynamic(next_down, actp, M, I, wd, H / 16, nullptr, op, hp, H, configured);
     _tile_release();
   }
   return out;
