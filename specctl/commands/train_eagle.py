@@ -50,6 +50,7 @@ def train_eagle_cmd(
     self_distill: Annotated[Optional[list[str]], typer.Option("--self-distill", help="Prompts the target answers (greedy) as data: a workload name (code-edit, chat) or a .jsonl/.txt prompt file (repeatable).")] = None,
     distill_max_prompts: Annotated[Optional[int], typer.Option("--distill-max-prompts", help="Answer at most the first N prompts of each --self-distill source.")] = None,
     prompt_rows: Annotated[float, typer.Option("--prompt-rows", help="Fraction of the prompt rows of chat records unrolled and learnt per step (answer rows always are); below 1 spends the compute on the answers.")] = 1.0,
+    fc_init: Annotated[str, typer.Option("--fc-init", help="EAGLE-3 fc initialisation: random, or last (identity on the deepest aux layer: the draft starts in the space the LM head reads).")] = "random",
     autocast: Annotated[bool, typer.Option("--autocast", help="Run the draft's matmuls in bfloat16 (weights and optimizer stay fp32).")] = False,
     hold_out: Annotated[int, typer.Option("--hold-out", help="With a workload name for --self-distill: leave its first N prompts out (those `specctl bench -n N` runs).")] = 0,
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", help="Self-distillation: tokens per answer.")] = 256,
@@ -72,7 +73,7 @@ def train_eagle_cmd(
         draft_vocab_size=draft_vocab_size, ttt_steps=ttt_steps, aux_layers=aux, epochs=epochs, steps=steps, lr=lr,
         batch_size=batch_size, seq_len=seq_len, seed=seed, eval_split=eval_split, resume=resume,
         self_distill=list(self_distill) if self_distill else None, distill_max_prompts=distill_max_prompts,
-        prompt_rows=prompt_rows, autocast=autocast, hold_out=hold_out, max_new_tokens=max_new_tokens,
+        prompt_rows=prompt_rows, fc_init=fc_init, autocast=autocast, hold_out=hold_out, max_new_tokens=max_new_tokens,
         cache_hidden_states=str(cache_hidden_states) if cache_hidden_states else None, dtype=dtype,
         eval_every=eval_every,
     ).validated()

@@ -100,6 +100,8 @@ class EagleTrainConfig:
     prompt_rows: float = 1.0
     """Fraction of the non-answer rows (prompt tokens of chat records) unrolled and learnt each step;
     answer rows (and all of a plain text) always are. < 1 spends the compute on the answers."""
+    fc_init: str = "random"
+    """EAGLE-3 fc initialisation: random, or last (the identity on the deepest aux layer, zeros elsewhere)."""
     autocast: bool = False
     """Run the draft's matmuls in bfloat16 (autocast; weights and optimizer stay fp32)."""
 
@@ -120,6 +122,8 @@ class EagleTrainConfig:
             raise UsageError(f"--lr must be positive, got {self.lr}", "e.g. --lr 3e-4")
         if self.data is None and self.self_distill is None:
             raise UsageError("no training data", "pass --data FILE or --self-distill PROMPTS")
+        if self.fc_init not in ("random", "last"):
+            raise UsageError(f"--fc-init must be random or last, got {self.fc_init}", "use --fc-init last or random")
         if not 0.0 <= self.prompt_rows <= 1.0:
             raise UsageError(f"--prompt-rows must be in [0, 1], got {self.prompt_rows}", "e.g. --prompt-rows 0.2")
         if self.draft_vocab_size is not None and self.draft_vocab_size < 1:
@@ -510,6 +514,10 @@ def build_draft(target, cfg: EagleTrainConfig, seqs: list[list[int]], tok) -> Ea
             draft.t2d.copy_(vocab.t2d)
             draft.lm_head.weight.copy_(target.head_weight[vocab.target_ids].float())
             draft.norm.weight.copy_(target.norm.weight.float())
+            if cfg.fc_init == "last":  # start from the deepest aux state: already in the space the LM head reads
+                H = a.hidden_size
+                draft.fc.weight.zero_()
+                draft.fc.weight[:, -H:] = torch.eye(H)
     return draft
 
 

@@ -140,3 +140,23 @@ def test_hidden_state_cache_written_then_reused(tiny_model_dir, tmp_path):
     E.train(_cfg(tiny_model_dir, tmp_path, steps=2, cache_hidden_states=str(cache), output=str(tmp_path / "run2")),
             loaded=loaded, log=logs.append)
     assert any("reusing cached target states" in m for m in logs)
+
+
+def test_fc_init_last_passes_the_deepest_aux_state(tiny_model_dir, tmp_path):
+    loaded = load_model(tiny_model_dir, dtype="float32")
+    cfg = _cfg(tiny_model_dir, tmp_path, fc_init="last")
+    d = E.build_draft(loaded.model, cfg, [[1, 2, 3, 4]], loaded.tokenizer)
+    H = loaded.model.args.hidden_size
+    aux = torch.randn(1, 3, len(d.spec.aux_layers) * H)
+    torch.testing.assert_close(d.feature(None, aux), aux[..., -H:])
+    with pytest.raises(E.UsageError):
+        _cfg(tiny_model_dir, tmp_path, fc_init="zeros").validated()
+
+
+def test_answer_rows_and_a_fraction_of_the_prompt_rows():
+    src = E.StateSource.__new__(E.StateSource)
+    src.masks = [[0, 0, 0, 1, 1, 1], [1, 1, 1, 1]]
+    r = src._rows([0, 1], 6, 0.0, None)
+    assert r["rows"].tolist() == [[2, 3, 4], [0, 1, 2]] and r["row_mask"].all()  # row t reads x[t+1]
+    r = src._rows([0, 1], 6, 1.0, None)
+    assert r["rows"].shape == (2, 6) and r["row_mask"].all()
