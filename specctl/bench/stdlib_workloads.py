@@ -40,19 +40,24 @@ class _Func:
     node: ast.FunctionDef | ast.AsyncFunctionDef
 
 
-@functools.lru_cache(maxsize=1)
-def _stdlib_functions() -> list[_Func]:
+def _stdlib_sources():
+    """(module, source, parsed tree) of each CODE_MODULES file that exists and parses here."""
     stdlib = Path(sysconfig.get_paths()["stdlib"])
-    out: list[_Func] = []
     for mod in CODE_MODULES:
         src_path = next((p for p in (stdlib / f"{mod}.py", stdlib / mod / "__init__.py") if p.is_file()), None)
         if src_path is None:
             continue
         try:
             source = src_path.read_text(encoding="utf-8")
-            tree = ast.parse(source)
+            yield mod, source, ast.parse(source)
         except (OSError, SyntaxError, UnicodeDecodeError):
             continue
+
+
+@functools.lru_cache(maxsize=1)
+def _stdlib_functions() -> list[_Func]:
+    out: list[_Func] = []
+    for mod, source, tree in _stdlib_sources():
         lines = source.splitlines()
         defs = [(n, n.name) for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
         for cls in (n for n in tree.body if isinstance(n, ast.ClassDef)):
@@ -228,17 +233,8 @@ def _reference_sections() -> tuple[tuple[str, str], ...]:
 def _source_documents() -> tuple[tuple[str, str, tuple[str, ...]], ...]:
     """(module, excerpt, public functions defined in it): each CODE_MODULES file from its start, whole
     top-level statements up to DOC_MAX_CHARS."""
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
     out = []
-    for mod in CODE_MODULES:
-        src_path = next((p for p in (stdlib / f"{mod}.py", stdlib / mod / "__init__.py") if p.is_file()), None)
-        if src_path is None:
-            continue
-        try:
-            source = src_path.read_text(encoding="utf-8")
-            tree = ast.parse(source)
-        except (OSError, SyntaxError, UnicodeDecodeError):
-            continue
+    for mod, source, tree in _stdlib_sources():
         lines = source.splitlines()
         end, names = 0, []
         for node in tree.body:
