@@ -19,6 +19,7 @@
 //     from memory once and from L2 for the other row chunks.
 #pragma once
 #include <immintrin.h>
+#include "bf16.h"
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -54,10 +55,7 @@ inline void prefetch_tile(const uint16_t* p) {
   for (int l = 0; l < 16; ++l) _mm_prefetch(c + 64 * l, _MM_HINT_T2);
 }
 
-inline __m512 load_bf16x16(const uint16_t* p) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(
-      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-}
+using specctl::load_bf16x16;
 
 // C tiles 0..g-1 accumulate x[m0:m0+mt] against output blocks nb..nb+g-1 (g <= 4).
 template <int g>

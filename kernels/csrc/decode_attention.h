@@ -12,6 +12,7 @@
 // kv head, so keys and values are read from memory once per item.
 #pragma once
 #include <immintrin.h>
+#include "bf16.h"
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -36,10 +37,7 @@ inline __m512 exp512(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
-inline __m512 load_bf16x16(const uint16_t* p) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(
-      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-}
+using specctl::load_bf16x16;
 
 constexpr int MAX_G = 16;    // query heads per kv head
 constexpr int MAX_HD = 256;  // head dim

@@ -20,7 +20,9 @@
 
 namespace {
 
-using specctl::amx::load_bf16x16;
+using specctl::from_bf16;
+using specctl::load_bf16x16;
+using specctl::to_bf16;
 
 // A sense-reversing barrier for the threads of one parallel region: they are all running, so a
 // short spin is cheaper than a futex sleep and wake per phase; past that it yields the core.
@@ -42,17 +44,6 @@ struct SpinBarrier {
   }
 };
 
-inline uint16_t bf16_round(float f) {  // nearest even, as torch
-  return static_cast<uint16_t>(_mm256_extract_epi16((__m256i)_mm512_cvtneps_pbh(_mm512_set1_ps(f)), 0));
-}
-
-inline float bf16_float(uint16_t h) {
-  uint32_t u = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
 // y = w * bf16(x * rsqrt(mean(x^2) + eps)) in bf16, as specctl.runtime.model.RMSNorm; one row.
 inline void rmsnorm_row(const uint16_t* x, const uint16_t* w, float eps, int64_t H, uint16_t* y) {
   __m512 ss = _mm512_setzero_ps();
@@ -62,7 +53,7 @@ inline void rmsnorm_row(const uint16_t* x, const uint16_t* w, float eps, int64_t
     ss = _mm512_fmadd_ps(v, v, ss);
   }
   float sum = _mm512_reduce_add_ps(ss);
-  for (; i < H; ++i) sum += bf16_float(x[i]) * bf16_float(x[i]);
+  for (; i < H; ++i) sum += from_bf16(x[i]) * from_bf16(x[i]);
   const float r = 1.0f / std::sqrt(sum / static_cast<float>(H) + eps);
   const __m512 rv = _mm512_set1_ps(r);
   for (i = 0; i + 16 <= H; i += 16) {
@@ -70,15 +61,15 @@ inline void rmsnorm_row(const uint16_t* x, const uint16_t* w, float eps, int64_t
     const __m512 o = _mm512_mul_ps(load_bf16x16(w + i), load_bf16x16(reinterpret_cast<const uint16_t*>(&n)));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + i), (__m256i)_mm512_cvtneps_pbh(o));
   }
-  for (; i < H; ++i) y[i] = bf16_round(bf16_float(w[i]) * bf16_float(bf16_round(bf16_float(x[i]) * r)));
+  for (; i < H; ++i) y[i] = to_bf16(from_bf16(w[i]) * from_bf16(to_bf16(from_bf16(x[i]) * r)));
 }
 
 // v' = v cos + rotate_half(v) sin over one head (hd values), in fp32 with one rounding.
 inline void rope_head(const uint16_t* v, const uint16_t* cos, const uint16_t* sin, int hd, uint16_t* out) {
   const int half = hd / 2;
   for (int d = 0; d < hd; ++d) {
-    const float rot = d < half ? -bf16_float(v[d + half]) : bf16_float(v[d - half]);
-    out[d] = bf16_round(bf16_float(v[d]) * bf16_float(cos[d]) + rot * bf16_float(sin[d]));
+    const float rot = d < half ? -from_bf16(v[d + half]) : from_bf16(v[d - half]);
+    out[d] = to_bf16(from_bf16(v[d]) * from_bf16(cos[d]) + rot * from_bf16(sin[d]));
   }
 }
 

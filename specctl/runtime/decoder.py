@@ -24,7 +24,7 @@ from specctl.runtime.controller import DraftLengthController
 from specctl.runtime.metrics import SpecStats
 from specctl.runtime.proposers.base import DraftOutput, Proposer
 from specctl.runtime.rejection import greedy_tree_verify, greedy_verify, logits_to_probs, rejection_sample
-from specctl.runtime.runner import TargetRunner
+from specctl.runtime.runner import TargetRunner, tree_depths
 
 
 @dataclass
@@ -212,11 +212,7 @@ class SpecDecoder:
         t0 = time.perf_counter()
         logits = runner.forward_tree(tokens, parents)  # [1, 1+n, V]
         path, emitted = greedy_tree_verify(tokens[0].tolist(), parents, runner.greedy(logits)[0].tolist())
-        depth = 0
-        depths = [0] * (n + 1)
-        for i in range(1, n + 1):
-            depths[i] = depths[parents[i]] + 1
-            depth = max(depth, depths[i])
+        depth = max(tree_depths(parents))
         if st.controller is not None:
             st.controller.observe(depth, len(path) - 1, n + 1, time.perf_counter() - t0)
         runner.compact(base, path)

@@ -53,6 +53,14 @@ def tree_attention_mask(parents: list[int]) -> torch.Tensor:
     return mask
 
 
+def tree_depths(parents: list[int]) -> list[int]:
+    """Depth of each node of a tree given parent-first (parents[0] = -1 is the root, depth 0)."""
+    depths = [0] * len(parents)
+    for i in range(1, len(parents)):
+        depths[i] = depths[parents[i]] + 1
+    return depths
+
+
 class TargetRunner:
     """One model + one KV cache of ``max_len`` positions for ``batch`` rows (rows advance together)."""
 
@@ -137,9 +145,7 @@ class TargetRunner:
         if start + T > self.max_len:
             raise UsageError(f"draft tree of {T} nodes does not fit in the cache ({self.max_len})",
                              "raise --max-model-len or use a smaller speculative_token_tree")
-        depths = [0] * T
-        for i in range(1, T):
-            depths[i] = depths[parents[i]] + 1
+        depths = tree_depths(parents)
         mask = torch.ones(T, start + T, dtype=torch.bool)
         mask[:, start:] = tree_attention_mask(parents)
         pos = start + torch.tensor(depths, dtype=torch.float32)
