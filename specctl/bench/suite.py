@@ -256,11 +256,13 @@ def run_bench(
     peers: tuple[str, ...] = (),
     runs: int = 1,
     sweep_k: list[int] | None = None,
+    compile: bool = False,
 ) -> BenchReport:
     """Every prompt by the baseline, each configuration and each peer; ``progress`` is told the total first.
 
     ``sweep_k``: run every configuration once per k in it (rows share the label, differ in k);
-    ``BenchReport.best_k`` then picks the fastest k per method and workload.
+    ``BenchReport.best_k`` then picks the fastest k per method and workload. ``compile``: one-token
+    steps through torch.compile (``TargetRunner(compile=True)``).
     """
     say = progress or (lambda advance, description, total=None: None)
     tok = loaded.tokenizer
@@ -277,7 +279,7 @@ def run_bench(
     else:
         variants = list(enumerate(configs))
     max_k = max([v.num_speculative_tokens for _, v in variants], default=0)
-    runner = TargetRunner(loaded.model, max_len=longest + params.max_new_tokens + max_k + 8)
+    runner = TargetRunner(loaded.model, max_len=longest + params.max_new_tokens + max_k + 8, compile=compile)
     proposers = _Proposers(loaded, runner.max_len)
     entries = [Entry(BASELINE, None, SpecDecoder(runner))]
     config_names = config_labels(configs)

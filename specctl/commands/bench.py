@@ -60,6 +60,7 @@ def bench(
     csv_out: Annotated[Optional[str], typer.Option("--csv", help="Also write the results as CSV to this file.")] = None,
     plot: Annotated[Optional[str], typer.Option("--plot", help="Also write speedup.png and acceptance.png into this folder.")] = None,
     fixed_k: Annotated[bool, typer.Option("--fixed-k", help="Always draft k tokens (default: adapt the draft length per request to what pays).")] = False,
+    compile: Annotated[bool, typer.Option("--compile", help="Run one-token decode steps through torch.compile (float32, or a GPU with CUDA graphs; bf16 on CPU already runs a fused C++ step).")] = False,
     sweep_k: Annotated[Optional[str], typer.Option("--sweep-k", help="Comma-separated k values (e.g. 2,4,8): run every configuration at each k (overriding its own) and report the best k per method and workload (table; 'best_k' in --json).")] = None,
     seed: SeedOpt = 0,
     dtype: DtypeOpt = "bfloat16",
@@ -118,7 +119,8 @@ def bench(
         report = run_bench(loaded, configs, workloads, num_prompts, params, seed,
                            progress=lambda adv, desc, total=None: prog.update(task, advance=adv, description=desc,
                                                                               total=total),
-                           adaptive=not fixed_k, peers=peers, runs=runs, sweep_k=ks)
+                           adaptive=not fixed_k, peers=peers, runs=runs, sweep_k=ks,
+                           compile=compile)
     report.header["draft_length"] = "fixed k" if fixed_k else "adaptive (up to k)"
 
     rows = report.rows()

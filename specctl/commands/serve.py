@@ -123,6 +123,7 @@ def serve(
     method: Annotated[Optional[str], typer.Option("--method", help="Draft method (e.g. ngram). Without it or --speculative-config: plain decoding.")] = None,
     num_speculative_tokens: Annotated[Optional[int], typer.Option("--num-speculative-tokens", "-k", help="Draft tokens per step (k) for --method; method default when unset.")] = None,
     fixed_k: Annotated[bool, typer.Option("--fixed-k", help="Always draft k tokens (default: adapt the draft length per request to what pays).")] = False,
+    compile: Annotated[bool, typer.Option("--compile", help="Run one-token decode steps through torch.compile (float32, or a GPU with CUDA graphs; bf16 on CPU already runs a fused C++ step).")] = False,
     host: Annotated[str, typer.Option("--host", help="Address to listen on (loopback by default).")] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port", help="Port to listen on (0: any free port, printed at start).")] = 8000,
     api_key: Annotated[Optional[str], typer.Option("--api-key", envvar="SPECCTL_API_KEY", help="Require 'Authorization: Bearer KEY' on every /v1 request (or set SPECCTL_API_KEY).")] = None,
@@ -162,7 +163,7 @@ def serve(
     log.info("loading %s (%s, %s)", path, dtype, device)
     loaded = load_model(path, dtype=dtype, device=device)
     max_len = resolve_max_model_len(loaded, max_model_len)
-    eng = Engine(loaded, spec, max_len, max_num_seqs, adaptive=not fixed_k)
+    eng = Engine(loaded, spec, max_len, max_num_seqs, adaptive=not fixed_k, compile=compile)
     log.info("speculation: %s; max model len %d; %d slots (KV cache pool %.0f MiB)",
              json.dumps(spec.to_dict()) if spec else "off (plain decoding; add --method ngram to speculate)",
              max_len, max_num_seqs, eng.kv_cache_bytes() / 2**20)

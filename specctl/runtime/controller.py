@@ -7,13 +7,16 @@ maximises E(d) / c(d+1); d = 0 means "do not draft this step".
 
   a    : accepted positions / tried positions (accepted + the first rejected), decayed
          over recent drafting steps: the per-token acceptance rate
-  c(T) : exponential moving average of measured step time for T tokens, over the time of a
+  c(T) : exponential moving average of the measured time of a whole step that forwarded T tokens
+         (drafting included: a draft model's k forwards count), over the time of a plain
          one-token step (measured on the same runner; unmeasured T are interpolated, and an
          unmeasured cost is taken as optimistic, 1.0, so it gets measured)
 
-When drafting is off it probes again every ``probe_every`` steps (a short draft), so acceptance
-that rises later (a repetitive stretch of output) is noticed. Greedy output does not depend on any
-of this: the verifier keeps it lossless whatever d is chosen.
+When drafting is off it probes again after ``probe_every`` steps (a short draft), so acceptance
+that rises later (a repetitive stretch of output) is noticed; each probe that does not turn drafting
+back on doubles the wait before the next (up to ``max_probe_every``), so a draft that never pays
+costs a few probes, not one every few steps. Greedy output does not depend on any of this: the
+verifier keeps it lossless whatever d is chosen.
 
 Pure bookkeeping: no torch; the decode loop calls ``draft_len()`` before and ``observe()`` after
 each step.
@@ -29,10 +32,12 @@ class DraftLengthController:
     k: int  # the most draft tokens a step may verify
     alpha: float = 0.6  # prior acceptance rate
     ema: float = 0.3  # weight of the newest observation
-    probe_every: int = 8  # steps between probes while drafting is off
+    probe_every: int = 8  # steps between probes while drafting is off (doubles after each failed probe)
+    max_probe_every: int = 64
     probe_len: int = 2
     costs: dict[int, float] = field(default_factory=dict)  # T -> seconds (EMA)
     _off_steps: int = 0
+    _gap: int = 0  # the current wait between probes (0: probe_every)
 
     def cost(self, T: int) -> float:
         """Relative cost c(T) = time(T tokens) / time(1 token); 1.0 while unmeasured."""
@@ -70,11 +75,13 @@ class DraftLengthController:
             return 0  # measure a plain step first: every cost is relative to it
         d = self.best_len()
         if d > 0:
-            self._off_steps = 0
+            self._off_steps, self._gap = 0, 0
             return d
         self._off_steps += 1
-        if self._off_steps >= self.probe_every:
+        gap = self._gap or self.probe_every
+        if self._off_steps >= gap:
             self._off_steps = 0
+            self._gap = min(2 * gap, self.max_probe_every)  # kept if this probe does not turn drafting on
             return min(self.probe_len, self.k)
         return 0
 

@@ -162,10 +162,11 @@ class SpecDecoder:
         if st.controller is not None:
             k = min(k, st.controller.draft_len())
         draft_ids, num_draft, draft_probs = _EMPTY, _ZERO, None
+        t0 = time.perf_counter()  # a step's cost includes its drafting: the controller weighs the whole step
         if k > 0:
             d = self.proposer.propose(st.ctx, np.array([st.n_ctx], dtype=np.int32), k, st.hidden)
             if d.parents is not None and int(d.num_tokens[0]) > 0:
-                return self._tree_step(st, d)
+                return self._tree_step(st, d, t0)
             nd = int(d.num_tokens[0])
             if nd > 0:
                 draft_ids, num_draft = d.token_ids[:, :nd], d.num_tokens
@@ -173,7 +174,6 @@ class SpecDecoder:
         nd = draft_ids.shape[1]
         base = runner.length
         inp = torch.cat([torch.tensor([[st.last]], dtype=torch.long), draft_ids], 1)  # [1, 1+nd]
-        t0 = time.perf_counter()
         logits = runner.forward(inp)  # [1, 1+nd, V]
         if params.greedy:
             margins = [] if params.record_margins else None
@@ -198,7 +198,7 @@ class SpecDecoder:
         st.steps += 1
         return self._emit(st, emitted)
 
-    def _tree_step(self, st: DecodeState, d: DraftOutput) -> list[int]:
+    def _tree_step(self, st: DecodeState, d: DraftOutput, t0: float) -> list[int]:
         """Greedy verification of a draft tree (Medusa / EAGLE-2 style): one forward over every node
         with a tree mask; from the last token, follow the child that is the target's own choice
         while one exists; keep that path's keys/values. Lossless: every emitted token is the
@@ -209,7 +209,6 @@ class SpecDecoder:
         parents = [-1] + [p + 1 for p in d.parents[:n]]  # node 0 = the last token, draft i = node i+1
         tokens = torch.cat([torch.tensor([[st.last]], dtype=torch.long), d.token_ids[:, :n]], 1)  # [1, 1+n]
         base = runner.length
-        t0 = time.perf_counter()
         logits = runner.forward_tree(tokens, parents)  # [1, 1+n, V]
         path, emitted = greedy_tree_verify(tokens[0].tolist(), parents, runner.greedy(logits)[0].tolist())
         depth = max(tree_depths(parents))

@@ -26,7 +26,7 @@ from specctl.errors import UsageError
 from specctl.runtime.decoder import DecodeState, SamplingParams, SpecDecoder
 from specctl.runtime.metrics import SpecStats
 from specctl.runtime.proposers import build_proposer
-from specctl.runtime.runner import LoadedModel, TargetRunner
+from specctl.runtime.runner import LoadedModel, TargetRunner, check_compilable
 
 log = logging.getLogger("specctl.serve")
 
@@ -72,10 +72,13 @@ class Engine:
     """The engine thread: a KV-cache pool, a FIFO queue, and round-robin stepping (see module doc)."""
 
     def __init__(self, loaded: LoadedModel, spec: SpecConfig | None, max_model_len: int, max_num_seqs: int = 8,
-                 adaptive: bool = True):
+                 adaptive: bool = True, compile: bool = False):
         if max_num_seqs < 1:
             raise UsageError(f"--max-num-seqs must be >= 1, got {max_num_seqs}", "pass e.g. --max-num-seqs 8")
         self.loaded, self.spec = loaded, spec
+        self.compile = compile
+        if compile:
+            check_compilable(loaded.model)  # here, not in the engine thread: a usage error for the user
         self.max_model_len, self.max_num_seqs = max_model_len, max_num_seqs
         self.k = spec.num_speculative_tokens if spec is not None else 0
         self.adaptive = adaptive
@@ -145,7 +148,7 @@ class Engine:
     def _setup(self) -> None:
         torch.set_num_threads(self._torch_threads)
         # TargetRunner's constructor also sets this thread's flush-denormal mode (per thread on x86).
-        runners = [TargetRunner(self.loaded.model, self.max_model_len) for _ in range(self.max_num_seqs)]
+        runners = [TargetRunner(self.loaded.model, self.max_model_len, compile=self.compile) for _ in range(self.max_num_seqs)]
         proposer = None
         if self.spec is not None:
             proposer = build_proposer(self.spec, self.max_model_len, target=self.loaded)

@@ -214,6 +214,27 @@ class Block(nn.Module):
         return x + lin(F.silu(gate) * up, self.down)
 
 
+def _step_static(block: Block, x, cos, sin, k_cache, v_cache, pos, kmask):
+    """One decode row of ``block`` in static shapes (for torch.compile / CUDA graphs): the new key and
+    value go to slot ``pos`` (a tensor) and the query attends over the whole cache under ``kmask``."""
+    a = block.a
+    B = x.shape[0]
+    qkv = F.linear(block.input_norm(x), block.qkv.weight, block.qkv.bias)
+    q, k, v = qkv.split([a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.num_kv_heads * a.head_dim], -1)
+    q = q.view(B, 1, a.num_heads, a.head_dim).transpose(1, 2)
+    k = k.view(B, 1, a.num_kv_heads, a.head_dim).transpose(1, 2)
+    v = v.view(B, 1, a.num_kv_heads, a.head_dim).transpose(1, 2)
+    q = q * cos + rotate_half(q) * sin
+    k = k * cos + rotate_half(k) * sin
+    k_cache.index_copy_(2, pos, k)
+    v_cache.index_copy_(2, pos, v)
+    att = F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=kmask,
+                                         enable_gqa=a.num_kv_heads != a.num_heads)
+    x = x + F.linear(att.transpose(1, 2).reshape(B, 1, a.num_heads * a.head_dim), block.o.weight, block.o.bias)
+    gate, up = F.linear(block.post_norm(x), block.gate_up.weight, block.gate_up.bias).chunk(2, dim=-1)
+    return x + F.linear(F.silu(gate) * up, block.down.weight, block.down.bias)
+
+
 class Transformer(nn.Module):
     """A causal LM over a preallocated cache. See the module docstring."""
 
@@ -239,15 +260,19 @@ class Transformer(nn.Module):
     def rope(self, start: int, T: int, dtype, positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         pos = (torch.arange(start, start + T, device=self.inv_freq.device, dtype=torch.float32) if positions is None
                else positions.to(self.inv_freq.device, torch.float32))
-        freqs = torch.outer(pos, self.inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)  # [T, head_dim]
+        freqs = pos[..., None] * self.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)  # [T, head_dim], or [B, T, head_dim] for per-row positions
+        if emb.dim() == 3:
+            emb = emb[:, None]  # [B, 1, T, head_dim]: broadcast over heads
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
     def forward(self, tokens: torch.Tensor, start: int, cache: "KVCache", mask: torch.Tensor | None,
                 logits: str = "all", positions: torch.Tensor | None = None) -> tuple[torch.Tensor | None, torch.Tensor]:
         """tokens: [B, T] at cache slots [start, start+T); mask: [T, start+T] bool or None (T == 1).
         ``positions`` [T] (rotary positions; default start..start+T-1) marks a draft tree: the rows
-        then attend as ``mask`` says (each node its ancestors), through SDPA.
+        then attend as ``mask`` says (each node its ancestors), through SDPA. ``positions`` [B, T]
+        with ``mask`` [B, 1, T, start+T]: rows at positions of their own (left-padded prompts of
+        different lengths decoded as one batch, see ``runner.generate_batch``).
 
         Returns (logits [B, T', V] with T' = T for "all", 1 for "last", None for "none";
         hidden [B, T, H], the final-normed hidden states the LM head reads).
@@ -268,6 +293,30 @@ class Transformer(nn.Module):
         if self.head_packed is not None:
             return amx_linear.linear(hh, self.head_packed), h
         return skinny_linear.linear(hh, self.head_weight), h
+
+
+    def decode_step(self, tokens: torch.Tensor, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        """One token per row in static shapes: tokens [B, 1] at cache slot ``pos`` ([1] int64 tensor).
+
+        The shapes never change from step to step (the query attends over the whole preallocated
+        cache, masked beyond ``pos``), so ``torch.compile`` compiles it once and, on a GPU, CUDA
+        graphs replay it. Returns (logits [B, 1, V], hidden [B, 1, H], aux or None); ``k``/``v``
+        are the KVCache tensors, updated in place.
+        """
+        a = self.args
+        x = self.embed(tokens)
+        cos, sin = self.rope(0, 1, x.dtype, pos)
+        slots = torch.arange(k.shape[3], device=pos.device)
+        kmask = slots <= pos
+        if a.sliding_window is not None:
+            kmask = kmask & (slots > pos - a.sliding_window)
+        aux = []
+        for i, layer in enumerate(self.layers):
+            if i in self.aux_layers:
+                aux.append(x)
+            x = _step_static(layer, x, cos, sin, k[i], v[i], pos, kmask[None, None, None, :])
+        h = self.norm(x)
+        return F.linear(h, self.head_weight), h, (torch.cat(aux, dim=-1) if aux else None)
 
 
 class KVCache:

@@ -61,10 +61,18 @@ def tree_depths(parents: list[int]) -> list[int]:
     return depths
 
 
+def check_compilable(model: Transformer) -> None:
+    """torch.compile runs torch's own kernels: not a model packed for specctl's C++ bf16 CPU path."""
+    if any(getattr(b.qkv, "amx_packed", False) or b.fused for b in model.layers):
+        raise UsageError("--compile needs torch's own kernels, and this bf16 CPU model runs specctl's C++ ones",
+                         "drop --compile (the C++ decode step is already fused), or use --dtype float32, "
+                         "a GPU, or SPECCTL_EXACT_BF16=0")
+
+
 class TargetRunner:
     """One model + one KV cache of ``max_len`` positions for ``batch`` rows (rows advance together)."""
 
-    def __init__(self, model: Transformer, max_len: int, batch: int = 1):
+    def __init__(self, model: Transformer, max_len: int, batch: int = 1, compile: bool = False):
         p = model.embed.weight
         if p.device.type == "cpu":
             # Subnormal floats take a slow microcode path on x86: bf16 attention over a long-tailed
@@ -78,6 +86,13 @@ class TargetRunner:
         self.length = 0
         self.last_hidden: torch.Tensor | None = None  # [B, T, H] of the latest forward
         self.last_aux: torch.Tensor | None = None  # [B, T, len(model.aux_layers) * H], when asked
+        # compile: one-token steps run Transformer.decode_step through torch.compile (static shapes;
+        # CUDA graphs on a GPU). Needs torch's own linears: not the packed AMX/C++ bf16 CPU path.
+        self._step = None
+        if compile:
+            check_compilable(model)
+            mode = "reduce-overhead" if p.device.type == "cuda" else None
+            self._step = torch.compile(model.decode_step, mode=mode, fullgraph=True, dynamic=False)
 
     @property
     def vocab_size(self) -> int:
@@ -95,6 +110,12 @@ class TargetRunner:
                 f"sequence of {start + T} tokens exceeds the runner's max length {self.max_len}",
                 "raise --max-model-len or lower --max-new-tokens",
             )
+        if T == 1 and self._step is not None:
+            pos = torch.tensor([start], device=self.device)
+            out, hidden, aux = self._step(tokens.to(self.device), pos, self.cache.k, self.cache.v)
+            self.length = start + 1
+            self.last_hidden, self.last_aux = hidden, aux
+            return out
         mask = None
         window = self.model.args.sliding_window
         if T > 1 or (window is not None and start + T > window):
@@ -213,3 +234,69 @@ def stop_token_ids(path: Path, tokenizer) -> tuple[int, ...]:
     if getattr(tokenizer, "eos_token_id", None) is not None:
         ids.add(int(tokenizer.eos_token_id))
     return tuple(sorted(ids))
+
+
+@torch.inference_mode()
+def generate_batch(model: Transformer, prompts: list[list[int]], rooms: list[int], *, temperature: float = 0.0,
+                   stop_token_ids=(), generator: torch.Generator | None = None) -> list[tuple[list[int], str]]:
+    """Answers to prompts of different lengths, decoded together as the rows of one batch.
+
+    Prompts are left-padded to one length; each row has rotary positions of its own and a key mask
+    that hides its padding, so every row computes what it would alone (up to rounding: a batch
+    reads the weights once for all rows, which on a CPU makes n answers cost little more than one).
+    Row i stops at a stop token or after ``rooms[i]`` tokens; returns [(answer ids, "stop" | "length")].
+    Greedy at temperature 0, else sampled from the temperature-scaled distribution.
+    """
+    from specctl.runtime.rejection import logits_to_probs
+
+    B, P = len(prompts), max(len(p) for p in prompts)
+    steps = max(rooms)
+    dev = model.inv_freq.device
+    pad = torch.tensor([P - len(p) for p in prompts], device=dev)
+    tokens = torch.full((B, P), 0, dtype=torch.long)
+    for b, p in enumerate(prompts):
+        tokens[b, P - len(p):] = torch.tensor(p, dtype=torch.long)
+    p = next(model.parameters())
+    cache = KVCache(model.args, B, P + steps, p.dtype, dev)
+    slots = torch.arange(P + steps, device=dev)
+    valid = slots[None, :] >= pad[:, None]  # [B, S]: the keys each row may see (not its padding)
+    # Prefill row by row (no compute spent on padding): row b's prompt goes to slots [pad_b, P).
+    causal = slots[:P, None] >= slots[None, :P]
+    logits = torch.empty(B, 1, model.args.vocab_size, dtype=p.dtype, device=dev)
+    for b, prompt in enumerate(prompts):
+        row = _RowCache(cache.k[:, b:b + 1], cache.v[:, b:b + 1])
+        s = P - len(prompt)
+        m = (causal[s:] & valid[b, None, :P])[None, None]  # [1, 1, len, P]
+        pos = torch.arange(len(prompt), device=dev)[None]
+        logits[b:b + 1], _ = model(tokens[b:b + 1, s:].to(dev), s, row, m, logits="last", positions=pos)
+    stop = set(stop_token_ids)
+    outs: list[list[int]] = [[] for _ in range(B)]
+    finish = ["length"] * B
+    live = [r > 0 for r in rooms]
+    lengths = torch.tensor([len(p) for p in prompts], device=dev)
+    for t in range(steps):
+        last = logits[:, -1]
+        if temperature > 0:
+            tok = torch.multinomial(logits_to_probs(last, temperature), 1, generator=generator)  # [B, 1]
+        else:
+            tok = last.argmax(-1, keepdim=True)
+        for b, x in enumerate(tok[:, 0].tolist()):
+            if live[b]:
+                outs[b].append(x)
+                if x in stop:
+                    finish[b], live[b] = "stop", False
+                elif len(outs[b]) >= rooms[b]:
+                    live[b] = False
+        if not any(live):
+            break
+        m = valid[:, None, None, :P + t + 1]  # [B, 1, 1, P+t+1]
+        logits, _ = model(tok.to(dev), P + t, cache, m, logits="last", positions=(lengths + t)[:, None])
+    return list(zip(outs, finish))
+
+
+@dataclass
+class _RowCache:
+    """One row of a KVCache (views: writes land in the batch's cache)."""
+
+    k: torch.Tensor
+    v: torch.Tensor

@@ -15,9 +15,9 @@ them) is tokenised as exactly those ids, the response learnt: a self-distillatio
 ``DataError`` naming the file and the line number. The learnt tokens are the assistant turns (up to
 and including the end-of-turn token), rendered with the target's chat template, or all of a text.
 
-Self-distillation (``self_distill``): the target answers prompts itself with specctl's own runtime
-(``SpecDecoder`` with prompt-lookup drafts, which leave the output unchanged: greedy output is the
-plain greedy output, sampled output is distributed as the target's). The exact token ids are kept
+Self-distillation (``self_distill``): the target answers prompts itself with specctl's own runtime,
+many prompts at once as the rows of one batch (``runner.generate_batch``: greedy output is the
+target's greedy output up to rounding, sampled output is distributed as the target's). The exact token ids are kept
 (no decode/re-encode round trip) and every answer is appended to a JSONL cache as soon as it is
 written, so an interrupted run continues where it stopped. The cache is an ordinary record file.
 
@@ -180,14 +180,16 @@ def load_prompts(spec: str, hold_out: int = 0) -> list:
 
 
 def self_distill(loaded, requests: list, *, max_new_tokens: int, temperature: float = 0.0, seed: int = 0,
-                 seq_len: int | None = None, cache: Path | None = None, samples: int = 1,
+                 seq_len: int | None = None, cache: Path | None = None, samples: int = 1, batch_rows: int = 32,
                  progress: Callable[[str, int, int], None] = lambda *a: None,
                  log: Callable[[str], None] = lambda m: None) -> list[Record]:
     """The target (a LoadedModel) answers each request with the own runtime; returns Records with exact ids.
 
-    ``samples`` > 1 (with temperature > 0): that many sampled answers per prompt, decoded together as
-    the rows of one batch (rows of equal length advance together in the runner, so n answers cost
-    little more than one on a CPU, where decoding is bound by reading the weights).
+    Prompts are sorted by length and answered ``batch_rows`` rows at a time, as one batch of
+    left-padded rows (``runner.generate_batch``): on a CPU a batch step reads the weights once for
+    every row, so 32 answers cost a few times one. ``samples`` > 1 (with temperature > 0): that many
+    sampled answers per prompt. Answers are appended to ``cache`` as they are done, so an interrupted
+    run resumes where it stopped.
     """
     import torch
 
@@ -197,10 +199,7 @@ def self_distill(loaded, requests: list, *, max_new_tokens: int, temperature: fl
         raise UsageError("several answers per prompt need sampling", "set --distill-temperature > 0 (e.g. 0.7)")
 
     from specctl.bench.workloads import render_prompt
-    from specctl.config import SpecConfig
-    from specctl.runtime.decoder import SamplingParams, SpecDecoder
-    from specctl.runtime.proposers import build_proposer
-    from specctl.runtime.runner import TargetRunner
+    from specctl.runtime.runner import generate_batch
 
     settings = {"model": str(loaded.path), "dtype": str(loaded.dtype).removeprefix("torch."),
                 "max_new_tokens": max_new_tokens, "temperature": temperature, "seed": seed}
@@ -217,17 +216,11 @@ def self_distill(loaded, requests: list, *, max_new_tokens: int, temperature: fl
         prompts.append((req, ids, room))
     if skipped:
         log(f"self-distillation: {skipped} prompt(s) longer than the sequence length left out")
-    todo = [p for p in prompts if p[0].id not in done]
+    todo = sorted((p for p in prompts if p[0].id not in done), key=lambda p: len(p[1]))
     if prompts:
         log(f"self-distillation: the target answers {len(todo)} prompt(s), {len(prompts) - len(todo)} answered "
             f"already{f' (in {cache})' if cache is not None else ''}")
-    max_len = max([len(ids) + room for _, ids, room in todo], default=0) + 24
-    dec = None
-    if todo and samples == 1:
-        runner = TargetRunner(loaded.model, max_len=max_len)
-        k = 8  # prompt-lookup drafts: lossless, and fast on answers that copy their prompt
-        ngram = build_proposer(SpecConfig(method="ngram", num_speculative_tokens=k).validated(), max_len)
-        dec = SpecDecoder(runner, ngram, k, adaptive=True)
+    per_batch = max(1, batch_rows // samples)
     fh = None
     if cache is not None and todo:
         cache.parent.mkdir(parents=True, exist_ok=True)
@@ -236,24 +229,25 @@ def self_distill(loaded, requests: list, *, max_new_tokens: int, temperature: fl
         if torn:  # a crash mid-line: end that line, so the next answer starts a line of its own
             fh.write("\n")
     try:
-        for i, (req, ids, room) in enumerate(todo):
-            gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(req.id.encode()))
-            if samples == 1:
-                params = SamplingParams(max_new_tokens=room, temperature=temperature, stop_token_ids=loaded.stop_token_ids)
-                res = dec.generate(ids, params, gen)
-                answers = [(res.token_ids, res.finish_reason)]
-            else:
-                answers = sample_batch(loaded, ids, samples, room, temperature, gen)
-            rows = []
-            for response, finish in answers:
-                text = loaded.tokenizer.decode(response, skip_special_tokens=True)
-                rows.append({"id": req.id, "messages": req.messages + [{"role": "assistant", "content": text}],
-                             "prompt_ids": ids, "response_ids": response, "finish_reason": finish, "settings": settings})
-            done[req.id] = rows
+        for i in range(0, len(todo), per_batch):
+            group = todo[i:i + per_batch]
+            gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(group[0][0].id.encode()))
+            answers = generate_batch(loaded.model, [ids for _, ids, _ in group for _ in range(samples)],
+                                     [room for _, _, room in group for _ in range(samples)],
+                                     temperature=temperature, stop_token_ids=loaded.stop_token_ids, generator=gen)
+            for j, (req, ids, _) in enumerate(group):
+                rows = []
+                for response, finish in answers[j * samples:(j + 1) * samples]:
+                    text = loaded.tokenizer.decode(response, skip_special_tokens=True)
+                    rows.append({"id": req.id, "messages": req.messages + [{"role": "assistant", "content": text}],
+                                 "prompt_ids": ids, "response_ids": response, "finish_reason": finish,
+                                 "settings": settings})
+                done[req.id] = rows
+                if fh is not None:
+                    fh.write("".join(json.dumps(row) + "\n" for row in rows))
             if fh is not None:
-                fh.write("".join(json.dumps(row) + "\n" for row in rows))
                 fh.flush()
-            progress("self-distill", i + 1, len(todo))
+            progress("self-distill", min(i + per_batch, len(todo)), len(todo))
     finally:
         if fh is not None:
             fh.close()
@@ -263,32 +257,6 @@ def self_distill(loaded, requests: list, *, max_new_tokens: int, temperature: fl
             out.append(Record(messages=row["messages"], prompt_ids=row["prompt_ids"], response_ids=row["response_ids"],
                               source=f"self-distilled {req.id}"))
     return out
-
-
-def sample_batch(loaded, prompt_ids: list[int], n: int, max_new_tokens: int, temperature: float,
-                 generator=None) -> list[tuple[list[int], str]]:
-    """n sampled answers to one prompt, decoded as n rows of one batch: [(response ids, finish reason)]."""
-    import torch
-
-    from specctl.runtime.rejection import logits_to_probs
-    from specctl.runtime.runner import TargetRunner
-
-    stop = set(loaded.stop_token_ids)
-    runner = TargetRunner(loaded.model, max_len=len(prompt_ids) + max_new_tokens + 1, batch=n)
-    logits = runner.forward(torch.tensor([prompt_ids] * n), logits="last")[:, -1]  # [n, V]
-    outs: list[list[int]] = [[] for _ in range(n)]
-    finish = ["length"] * n
-    for step in range(max_new_tokens):
-        tok = torch.multinomial(logits_to_probs(logits, temperature), 1, generator=generator)  # [n, 1]
-        for b, t in enumerate(tok[:, 0].tolist()):
-            if finish[b] == "length" and len(outs[b]) == step:  # row b still writing
-                outs[b].append(t)
-                if t in stop:
-                    finish[b] = "stop"
-        if all(f == "stop" for f in finish) or step + 1 == max_new_tokens:
-            break
-        logits = runner.forward(tok.to(runner.device), logits="last")[:, -1]
-    return list(zip(outs, finish))
 
 
 def _read_cache(path: Path, settings: dict) -> dict[str, dict]:

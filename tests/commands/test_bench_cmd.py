@@ -162,3 +162,18 @@ def test_bad_sweep_k_is_a_one_line_usage_error(value, tmp_path):
     assert r.returncode == 2, r.stderr
     lines = [ln for ln in r.stderr.strip().splitlines() if ln.strip()]
     assert len(lines) == 1 and "--sweep-k" in lines[0]
+
+
+def test_bench_compile_refuses_the_fused_bf16_cpu_path_with_a_fix(tiny_model_dir, prompts_file, tmp_path):
+    from specctl.runtime.model import load_transformer
+
+    import torch
+
+    if not any(b.fused or getattr(b.qkv, "amx_packed", False)
+               for b in load_transformer(tiny_model_dir, torch.bfloat16).layers):
+        pytest.skip("no C++ bf16 path on this CPU: --compile is allowed in bf16 here")
+    r = run_cli("bench", "--model", str(tiny_model_dir), "--dtype", "bfloat16", "--method", "ngram", "--compile",
+                "-w", str(prompts_file), "-n", "1", "--max-new-tokens", "8",
+                env_extra={"SPECCTL_CACHE": str(tmp_path / "cache")})
+    last = r.stderr.strip().splitlines()[-1]  # after the loading log: the one-line error with its fix
+    assert r.returncode == 2 and "--compile" in last and "float32" in last

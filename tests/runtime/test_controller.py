@@ -101,3 +101,25 @@ def test_adaptive_decoding_stays_lossless(tiny_model_factory):
         assert got.token_ids == want
         drafted += got.stats.num_draft_tokens
     assert drafted > 0 and adaptive._costs.get(1)  # it measured plain steps and did draft
+
+
+def test_failed_probes_back_off_exponentially_and_a_good_probe_resets_the_wait():
+    """A draft that never pays (each step that drafts costs 2x a plain step: a big draft model)
+    is probed rarely: waits of 8, 16, 32, 64, 64, ... steps; accepted probes turn drafting on."""
+    costs = {1: 0.1, 2: 0.2, 3: 0.2, 4: 0.2, 5: 0.2}
+    c = DraftLengthController(k=4, costs=dict(costs), alpha=0.0, probe_every=8, max_probe_every=64)
+    probes_at = []
+    for step in range(300):
+        d = c.draft_len()
+        if d:
+            probes_at.append(step)
+        c.observe(d, 0, d + 1, costs[d + 1])
+    gaps = [b - a for a, b in zip(probes_at, probes_at[1:])]
+    assert probes_at[0] == 7 and gaps[:3] == [16, 32, 64] and all(g == 64 for g in gaps[3:])
+    assert len(probes_at) <= 7  # a fixed wait of 8 would have probed 33 times
+    # acceptance returns: the next probe is fully accepted, drafting turns on and the wait resets
+    while c.draft_len() == 0:
+        c.observe(0, 0, 1, costs[1])
+    c.observe(2, 2, 3, costs[3])
+    c.observe(2, 2, 3, costs[3])
+    assert c.draft_len() > 0 and c._gap == 0

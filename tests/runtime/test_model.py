@@ -230,3 +230,80 @@ def test_parse_dtype_and_device():
     assert parse_device("cpu") == torch.device("cpu")
     with pytest.raises(UsageError):
         parse_device("tpu:0")
+
+
+# --------------------------------------------------------------------------- generate_batch
+
+
+def test_generate_batch_rows_of_different_lengths_equal_their_own_greedy_decoding(tiny_model, make_runner):
+    """Left-padded rows with their own positions and key masks: each row decodes as it would alone."""
+    from specctl.runtime.runner import generate_batch
+
+    prompts = [_ids(s, 1, n)[0].tolist() for s, n in ((1, 5), (2, 17), (3, 1), (4, 9))]
+    rooms = [12, 7, 12, 3]
+    out = generate_batch(tiny_model, prompts, rooms, stop_token_ids=())
+    for p, room, (ans, finish) in zip(prompts, rooms, out):
+        r = make_runner()
+        logits = r.forward(torch.tensor([p]), logits="last")
+        want = []
+        for _ in range(room):
+            t = int(logits[0, -1].argmax())
+            want.append(t)
+            logits = r.forward(torch.tensor([[t]]), logits="last")
+        assert ans == want and finish == "length"
+    # a stop token ends its row only
+    stop = out[1][0][2]
+    again = generate_batch(tiny_model, prompts, rooms, stop_token_ids=(stop,))
+    assert again[1] == (out[1][0][:out[1][0].index(stop) + 1], "stop")
+    assert again[0][0][:len(out[0][0])] == out[0][0][:len(again[0][0])]
+
+
+def test_generate_batch_sampling_is_seeded(tiny_model):
+    from specctl.runtime.runner import generate_batch
+
+    prompts = [[7, 8, 9], [10, 11, 12, 13, 14]]
+    a = generate_batch(tiny_model, prompts, [10, 10], temperature=1.0, generator=torch.Generator().manual_seed(3))
+    b = generate_batch(tiny_model, prompts, [10, 10], temperature=1.0, generator=torch.Generator().manual_seed(3))
+    c = generate_batch(tiny_model, prompts, [10, 10], temperature=1.0, generator=torch.Generator().manual_seed(4))
+    greedy = generate_batch(tiny_model, prompts, [10, 10])
+    assert a == b and a != c and a != greedy
+
+
+# --------------------------------------------------------------------------- compiled decode step
+
+
+def test_compiled_decode_step_gives_the_uncompiled_greedy_tokens(tiny_model_factory):
+    """TargetRunner(compile=True): one-token steps go through torch.compile(Transformer.decode_step)
+    (static shapes over the whole cache); greedy output equals the uncompiled runner's, token for
+    token, for plain decoding and for speculative decoding (ngram drafts verified uncompiled)."""
+    from specctl.config import SpecConfig
+    from specctl.runtime.decoder import SamplingParams, SpecDecoder
+    from specctl.runtime.model import load_transformer
+    from specctl.runtime.proposers import build_proposer
+    from specctl.runtime.runner import TargetRunner
+
+    model = load_transformer(tiny_model_factory("qwen2", tie_word_embeddings=True), torch.float32)
+    model.aux_layers = (0, 1)  # aux hidden states (EAGLE-3's input) come out of the compiled step too
+    plain = SpecDecoder(TargetRunner(model, 96))
+    compiled_runner = TargetRunner(model, 96, compile=True)
+    calls = []
+    step = compiled_runner._step
+    compiled_runner._step = lambda *a: calls.append(1) or step(*a)
+    compiled = SpecDecoder(compiled_runner)
+    ngram = SpecDecoder(compiled_runner, build_proposer(SpecConfig(method="ngram", num_speculative_tokens=3,
+                                                                   prompt_lookup_min=1).validated(), 96), 3)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        prompt = (torch.randint(6, 128, (5,), generator=g).tolist() * 2)
+        want = plain.generate(prompt, SamplingParams(max_new_tokens=24)).token_ids
+        assert compiled.generate(prompt, SamplingParams(max_new_tokens=24)).token_ids == want
+        assert ngram.generate(prompt, SamplingParams(max_new_tokens=24)).token_ids == want
+    assert len(calls) >= 3 * 23  # every plain step ran compiled
+    r = TargetRunner(model, 96)
+    r.forward(torch.tensor([[7, 8, 9]]))
+    r.forward(torch.tensor([[10]]))
+    compiled_runner.reset()
+    compiled_runner.forward(torch.tensor([[7, 8, 9]]))
+    compiled_runner.forward(torch.tensor([[10]]))
+    assert torch.allclose(compiled_runner.last_aux, r.last_aux, atol=1e-5)
+    assert torch.allclose(compiled_runner.last_hidden, r.last_hidden, atol=1e-5)
