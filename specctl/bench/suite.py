@@ -25,6 +25,7 @@ import torch
 
 from specctl.bench.workloads import Request, load_workload, render_prompt, turn_messages
 from specctl.config import SpecConfig
+from specctl.errors import UsageError
 from specctl.runtime.decoder import GenerationResult, SamplingParams, SpecDecoder
 from specctl.runtime.metrics import SpecStats
 from specctl.runtime.proposers import build_proposer
@@ -93,6 +94,25 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
+PEER_ENGINES = ("hf", "vllm", "llama.cpp")
+
+
+def peer_engine(method: str) -> str | None:
+    """'vllm:ngram' -> 'vllm'; a specctl method ('ngram', 'draft_model:x', 'baseline') -> None."""
+    eng = method.split(":", 1)[0]
+    return eng if ":" in method and eng in PEER_ENGINES else None
+
+
+def _same_vocab(target: Path, draft: Path) -> bool:
+    """Whether a draft folder has the target's tokenizer (what vLLM's draft_model needs)."""
+    def vocab(p: Path):
+        f = Path(p) / "tokenizer.json"
+        return json.loads(f.read_text(encoding="utf-8")).get("model", {}).get("vocab") if f.is_file() else None
+
+    a, b = vocab(target), vocab(draft)
+    return a is not None and a == b
+
+
 @dataclass
 class BenchReport:
     header: dict
@@ -100,11 +120,12 @@ class BenchReport:
 
     def rows(self) -> list[dict]:
         base = {r.workload: r for r in self.runs if r.method == BASELINE}
-        hf_base = {r.workload: r for r in self.runs if r.method == "hf:plain"}
+        peer_base = {(peer_engine(r.method), r.workload): r for r in self.runs if r.method.endswith(":plain")}
         out = []
         for r in self.runs:
-            # specctl methods against specctl's plain decoding; transformers peers against hf:plain
-            b = (hf_base if r.method.startswith("hf:") else base).get(r.workload)
+            # specctl methods against specctl's plain decoding; a peer's against its own plain (hf:plain, ...)
+            eng = peer_engine(r.method)
+            b = base.get(r.workload) if eng is None else peer_base.get((eng, r.workload))
             speedup = r.tokens_per_s / b.tokens_per_s if b and b.tokens_per_s > 0 else None
             out.append({
                 "workload": r.workload, "method": r.method, "k": r.k, "config": r.config,
@@ -127,7 +148,7 @@ class BenchReport:
         "by_k": {k: tokens_per_s}}. specctl methods only (peers and the baseline have no k to choose)."""
         out: dict[str, dict[str, dict]] = {}
         for r in self.rows():
-            if r["method"] == BASELINE or r["method"].startswith("hf:"):
+            if r["method"] == BASELINE or peer_engine(r["method"]) is not None:
                 continue
             cell = out.setdefault(r["method"], {}).setdefault(r["workload"], {"by_k": {}})
             cell["by_k"][r["k"]] = r["tokens_per_s"]
@@ -257,6 +278,7 @@ def run_bench(
     runs: int = 1,
     sweep_k: list[int] | None = None,
     compile: bool = False,
+    peer_gguf: str | None = None,
 ) -> BenchReport:
     """Every prompt by the baseline, each configuration and each peer; ``progress`` is told the total first.
 
@@ -287,30 +309,45 @@ def run_bench(
         entries.append(Entry(config_names[i], v, SpecDecoder(runner, proposers.build(v), v.num_speculative_tokens,
                                                            adaptive=adaptive)))
 
-    hf = None
-    if "hf" in peers:
-        from specctl.bench.peers import HFPeers
+    groups = []  # peer engines: each has .peers and .run(peer, ids, max_new_tokens, stop_ids)
+    if peers:
+        from specctl.bench.peers import ExternalPeers, HFPeers
         from specctl.models import resolve_model
 
         dt = str(loaded.dtype).removeprefix("torch.")
-        drafts: dict[Path, str] = {}  # one assisted peer per distinct draft, named after it
+        drafts: dict[Path, tuple[str, int]] = {}  # one assisted peer per distinct draft, named after it
         for c in configs:
             if c.method == "draft_model":
-                drafts.setdefault(resolve_model(c.model, dtype=dt), draft_name(c.model))
-        names = dict(zip(drafts, _unique(list(drafts.values()))))
+                drafts.setdefault(resolve_model(c.model, dtype=dt), (draft_name(c.model), c.num_speculative_tokens))
+        names = dict(zip(drafts, _unique([n for n, _ in drafts.values()])))
         k = next((c.num_speculative_tokens for c in configs if c.method == "ngram"), 10)
-        hf = HFPeers(loaded.path, loaded.dtype, prompt_lookup_k=k, drafts=[(names[p], p) for p in drafts])
+        if "hf" in peers:
+            groups.append(HFPeers(loaded.path, loaded.dtype, prompt_lookup_k=k, drafts=[(names[p], p) for p in drafts]))
+        if "vllm" in peers:
+            # vLLM drafts with the target's tokenizer only
+            same = [(names[p], p, dk) for p, (_, dk) in drafts.items()
+                    if _same_vocab(loaded.path, p)]
+            groups.append(ExternalPeers("vllm", str(loaded.path), loaded.dtype, runner.max_len, k, same))
+        if "llama.cpp" in peers:
+            if peer_gguf is None:
+                raise UsageError("--peer llama.cpp needs the model as a GGUF file",
+                                 "pass --peer-gguf model.gguf (e.g. made by llama.cpp's convert_hf_to_gguf.py --outtype bf16)")
+            if not Path(peer_gguf).is_file():
+                raise UsageError(f"--peer-gguf {peer_gguf} does not exist", "pass the path of a .gguf file")
+            groups.append(ExternalPeers("llama.cpp", str(peer_gguf), loaded.dtype, runner.max_len, k))
+    inline = [g for g in groups if not getattr(g, "deferred", False)]
+    deferred_jobs: list[tuple] = []  # (group, peer, run, ids, baseline result): run after specctl's rows
 
     num_turns = sum(req.num_turns for reqs in prompts.values() for req, _ in reqs)
-    total = num_turns * (len(entries) + len(hf.peers if hf else [])) * runs
+    total = num_turns * (len(entries) + sum(len(g.peers) for g in groups)) * runs
     say(0, "warm-up", total)
     # warm-up: every decoder once on a short prompt (numba compilation, first-call allocations)
     warm_ids = next(iter(prompts.values()))[0][1][:64]
     for e in entries:
         e.decoder.generate(warm_ids, SamplingParams(max_new_tokens=8, temperature=params.temperature), _gen(seed))
-    if hf is not None:
-        for peer in hf.peers:
-            hf.run(peer, warm_ids, 8, loaded.stop_token_ids)
+    for g in inline:
+        for peer in g.peers:
+            g.run(peer, warm_ids, 8, loaded.stop_token_ids)
 
     runs_out: list[MethodRun] = []
     for w, reqs in prompts.items():
@@ -320,7 +357,7 @@ def run_bench(
         wruns = {lab: [MethodRun(e.label, lab, 0 if e.config is None else e.config.num_speculative_tokens,
                                  {} if e.config is None else e.config.to_dict()) for e in entries] for lab in labels}
         peer_runs = {lab: [MethodRun(p.name, lab, p.kwargs.get("prompt_lookup_num_tokens", 0), p.config)
-                           for p in (hf.peers if hf else [])] for lab in labels}
+                           for g in groups for p in g.peers] for lab in labels}
         for rep in range(runs):
             # a proposer that learns across requests (suffix) starts each repetition fresh, so a
             # repetition does not find its own earlier answers in the cache
@@ -345,15 +382,35 @@ def run_bench(
                         else:
                             run.add(res, baseline_res if params.greedy else None, rep)
                         say(1, f"{lab} · {e.label} · {what}")
-                    for peer, run in zip(hf.peers if hf else [], peer_runs[lab]):
+                    for (g, peer), run in zip([(g, p) for g in groups for p in g.peers], peer_runs[lab]):
+                        if getattr(g, "deferred", False):
+                            deferred_jobs.append((g, peer, run, ids, baseline_res, rep, f"{lab} · {peer.name} · {what}"))
+                            continue
                         say(0, f"{lab} · {peer.name} · {what}")
-                        run.add(hf.run(peer, ids, params.max_new_tokens, loaded.stop_token_ids),
+                        run.add(g.run(peer, ids, params.max_new_tokens, loaded.stop_token_ids),
                                 baseline_res if params.greedy else None, rep)
                         say(1, f"{lab} · {peer.name} · {what}")
                     if turn < req.num_turns:
                         answers.append(_answer_text(tok, baseline_res.token_ids, loaded.stop_token_ids))
         for lab in labels:
             runs_out.extend(wruns[lab] + peer_runs[lab])
+    # vLLM / llama.cpp: peer by peer (one engine per mode at a time), the same prompts
+    try:
+        for g in groups:
+            for peer in g.peers:
+                jobs = [j for j in deferred_jobs if j[0] is g and j[1] is peer]
+                if jobs:
+                    say(0, f"{peer.name} · loading")
+                    g.run(peer, warm_ids, 8, loaded.stop_token_ids)  # builds the engine, warms it up
+                for _, _, run, ids, base_res, rep, desc in jobs:
+                    say(0, desc)
+                    run.add(g.run(peer, ids, params.max_new_tokens, loaded.stop_token_ids),
+                            base_res if params.greedy else None, rep)
+                    say(1, desc)
+    finally:
+        for g in groups:
+            if hasattr(g, "close"):
+                g.close()
     header = machine_header(loaded, params.max_new_tokens, params.temperature)
     if sweep_k:
         header["sweep_k"] = list(dict.fromkeys(sweep_k))

@@ -10,7 +10,7 @@ import typer
 from specctl.bench.workloads import WORKLOADS  # names and one-line descriptions; no torch
 from specctl.commands._options import DeviceOpt, DtypeOpt, JsonOpt, ModelOpt, SeedOpt
 
-PEERS = ("hf",)
+PEERS = ("hf", "vllm", "llama.cpp")
 
 HELP = """Measure speculative methods on real workloads against the plain-decoding baseline.
 
@@ -32,6 +32,11 @@ Two drafts in one run (each --speculative-config adds a row, here draft_model:<d
 transformers' assisted generation per draft, hf:assisted:<draft>, universal for another tokenizer):
 
   specctl bench --model qwen2.5-coder-1.5b --peer hf --speculative-config '{"method": "draft_model", "model": "qwen2.5-coder-0.5b", "num_speculative_tokens": 5}' --speculative-config '{"method": "draft_model", "model": "smollm2-135m", "num_speculative_tokens": 5}'
+
+The strongest peers in the same table (optional installs; vLLM usually in a venv of its own, named by
+SPECCTL_VLLM_PYTHON; llama.cpp reads a GGUF of the same weights):
+
+  SPECCTL_VLLM_PYTHON=~/vllm/bin/python specctl bench --model qwen2.5-coder-1.5b --method ngram --peer vllm --peer llama.cpp --peer-gguf qwen2.5-coder-1.5b-bf16.gguf
 
 The best k per method and workload, from one run over several k (add --fixed-k to draft exactly k):
 
@@ -55,7 +60,8 @@ def bench(
     num_prompts: Annotated[int, typer.Option("--num-prompts", "-n", help="Prompts per workload.")] = 4,
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", help="Tokens generated per prompt.")] = 128,
     temperature: Annotated[float, typer.Option("--temperature", help="0 = greedy (outputs comparable token for token).")] = 0.0,
-    peer: Annotated[Optional[list[str]], typer.Option("--peer", help="Also run peers on the same prompts: hf (transformers generate: plain, prompt lookup, assisted).")] = None,
+    peer: Annotated[Optional[list[str]], typer.Option("--peer", help="Also run peers on the same prompts (repeatable): hf (transformers generate: plain, prompt lookup, assisted), vllm (plain, ngram, draft_model), llama.cpp (plain, prompt lookup).")] = None,
+    peer_gguf: Annotated[Optional[str], typer.Option("--peer-gguf", help="The GGUF file --peer llama.cpp loads (the same weights as --model; default: --model when it is a .gguf).")] = None,
     runs: Annotated[int, typer.Option("--runs", help="Repeat every prompt N times; tok/s is the median over repetitions (min/max in --json).")] = 1,
     csv_out: Annotated[Optional[str], typer.Option("--csv", help="Also write the results as CSV to this file.")] = None,
     plot: Annotated[Optional[str], typer.Option("--plot", help="Also write speedup.png and acceptance.png into this folder.")] = None,
@@ -86,6 +92,22 @@ def bench(
             raise UsageError(f"unknown peer '{p}'", f"use one of: {', '.join(PEERS)}")
     if runs < 1:
         raise UsageError(f"--runs must be >= 1, got {runs}", "pass e.g. --runs 3")
+    if "llama.cpp" in peers:
+        if peer_gguf is None and model and model.endswith(".gguf"):
+            peer_gguf = model
+        if peer_gguf is None:
+            raise UsageError("--peer llama.cpp needs the model as a GGUF file",
+                             "pass --peer-gguf model.gguf (e.g. from llama.cpp's convert_hf_to_gguf.py --outtype bf16)")
+        from pathlib import Path
+
+        if not Path(peer_gguf).expanduser().is_file():
+            raise UsageError(f"--peer-gguf {peer_gguf} does not exist", "pass the path of a .gguf file")
+        peer_gguf = str(Path(peer_gguf).expanduser())
+    for p in peers:
+        if p != "hf":
+            from specctl.bench.peers import engine_python
+
+            engine_python(p)  # fail fast, before loading the model, when the engine is not installed
     ks = parse_k_list(sweep_k) if sweep_k is not None else None
 
     from rich.console import Console
@@ -120,7 +142,7 @@ def bench(
                            progress=lambda adv, desc, total=None: prog.update(task, advance=adv, description=desc,
                                                                               total=total),
                            adaptive=not fixed_k, peers=peers, runs=runs, sweep_k=ks,
-                           compile=compile)
+                           compile=compile, peer_gguf=peer_gguf)
     report.header["draft_length"] = "fixed k" if fixed_k else "adaptive (up to k)"
 
     rows = report.rows()
@@ -175,19 +197,22 @@ def render_best_k(report) -> None:
 def render(report) -> None:
     from rich.table import Table
 
+    from specctl.bench.suite import peer_engine
+
     h = report.header
     out = _stdout()
     title = (f"{h['model']} · {h['dtype']} · {h['device']} ({h['machine']}, {h['threads']} threads) · "
              f"torch {h['torch']} · {h['max_new_tokens']} new tokens · temperature {h['temperature']} · "
              f"draft length {h.get('draft_length', 'fixed k')}")
     t = Table(title=title, title_justify="left",
-              caption="speedup: specctl methods over specctl's plain decoding; hf:* over hf:plain. "
+              caption="speedup: specctl methods over specctl's plain decoding; a peer's (hf:*, vllm:*, llama.cpp:*) "
+                      "over its own plain. "
                       "= base: outputs equal to specctl's plain output.", caption_justify="left")
     for col in ("workload", "method", "k", "tok/s", "speedup", "accept", "acc. len", "per-position", "= base"):
         t.add_column(col, justify="left" if col in ("workload", "method", "per-position") else "right", no_wrap=True)
     for r in report.rows():
         base = r["method"] == "baseline"
-        no_stats = base or r["method"].startswith("hf:")
+        no_stats = base or peer_engine(r["method"]) is not None
         per_pos = " ".join(f"{x:.2f}" for x in r["acceptance_rate_per_pos"][:4])
         if len(r["acceptance_rate_per_pos"]) > 4:
             per_pos += " …"

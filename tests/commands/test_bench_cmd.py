@@ -177,3 +177,70 @@ def test_bench_compile_refuses_the_fused_bf16_cpu_path_with_a_fix(tiny_model_dir
                 env_extra={"SPECCTL_CACHE": str(tmp_path / "cache")})
     last = r.stderr.strip().splitlines()[-1]  # after the loading log: the one-line error with its fix
     assert r.returncode == 2 and "--compile" in last and "float32" in last
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--peer", "vllm"], "SPECCTL_VLLM_PYTHON"),
+    (["--peer", "llama.cpp"], "--peer-gguf"),
+    (["--peer", "llama.cpp", "--peer-gguf", "/no/such.gguf"], "does not exist"),
+    (["--peer", "sglang"], "hf, vllm, llama.cpp"),
+])
+def test_missing_peer_engines_fail_fast_with_the_fix(args, needle, tmp_path):
+    env = {"SPECCTL_CACHE": str(tmp_path / "cache"), "SPECCTL_VLLM_PYTHON": "", "PYTHONPATH": ""}
+    r = run_cli("bench", *args, env_extra=env, timeout=120)
+    assert r.returncode == 2, r.stderr
+    lines = [ln for ln in r.stderr.strip().splitlines() if ln.strip()]
+    assert len(lines) == 1 and needle in lines[0]
+
+
+# A stand-in for llama-cpp-python with its API (Llama, generate, LlamaPromptLookupDecoding), greedy
+# decoding through transformers on the tiny model: it drives the real peer worker process and the
+# deferred peer path of the suite without building llama.cpp in the tests.
+_LLAMA_STANDIN = '''
+import os, torch
+from transformers import AutoModelForCausalLM
+
+class Llama:
+    def __init__(self, model_path, n_ctx=512, n_threads=None, n_batch=512, verbose=False, seed=0, draft_model=None):
+        assert open(model_path, "rb").read(4) == b"GGUF"
+        self.model = AutoModelForCausalLM.from_pretrained(os.environ["STANDIN_HF_DIR"], dtype=torch.float32).eval()
+        self.draft_model = draft_model
+
+    def reset(self):
+        pass
+
+    @torch.inference_mode()
+    def generate(self, tokens, top_k=40, top_p=0.95, min_p=0.05, temp=0.8, repeat_penalty=1.0, reset=True):
+        assert top_k == 1 and temp == 0.0 and repeat_penalty == 1.0
+        ids = list(tokens)
+        while True:
+            nxt = int(self.model(torch.tensor([ids])).logits[0, -1].argmax())
+            ids.append(nxt)
+            yield nxt
+
+    def close(self):
+        pass
+'''
+
+
+def test_llama_cpp_peer_runs_in_its_worker_after_specctl_rows(tiny_model_dir, prompts_file, tmp_path):
+    pkg = tmp_path / "standin" / "llama_cpp"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text(_LLAMA_STANDIN)
+    (pkg / "llama_speculative.py").write_text(
+        "class LlamaPromptLookupDecoding:\n    def __init__(self, num_pred_tokens=10):\n        self.k = num_pred_tokens\n")
+    gguf = tmp_path / "tiny.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(60))
+    r = run_cli("bench", "--model", str(tiny_model_dir), "--dtype", "float32", "-w", str(prompts_file), "-n", "2",
+                "--max-new-tokens", "10", "--peer", "llama.cpp", "--peer-gguf", str(gguf), "--json",
+                env_extra={"SPECCTL_CACHE": str(tmp_path / "cache"), "PYTHONPATH": str(tmp_path / "standin"),
+                           "STANDIN_HF_DIR": str(tiny_model_dir)})
+    assert r.returncode == 0, r.stderr
+    rows = {x["method"]: x for x in json.loads(r.stdout)["results"]}
+    assert list(rows) == ["baseline", "ngram", "llama.cpp:plain", "llama.cpp:prompt-lookup"]
+    for name in ("llama.cpp:plain", "llama.cpp:prompt-lookup"):
+        assert rows[name]["requests"] == 2 and rows[name]["identical_to_baseline"] == 2  # same greedy tokens
+        assert rows[name]["new_tokens"] == rows["baseline"]["new_tokens"]
+    # a peer's speedup is over its own plain row
+    lp, pl = rows["llama.cpp:prompt-lookup"], rows["llama.cpp:plain"]
+    assert lp["speedup"] == pytest.approx(lp["tokens_per_s"] / pl["tokens_per_s"]) and pl["speedup"] == pytest.approx(1.0)

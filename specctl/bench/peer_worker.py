@@ -1,0 +1,130 @@
+"""A peer engine (vLLM, llama.cpp) in a process of its own, driven by ``specctl bench --peer``.
+
+Run as a script by the interpreter that has the engine installed (``python peer_worker.py SPEC``),
+so it imports nothing from specctl: vLLM pins its own transformers, and may live in another venv.
+
+SPEC (JSON, argv[1]): {"engine": "vllm" | "llama.cpp", "model": path (an HF folder for vLLM, a .gguf
+for llama.cpp), "dtype": "bfloat16", "threads": 2, "max_len": 4096}.
+
+Then, one JSON object a line on stdin, one answer a line on stdout:
+
+  {"mode": {"kind": "plain"}, ...}                                  plain greedy decoding
+  {"mode": {"kind": "ngram", "k": 10}, ...}                         prompt lookup / n-gram drafts
+  {"mode": {"kind": "draft", "k": 4, "draft": path}, ...}           a draft model (vLLM)
+  ... "prompt_ids": [...], "max_new_tokens": 128, "stop_token_ids": [...]
+  -> {"tokens": [...], "prefill_s": t, "decode_s": t}  or  {"error": "..."}
+
+An engine is built per mode and kept while requests of that mode follow (send them grouped by
+mode). Timing as for transformers' peer: decode time = a full generation minus a one-token
+generation of the same prompt (prefill + first token), measured just before; prefix caching is
+off, so the second prefill costs what the first did.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import sys
+import time
+
+
+class VLLMEngine:
+    def __init__(self, spec: dict, mode: dict):
+        from vllm import LLM
+
+        # on the CPU backend gpu_memory_utilization is the share of host memory vLLM reserves (weights + KV)
+        kw = dict(model=spec["model"], dtype=spec.get("dtype", "bfloat16"), max_model_len=spec.get("max_len", 4096),
+                  enable_prefix_caching=False, seed=0, gpu_memory_utilization=spec.get("memory_fraction", 0.35))
+        if mode["kind"] == "ngram":
+            kw["speculative_config"] = {"method": "ngram", "num_speculative_tokens": mode["k"],
+                                        "prompt_lookup_max": mode.get("prompt_lookup_max", 5),
+                                        "prompt_lookup_min": mode.get("prompt_lookup_min", 2)}
+        elif mode["kind"] == "draft":
+            kw["speculative_config"] = {"method": "draft_model", "model": mode["draft"],
+                                        "num_speculative_tokens": mode["k"]}
+        self.llm = LLM(**kw)
+
+    def generate(self, ids: list[int], max_new: int, stop: list[int]) -> list[int]:
+        from vllm import SamplingParams
+
+        sp = SamplingParams(temperature=0.0, max_tokens=max_new, stop_token_ids=stop or None)
+        out = self.llm.generate([{"prompt_token_ids": ids}], sp, use_tqdm=False)
+        return list(out[0].outputs[0].token_ids)
+
+    def close(self) -> None:
+        del self.llm
+
+
+class LlamaCppEngine:
+    def __init__(self, spec: dict, mode: dict):
+        from llama_cpp import Llama
+
+        kw = dict(model_path=spec["model"], n_ctx=spec.get("max_len", 4096), n_threads=spec.get("threads"),
+                  n_batch=512, verbose=False, seed=0)
+        if mode["kind"] == "ngram":
+            from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+            kw["draft_model"] = LlamaPromptLookupDecoding(num_pred_tokens=mode["k"])
+        elif mode["kind"] != "plain":
+            raise ValueError(f"llama.cpp peer: mode {mode['kind']} is not supported (plain, ngram)")
+        self.llm = Llama(**kw)
+
+    def generate(self, ids: list[int], max_new: int, stop: list[int]) -> list[int]:
+        self.llm.reset()  # no reuse of the previous prompt's cache
+        out = []
+        stop = set(stop)
+        for tok in self.llm.generate(ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0, reset=True):
+            out.append(int(tok))
+            if tok in stop or len(out) >= max_new:
+                break
+        return out
+
+    def close(self) -> None:
+        self.llm.close() if hasattr(self.llm, "close") else None
+        del self.llm
+
+
+ENGINES = {"vllm": VLLMEngine, "llama.cpp": LlamaCppEngine}
+
+
+def main() -> None:
+    spec = json.loads(sys.argv[1])
+    if spec.get("threads"):
+        n = int(spec["threads"])
+        os.environ.setdefault("OMP_NUM_THREADS", str(n))
+        # vLLM's CPU backend binds its OpenMP threads and by default keeps one core for itself; bench
+        # gives it the same cores specctl decodes on
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{n - 1}" if n > 1 else "0")
+        os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    out = sys.stdout
+    sys.stdout = sys.stderr  # engines print; the protocol owns the real stdout
+    engine, engine_mode = None, None
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        req = json.loads(line)
+        try:
+            if req["mode"] != engine_mode:
+                if engine is not None:
+                    engine.close()
+                    gc.collect()
+                engine, engine_mode = None, None
+                engine = ENGINES[spec["engine"]](spec, req["mode"])
+                engine_mode = req["mode"]
+            ids, n, stop = req["prompt_ids"], req["max_new_tokens"], req.get("stop_token_ids", [])
+            t0 = time.perf_counter()
+            engine.generate(ids, 1, stop)
+            t1 = time.perf_counter()
+            tokens = engine.generate(ids, n, stop)
+            t2 = time.perf_counter()
+            prefill = t1 - t0
+            ans = {"tokens": tokens, "prefill_s": prefill, "decode_s": max(t2 - t1 - prefill, 1e-9)}
+        except Exception as e:  # noqa: BLE001 - reported to the parent, which names the peer
+            ans = {"error": f"{type(e).__name__}: {e}"}
+        out.write(json.dumps(ans) + "\n")
+        out.flush()
+
+
+if __name__ == "__main__":
+    main()
