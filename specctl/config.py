@@ -69,6 +69,11 @@ class SpecConfig:
     """suffix: stop extending a draft once its running probability falls below this."""
     max_model_len: int | None = None
     """Longest sequence (prompt + output) the draft may work on; defaults to the target's."""
+    speculative_eagle_topk: int | None = None
+    """eagle/eagle3: draft an EAGLE-2 dynamic tree (greedy requests), expanding the top-k children of
+    the k best nodes per level (SGLang's name); unset = a chain."""
+    speculative_num_draft_tokens: int | None = None
+    """eagle/eagle3 trees: nodes kept after reranking by cumulative draft probability (default 16)."""
     vllm_only: dict[str, Any] = field(default_factory=dict)
     """Keys vLLM understands that the own runtime does not use (kept for ``--engine vllm``)."""
 
@@ -158,6 +163,16 @@ class SpecConfig:
         _check_number("suffix_decoding_min_token_prob", self.suffix_decoding_min_token_prob, minimum=0.0, maximum=1.0)
         if self.max_model_len is not None:
             _check_int("max_model_len", self.max_model_len, minimum=1)
+        if self.speculative_eagle_topk is not None or self.speculative_num_draft_tokens is not None:
+            if method not in ("eagle", "eagle3"):
+                raise ConfigError(f"speculative_eagle_topk / speculative_num_draft_tokens are EAGLE tree options, "
+                                  f"not for '{method}'", "drop them, or use method eagle or eagle3")
+            if self.speculative_eagle_topk is None:
+                self.speculative_eagle_topk = 4
+            if self.speculative_num_draft_tokens is None:
+                self.speculative_num_draft_tokens = 16
+            _check_int("speculative_eagle_topk", self.speculative_eagle_topk, minimum=1)
+            _check_int("speculative_num_draft_tokens", self.speculative_num_draft_tokens, minimum=1)
         return self
 
 

@@ -21,6 +21,15 @@ one x10), whose row 9 gives d1; then (d1, out_9) at position 10 gives d2, (d2, o
 d3. The draft's cache length stays 10: positions 10, 11 hold chain keys, overwritten next time by
 features of whatever the target accepts (KV rollback is setting a length).
 
+Tree drafting (EAGLE-2's dynamic tree, arXiv 2406.16858; ``speculative_eagle_topk`` = K and
+``speculative_num_draft_tokens`` = N, greedy requests): the last fed row's top-K tokens are level 1;
+each later level forwards the K best nodes of the level before (by cumulative draft log-probability)
+as one draft call of K rows, each node at position P + depth - 1 in a scratch slot of its own and
+attending to the prefix and its ancestors only (a tree mask), and each forwarded node offers its
+top-K children. After ``k`` levels every candidate is reranked by cumulative log-probability and the
+best N (a connected tree: a node's score never exceeds its parent's) go to verification. The
+verifier follows the target's greedy choices down the tree, so output stays the target's own.
+
 What it does not know: verification, the target's cache, training (``specctl.training.eagle``).
 """
 
@@ -187,18 +196,21 @@ class EagleDraft(nn.Module):
             return self.lm_head(self.norm(out))
         return F.linear(out.to(head_weight.dtype), head_weight).float()
 
-    def forward_cached(self, emb, h, start: int, k_cache, v_cache) -> torch.Tensor:
-        """Rows at positions [start, start+T): emb/h [1, T, H]; caches [1, nkv, max_len, hd] -> out [1, T, H]."""
+    def forward_cached(self, emb, h, start: int, k_cache, v_cache, positions: torch.Tensor | None = None,
+                       mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows in cache slots [start, start+T): emb/h [1, T, H]; caches [1, nkv, max_len, hd] -> out [1, T, H].
+        Rows sit at positions start.. and attend causally, unless ``positions`` [T] and ``mask``
+        [T, start+T] (a draft tree: each node its prefix and ancestors) say otherwise."""
         lay, a = self.midlayer, self.spec.args
         x = self.layer_input(emb, h)
         T = x.shape[1]
-        cos, sin = rope_cos_sin(self.inv_freq, torch.arange(start, start + T, device=x.device))
+        pos = torch.arange(start, start + T, device=x.device) if positions is None else positions
+        cos, sin = rope_cos_sin(self.inv_freq, pos)
         q, k, v = lay.qkv(lay.attn_input(emb, x), cos.to(x.dtype), sin.to(x.dtype))
         end = start + T
         k_cache[:, :, start:end] = k
         v_cache[:, :, start:end] = v
-        mask = None
-        if T > 1:
+        if mask is None and T > 1:
             mask = torch.arange(end, device=x.device)[None, :] <= torch.arange(start, end, device=x.device)[:, None]
         att = F.scaled_dot_product_attention(q, k_cache[:, :, :end], v_cache[:, :, :end], attn_mask=mask,
                                              enable_gqa=a.num_kv_heads != a.num_heads)
@@ -321,6 +333,8 @@ class EagleProposer(Proposer):
         self.target_model = tmodel
         self.k = int(config.num_speculative_tokens or 1)
         self.max_model_len = int(config.max_model_len or max_model_len)
+        self.tree_topk = config.speculative_eagle_topk  # None: chains only
+        self.tree_tokens = config.speculative_num_draft_tokens or 16
         if draft is None:
             draft, embed = load_eagle_draft(_resolve(config.model), tmodel.args)
         if draft.version != self.version:
@@ -341,7 +355,8 @@ class EagleProposer(Proposer):
     def _slot(self, slot: int) -> _Slot:
         s = self.slots.get(slot)
         if s is None:
-            s = self.slots[slot] = _Slot(self.draft.spec.args, self.max_model_len + self.k + 2, self.device)
+            scratch = self.k + (self.tree_topk or 0) * self.k  # chain rows, or the forwarded tree nodes
+            s = self.slots[slot] = _Slot(self.draft.spec.args, self.max_model_len + scratch + 2, self.device)
         return s
 
     def start_request(self, slot: int, prompt_ids: np.ndarray) -> None:
@@ -384,6 +399,10 @@ class EagleProposer(Proposer):
     # ------------------------------------------------------------------ drafting
     def propose(self, token_ids, num_tokens, k, hidden_states=None) -> DraftOutput:
         B = token_ids.shape[0]
+        if self.tree_topk is not None and B == 1 and k > 0:
+            s = self._slot_for_row(token_ids[0], int(num_tokens[0]))
+            if (s.sampling or _Sampling()).temperature <= 0:
+                return self._propose_tree(s, token_ids[0], int(num_tokens[0]), k)
         out = torch.full((B, k), -1, dtype=torch.long)
         num = torch.zeros(B, dtype=torch.long)
         qs = []
@@ -410,13 +429,7 @@ class EagleProposer(Proposer):
         if P == 0 or P + k + 1 > s.k.shape[2]:
             return [], None
         d = self.draft
-        # feed the feature rows not yet in the draft cache (at least the last, whose output starts the
-        # chain): position p reads token row[p+1]
-        a = min(s.n_fed, P - 1)
-        toks = torch.from_numpy(row[a + 1:P + 1].astype(np.int64)).to(self.device)[None]  # [1, P - a]
-        h = s.feat[a:P][None]  # [1, P - a, H]
-        o = d.forward_cached(self.embed_weight[toks].float(), h, a, s.k, s.v)[:, -1:]  # [1, 1, H]
-        s.n_fed = P
+        o = self._feed(s, row, P)
         sp = s.sampling or _Sampling()
         sample = sp.temperature > 0
         gen = sp.generator or self._own_generator
@@ -441,6 +454,84 @@ class EagleProposer(Proposer):
         q = torch.zeros(len(q_rows), self.Vt, device=self.device)  # [n, V_target]
         q[:, self.target_ids] = torch.stack(q_rows).float()
         return ids, q
+
+
+    def _feed(self, s: _Slot, row: np.ndarray, P: int) -> torch.Tensor:
+        """Feed the feature rows not yet in the draft cache (at least the last, whose output starts the
+        draft): position p reads token row[p+1]. Returns the last row's out [1, 1, H]."""
+        a = min(s.n_fed, P - 1)
+        toks = torch.from_numpy(row[a + 1:P + 1].astype(np.int64)).to(self.device)[None]  # [1, P - a]
+        h = s.feat[a:P][None]  # [1, P - a, H]
+        o = self.draft.forward_cached(self.embed_weight[toks].float(), h, a, s.k, s.v)[:, -1:]  # [1, 1, H]
+        s.n_fed = P
+        return o
+
+    @torch.inference_mode()
+    def _propose_tree(self, s: _Slot, row: np.ndarray, n: int, depth: int) -> DraftOutput:
+        """EAGLE-2's dynamic tree (see the module docstring): greedy requests, batch 1."""
+        P, K, d = s.n_feat, self.tree_topk, self.draft
+        if P == 0 or P + K * depth + 2 > s.k.shape[2]:
+            return DraftOutput(torch.full((1, depth), -1, dtype=torch.long), torch.zeros(1, dtype=torch.long))
+        o = self._feed(s, row, P)
+        # candidates: target token, parent candidate (-1: the last emitted token), cumulative log-prob, depth
+        tok: list[int] = []
+        parent: list[int] = []
+        score: list[float] = []
+        level: list[int] = []
+        lp = torch.log_softmax(d.logits(o[0, -1], self.target_model.head_weight).float(), -1)  # [N]
+        top = lp.topk(min(K, lp.numel()))
+        for v, i in zip(top.values.tolist(), top.indices.tolist()):
+            tok.append(int(self.target_ids[i]))
+            parent.append(-1)
+            score.append(v)
+            level.append(1)
+        frontier = list(range(len(tok)))
+        out_of: dict[int, torch.Tensor] = {}  # forwarded candidate -> its out [H]
+        slot_of: dict[int, int] = {}  # forwarded candidate -> draft cache slot
+        nxt = P  # scratch slots from P on (overwritten by the next feed, like chain rows)
+        for lev in range(1, depth):
+            frontier = [c for c in frontier if tok[c] not in self.stop_ids]
+            if not frontier:
+                break
+            F = len(frontier)
+            emb = self.embed_weight[torch.tensor([tok[c] for c in frontier], device=self.device)].float()[None]
+            h = torch.stack([o[0, -1] if parent[c] < 0 else out_of[parent[c]] for c in frontier])[None]  # [1, F, H]
+            mask = torch.zeros(F, nxt + F, dtype=torch.bool, device=self.device)
+            mask[:, :P] = True
+            for r, c in enumerate(frontier):
+                mask[r, nxt + r] = True
+                a = parent[c]
+                while a >= 0:
+                    mask[r, slot_of[a]] = True
+                    a = parent[a]
+            pos = torch.full((F,), P + lev - 1, device=self.device)
+            outs = d.forward_cached(emb, h, nxt, s.k, s.v, positions=pos, mask=mask)[0]  # [F, H]
+            for r, c in enumerate(frontier):
+                out_of[c], slot_of[c] = outs[r], nxt + r
+            nxt += F
+            lp = torch.log_softmax(d.logits(outs, self.target_model.head_weight).float(), -1)  # [F, N]
+            top = lp.topk(min(K, lp.shape[-1]), dim=-1)
+            new = []
+            for r, c in enumerate(frontier):
+                for v, i in zip(top.values[r].tolist(), top.indices[r].tolist()):
+                    tok.append(int(self.target_ids[i]))
+                    parent.append(c)
+                    score.append(score[c] + v)
+                    level.append(lev + 1)
+                    new.append(len(tok) - 1)
+            frontier = sorted(new, key=lambda c: -score[c])[:K]
+        # rerank: the best N candidates, closed under parents, parents before children
+        keep = set(sorted(range(len(tok)), key=lambda c: -score[c])[:self.tree_tokens])
+        for c in list(keep):
+            a = parent[c]
+            while a >= 0 and a not in keep:
+                keep.add(a)
+                a = parent[a]
+        order = sorted(keep, key=lambda c: (level[c], -score[c]))
+        index = {c: i for i, c in enumerate(order)}
+        ids = torch.tensor([[tok[c] for c in order]], dtype=torch.long)
+        return DraftOutput(ids, torch.tensor([len(order)]), None,
+                           [-1 if parent[c] < 0 else index[parent[c]] for c in order])
 
 
 class Eagle3Proposer(EagleProposer):

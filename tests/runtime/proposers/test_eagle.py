@@ -189,3 +189,91 @@ def test_sampling_returns_draft_probs_on_target_ids(trained, tiny_model_dir):
     assert all(float(q[i, int(d.token_ids[0, i])]) > 0 for i in range(n))
     while st.finish is None:  # stochastic verification runs through with these q
         dec.step(st)
+
+
+# --------------------------------------------------------------------------- EAGLE-2 dynamic trees
+
+
+def _tree_proposer(trained, tiny_model_dir, topk: int, tokens: int, k: int = 4):
+    loaded = load_model(tiny_model_dir, dtype="float32")
+    cfg = SpecConfig.from_dict({"method": "eagle3", "model": trained[3]["export"], "num_speculative_tokens": k,
+                                "speculative_eagle_topk": topk, "speculative_num_draft_tokens": tokens})
+    return loaded, build_proposer(cfg, 256, target=loaded)
+
+
+def test_tree_greedy_equality_and_accepts_at_least_as_much_as_the_chain(trained, tiny_model_dir):
+    loaded, prop = _tree_proposer(trained, tiny_model_dir, topk=3, tokens=12)
+    chain = build_proposer(SpecConfig.from_dict({"method": "eagle3", "model": trained[3]["export"],
+                                                 "num_speculative_tokens": 4}), 256, target=loaded)
+    tree_dec = SpecDecoder(TargetRunner(loaded.model, 256), prop, 4)
+    chain_dec = SpecDecoder(TargetRunner(loaded.model, 256), chain, 4)
+    plain = SpecDecoder(TargetRunner(loaded.model, 256))
+    steps = {"tree": 0, "chain": 0}
+    for text in trained["prompts"]:
+        ids = chat_ids(loaded.tokenizer, [{"role": "user", "content": text}], True)
+        params = SamplingParams(max_new_tokens=24)
+        want = plain.generate(ids, params).token_ids
+        t, c = tree_dec.generate(ids, params), chain_dec.generate(ids, params)
+        assert t.token_ids == want and c.token_ids == want, text
+        steps["tree"] += t.num_steps
+        steps["chain"] += c.num_steps
+    assert steps["tree"] <= steps["chain"]  # a tree holds more candidates per step than its best chain
+
+
+def test_tree_with_topk_1_is_the_chain(trained, tiny_model_dir):
+    loaded, tree = _tree_proposer(trained, tiny_model_dir, topk=1, tokens=4)
+    chain = build_proposer(SpecConfig.from_dict({"method": "eagle3", "model": trained[3]["export"],
+                                                 "num_speculative_tokens": 4}), 256, target=loaded)
+    ids = chat_ids(loaded.tokenizer, [{"role": "user", "content": trained["prompts"][0]}], True)
+    outs = []
+    for prop in (tree, chain):
+        dec = SpecDecoder(TargetRunner(loaded.model, 256), prop, 4)
+        st = dec.start(ids, SamplingParams(max_new_tokens=8))
+        outs.append(prop.propose(st.ctx, [st.n_ctx], 4))
+    t, c = outs
+    n = int(c.num_tokens[0])
+    assert t.token_ids[0, :n].tolist() == c.token_ids[0, :n].tolist()
+    assert t.parents == [-1] + list(range(n - 1))
+
+
+def test_every_tree_node_is_a_top_k_child_of_its_path_run_as_a_chain(trained, tiny_model_dir):
+    """The tree mask and positions are right: recomputing each node's parent causally along its path
+    (the ancestors as a chain, from a copy of the prefix cache) ranks the node among its top-K."""
+    K = 3
+    loaded, prop = _tree_proposer(trained, tiny_model_dir, topk=K, tokens=14)
+    dec = SpecDecoder(TargetRunner(loaded.model, 256), prop, 4)
+    ids = chat_ids(loaded.tokenizer, [{"role": "user", "content": trained["prompts"][3]}], True)
+    st = dec.start(ids, SamplingParams(max_new_tokens=8))
+    s = prop._slot_for_row(st.ctx[0], st.n_ctx)
+    d = prop.propose(st.ctx, [st.n_ctx], 4)
+    toks, parents = d.token_ids[0].tolist(), d.parents
+    assert len(toks) == 14 and max(p for p in parents) >= 1  # branching, at least 3 levels
+    assert len(set(p for p in parents if p >= 0)) < len([p for p in parents if p >= 0])  # some node has 2+ children
+    P, draft = s.n_feat, prop.draft
+    k_pre, v_pre = s.k.clone(), s.v.clone()  # slots [0, P) = the fed prefix; the tree wrote only beyond
+    o_root = draft.forward_cached(prop.embed_weight[torch.tensor([[int(st.ctx[0, P])]])].float(), s.feat[P - 1:P][None],
+                                  P - 1, k_pre.clone(), v_pre.clone())[0, -1]
+    for i, t in enumerate(toks):
+        path = []
+        a = parents[i]
+        while a >= 0:
+            path.append(toks[a])
+            a = parents[a]
+        path.reverse()
+        kc, vc = k_pre.clone(), v_pre.clone()
+        o = o_root
+        for j, tok in enumerate(path):  # chain rows at P, P+1, ...
+            o = draft.forward_cached(prop.embed_weight[torch.tensor([[tok]])].float(), o[None, None], P + j, kc, vc)[0, -1]
+        top = draft.logits(o).topk(K).indices
+        assert t in prop.target_ids[top].tolist(), (i, path, t)
+
+
+def test_tree_options_are_validated():
+    from specctl.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="EAGLE tree options"):
+        SpecConfig.from_dict({"method": "ngram", "speculative_eagle_topk": 4})
+    with pytest.raises(ConfigError, match="speculative_eagle_topk must be >= 1"):
+        SpecConfig.from_dict({"method": "eagle3", "model": "x", "speculative_eagle_topk": 0})
+    c = SpecConfig.from_dict({"method": "eagle3", "model": "x", "speculative_eagle_topk": 2})
+    assert c.speculative_num_draft_tokens == 16
