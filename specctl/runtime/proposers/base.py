@@ -69,3 +69,48 @@ class Proposer:
 
     def end_request(self, slot: int) -> None:
         """The request in ``slot`` finished (a proposer may learn from its output here)."""
+
+
+class SlotProposer(Proposer):
+    """A proposer that keeps each request's state in a slot of its own (a draft's caches, the target
+    states it has seen, the request's sampling). Subclasses build a slot in ``_new_slot`` (an object
+    with ``prompt``, ``sampling`` and ``active``), clear one in ``_reset_slot`` and say how many
+    target positions a slot holds in ``_target_len``; the request life is here, once."""
+
+    slots: dict
+
+    def _new_slot(self):
+        raise NotImplementedError
+
+    def _reset_slot(self, s) -> None:
+        """A slot is reused for a new request: forget the old one's state."""
+
+    def _target_len(self, s) -> int:
+        raise NotImplementedError
+
+    def _slot(self, slot: int):
+        s = self.slots.get(slot)
+        if s is None:
+            s = self.slots[slot] = self._new_slot()
+        return s
+
+    def start_request(self, slot: int, prompt_ids: np.ndarray) -> None:
+        s = self._slot(slot)
+        self._reset_slot(s)
+        s.prompt = np.asarray(prompt_ids, dtype=np.int64).copy()
+        s.active = True
+
+    def set_sampling(self, slot: int, params, generator: torch.Generator | None = None) -> None:
+        self._slot(slot).sampling = DraftSampling(float(params.temperature), params.top_k, params.top_p, generator)
+
+    def end_request(self, slot: int) -> None:
+        if slot in self.slots:
+            self.slots[slot].active = False
+
+    def _match_slot(self, row: np.ndarray, n: int):
+        """The active slot whose target states fit this context of n tokens (the target holds n - 1),
+        told apart by prompt where several do; None if none."""
+        cands = [s for s in self.slots.values() if s.active and self._target_len(s) == n - 1]
+        if len(cands) > 1:
+            cands = [s for s in cands if np.array_equal(s.prompt, row[:len(s.prompt)])] or cands
+        return cands[0] if cands else None

@@ -47,7 +47,7 @@ from torch import nn
 from specctl.config import SpecConfig
 from specctl.errors import ModelError, UsageError
 from specctl.runtime.model import ModelArgs, RMSNorm, rope_inv_freq, rotate_half
-from specctl.runtime.proposers.base import DraftOutput, Proposer
+from specctl.runtime.proposers.base import DraftOutput, SlotProposer
 from specctl.runtime.proposers.base import DraftSampling as _Sampling
 from specctl.runtime.rejection import logits_to_probs
 
@@ -317,7 +317,7 @@ class _Slot:
         self.active = False
 
 
-class EagleProposer(Proposer):
+class EagleProposer(SlotProposer):
     """EAGLE-1 chain drafting (see the module docstring). ``Eagle3Proposer`` only changes the version."""
 
     method = "eagle"
@@ -352,25 +352,15 @@ class EagleProposer(Proposer):
         self._own_generator = torch.Generator(device=self.device).manual_seed(int(torch.randint(2**62, ())))
 
     # ------------------------------------------------------------------ request life
-    def _slot(self, slot: int) -> _Slot:
-        s = self.slots.get(slot)
-        if s is None:
-            scratch = self.k + (self.tree_topk or 0) * self.k  # chain rows, or the forwarded tree nodes
-            s = self.slots[slot] = _Slot(self.draft.spec.args, self.max_model_len + scratch + 2, self.device)
-        return s
+    def _new_slot(self) -> _Slot:
+        scratch = self.k + (self.tree_topk or 0) * self.k  # chain rows, or the forwarded tree nodes
+        return _Slot(self.draft.spec.args, self.max_model_len + scratch + 2, self.device)
 
-    def start_request(self, slot: int, prompt_ids: np.ndarray) -> None:
-        s = self._slot(slot)
+    def _reset_slot(self, s: _Slot) -> None:
         s.n_feat = s.n_fed = 0
-        s.prompt = np.asarray(prompt_ids, dtype=np.int64).copy()
-        s.active = True
 
-    def set_sampling(self, slot: int, params, generator: torch.Generator | None = None) -> None:
-        self._slot(slot).sampling = _Sampling(float(params.temperature), params.top_k, params.top_p, generator)
-
-    def end_request(self, slot: int) -> None:
-        if slot in self.slots:
-            self.slots[slot].active = False
+    def _target_len(self, s: _Slot) -> int:
+        return s.n_feat
 
     @torch.inference_mode()
     def on_target_hidden(self, slot: int, hidden: torch.Tensor, aux: torch.Tensor | None) -> None:
@@ -388,13 +378,11 @@ class EagleProposer(Proposer):
         """Nothing to do: the next ``on_target_hidden`` rows overwrite the rejected chain rows."""
 
     def _slot_for_row(self, row: np.ndarray, n: int) -> _Slot:
-        active = [s for s in self.slots.values() if s.active and s.n_feat == n - 1]
-        if len(active) > 1:
-            active = [s for s in active if np.array_equal(s.prompt, row[:len(s.prompt)])] or active
-        if not active:
+        s = self._match_slot(row, n)
+        if s is None:
             raise UsageError("the EAGLE proposer was asked to draft for a request whose target states it has not seen",
                              "drive it through SpecDecoder (it calls on_target_hidden after every target forward)")
-        return active[0]
+        return s
 
     # ------------------------------------------------------------------ drafting
     def propose(self, token_ids, num_tokens, k, hidden_states=None) -> DraftOutput:

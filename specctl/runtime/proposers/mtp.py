@@ -50,7 +50,7 @@ from kernels import skinny_linear
 from specctl.config import SpecConfig
 from specctl.errors import ModelError, UsageError
 from specctl.runtime.model import Block, ModelArgs, RMSNorm, Transformer
-from specctl.runtime.proposers.base import DraftOutput, Proposer
+from specctl.runtime.proposers.base import DraftOutput, SlotProposer
 from specctl.runtime.proposers.base import DraftSampling as _Sampling
 from specctl.runtime.rejection import logits_to_probs
 
@@ -261,7 +261,7 @@ class _Slot:
             self.c.append(0)
 
 
-class MtpProposer(Proposer):
+class MtpProposer(SlotProposer):
     method = "mtp"
     needs_hidden_states = True
 
@@ -291,25 +291,15 @@ class MtpProposer(Proposer):
         self.slots: dict[int, _Slot] = {}
         self._own_generator = torch.Generator(device=self.device).manual_seed(int(torch.randint(2**62, ())))
 
-    def _slot(self, slot: int) -> _Slot:
-        s = self.slots.get(slot)
-        if s is None:
-            s = self.slots[slot] = _Slot(self.target.model.args, self.max_model_len + self.k + 2, self.dtype, self.device)
-        return s
+    # ------------------------------------------------------------------ request life (SlotProposer)
+    def _new_slot(self) -> _Slot:
+        return _Slot(self.target.model.args, self.max_model_len + self.k + 2, self.dtype, self.device)
 
-    # ------------------------------------------------------------------ request life
-    def start_request(self, slot: int, prompt_ids: np.ndarray) -> None:
-        s = self._slot(slot)
+    def _reset_slot(self, s: _Slot) -> None:
         s.c = [0] * len(s.c)
-        s.prompt = np.asarray(prompt_ids, dtype=np.int64).copy()
-        s.active = True
 
-    def set_sampling(self, slot: int, params, generator: torch.Generator | None = None) -> None:
-        self._slot(slot).sampling = _Sampling(float(params.temperature), params.top_k, params.top_p, generator)
-
-    def end_request(self, slot: int) -> None:
-        if slot in self.slots:
-            self.slots[slot].active = False
+    def _target_len(self, s: _Slot) -> int:
+        return s.c[0]
 
     def on_target_hidden(self, slot: int, hidden: torch.Tensor, aux: torch.Tensor | None) -> None:
         # hidden: [1, T, H] the target rows now in its cache, at positions [c[0], c[0]+T)
@@ -319,13 +309,6 @@ class MtpProposer(Proposer):
             raise UsageError(f"mtp: sequence longer than its max length {s.max_len}", "raise --max-model-len")
         s.h[0][s.c[0]:s.c[0] + T] = hidden[0].to(self.dtype)
         s.c[0] += T
-
-    def _slot_for_row(self, row: np.ndarray, n: int) -> _Slot | None:
-        """The active slot whose target rows fit this context (n tokens: the target holds n - 1)."""
-        cands = [s for s in self.slots.values() if s.active and s.c[0] == n - 1]
-        if len(cands) > 1:
-            cands = [s for s in cands if np.array_equal(s.prompt, row[:len(s.prompt)])] or cands
-        return cands[0] if cands else None
 
     # ------------------------------------------------------------------ drafting
     @torch.inference_mode()
@@ -337,7 +320,7 @@ class MtpProposer(Proposer):
         qs: list[torch.Tensor | None] = [None] * B
         for b in range(B):
             n = int(num_tokens[b])
-            s = self._slot_for_row(token_ids[b], n)
+            s = self._match_slot(token_ids[b], n)
             if s is None or n < 2 or n + k > s.max_len:
                 continue  # no target states for this row (or no room): no draft this step
             ids, q = self._propose_one(s, torch.from_numpy(np.asarray(token_ids[b, :n], dtype=np.int64)), k)
