@@ -407,6 +407,8 @@ def run_bench(
                     run.add(g.run(peer, ids, params.max_new_tokens, loaded.stop_token_ids),
                             base_res if params.greedy else None, rep)
                     say(1, desc)
+            if hasattr(g, "close"):
+                g.close()  # frees its memory before the next engine loads
     finally:
         for g in groups:
             if hasattr(g, "close"):
