@@ -97,8 +97,11 @@ def main() -> None:
         # gives it the same cores specctl decodes on
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{n - 1}" if n > 1 else "0")
         os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
-    out = sys.stdout
-    sys.stdout = sys.stderr  # engines print; the protocol owns the real stdout
+    # The protocol owns the real stdout. Engines print, and so do their child processes and C code,
+    # which write to file descriptor 1 whatever sys.stdout is: point fd 1 at stderr for all of them.
+    out = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
     engine, engine_mode = None, None
     for line in sys.stdin:
         if not line.strip():
