@@ -35,7 +35,7 @@ class VLLMEngine:
 
         # on the CPU backend gpu_memory_utilization is the share of host memory vLLM reserves (weights + KV)
         kw = dict(model=spec["model"], dtype=spec.get("dtype", "bfloat16"), max_model_len=spec.get("max_len", 4096),
-                  enable_prefix_caching=False, seed=0, gpu_memory_utilization=spec.get("memory_fraction", 0.35))
+                  enable_prefix_caching=False, seed=0, gpu_memory_utilization=spec.get("memory_fraction", 0.25))
         if mode["kind"] == "ngram":
             kw["speculative_config"] = {"method": "ngram", "num_speculative_tokens": mode["k"],
                                         "prompt_lookup_max": mode.get("prompt_lookup_max", 5),
