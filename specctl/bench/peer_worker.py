@@ -66,6 +66,7 @@ class LlamaCppEngine:
             from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
             kw["draft_model"] = LlamaPromptLookupDecoding(num_pred_tokens=mode["k"])
+            kw["logits_all"] = True  # llama-cpp-python verifies drafts from every row's logits
         elif mode["kind"] != "plain":
             raise ValueError(f"llama.cpp peer: mode {mode['kind']} is not supported (plain, ngram)")
         self.llm = Llama(**kw)

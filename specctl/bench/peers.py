@@ -27,6 +27,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -150,8 +151,10 @@ class ExternalPeers:
         iomp = Path(python).parent.parent / "lib" / "libiomp5.so"
         if engine == "vllm" and iomp.is_file() and "libiomp5" not in env.get("LD_PRELOAD", ""):
             env["LD_PRELOAD"] = ":".join(x for x in (str(iomp), env.get("LD_PRELOAD")) if x)
+        # a session of its own: closing ends the engine's helper processes too (vLLM's engine core, workers)
         self._proc = subprocess.Popen([python, str(worker), json.dumps(spec)], stdin=subprocess.PIPE,
-                                      stdout=subprocess.PIPE, stderr=self._log, text=True, env=env)
+                                      stdout=subprocess.PIPE, stderr=self._log, text=True, env=env,
+                                      start_new_session=True)
 
     def run(self, peer: ExternalPeer, prompt_ids: list[int], max_new_tokens: int, stop_ids) -> GenerationResult:
         req = {"mode": peer.mode, "prompt_ids": list(prompt_ids), "max_new_tokens": max_new_tokens,
@@ -183,3 +186,7 @@ class ExternalPeers:
                 self._proc.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 self._proc.kill()
+        try:  # whatever the engine left running in the worker's session
+            os.killpg(self._proc.pid, signal.SIGTERM)
+        except (ProcessLookupError, PermissionError):
+            pass

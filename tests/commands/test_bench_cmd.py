@@ -201,8 +201,10 @@ import os, torch
 from transformers import AutoModelForCausalLM
 
 class Llama:
-    def __init__(self, model_path, n_ctx=512, n_threads=None, n_batch=512, verbose=False, seed=0, draft_model=None):
+    def __init__(self, model_path, n_ctx=512, n_threads=None, n_batch=512, verbose=False, seed=0, draft_model=None,
+                 logits_all=False):
         assert open(model_path, "rb").read(4) == b"GGUF"
+        assert logits_all or draft_model is None  # llama-cpp-python needs every row's logits to verify drafts
         self.model = AutoModelForCausalLM.from_pretrained(os.environ["STANDIN_HF_DIR"], dtype=torch.float32).eval()
         self.draft_model = draft_model
 
