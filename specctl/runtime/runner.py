@@ -252,10 +252,7 @@ def generate_batch(model: Transformer, prompts: list[list[int]], rooms: list[int
     B, P = len(prompts), max(len(p) for p in prompts)
     steps = max(rooms)
     dev = model.inv_freq.device
-    pad = torch.tensor([P - len(p) for p in prompts], device=dev)
-    tokens = torch.full((B, P), 0, dtype=torch.long)
-    for b, p in enumerate(prompts):
-        tokens[b, P - len(p):] = torch.tensor(p, dtype=torch.long)
+    pad = torch.tensor([P - len(x) for x in prompts], device=dev)
     p = next(model.parameters())
     cache = KVCache(model.args, B, P + steps, p.dtype, dev)
     slots = torch.arange(P + steps, device=dev)
@@ -268,12 +265,13 @@ def generate_batch(model: Transformer, prompts: list[list[int]], rooms: list[int
         s = P - len(prompt)
         m = (causal[s:] & valid[b, None, :P])[None, None]  # [1, 1, len, P]
         pos = torch.arange(len(prompt), device=dev)[None]
-        logits[b:b + 1], _ = model(tokens[b:b + 1, s:].to(dev), s, row, m, logits="last", positions=pos)
+        ids = torch.tensor([prompt], dtype=torch.long, device=dev)
+        logits[b:b + 1], _ = model(ids, s, row, m, logits="last", positions=pos)
     stop = set(stop_token_ids)
     outs: list[list[int]] = [[] for _ in range(B)]
     finish = ["length"] * B
     live = [r > 0 for r in rooms]
-    lengths = torch.tensor([len(p) for p in prompts], device=dev)
+    lengths = P - pad  # [B] prompt lengths
     for t in range(steps):
         last = logits[:, -1]
         if temperature > 0:
