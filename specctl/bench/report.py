@@ -15,7 +15,7 @@ from pathlib import Path
 CSV_FIELDS = ("workload", "method", "k", "requests", "new_tokens", "tokens_per_s", "tokens_per_s_min",
               "tokens_per_s_max", "runs", "speedup", "speedup_vs_specctl_baseline", "ttft_s", "target_forwards",
               "identical_to_baseline", "num_drafts", "num_draft_tokens", "num_accepted_tokens",
-              "acceptance_rate", "mean_acceptance_length", "acceptance_rate_per_pos")
+              "acceptance_rate", "mean_acceptance_length", "acceptance_rate_per_pos", "error")
 
 
 def _atomic_write(path: Path, data: bytes) -> None:

@@ -54,6 +54,7 @@ class MethodRun:
     stats: SpecStats = field(default_factory=SpecStats)
     rep_tokens: dict = field(default_factory=dict)  # repetition -> decode tokens
     rep_s: dict = field(default_factory=dict)  # repetition -> decode seconds
+    error: str | None = None  # a peer that failed: why (its row has no figures)
 
     @property
     def rep_rates(self) -> list[float]:
@@ -126,7 +127,7 @@ class BenchReport:
             # specctl methods against specctl's plain decoding; a peer's against its own plain (hf:plain, ...)
             eng = peer_engine(r.method)
             b = base.get(r.workload) if eng is None else peer_base.get((eng, r.workload))
-            speedup = r.tokens_per_s / b.tokens_per_s if b and b.tokens_per_s > 0 else None
+            speedup = r.tokens_per_s / b.tokens_per_s if b and b.tokens_per_s > 0 and r.error is None else None
             out.append({
                 "workload": r.workload, "method": r.method, "k": r.k, "config": r.config,
                 "requests": r.num_requests, "new_tokens": r.new_tokens,
@@ -139,6 +140,7 @@ class BenchReport:
                 "identical_to_baseline": r.identical if r.method != BASELINE else r.num_requests,
                 "first_divergence": r.first_divergence,
                 "divergence_margins": r.divergence_margins,
+                "error": r.error,
                 **r.stats.to_dict(),
             })
         return out
@@ -279,6 +281,7 @@ def run_bench(
     sweep_k: list[int] | None = None,
     compile: bool = False,
     peer_gguf: str | None = None,
+    warn=None,  # callable(message: str): a peer that failed (its rows say so; the bench goes on)
 ) -> BenchReport:
     """Every prompt by the baseline, each configuration and each peer; ``progress`` is told the total first.
 
@@ -399,14 +402,27 @@ def run_bench(
         for g in groups:
             for peer in g.peers:
                 jobs = [j for j in deferred_jobs if j[0] is g and j[1] is peer]
-                if jobs:
-                    say(0, f"{peer.name} · loading")
-                    g.run(peer, warm_ids, 8, loaded.stop_token_ids)  # builds the engine, warms it up
-                for _, _, run, ids, base_res, rep, desc in jobs:
-                    say(0, desc)
-                    run.add(g.run(peer, ids, params.max_new_tokens, loaded.stop_token_ids),
-                            base_res if params.greedy else None, rep)
-                    say(1, desc)
+                done = 0
+                try:
+                    if jobs:
+                        say(0, f"{peer.name} · loading")
+                        g.run(peer, warm_ids, 8, loaded.stop_token_ids)  # builds the engine, warms it up
+                    for _, _, run, ids, base_res, rep, desc in jobs:
+                        say(0, desc)
+                        run.add(g.run(peer, ids, params.max_new_tokens, loaded.stop_token_ids),
+                                base_res if params.greedy else None, rep)
+                        say(1, desc)
+                        done += 1
+                except Exception as e:  # noqa: BLE001 - any engine failure
+                    # a peer that fails loses its own rows, not the run: specctl's rows are already measured
+                    msg = str(e) if isinstance(e, UsageError) else f"{type(e).__name__}: {e}"
+                    for _, _, run, *_ in jobs:
+                        run.error = msg
+                        run.rep_tokens.clear()  # a part of a run is no figure
+                        run.rep_s.clear()
+                    say(len(jobs) - done, f"{peer.name} · failed")
+                    if warn is not None:
+                        warn(f"{peer.name}: {msg}")
             if hasattr(g, "close"):
                 g.close()  # frees its memory before the next engine loads
     finally:

@@ -142,7 +142,8 @@ def bench(
                            progress=lambda adv, desc, total=None: prog.update(task, advance=adv, description=desc,
                                                                               total=total),
                            adaptive=not fixed_k, peers=peers, runs=runs, sweep_k=ks,
-                           compile=compile, peer_gguf=peer_gguf)
+                           compile=compile, peer_gguf=peer_gguf,
+                           warn=lambda m: err.log(f"[yellow]peer failed, its rows are left empty:[/] {m}"))
     report.header["draft_length"] = "fixed k" if fixed_k else "adaptive (up to k)"
 
     rows = report.rows()
@@ -219,6 +220,9 @@ def render(report) -> None:
         same = "—" if base else (f"{r['identical_to_baseline']}/{r['requests']}" if r["first_divergence"] else "n/a (sampling)")
         if r["divergence_margins"]:
             same += f" (tie Δ≤{max(r['divergence_margins']):.2g})"
+        if r.get("error"):
+            t.add_row(r["workload"], r["method"], "—", "failed", "—", "—", "—", r["error"][:60], "—")
+            continue
         tps = f"{r['tokens_per_s']:.2f}"
         if r["runs"] > 1:
             tps += f" [{r['tokens_per_s_min']:.1f}–{r['tokens_per_s_max']:.1f}]"

@@ -246,3 +246,24 @@ def test_llama_cpp_peer_runs_in_its_worker_after_specctl_rows(tiny_model_dir, pr
     # a peer's speedup is over its own plain row
     lp, pl = rows["llama.cpp:prompt-lookup"], rows["llama.cpp:plain"]
     assert lp["speedup"] == pytest.approx(lp["tokens_per_s"] / pl["tokens_per_s"]) and pl["speedup"] == pytest.approx(1.0)
+
+
+def test_a_failing_peer_loses_its_rows_not_the_run(tiny_model_dir, prompts_file, tmp_path):
+    pkg = tmp_path / "standin" / "llama_cpp"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text(_LLAMA_STANDIN)
+    (pkg / "llama_speculative.py").write_text(
+        "class LlamaPromptLookupDecoding:\n    def __init__(self, num_pred_tokens=10):\n"
+        "        raise RuntimeError('prompt lookup broke')\n")
+    gguf = tmp_path / "tiny.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(60))
+    r = run_cli("bench", "--model", str(tiny_model_dir), "--dtype", "float32", "-w", str(prompts_file), "-n", "2",
+                "--max-new-tokens", "10", "--peer", "llama.cpp", "--peer-gguf", str(gguf), "--json",
+                env_extra={"SPECCTL_CACHE": str(tmp_path / "cache"), "PYTHONPATH": str(tmp_path / "standin"),
+                           "STANDIN_HF_DIR": str(tiny_model_dir)})
+    assert r.returncode == 0, r.stderr
+    rows = {x["method"]: x for x in json.loads(r.stdout)["results"]}
+    assert rows["llama.cpp:plain"]["error"] is None and rows["llama.cpp:plain"]["tokens_per_s"] > 0
+    bad = rows["llama.cpp:prompt-lookup"]
+    assert "prompt lookup broke" in bad["error"] and bad["tokens_per_s"] == 0 and bad["speedup"] is None
+    assert "llama.cpp:prompt-lookup" in r.stderr and "prompt lookup broke" in r.stderr
