@@ -2,7 +2,8 @@
 
 ``attention(q, k_cache, v_cache, start)`` with q [B, nh, T, hd] (rows at positions start..start+T-1)
 returns [B, T, nh * hd]: row i attends to cache positions [0, start + i], computed exactly as a
-one-row call at that position would (``csrc/decode_attention.cpp``). ``supports(...)`` says whether
+one-row call at that position would (``csrc/decode_attention.cpp``). With ``tree``, the rows are a
+draft tree and each attends to the prefix and its own ancestors, again as a decode of its path would. ``supports(...)`` says whether
 the kernel covers a shape; callers fall back to torch's SDPA otherwise (and for fp32, CUDA, or where
 the kernel cannot be built).
 """
@@ -36,6 +37,9 @@ def supports(q: torch.Tensor, num_kv_heads: int) -> bool:
 
 
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start: int,
-              scale: float | None = None) -> torch.Tensor:
+              scale: float | None = None, tree: torch.Tensor | None = None) -> torch.Tensor:
+    """``tree`` [T, T] bool: the rows are a draft tree written at slots start..start+T-1; row i sees
+    the prefix [0, start) and the nodes j with tree[i, j] (its ancestors and itself, parents first),
+    in that order: bit for bit what a one-row decode of its path computes."""
     hd = q.shape[-1]
-    return _ext.decode_attention(q, k_cache, v_cache, start, scale if scale is not None else 1.0 / math.sqrt(hd))
+    return _ext.decode_attention(q, k_cache, v_cache, start, scale if scale is not None else 1.0 / math.sqrt(hd), tree)

@@ -16,7 +16,7 @@ from kernels._build import build
 
 _ext = None
 _tried = False
-MAX_ROWS = 16
+MAX_ROWS = 64  # a chain's k+1 rows, or a draft tree's nodes
 
 
 def load():
@@ -30,9 +30,10 @@ def load():
 
 
 def layer(block, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-          v_cache: torch.Tensor, start: int) -> torch.Tensor:
+          v_cache: torch.Tensor, start: int, tree: torch.Tensor | None = None) -> torch.Tensor:
+    """``tree`` [T, T] bool: the rows are a draft tree (see decode_attention.attention)."""
     a = block.a
     return _ext.decode_layer(x.contiguous(), block.input_norm.weight, block.post_norm.weight, a.rms_norm_eps,
                              block.qkv.weight, block.qkv.bias, block.o.weight, block.o.bias,
                              block.gate_up.weight, block.down.weight, cos, sin, k_cache, v_cache, start,
-                             a.num_heads, a.num_kv_heads)
+                             a.num_heads, a.num_kv_heads, tree)

@@ -6,7 +6,7 @@
 using namespace specctl::attn;
 
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, int64_t start,
-                               double scale) {
+                               double scale, c10::optional<torch::Tensor> tree) {
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16 &&
               v_cache.scalar_type() == at::kBFloat16, "bf16 only");
   TORCH_CHECK(q.dim() == 4 && k_cache.dim() == 4 && v_cache.dim() == 4, "q [B, nh, T, hd], caches [B, nkv, S, hd]");
@@ -17,6 +17,15 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Te
   TORCH_CHECK(hd % 32 == 0 && hd <= MAX_HD && k_cache.size(3) == hd, "head dim: a multiple of 32, at most 256");
   TORCH_CHECK(start + T <= S, "cache too short");
   const int G = static_cast<int>(nh / nkv);
+  // tree [T, T] bool: the rows are a draft tree (row i sees the prefix, its ancestors and itself)
+  std::vector<int32_t> anc;
+  std::vector<int64_t> cnt;
+  const bool is_tree = tree.has_value() && tree->defined();
+  if (is_tree) {
+    auto tm = tree->to(at::kBool).contiguous();
+    TORCH_CHECK(tm.dim() == 2 && tm.size(0) == T && tm.size(1) == T, "tree mask [T, T]");
+    TORCH_CHECK(tree_rows(tm.data_ptr<bool>(), T, anc, cnt), "tree mask: each node sees itself and earlier nodes only");
+  }
   // the query rows of one (b, kv head, row) item must sit hd apart... or any fixed stride: use strides
   auto qc = q.transpose(1, 2).contiguous();  // [B, T, nh, hd]: one item's G heads are contiguous
   auto out = torch::empty({B, T, nh * hd}, q.options());
@@ -31,13 +40,19 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Te
       const int64_t b = it / (nkv * T), kvh = (it / T) % nkv, i = it % T;
       const int64_t cache_off = (b * nkv + kvh) * S * hd;
       const int64_t row_off = ((b * T + i) * nh + kvh * G) * hd;
-      item(qp + row_off, hd, kp + cache_off, vp + cache_off, start + i + 1, static_cast<int>(hd), G,
-           static_cast<float>(scale), op + row_off, s);
+      if (is_tree)
+        item(qp + row_off, hd, kp + cache_off, vp + cache_off, start + cnt[i], static_cast<int>(hd), G,
+             static_cast<float>(scale), op + row_off, s, TreeRows{start, anc.data() + i * T});
+      else
+        item(qp + row_off, hd, kp + cache_off, vp + cache_off, start + i + 1, static_cast<int>(hd), G,
+             static_cast<float>(scale), op + row_off, s);
     }
   });
   return out;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("decode_attention", &decode_attention, "row-independent bf16 attention over a KV cache");
+  m.def("decode_attention", &decode_attention, "row-independent bf16 attention over a KV cache",
+        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("start"), py::arg("scale"),
+        py::arg("tree") = py::none());
 }

@@ -43,14 +43,28 @@ constexpr int MAX_G = 16;    // query heads per kv head
 constexpr int MAX_HD = 256;  // head dim
 
 // GB heads x CW chunks: out[g][16 (c0 + c) ...] = inv[g] * sum_t p[g][t] v[t][16 (c0 + c) ...]
-template <int GB, int CW>
-inline void pv(const float* p, int64_t L, const uint16_t* vc, int hd, int c0, const float* inv, uint16_t* out) {
+// Which cache row holds key/value j of an item: j itself (a chain: the prefix and the rows before),
+// or, for a draft tree, the prefix [0, P) and then the node's ancestors and itself (tail[j - P] slots
+// after P). Either way the keys are visited in the order a one-row decode of that path visits them.
+struct Contiguous {
+  inline int64_t operator()(int64_t j) const { return j; }
+};
+struct TreeRows {
+  int64_t P;
+  const int32_t* tail;
+  inline int64_t operator()(int64_t j) const { return j < P ? j : P + tail[j - P]; }
+};
+
+template <int GB, int CW, class Row>
+inline void pv(const float* p, int64_t L, const uint16_t* vc, int hd, int c0, const float* inv, uint16_t* out,
+               Row row) {
   __m512 acc[GB][CW];
   for (int g = 0; g < GB; ++g)
     for (int c = 0; c < CW; ++c) acc[g][c] = _mm512_setzero_ps();
   for (int64_t t = 0; t < L; ++t) {
     __m512 v[CW];
-    for (int c = 0; c < CW; ++c) v[c] = load_bf16x16(vc + t * hd + 16 * (c0 + c));
+    const uint16_t* vt = vc + row(t) * hd;
+    for (int c = 0; c < CW; ++c) v[c] = load_bf16x16(vt + 16 * (c0 + c));
     for (int g = 0; g < GB; ++g) {
       const __m512 pt = _mm512_set1_ps(p[g * L + t]);
       for (int c = 0; c < CW; ++c) acc[g][c] = _mm512_fmadd_ps(pt, v[c], acc[g][c]);
@@ -65,21 +79,22 @@ inline void pv(const float* p, int64_t L, const uint16_t* vc, int hd, int c0, co
   }
 }
 
-template <int CW>
+template <int CW, class Row>
 inline void pv_dispatch(int gb, const float* p, int64_t L, const uint16_t* vc, int hd, int c0, const float* inv,
-                 uint16_t* out) {
+                 uint16_t* out, Row row) {
   switch (gb) {
-    case 1: pv<1, CW>(p, L, vc, hd, c0, inv, out); break;
-    case 2: pv<2, CW>(p, L, vc, hd, c0, inv, out); break;
-    case 3: pv<3, CW>(p, L, vc, hd, c0, inv, out); break;
-    case 4: pv<4, CW>(p, L, vc, hd, c0, inv, out); break;
-    case 5: pv<5, CW>(p, L, vc, hd, c0, inv, out); break;
-    default: pv<6, CW>(p, L, vc, hd, c0, inv, out); break;
+    case 1: pv<1, CW>(p, L, vc, hd, c0, inv, out, row); break;
+    case 2: pv<2, CW>(p, L, vc, hd, c0, inv, out, row); break;
+    case 3: pv<3, CW>(p, L, vc, hd, c0, inv, out, row); break;
+    case 4: pv<4, CW>(p, L, vc, hd, c0, inv, out, row); break;
+    case 5: pv<5, CW>(p, L, vc, hd, c0, inv, out, row); break;
+    default: pv<6, CW>(p, L, vc, hd, c0, inv, out, row); break;
   }
 }
 
+template <class Row = Contiguous>
 inline void item(const uint16_t* q, int64_t q_hstride, const uint16_t* kc, const uint16_t* vc, int64_t L, int hd,
-          int G, float scale, uint16_t* out, std::vector<float>& s) {
+          int G, float scale, uint16_t* out, std::vector<float>& s, Row row = Row()) {
   // q: G query rows (stride q_hstride); kc/vc: [L, hd]; out: G rows of hd (contiguous heads)
   s.resize(static_cast<size_t>(G) * L);
   const int chunks = hd / 32;
@@ -91,7 +106,8 @@ inline void item(const uint16_t* q, int64_t q_hstride, const uint16_t* kc, const
   for (int g = 0; g < G; ++g) mx[g] = -INFINITY;
   for (int64_t j = 0; j < L; ++j) {
     __m512bh kv[MAX_HD / 32];
-    for (int c = 0; c < chunks; ++c) kv[c] = (__m512bh)_mm512_loadu_si512(kc + j * hd + 32 * c);
+    const uint16_t* kj = kc + row(j) * hd;
+    for (int c = 0; c < chunks; ++c) kv[c] = (__m512bh)_mm512_loadu_si512(kj + 32 * c);
     for (int g = 0; g < G; ++g) {
       __m512 acc = _mm512_setzero_ps();
       for (int c = 0; c < chunks; ++c) acc = _mm512_dpbf16_ps(acc, qv[g][c], kv[c]);
@@ -125,11 +141,28 @@ inline void item(const uint16_t* q, int64_t q_hstride, const uint16_t* kc, const
   for (int g0 = 0; g0 < G; g0 += 6) {
     const int gb = G - g0 < 6 ? G - g0 : 6;
     for (int c0 = 0; c0 < hd / 16; c0 += cw) {
-      if (cw == 4) pv_dispatch<4>(gb, s.data() + g0 * L, L, vc, hd, c0, inv + g0, out + g0 * hd);
-      else pv_dispatch<2>(gb, s.data() + g0 * L, L, vc, hd, c0, inv + g0, out + g0 * hd);
+      if (cw == 4) pv_dispatch<4>(gb, s.data() + g0 * L, L, vc, hd, c0, inv + g0, out + g0 * hd, row);
+      else pv_dispatch<2>(gb, s.data() + g0 * L, L, vc, hd, c0, inv + g0, out + g0 * hd, row);
     }
   }
 }
 
+
+// A draft tree's rows: from its [T, T] attention mask (mask[i][j]: node j is node i or one of its
+// ancestors; parents come before children), each node's ancestors and itself in order, T slots per
+// node in anc, how many in cnt. Returns false when a node does not see itself or a later node.
+inline bool tree_rows(const bool* mask, int64_t T, std::vector<int32_t>& anc, std::vector<int64_t>& cnt) {
+  anc.assign(static_cast<size_t>(T * T), 0);
+  cnt.assign(static_cast<size_t>(T), 0);
+  for (int64_t i = 0; i < T; ++i) {
+    if (!mask[i * T + i]) return false;
+    for (int64_t j = 0; j < T; ++j) {
+      if (!mask[i * T + j]) continue;
+      if (j > i) return false;
+      anc[i * T + cnt[i]++] = static_cast<int32_t>(j);
+    }
+  }
+  return true;
+}
 
 }  // namespace specctl::attn

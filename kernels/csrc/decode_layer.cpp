@@ -1,6 +1,6 @@
 // One whole transformer block (Llama / Qwen2 / Mistral) for decode and verification forwards, bf16.
 //
-//   x [M, H] (M = batch x rows <= 16) -> x + attn(norm1(x)) -> h + mlp(norm2(h)), writing the new
+//   x [M, H] (M = batch x rows <= 64; a draft tree's rows with `tree`) -> x + attn(norm1(x)) -> h + mlp(norm2(h)), writing the new
 //   keys and values into the caches at [start, start + T).
 //
 // Why: at batch 1 a decode step of a small model is mostly overhead. A block is ~25 torch ops and
@@ -94,10 +94,10 @@ torch::Tensor decode_layer(torch::Tensor x, torch::Tensor in_norm, torch::Tensor
                            torch::Tensor qkv_w, c10::optional<torch::Tensor> qkv_b, torch::Tensor o_w,
                            c10::optional<torch::Tensor> o_b, torch::Tensor gate_up_w, torch::Tensor down_w,
                            torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache, torch::Tensor v_cache,
-                           int64_t start, int64_t num_heads, int64_t num_kv_heads) {
+                           int64_t start, int64_t num_heads, int64_t num_kv_heads, c10::optional<torch::Tensor> tree) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 3 && x.is_contiguous(), "x [B, T, H] bf16 contiguous");
   const int64_t B = x.size(0), T = x.size(1), H = x.size(2), M = B * T;
-  TORCH_CHECK(M <= 16, "at most 16 rows");
+  TORCH_CHECK(M <= 64, "at most 64 rows");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.size(0) == B, "caches [B, nkv, S, hd]");
   const int64_t S = k_cache.size(2), hd = k_cache.size(3), nh = num_heads, nkv = num_kv_heads;
   const int64_t Nqkv = (nh + 2 * nkv) * hd, I2 = gate_up_w.size(0) * 16, I = I2 / 2;
@@ -120,6 +120,16 @@ torch::Tensor decode_layer(torch::Tensor x, torch::Tensor in_norm, torch::Tensor
   u16 *xnp = P(xn), *qp = P(qkv), *ap = P(att), *hp = P(h), *gup = P(gu), *actp = P(act), *op = P(out);
   u16 *kc = P(k_cache), *vc = P(v_cache);
   const int G = static_cast<int>(nh / nkv);
+  // tree [T, T] bool: the rows are a draft tree (row i sees the prefix, its ancestors and itself)
+  std::vector<int32_t> anc;
+  std::vector<int64_t> cnt;
+  const bool is_tree = tree.has_value() && tree->defined();
+  if (is_tree) {
+    auto tm = tree->to(at::kBool).contiguous();
+    TORCH_CHECK(tm.dim() == 2 && tm.size(0) == T && tm.size(1) == T, "tree mask [T, T]");
+    TORCH_CHECK(specctl::attn::tree_rows(tm.data_ptr<bool>(), T, anc, cnt),
+                "tree mask: each node sees itself and earlier nodes only");
+  }
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
   const float feps = static_cast<float>(eps);
   SpinBarrier bar;
@@ -164,8 +174,13 @@ torch::Tensor decode_layer(torch::Tensor x, torch::Tensor in_norm, torch::Tensor
       else { m = it / nkv; head0 = (it % nkv) * G; g = G; }
       const int64_t bi = m / T, i = m % T, kvh = head0 / G;
       const int64_t cache_off = (bi * nkv + kvh) * S * hd;
-      specctl::attn::item(qp + m * Nqkv + head0 * hd, hd, kc + cache_off, vc + cache_off, start + i + 1,
-                          static_cast<int>(hd), g, scale, ap + m * nh * hd + head0 * hd, scores);
+      if (is_tree)
+        specctl::attn::item(qp + m * Nqkv + head0 * hd, hd, kc + cache_off, vc + cache_off, start + cnt[i],
+                            static_cast<int>(hd), g, scale, ap + m * nh * hd + head0 * hd, scores,
+                            specctl::attn::TreeRows{start, anc.data() + i * T});
+      else
+        specctl::attn::item(qp + m * Nqkv + head0 * hd, hd, kc + cache_off, vc + cache_off, start + i + 1,
+                            static_cast<int>(hd), g, scale, ap + m * nh * hd + head0 * hd, scores);
     }
     bar.wait(nt, sense);
     // 5. output projection + residual
@@ -197,5 +212,9 @@ torch::Tensor decode_layer(torch::Tensor x, torch::Tensor in_norm, torch::Tensor
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("decode_layer", &decode_layer, "one transformer block for decode/verify rows (bf16, AMX)");
+  m.def("decode_layer", &decode_layer, "one transformer block for decode/verify rows (bf16, AMX)",
+        py::arg("x"), py::arg("in_norm"), py::arg("post_norm"), py::arg("eps"), py::arg("qkv_w"), py::arg("qkv_b"),
+        py::arg("o_w"), py::arg("o_b"), py::arg("gate_up_w"), py::arg("down_w"), py::arg("cos"), py::arg("sin"),
+        py::arg("k_cache"), py::arg("v_cache"), py::arg("start"), py::arg("num_heads"), py::arg("num_kv_heads"),
+        py::arg("tree") = py::none());
 }

@@ -16,6 +16,7 @@ prompt ids right after specctl's (``specctl.bench.peers``).
 
 from __future__ import annotations
 
+import gc
 import json
 import platform
 from dataclasses import dataclass, field, replace
@@ -397,7 +398,12 @@ def run_bench(
                         answers.append(_answer_text(tok, baseline_res.token_ids, loaded.stop_token_ids))
         for lab in labels:
             runs_out.extend(wruns[lab] + peer_runs[lab])
-    # vLLM / llama.cpp: peer by peer (one engine per mode at a time), the same prompts
+    # vLLM / llama.cpp: peer by peer (one engine per mode at a time), the same prompts; specctl's
+    # drafts and decoders are done with: their memory goes back first (a peer engine reserves its own)
+    if deferred_jobs:
+        entries.clear()
+        decs = proposers = e = dec = None  # (the loop variables hold the last decoder too)
+        gc.collect()
     try:
         for g in groups:
             for peer in g.peers:

@@ -173,13 +173,17 @@ class Block(nn.Module):
         self.exact_attention = False  # decode/verify rows through kernels/decode_attention (bf16 CPU)
         self.fused = False  # decode/verify rows through kernels/decode_layer (one call per block)
 
-    def forward(self, x, cos, sin, k_cache, v_cache, start: int, mask, tree: bool = False):
+    def forward(self, x, cos, sin, k_cache, v_cache, start: int, mask, tree: bool = False,
+                tree_mask: torch.Tensor | None = None):
         # x: [B, T, H]; cos/sin: [T, head_dim]; k_cache/v_cache: [B, n_kv, max_len, head_dim]
-        # tree: the rows are a draft tree (mask = the prefix + each node's ancestors), not a chain
+        # tree: the rows have positions of their own and attend as ``mask`` says, not as a chain;
+        # tree_mask [T, T]: they are a draft tree (each node its ancestors), which the C++ kernels
+        # compute as exactly as a chain
         a = self.a
         B, T, _ = x.shape
-        if self.fused and not tree and B * T <= decode_layer.MAX_ROWS:
-            return decode_layer.layer(self, x, cos, sin, k_cache, v_cache, start)
+        exact_tree = tree_mask is not None
+        if self.fused and (not tree or exact_tree) and B * T <= decode_layer.MAX_ROWS:
+            return decode_layer.layer(self, x, cos, sin, k_cache, v_cache, start, tree_mask)
         qkv = lin(self.input_norm(x), self.qkv)
         q, k, v = qkv.split([a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.num_kv_heads * a.head_dim], -1)
         q = q.view(B, T, a.num_heads, a.head_dim).transpose(1, 2)  # [B, nh, T, hd]
@@ -191,9 +195,10 @@ class Block(nn.Module):
         k_cache[:, :, start:end] = k
         v_cache[:, :, start:end] = v
         gqa = a.num_kv_heads != a.num_heads
-        if self.exact_attention and not tree and T <= VERIFY_ROWS and a.sliding_window is None and q.dtype is torch.bfloat16:
+        if (self.exact_attention and (not tree or exact_tree) and T <= VERIFY_ROWS and a.sliding_window is None
+                and q.dtype is torch.bfloat16):
             # Decode and verification rows in one kernel call; each row computed as if alone.
-            att = decode_attention.attention(q, k_cache, v_cache, start)  # [B, T, nh * hd]
+            att = decode_attention.attention(q, k_cache, v_cache, start, tree=tree_mask)  # [B, T, nh * hd]
             x = x + lin(att, self.o)
             gate, up = lin(self.post_norm(x), self.gate_up).chunk(2, dim=-1)
             return x + lin(F.silu(gate) * up, self.down)
@@ -280,11 +285,13 @@ class Transformer(nn.Module):
         x = self.embed(tokens)
         cos, sin = self.rope(start, tokens.shape[1], x.dtype, positions)
         tree = positions is not None
+        # a draft tree (positions [T], mask [T, start+T]): its own [T, T] part, for the exact kernels
+        tree_mask = mask[:, start:].contiguous() if tree and positions.dim() == 1 and mask.dim() == 2 else None
         aux = []
         for i, layer in enumerate(self.layers):
             if i in self.aux_layers:
                 aux.append(x)
-            x = layer(x, cos, sin, cache.k[i], cache.v[i], start, mask, tree)
+            x = layer(x, cos, sin, cache.k[i], cache.v[i], start, mask, tree, tree_mask)
         self.aux_out = torch.cat(aux, dim=-1) if aux else None
         h = self.norm(x)
         if logits == "none":

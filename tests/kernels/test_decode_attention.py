@@ -33,3 +33,45 @@ def test_supports_only_what_the_kernel_covers():
     assert decode_attention.supports(q, 2)
     assert not decode_attention.supports(q.float(), 2)  # fp32: SDPA
     assert not decode_attention.supports(torch.zeros(1, 8, 1, 48, dtype=torch.bfloat16), 2)  # head dim
+
+
+def _tree_mask(parents: list[int]) -> torch.Tensor:
+    m = torch.zeros(len(parents), len(parents), dtype=torch.bool)
+    for i in range(len(parents)):
+        j = i
+        while j >= 0:
+            m[i, j] = True
+            j = parents[j]
+    return m
+
+
+@pytest.mark.parametrize("nh,nkv,hd", [(4, 2, 32), (12, 2, 128)])
+def test_tree_rows_equal_their_paths_decoded_alone(nh, nkv, hd):
+    # node i sees the prefix, then its ancestors and itself: bit for bit the one-row decode of its path
+    parents = [-1, 0, 0, 1, 1, 2, 3, 6, 0]
+    T, S, start = len(parents), 96, 29
+    g = torch.Generator().manual_seed(hd)
+    kc = torch.randn(1, nkv, S, hd, generator=g).bfloat16()
+    vc = torch.randn(1, nkv, S, hd, generator=g).bfloat16()
+    q = torch.randn(1, nh, T, hd, generator=g).bfloat16()
+    tree = _tree_mask(parents)
+    out = decode_attention.attention(q, kc, vc, start, tree=tree)
+    for i in range(T):
+        path = [j for j in range(T) if tree[i, j]]
+        k2, v2 = kc.clone(), vc.clone()
+        k2[:, :, start:start + len(path)] = kc[:, :, [start + j for j in path]]
+        v2[:, :, start:start + len(path)] = vc[:, :, [start + j for j in path]]
+        alone = decode_attention.attention(q[:, :, i:i + 1], k2, v2, start + len(path) - 1)
+        assert torch.equal(out[:, i:i + 1], alone), i
+    # a chain is the tree whose node i's parent is i-1
+    chain = decode_attention.attention(q, kc, vc, start, tree=_tree_mask(list(range(-1, T - 1))))
+    assert torch.equal(chain, decode_attention.attention(q, kc, vc, start))
+
+
+def test_a_tree_mask_with_a_later_ancestor_is_refused():
+    q = torch.zeros(1, 4, 3, 32, dtype=torch.bfloat16)
+    kc = torch.zeros(1, 2, 16, 32, dtype=torch.bfloat16)
+    bad = torch.eye(3, dtype=torch.bool)
+    bad[0, 2] = True
+    with pytest.raises(RuntimeError, match="earlier nodes"):
+        decode_attention.attention(q, kc, kc, 4, tree=bad)

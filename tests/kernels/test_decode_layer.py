@@ -54,3 +54,36 @@ def test_rows_equal_rows_alone(model):
     alone = torch.cat([blk(x[:, i:i + 1], cos[i:i + 1].contiguous(), sin[i:i + 1].contiguous(), c.k[1], c.v[1], 20 + i, None)
                        for i in range(9)], 1)
     assert torch.equal(full, alone)
+
+
+@pytest.mark.parametrize("parents", [[-1, 0, 0, 1, 2, 2, 4], [-1] + [0] * 8 + list(range(1, 9)) + [9, 17, 18]])
+def test_tree_rows_equal_their_paths_decoded_as_chains(model, parents):
+    # a draft tree through the fused block (over 16 rows in the second case): each node's output and
+    # key/value equal those of the same tokens decoded as a chain along its path, bit for bit
+    a, blk = model.args, model.layers[0]
+    T, start = len(parents), 11
+    g = torch.Generator().manual_seed(T)
+    x = (torch.randn(1, T, a.hidden_size, generator=g) * 0.5).bfloat16()
+    depth = [0] * T
+    for i in range(1, T):
+        depth[i] = depth[parents[i]] + 1
+    tree = torch.zeros(T, T, dtype=torch.bool)
+    for i in range(T):
+        j = i
+        while j >= 0:
+            tree[i, j] = True
+            j = parents[j]
+    c = KVCache(a, 1, 64, torch.bfloat16, "cpu")
+    c.k.normal_(generator=g)
+    c.v.normal_(generator=g)
+    base_k, base_v = c.k.clone(), c.v.clone()
+    cos, sin = model.rope(start, T, torch.bfloat16, start + torch.tensor(depth))
+    out = decode_layer.layer(blk, x, cos, sin, c.k[0], c.v[0], start, tree)
+    for i in range(T):
+        path = [j for j in range(T) if tree[i, j]]
+        ck, cv = base_k.clone(), base_v.clone()
+        pc, ps = model.rope(start, len(path), torch.bfloat16)
+        chain = decode_layer.layer(blk, x[:, path].contiguous(), pc, ps, ck[0], cv[0], start)
+        assert torch.equal(out[:, i], chain[:, -1]), i
+        assert torch.equal(c.k[0, :, :, start + i], ck[0, :, :, start + len(path) - 1])
+        assert torch.equal(c.v[0, :, :, start + i], cv[0, :, :, start + len(path) - 1])

@@ -62,3 +62,29 @@ def test_verify_rows_equal_decode_rows_in_bf16(tiny_model_factory):
     one_by_one = run([1] * 40)
     for chunks in ([2] * 20, [7] * 5 + [5], [11] * 3 + [7], [16, 16, 8]):
         assert torch.equal(run(chunks), one_by_one)
+
+
+@pytest.mark.parametrize("parents", [[-1, 0, 0, 1, 1, 3, 2], [-1] + [0] * 6 + list(range(1, 7)) + [7, 13, 14, 15, 16]])
+def test_tree_rows_equal_their_paths_decoded_in_bf16(tiny_model_factory, parents):
+    # a draft tree's logits at each node equal those of its path decoded token by token, bit for bit
+    # (so tree speculation is lossless in bf16 too); the second tree has more than 16 nodes
+    folder = tiny_model_factory("qwen2", initializer_range=0.05, hidden_size=128, intermediate_size=256)
+    model = load_transformer(folder, torch.bfloat16)
+    assert enable_exact_bf16(model)
+    runner = TargetRunner(model, 256)
+    g = torch.Generator().manual_seed(len(parents))
+    prompt = torch.randint(0, 128, (1, 30), generator=g)
+    tokens = torch.randint(0, 128, (1, len(parents)), generator=g)
+    runner.reset()
+    runner.forward(prompt)
+    tree_logits = runner.forward_tree(tokens, parents)
+    for i in range(len(parents)):
+        path, j = [], i
+        while j >= 0:
+            path.insert(0, j)
+            j = parents[j]
+        runner.reset()
+        runner.forward(prompt)
+        for t in path:
+            last = runner.forward(tokens[:, t:t + 1])
+        assert torch.equal(tree_logits[:, i], last[:, 0]), i
