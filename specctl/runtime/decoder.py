@@ -162,9 +162,10 @@ class SpecDecoder:
         if st.controller is not None:
             k = min(k, st.controller.draft_len())
         draft_ids, num_draft, draft_probs = _EMPTY, _ZERO, None
-        t0 = time.perf_counter()  # a step's cost includes its drafting: the controller weighs the whole step
+        t0 = t1 = time.perf_counter()  # the controller weighs the whole step: drafting (t0..t1) and verifying
         if k > 0:
             d = self.proposer.propose(st.ctx, np.array([st.n_ctx], dtype=np.int32), k, st.hidden)
+            t1 = time.perf_counter()
             if d.parents is not None and int(d.num_tokens[0]) > 0:
                 return self._tree_step(st, d, t0)
             nd = int(d.num_tokens[0])
@@ -184,7 +185,7 @@ class SpecDecoder:
         n = int(n_emit[0])
         emitted = out_ids[0, :n].tolist()
         if st.controller is not None:
-            st.controller.observe(nd, n - 1, nd + 1, time.perf_counter() - t0)
+            st.controller.observe(nd, n - 1, nd + 1, time.perf_counter() - t0, t1 - t0)
         if params.record_margins and params.greedy:
             st.margins.extend(margins[:n])
         runner.rollback(base + n)  # last + (n-1) accepted drafts are valid
@@ -213,6 +214,8 @@ class SpecDecoder:
         path, emitted = greedy_tree_verify(tokens[0].tolist(), parents, runner.greedy(logits)[0].tolist())
         depth = max(tree_depths(parents))
         if st.controller is not None:
+            # a tree's drafting is not d draft tokens' worth (one draft call per level, n nodes): the
+            # whole step counts, keyed by the nodes verified
             st.controller.observe(depth, len(path) - 1, n + 1, time.perf_counter() - t0)
         runner.compact(base, path)
         if self.proposer.needs_hidden_states:

@@ -123,3 +123,29 @@ def test_failed_probes_back_off_exponentially_and_a_good_probe_resets_the_wait()
     c.observe(2, 2, 3, costs[3])
     c.observe(2, 2, 3, costs[3])
     assert c.draft_len() > 0 and c._gap == 0
+
+
+def test_drafting_time_is_kept_apart_and_an_outlier_does_not_switch_drafting_off():
+    # a draft model: each draft token costs 35% of a target step; verification is flat (AMX bf16)
+    c = DraftLengthController(k=4, costs={1: 0.1}, probe_every=1000)
+    c.alpha = 0.6
+
+    def step(d, accepted, draft_s):
+        c.observe(d, accepted, d + 1, 0.1 * (1 + 0.02 * d) + draft_s, draft_s)
+
+    step(2, 1, 2 * 0.035)
+    assert abs(c.cost(2) - (1.0 + 0.35)) < 0.05  # measured with d=2, applied to every d
+    assert abs(c.cost(5) - (1.0 + 4 * 0.35)) < 0.05  # v(5) unmeasured: the last measured v
+    # at a = 0.6: E(1)/c(2) = 1.6/1.37 beats E(2)/c(3) = 1.96/1.74 and E(4)/c(5) = 2.31/2.44
+    assert c.best_len() == 1
+    # one slow drafting step (the draft catching up on a long prompt, 10x its usual time) moves q by
+    # at most a doubling's share, so drafting stays on
+    step(1, 1, 10 * 0.035)
+    assert c.best_len() >= 1
+    assert c.costs[0] < 2 * 0.035
+
+
+def test_without_draft_time_the_whole_step_counts():
+    c = DraftLengthController(k=4, costs={1: 0.1})
+    c.observe(2, 2, 3, 0.2)
+    assert abs(c.cost(3) - 2.0) < 1e-9 and 0 not in c.costs
