@@ -1,20 +1,23 @@
 """Adaptive draft length: speculate only as far as it pays, per request.
 
-A step that verifies d draft tokens costs c(d) plain-step units and emits, with a per-token
-acceptance rate a, on average E(d) = (1 - a^(d+1)) / (1 - a) tokens (accepted drafts plus the
-recovered/bonus token). The controller picks the d in [0, k] that maximises E(d) / c(d); d = 0
-means "do not draft this step".
+A step that verifies d draft tokens costs c(d) plain-step units and emits on average
+E(d) = 1 + p_1 + p_1 p_2 + ... + p_1 ... p_d tokens (accepted drafts plus the recovered/bonus
+token). The controller picks the d in [0, k] that maximises E(d) / c(d); d = 0 means "do not draft
+this step".
 
-  a    : accepted positions / tried positions (accepted + the first rejected), decayed
-         over recent drafting steps: the per-token acceptance rate
-  c(d) : (v(d+1) + d q) / v(1), where v(T) is the exponential moving average of the measured time
-         of the target forward (and verification) over T tokens, and q the measured drafting time
-         per draft token (a draft model's forwards, an EAGLE head's; ~0 for n-gram lookup). Kept
-         apart, a rare slow draft (the draft model catching up on a long prompt) moves q, which
-         every d shares, instead of freezing one c(d) that is then never tried again; a draft
-         observation is capped at twice the current q, so one outlier cannot switch drafting off.
-         Unmeasured v(T) are interpolated; an unmeasured cost is taken as optimistic so it gets
-         measured.
+  p_i  : the rate at which draft position i is accepted when positions < i were: decayed counts
+         per position, each shrunk toward the pooled per-token rate ``alpha`` (accepted positions
+         / tried positions) by a couple of pseudo-observations. Per position because acceptance
+         comes in runs (a draft that got position 1 right tends to get position 2 right): a single
+         geometric rate undervalues long drafts exactly where they pay (code editing).
+  c(d) : (v(d+1) + d q) / v(1). v(T) is the time of the target forward (and verification) over T
+         tokens: the plain step's own measurement v(1) (an exponential moving average), plus a
+         slope fitted through the averages measured at every T > 1, so the noise of rarely seen
+         T does not decide alone. q is the measured drafting time per draft token (a draft
+         model's forwards, an EAGLE head's; ~0 for n-gram lookup). Kept apart, a rare slow draft
+         (the draft model catching up on a long prompt) moves q, which every d shares; a draft
+         observation is capped at twice the current q, so one outlier cannot switch drafting
+         off. Unmeasured costs are taken as optimistic, so they get measured.
 
 When drafting is off it probes again after ``probe_every`` steps (a short draft), so acceptance
 that rises later (a repetitive stretch of output) is noticed; each probe that does not turn drafting
@@ -36,8 +39,10 @@ DRAFT = 0  # costs[DRAFT]: drafting seconds per draft token (costs[T], T >= 1: a
 @dataclass
 class DraftLengthController:
     k: int  # the most draft tokens a step may verify
-    alpha: float = 0.6  # prior acceptance rate
-    ema: float = 0.3  # weight of the newest observation
+    alpha: float = 0.6  # the pooled per-token acceptance rate (its prior until a draft is verified)
+    ema: float = 0.3  # weight of the newest cost observation
+    decay: float = 0.15  # weight of the newest acceptance observation
+    prior_weight: float = 2.0  # pseudo-observations of the pooled rate behind each position's rate
     probe_every: int = 8  # steps between probes while drafting is off (doubles after each failed probe)
     max_probe_every: int = 64
     probe_len: int = 2
@@ -46,18 +51,17 @@ class DraftLengthController:
     _gap: int = 0  # the current wait between probes (0: probe_every)
 
     def verify_cost(self, T: int) -> float:
-        """v(T) / v(1): a target forward over T tokens against a one-token step; 1.0 while unmeasured."""
+        """v(T) / v(1): a target forward over T tokens against a one-token step; 1.0 while unmeasured.
+
+        v(1) + b (T - 1), b >= 0 the least-squares slope through the measured v(t), t > 1, anchored
+        at v(1); beyond the largest measured T, v of that T (optimistic: it gets measured)."""
         one = self.costs.get(1)
-        if one is None or one <= 0:
+        pts = [(t, v) for t, v in self.costs.items() if t > 1]
+        if one is None or one <= 0 or not pts:
             return 1.0
-        if T in self.costs:
-            return max(self.costs[T] / one, 1.0)
-        lo = max((t for t in self.costs if 0 < t < T), default=None)
-        hi = min((t for t in self.costs if t > T), default=None)
-        if lo is None or hi is None:
-            return max(self.costs[lo] / one, 1.0) if lo is not None else 1.0
-        f = (T - lo) / (hi - lo)
-        return max((self.costs[lo] * (1 - f) + self.costs[hi] * f) / one, 1.0)
+        b = max(sum((t - 1) * (v - one) for t, v in pts) / sum((t - 1) ** 2 for t, _ in pts), 0.0)
+        T = min(T, max(t for t, _ in pts))
+        return 1.0 + b * (T - 1) / one
 
     def cost(self, T: int) -> float:
         """c = the relative cost of a step that forwards T tokens, T - 1 of them drafted."""
@@ -65,12 +69,24 @@ class DraftLengthController:
         q = self.costs.get(DRAFT, 0.0) / one if one else 0.0
         return self.verify_cost(T) + (T - 1) * q
 
-    _succ: float = 0.0  # decayed counts of accepted positions / tried positions
+    _succ: float = 0.0  # decayed counts of accepted positions / tried positions, all positions
     _tried: float = 0.0
+    _pos_succ: list[float] = field(default_factory=list)  # the same per draft position
+    _pos_tried: list[float] = field(default_factory=list)
+
+    def rate(self, i: int) -> float:
+        """p_(i+1): position i (0-based) accepted, given positions < i were."""
+        a = min(max(self.alpha, 0.0), 0.999)
+        if i >= len(self._pos_tried):
+            return a
+        return min((self._pos_succ[i] + self.prior_weight * a) / (self._pos_tried[i] + self.prior_weight), 0.999)
 
     def expected_tokens(self, d: int) -> float:
-        a = min(max(self.alpha, 0.0), 0.999)
-        return (1 - a ** (d + 1)) / (1 - a)
+        e, p = 1.0, 1.0
+        for i in range(d):
+            p *= self.rate(i)
+            e += p
+        return e
 
     def best_len(self) -> int:
         """argmax over d in [0, k] of E(d) / cost(d + 1)."""
@@ -104,9 +120,16 @@ class DraftLengthController:
         if num_draft > 0:
             # positions tried: the accepted ones, plus the first rejected one if any
             tried = num_accepted + (1 if num_accepted < num_draft else 0)
-            self._succ = (1 - self.ema) * self._succ + num_accepted
-            self._tried = (1 - self.ema) * self._tried + tried
+            keep = 1 - self.decay
+            self._succ = keep * self._succ + num_accepted
+            self._tried = keep * self._tried + tried
             self.alpha = self._succ / self._tried if self._tried > 0 else self.alpha
+            while len(self._pos_tried) < tried:
+                self._pos_tried.append(0.0)
+                self._pos_succ.append(0.0)
+            for i in range(len(self._pos_tried)):
+                self._pos_tried[i] = keep * self._pos_tried[i] + (i < tried)
+                self._pos_succ[i] = keep * self._pos_succ[i] + (i < num_accepted)
         if draft_seconds is not None and num_draft > 0:
             seconds = max(seconds - draft_seconds, 1e-9)
             per = draft_seconds / num_draft

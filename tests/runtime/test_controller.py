@@ -149,3 +149,23 @@ def test_without_draft_time_the_whole_step_counts():
     c = DraftLengthController(k=4, costs={1: 0.1})
     c.observe(2, 2, 3, 0.2)
     assert abs(c.cost(3) - 2.0) < 1e-9 and 0 not in c.costs
+
+
+def test_acceptance_per_position_sees_runs():
+    # drafts that are right all the way or wrong from the start (acceptance comes in runs): the first
+    # position is accepted half the time, the later ones always once the first was
+    c = DraftLengthController(k=4, costs={1: 0.1})
+    for i in range(40):
+        c.observe(4, 4 if i % 2 else 0, 5, 0.1)
+    assert abs(c.rate(0) - 0.5) < 0.15 and min(c.rate(i) for i in (1, 2, 3)) > 0.85  # (shrunk toward the pooled 0.8)
+    assert abs(c.expected_tokens(4) - 3.0) < 0.3  # 1 + 0.5 * 4
+    assert abs(c.expected_tokens(1) - 1.5) < 0.15
+
+
+def test_verify_cost_is_a_fit_so_one_noisy_t_does_not_decide():
+    # flat verification (AMX bf16) measured at several T, one of them on a noisy step
+    c = DraftLengthController(k=10, costs={1: 0.1, 3: 0.1, 5: 0.1, 9: 0.1, 11: 0.16})
+    assert c.verify_cost(11) < 1.4  # not the raw 1.6
+    assert abs(c.verify_cost(2) - 1.0) < 0.05
+    c.alpha = 0.8
+    assert c.best_len() >= 7  # long drafts still pay
