@@ -6,8 +6,9 @@ token). The controller picks the d in [0, k] that maximises E(d) / c(d); d = 0 m
 this step".
 
   p_i  : the rate at which draft position i is accepted when positions < i were: decayed counts
-         per position, each shrunk toward the pooled per-token rate ``alpha`` (accepted positions
-         / tried positions) by a couple of pseudo-observations. Per position because acceptance
+         per position, each shrunk by a couple of pseudo-observations toward p_(i-1) (p_1 toward
+         the pooled per-token rate ``alpha``, accepted / tried positions); positions never tried
+         take the last one's rate. Per position because acceptance
          comes in runs (a draft that got position 1 right tends to get position 2 right): a single
          geometric rate undervalues long drafts exactly where they pay (code editing).
   c(d) : (v(d+1) + d q) / v(1). v(T) is the time of the target forward (and verification) over T
@@ -48,6 +49,11 @@ class DraftLengthController:
     probe_len: int = 2
     costs: dict[int, float] = field(default_factory=dict)  # T -> seconds (EMA); DRAFT -> per draft token
     _off_steps: int = 0
+    _prior: float = -1.0  # alpha as given: the prior of the pooled rate
+
+    def __post_init__(self):
+        if self._prior < 0:
+            self._prior = self.alpha
     _gap: int = 0  # the current wait between probes (0: probe_every)
 
     def verify_cost(self, T: int) -> float:
@@ -75,11 +81,13 @@ class DraftLengthController:
     _pos_tried: list[float] = field(default_factory=list)
 
     def rate(self, i: int) -> float:
-        """p_(i+1): position i (0-based) accepted, given positions < i were."""
-        a = min(max(self.alpha, 0.0), 0.999)
-        if i >= len(self._pos_tried):
-            return a
-        return min((self._pos_succ[i] + self.prior_weight * a) / (self._pos_tried[i] + self.prior_weight), 0.999)
+        """p_(i+1): position i (0-based) accepted, given positions < i were. Each position's counts
+        are shrunk toward the position before it (the first toward the pooled rate): runs make the
+        later rates alike, and a position rarely tried then inherits what is known nearer."""
+        p = min(max(self.alpha, 0.0), 0.999)
+        for j in range(min(i + 1, len(self._pos_tried))):
+            p = min((self._pos_succ[j] + self.prior_weight * p) / (self._pos_tried[j] + self.prior_weight), 0.999)
+        return p
 
     def expected_tokens(self, d: int) -> float:
         e, p = 1.0, 1.0
@@ -123,7 +131,8 @@ class DraftLengthController:
             keep = 1 - self.decay
             self._succ = keep * self._succ + num_accepted
             self._tried = keep * self._tried + tried
-            self.alpha = self._succ / self._tried if self._tried > 0 else self.alpha
+            # the prior stays in as a pseudo-observation: one bad step does not zero the rate
+            self.alpha = (self._succ + self.prior_weight * self._prior) / (self._tried + self.prior_weight)
             while len(self._pos_tried) < tried:
                 self._pos_tried.append(0.0)
                 self._pos_succ.append(0.0)
