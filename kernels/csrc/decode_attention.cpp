@@ -1,7 +1,7 @@
 // Python entry point of the row-independent decode/verify attention (see decode_attention.h).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
-#include "decode_attention.h"
+#include "tree_rows.h"
 
 using namespace specctl::attn;
 
@@ -20,12 +20,7 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Te
   // tree [T, T] bool: the rows are a draft tree (row i sees the prefix, its ancestors and itself)
   std::vector<int32_t> anc;
   std::vector<int64_t> cnt;
-  const bool is_tree = tree.has_value() && tree->defined();
-  if (is_tree) {
-    auto tm = tree->to(at::kBool).contiguous();
-    TORCH_CHECK(tm.dim() == 2 && tm.size(0) == T && tm.size(1) == T, "tree mask [T, T]");
-    TORCH_CHECK(tree_rows(tm.data_ptr<bool>(), T, anc, cnt), "tree mask: each node sees itself and earlier nodes only");
-  }
+  const bool is_tree = specctl::attn::read_tree(tree, T, anc, cnt);
   // the query rows of one (b, kv head, row) item must sit hd apart... or any fixed stride: use strides
   auto qc = q.transpose(1, 2).contiguous();  // [B, T, nh, hd]: one item's G heads are contiguous
   auto out = torch::empty({B, T, nh * hd}, q.options());

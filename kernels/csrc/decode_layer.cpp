@@ -16,7 +16,7 @@
 #include <atomic>
 #include <thread>
 #include "amx_gemm.h"
-#include "decode_attention.h"
+#include "tree_rows.h"
 
 namespace {
 
@@ -123,13 +123,7 @@ torch::Tensor decode_layer(torch::Tensor x, torch::Tensor in_norm, torch::Tensor
   // tree [T, T] bool: the rows are a draft tree (row i sees the prefix, its ancestors and itself)
   std::vector<int32_t> anc;
   std::vector<int64_t> cnt;
-  const bool is_tree = tree.has_value() && tree->defined();
-  if (is_tree) {
-    auto tm = tree->to(at::kBool).contiguous();
-    TORCH_CHECK(tm.dim() == 2 && tm.size(0) == T && tm.size(1) == T, "tree mask [T, T]");
-    TORCH_CHECK(specctl::attn::tree_rows(tm.data_ptr<bool>(), T, anc, cnt),
-                "tree mask: each node sees itself and earlier nodes only");
-  }
+  const bool is_tree = specctl::attn::read_tree(tree, T, anc, cnt);
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
   const float feps = static_cast<float>(eps);
   SpinBarrier bar;

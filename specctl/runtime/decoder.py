@@ -134,10 +134,10 @@ class SpecDecoder:
         if self.adaptive:
             st.controller = DraftLengthController(self.k, costs=self._costs)
         runner.reset()
+        st.t_start = time.perf_counter()  # the prefill: the proposer's reading of the prompt counts in it
         if self.proposer is not None:
             self.proposer.set_sampling(slot, params, generator)
             self.proposer.start_request(slot, ctx[0, :T])
-        st.t_start = time.perf_counter()
         logits = runner.forward(torch.tensor([prompt_ids], dtype=torch.long), logits="last")  # [1, 1, V]
         if self.proposer is not None and self.proposer.needs_hidden_states:
             st.hidden = runner.last_hidden[:, -1]

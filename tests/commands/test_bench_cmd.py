@@ -225,18 +225,24 @@ class Llama:
 '''
 
 
-def test_llama_cpp_peer_runs_in_its_worker_after_specctl_rows(tiny_model_dir, prompts_file, tmp_path):
+def _bench_with_llama_standin(tiny_model_dir, prompts_file, tmp_path, lookup_init: str):
+    """specctl bench --peer llama.cpp against the stand-in module; ``lookup_init``: the body of
+    LlamaPromptLookupDecoding.__init__(self, num_pred_tokens)."""
     pkg = tmp_path / "standin" / "llama_cpp"
     pkg.mkdir(parents=True)
     (pkg / "__init__.py").write_text(_LLAMA_STANDIN)
     (pkg / "llama_speculative.py").write_text(
-        "class LlamaPromptLookupDecoding:\n    def __init__(self, num_pred_tokens=10):\n        self.k = num_pred_tokens\n")
+        f"class LlamaPromptLookupDecoding:\n    def __init__(self, num_pred_tokens=10):\n        {lookup_init}\n")
     gguf = tmp_path / "tiny.gguf"
     gguf.write_bytes(b"GGUF" + bytes(60))
-    r = run_cli("bench", "--model", str(tiny_model_dir), "--dtype", "float32", "-w", str(prompts_file), "-n", "2",
-                "--max-new-tokens", "10", "--peer", "llama.cpp", "--peer-gguf", str(gguf), "--json",
-                env_extra={"SPECCTL_CACHE": str(tmp_path / "cache"), "PYTHONPATH": str(tmp_path / "standin"),
-                           "STANDIN_HF_DIR": str(tiny_model_dir)})
+    return run_cli("bench", "--model", str(tiny_model_dir), "--dtype", "float32", "-w", str(prompts_file), "-n", "2",
+                   "--max-new-tokens", "10", "--peer", "llama.cpp", "--peer-gguf", str(gguf), "--json",
+                   env_extra={"SPECCTL_CACHE": str(tmp_path / "cache"), "PYTHONPATH": str(tmp_path / "standin"),
+                              "STANDIN_HF_DIR": str(tiny_model_dir)})
+
+
+def test_llama_cpp_peer_runs_in_its_worker_after_specctl_rows(tiny_model_dir, prompts_file, tmp_path):
+    r = _bench_with_llama_standin(tiny_model_dir, prompts_file, tmp_path, "self.k = num_pred_tokens")
     assert r.returncode == 0, r.stderr
     rows = {x["method"]: x for x in json.loads(r.stdout)["results"]}
     assert list(rows) == ["baseline", "ngram", "llama.cpp:plain", "llama.cpp:prompt-lookup"]
@@ -249,18 +255,7 @@ def test_llama_cpp_peer_runs_in_its_worker_after_specctl_rows(tiny_model_dir, pr
 
 
 def test_a_failing_peer_loses_its_rows_not_the_run(tiny_model_dir, prompts_file, tmp_path):
-    pkg = tmp_path / "standin" / "llama_cpp"
-    pkg.mkdir(parents=True)
-    (pkg / "__init__.py").write_text(_LLAMA_STANDIN)
-    (pkg / "llama_speculative.py").write_text(
-        "class LlamaPromptLookupDecoding:\n    def __init__(self, num_pred_tokens=10):\n"
-        "        raise RuntimeError('prompt lookup broke')\n")
-    gguf = tmp_path / "tiny.gguf"
-    gguf.write_bytes(b"GGUF" + bytes(60))
-    r = run_cli("bench", "--model", str(tiny_model_dir), "--dtype", "float32", "-w", str(prompts_file), "-n", "2",
-                "--max-new-tokens", "10", "--peer", "llama.cpp", "--peer-gguf", str(gguf), "--json",
-                env_extra={"SPECCTL_CACHE": str(tmp_path / "cache"), "PYTHONPATH": str(tmp_path / "standin"),
-                           "STANDIN_HF_DIR": str(tiny_model_dir)})
+    r = _bench_with_llama_standin(tiny_model_dir, prompts_file, tmp_path, "raise RuntimeError('prompt lookup broke')")
     assert r.returncode == 0, r.stderr
     rows = {x["method"]: x for x in json.loads(r.stdout)["results"]}
     assert rows["llama.cpp:plain"]["error"] is None and rows["llama.cpp:plain"]["tokens_per_s"] > 0

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import decode_attention
+from specctl.runtime.runner import tree_attention_mask
 
 pytestmark = pytest.mark.skipif(decode_attention.load() is None, reason="needs an avx512_bf16 CPU and a compiler")
 
@@ -35,16 +36,6 @@ def test_supports_only_what_the_kernel_covers():
     assert not decode_attention.supports(torch.zeros(1, 8, 1, 48, dtype=torch.bfloat16), 2)  # head dim
 
 
-def _tree_mask(parents: list[int]) -> torch.Tensor:
-    m = torch.zeros(len(parents), len(parents), dtype=torch.bool)
-    for i in range(len(parents)):
-        j = i
-        while j >= 0:
-            m[i, j] = True
-            j = parents[j]
-    return m
-
-
 @pytest.mark.parametrize("nh,nkv,hd", [(4, 2, 32), (12, 2, 128)])
 def test_tree_rows_equal_their_paths_decoded_alone(nh, nkv, hd):
     # node i sees the prefix, then its ancestors and itself: bit for bit the one-row decode of its path
@@ -54,7 +45,7 @@ def test_tree_rows_equal_their_paths_decoded_alone(nh, nkv, hd):
     kc = torch.randn(1, nkv, S, hd, generator=g).bfloat16()
     vc = torch.randn(1, nkv, S, hd, generator=g).bfloat16()
     q = torch.randn(1, nh, T, hd, generator=g).bfloat16()
-    tree = _tree_mask(parents)
+    tree = tree_attention_mask(parents)
     out = decode_attention.attention(q, kc, vc, start, tree=tree)
     for i in range(T):
         path = [j for j in range(T) if tree[i, j]]
@@ -64,7 +55,7 @@ def test_tree_rows_equal_their_paths_decoded_alone(nh, nkv, hd):
         alone = decode_attention.attention(q[:, :, i:i + 1], k2, v2, start + len(path) - 1)
         assert torch.equal(out[:, i:i + 1], alone), i
     # a chain is the tree whose node i's parent is i-1
-    chain = decode_attention.attention(q, kc, vc, start, tree=_tree_mask(list(range(-1, T - 1))))
+    chain = decode_attention.attention(q, kc, vc, start, tree=tree_attention_mask(list(range(-1, T - 1))))
     assert torch.equal(chain, decode_attention.attention(q, kc, vc, start))
 
 

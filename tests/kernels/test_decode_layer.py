@@ -8,6 +8,7 @@ import torch
 
 from kernels import decode_layer
 from specctl.runtime.model import KVCache, load_transformer
+from specctl.runtime.runner import tree_attention_mask, tree_depths
 
 pytestmark = pytest.mark.skipif(decode_layer.load() is None, reason="needs an AMX CPU and a compiler")
 
@@ -64,15 +65,7 @@ def test_tree_rows_equal_their_paths_decoded_as_chains(model, parents):
     T, start = len(parents), 11
     g = torch.Generator().manual_seed(T)
     x = (torch.randn(1, T, a.hidden_size, generator=g) * 0.5).bfloat16()
-    depth = [0] * T
-    for i in range(1, T):
-        depth[i] = depth[parents[i]] + 1
-    tree = torch.zeros(T, T, dtype=torch.bool)
-    for i in range(T):
-        j = i
-        while j >= 0:
-            tree[i, j] = True
-            j = parents[j]
+    depth, tree = tree_depths(parents), tree_attention_mask(parents)
     c = KVCache(a, 1, 64, torch.bfloat16, "cpu")
     c.k.normal_(generator=g)
     c.v.normal_(generator=g)

@@ -170,6 +170,11 @@ class DraftModelProposer(Proposer):
         s = self._slot(slot)
         s.n, s.pieces, s.active = 0, [], True
         self._extend(s, np.asarray(prompt_ids, dtype=np.int64))
+        # the draft reads the prompt now, in the request's prefill (as vLLM runs the draft's prefill),
+        # not in its first drafting step: the controller then weighs drafting by its steady cost
+        want = self._context_ids(s)
+        if 0 < len(want) <= s.runner.max_len:
+            self._sync(s, want)
 
     def end_request(self, slot: int) -> None:
         s = self.slots.get(slot)
