@@ -98,12 +98,15 @@ class DraftLengthController:
 
     def best_len(self) -> int:
         """argmax over d in [0, k] of E(d) / cost(d + 1)."""
-        best_d, best_v = 0, 1.0
+        best_d, best_v = 0, 0.0
         for d in range(1, self.k + 1):
             v = self.expected_tokens(d) / self.cost(d + 1)
-            if v > best_v * 1.02:  # a 2% margin: ties go to drafting less
+            if v > best_v:
                 best_d, best_v = d, v
-        return best_d
+        # drafting must beat a plain step by 2% (no flapping on and off at break-even); among draft
+        # lengths the best wins outright: where drafting is nearly free (n-gram lookup, flat
+        # verification) long drafts cost nothing and win big on the runs that match
+        return best_d if best_v > 1.02 else 0
 
     def draft_len(self) -> int:
         """The number of draft tokens to ask for this step (0: plain decoding step)."""
