@@ -212,6 +212,9 @@ def render(report) -> None:
     for col in ("workload", "method", "k", "tok/s", "speedup", "accept", "acc. len", "per-position", "= base"):
         t.add_column(col, justify="left" if col in ("workload", "method", "per-position") else "right", no_wrap=True)
     for r in report.rows():
+        if r.get("error"):
+            t.add_row(r["workload"], r["method"], "—", "failed", "—", "—", "—", r["error"][:60], "—")
+            continue
         base = r["method"] == "baseline"
         no_stats = base or peer_engine(r["method"]) is not None
         per_pos = " ".join(f"{x:.2f}" for x in r["acceptance_rate_per_pos"][:4])
@@ -220,9 +223,6 @@ def render(report) -> None:
         same = "—" if base else (f"{r['identical_to_baseline']}/{r['requests']}" if r["first_divergence"] else "n/a (sampling)")
         if r["divergence_margins"]:
             same += f" (tie Δ≤{max(r['divergence_margins']):.2g})"
-        if r.get("error"):
-            t.add_row(r["workload"], r["method"], "—", "failed", "—", "—", "—", r["error"][:60], "—")
-            continue
         tps = f"{r['tokens_per_s']:.2f}"
         if r["runs"] > 1:
             tps += f" [{r['tokens_per_s_min']:.1f}–{r['tokens_per_s_max']:.1f}]"

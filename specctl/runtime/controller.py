@@ -49,58 +49,73 @@ class DraftLengthController:
     probe_len: int = 2
     costs: dict[int, float] = field(default_factory=dict)  # T -> seconds (EMA); DRAFT -> per draft token
     _off_steps: int = 0
+    _gap: int = 0  # the current wait between probes (0: probe_every)
     _prior: float = -1.0  # alpha as given: the prior of the pooled rate
+    _succ: float = 0.0  # decayed counts of accepted positions / tried positions, all positions
+    _tried: float = 0.0
+    _pos_succ: list[float] = field(default_factory=list)  # the same per draft position
+    _pos_tried: list[float] = field(default_factory=list)
 
     def __post_init__(self):
         if self._prior < 0:
             self._prior = self.alpha
-    _gap: int = 0  # the current wait between probes (0: probe_every)
+
+    def _slope(self) -> tuple[float, float, int] | None:
+        """(v(1), b, the largest measured T) of the fitted v(T) = v(1) + b (T - 1), or None unmeasured."""
+        one = self.costs.get(1)
+        pts = [(t, v) for t, v in self.costs.items() if t > 1]
+        if one is None or one <= 0 or not pts:
+            return None
+        b = max(sum((t - 1) * (v - one) for t, v in pts) / sum((t - 1) ** 2 for t, _ in pts), 0.0)
+        return one, b, max(t for t, _ in pts)
 
     def verify_cost(self, T: int) -> float:
         """v(T) / v(1): a target forward over T tokens against a one-token step; 1.0 while unmeasured.
 
         v(1) + b (T - 1), b >= 0 the least-squares slope through the measured v(t), t > 1, anchored
         at v(1); beyond the largest measured T, v of that T (optimistic: it gets measured)."""
+        return _relative_verify(T, self._slope())
+
+    def _draft_cost(self) -> float:
+        """q / v(1): drafting one token against a plain step (0 while unmeasured)."""
         one = self.costs.get(1)
-        pts = [(t, v) for t, v in self.costs.items() if t > 1]
-        if one is None or one <= 0 or not pts:
-            return 1.0
-        b = max(sum((t - 1) * (v - one) for t, v in pts) / sum((t - 1) ** 2 for t, _ in pts), 0.0)
-        T = min(T, max(t for t, _ in pts))
-        return 1.0 + b * (T - 1) / one
+        return self.costs.get(DRAFT, 0.0) / one if one else 0.0
 
     def cost(self, T: int) -> float:
         """c = the relative cost of a step that forwards T tokens, T - 1 of them drafted."""
-        one = self.costs.get(1)
-        q = self.costs.get(DRAFT, 0.0) / one if one else 0.0
-        return self.verify_cost(T) + (T - 1) * q
+        return self.verify_cost(T) + (T - 1) * self._draft_cost()
 
-    _succ: float = 0.0  # decayed counts of accepted positions / tried positions, all positions
-    _tried: float = 0.0
-    _pos_succ: list[float] = field(default_factory=list)  # the same per draft position
-    _pos_tried: list[float] = field(default_factory=list)
+    def _rates(self, n: int) -> list[float]:
+        """[p_1 .. p_n]: position i accepted, given positions < i were. Each position's counts are
+        shrunk toward the position before it (the first toward the pooled rate): runs make the later
+        rates alike, and a position rarely tried then inherits what is known nearer."""
+        p = min(max(self.alpha, 0.0), 0.999)
+        out = []
+        for j in range(n):
+            if j < len(self._pos_tried):
+                p = min((self._pos_succ[j] + self.prior_weight * p) / (self._pos_tried[j] + self.prior_weight), 0.999)
+            out.append(p)
+        return out
 
     def rate(self, i: int) -> float:
-        """p_(i+1): position i (0-based) accepted, given positions < i were. Each position's counts
-        are shrunk toward the position before it (the first toward the pooled rate): runs make the
-        later rates alike, and a position rarely tried then inherits what is known nearer."""
-        p = min(max(self.alpha, 0.0), 0.999)
-        for j in range(min(i + 1, len(self._pos_tried))):
-            p = min((self._pos_succ[j] + self.prior_weight * p) / (self._pos_tried[j] + self.prior_weight), 0.999)
-        return p
+        """p_(i+1): position i (0-based) accepted, given positions < i were (see ``_rates``)."""
+        return self._rates(i + 1)[-1]
 
     def expected_tokens(self, d: int) -> float:
         e, p = 1.0, 1.0
-        for i in range(d):
-            p *= self.rate(i)
+        for r in self._rates(d):
+            p *= r
             e += p
         return e
 
     def best_len(self) -> int:
-        """argmax over d in [0, k] of E(d) / cost(d + 1)."""
-        best_d, best_v = 0, 0.0
-        for d in range(1, self.k + 1):
-            v = self.expected_tokens(d) / self.cost(d + 1)
+        """argmax over d in [0, k] of E(d) / cost(d + 1): one pass, E(d) built up as d grows."""
+        fit, q = self._slope(), self._draft_cost()
+        best_d, best_v, e, p = 0, 0.0, 1.0, 1.0
+        for d, r in enumerate(self._rates(self.k), start=1):
+            p *= r
+            e += p
+            v = e / (_relative_verify(d + 1, fit) + d * q)
             if v > best_v:
                 best_d, best_v = d, v
         # drafting must beat a plain step by 2% (no flapping on and off at break-even); among draft
@@ -149,3 +164,11 @@ class DraftLengthController:
             self.costs[DRAFT] = per if q is None else q + self.ema * (min(per, 2 * q) - q)
         old = self.costs.get(tokens_forwarded)
         self.costs[tokens_forwarded] = seconds if old is None else old + self.ema * (seconds - old)
+
+
+def _relative_verify(T: int, fit: tuple[float, float, int] | None) -> float:
+    """v(T) / v(1) from ``DraftLengthController._slope()``'s fit (1.0 while unmeasured)."""
+    if fit is None:
+        return 1.0
+    one, b, t_max = fit
+    return 1.0 + b * (min(T, t_max) - 1) / one
