@@ -38,8 +38,10 @@ def supports(q: torch.Tensor, num_kv_heads: int) -> bool:
 
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start: int,
               scale: float | None = None, tree: torch.Tensor | None = None) -> torch.Tensor:
-    """``tree`` [T, T] bool: the rows are a draft tree written at slots start..start+T-1; row i sees
-    the prefix [0, start) and the nodes j with tree[i, j] (its ancestors and itself, parents first),
-    in that order: bit for bit what a one-row decode of its path computes."""
+    """``tree`` [T, W] bool (T <= W <= start + T): the rows are a draft tree written at slots
+    start..start+T-1, and column c of the mask is slot start + T - W + c (the W - T columns before the
+    rows are earlier tree nodes already in the cache). Row i sees the prefix [0, start + T - W) and
+    the slots c with tree[i, c] (its ancestors and itself, parents first), in that order: bit for
+    bit what a one-row decode of its path computes."""
     hd = q.shape[-1]
     return _ext.decode_attention(q, k_cache, v_cache, start, scale if scale is not None else 1.0 / math.sqrt(hd), tree)

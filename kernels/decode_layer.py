@@ -5,6 +5,9 @@ rows (batch x tokens <= 16) in one C++ call and one parallel region (``csrc/deco
 the same arithmetic as the AMX linears and the row-independent attention, without ~25 torch
 dispatches and 5 thread-pool wake-ups per block. ``load()`` returns None where it cannot run (no
 AMX, no compiler); callers keep the per-op path.
+
+``eagle3_layer(...)`` runs EAGLE-3's draft layer the same way: its attention reads
+cat(emb_norm(emb), in_norm(x)) [2H] while x stays the residual (specctl.runtime.proposers.eagle).
 """
 
 from __future__ import annotations
@@ -31,9 +34,18 @@ def load():
 
 def layer(block, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
           v_cache: torch.Tensor, start: int, tree: torch.Tensor | None = None) -> torch.Tensor:
-    """``tree`` [T, T] bool: the rows are a draft tree (see decode_attention.attention)."""
+    """``tree`` [T, W] bool: the rows are a draft tree (see decode_attention.attention)."""
     a = block.a
     return _ext.decode_layer(x.contiguous(), block.input_norm.weight, block.post_norm.weight, a.rms_norm_eps,
                              block.qkv.weight, block.qkv.bias, block.o.weight, block.o.bias,
                              block.gate_up.weight, block.down.weight, cos, sin, k_cache, v_cache, start,
                              a.num_heads, a.num_kv_heads, tree)
+
+
+def eagle3_layer(w, x: torch.Tensor, emb: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, start: int, tree: torch.Tensor | None = None) -> torch.Tensor:
+    """EAGLE-3's draft layer; ``w`` holds packed bf16 weights (qkv [Nqkv, 2H], o, gate_up, down), the
+    norms (hidden_norm on x, input_norm on emb, post_norm), eps and the head counts."""
+    return _ext.decode_layer(x.contiguous(), w.hidden_norm, w.post_norm, w.eps, w.qkv, None, w.o, None, w.gate_up,
+                             w.down, cos, sin, k_cache, v_cache, start, w.num_heads, w.num_kv_heads, tree,
+                             emb.contiguous(), w.input_norm)

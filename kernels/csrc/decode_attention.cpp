@@ -17,10 +17,10 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Te
   TORCH_CHECK(hd % 32 == 0 && hd <= MAX_HD && k_cache.size(3) == hd, "head dim: a multiple of 32, at most 256");
   TORCH_CHECK(start + T <= S, "cache too short");
   const int G = static_cast<int>(nh / nkv);
-  // tree [T, T] bool: the rows are a draft tree (row i sees the prefix, its ancestors and itself)
+  // tree [T, W] bool: the rows are a draft tree (row i sees the prefix, its ancestors and itself)
   std::vector<int32_t> anc;
   std::vector<int64_t> cnt;
-  const bool is_tree = specctl::attn::read_tree(tree, T, anc, cnt);
+  const int64_t W = specctl::attn::read_tree(tree, T, start, anc, cnt), P = start + T - W;
   // the query rows of one (b, kv head, row) item must sit hd apart... or any fixed stride: use strides
   auto qc = q.transpose(1, 2).contiguous();  // [B, T, nh, hd]: one item's G heads are contiguous
   auto out = torch::empty({B, T, nh * hd}, q.options());
@@ -35,9 +35,9 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Te
       const int64_t b = it / (nkv * T), kvh = (it / T) % nkv, i = it % T;
       const int64_t cache_off = (b * nkv + kvh) * S * hd;
       const int64_t row_off = ((b * T + i) * nh + kvh * G) * hd;
-      if (is_tree)
-        item(qp + row_off, hd, kp + cache_off, vp + cache_off, start + cnt[i], static_cast<int>(hd), G,
-             static_cast<float>(scale), op + row_off, s, TreeRows{start, anc.data() + i * T});
+      if (W)
+        item(qp + row_off, hd, kp + cache_off, vp + cache_off, P + cnt[i], static_cast<int>(hd), G,
+             static_cast<float>(scale), op + row_off, s, TreeRows{P, anc.data() + i * W});
       else
         item(qp + row_off, hd, kp + cache_off, vp + cache_off, start + i + 1, static_cast<int>(hd), G,
              static_cast<float>(scale), op + row_off, s);

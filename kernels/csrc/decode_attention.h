@@ -148,18 +148,21 @@ inline void item(const uint16_t* q, int64_t q_hstride, const uint16_t* kc, const
 }
 
 
-// A draft tree's rows: from its [T, T] attention mask (mask[i][j]: node j is node i or one of its
-// ancestors; parents come before children), each node's ancestors and itself in order, T slots per
-// node in anc, how many in cnt. Returns false when a node does not see itself or a later node.
-inline bool tree_rows(const bool* mask, int64_t T, std::vector<int32_t>& anc, std::vector<int64_t>& cnt) {
-  anc.assign(static_cast<size_t>(T * T), 0);
+// A draft tree's rows: from its [T, W] attention mask (W >= T; column c is cache slot
+// start + T - W + c, so the last T columns are the call's own rows and the W - T before them earlier
+// tree nodes already in the cache; mask[i][c]: slot c is node i or one of its ancestors, parents
+// before children), each node's visible slots in order (W entries per node in anc, column indices),
+// how many in cnt. Returns false when a node does not see itself or sees a later slot.
+inline bool tree_rows(const bool* mask, int64_t T, int64_t W, std::vector<int32_t>& anc, std::vector<int64_t>& cnt) {
+  anc.assign(static_cast<size_t>(T * W), 0);
   cnt.assign(static_cast<size_t>(T), 0);
   for (int64_t i = 0; i < T; ++i) {
-    if (!mask[i * T + i]) return false;
-    for (int64_t j = 0; j < T; ++j) {
-      if (!mask[i * T + j]) continue;
-      if (j > i) return false;
-      anc[i * T + cnt[i]++] = static_cast<int32_t>(j);
+    const int64_t self = W - T + i;
+    if (!mask[i * W + self]) return false;
+    for (int64_t j = 0; j < W; ++j) {
+      if (!mask[i * W + j]) continue;
+      if (j > self) return false;
+      anc[i * W + cnt[i]++] = static_cast<int32_t>(j);
     }
   }
   return true;

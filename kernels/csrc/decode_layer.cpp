@@ -1,7 +1,8 @@
 // One whole transformer block (Llama / Qwen2 / Mistral) for decode and verification forwards, bf16.
 //
 //   x [M, H] (M = batch x rows <= 64; a draft tree's rows with `tree`) -> x + attn(norm1(x)) -> h + mlp(norm2(h)), writing the new
-//   keys and values into the caches at [start, start + T).
+//   keys and values into the caches at [start, start + T). With `emb` (EAGLE-3's draft layer) the
+//   attention reads cat(emb_norm(emb), norm1(x)) [M, 2H] instead of norm1(x); x stays the residual.
 //
 // Why: at batch 1 a decode step of a small model is mostly overhead. A block is ~25 torch ops and
 // 5 kernel launches, each a Python dispatch and (for the parallel ones) a wake-up of the thread
@@ -94,20 +95,27 @@ torch::Tensor decode_layer(torch::Tensor x, torch::Tensor in_norm, torch::Tensor
                            torch::Tensor qkv_w, c10::optional<torch::Tensor> qkv_b, torch::Tensor o_w,
                            c10::optional<torch::Tensor> o_b, torch::Tensor gate_up_w, torch::Tensor down_w,
                            torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache, torch::Tensor v_cache,
-                           int64_t start, int64_t num_heads, int64_t num_kv_heads, c10::optional<torch::Tensor> tree) {
+                           int64_t start, int64_t num_heads, int64_t num_kv_heads, c10::optional<torch::Tensor> tree,
+                           c10::optional<torch::Tensor> emb, c10::optional<torch::Tensor> emb_norm) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 3 && x.is_contiguous(), "x [B, T, H] bf16 contiguous");
   const int64_t B = x.size(0), T = x.size(1), H = x.size(2), M = B * T;
   TORCH_CHECK(M <= 64, "at most 64 rows");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.size(0) == B, "caches [B, nkv, S, hd]");
   const int64_t S = k_cache.size(2), hd = k_cache.size(3), nh = num_heads, nkv = num_kv_heads;
   const int64_t Nqkv = (nh + 2 * nkv) * hd, I2 = gate_up_w.size(0) * 16, I = I2 / 2;
-  TORCH_CHECK(qkv_w.size(0) * 16 == Nqkv && qkv_w.size(1) * 32 == H, "qkv weight shape");
+  // EAGLE-3's draft layer: the attention reads cat(emb_norm(emb), in_norm(x)) [M, 2H]; x stays the residual
+  const bool eagle3 = emb.has_value() && emb->defined();
+  const int64_t Hin = eagle3 ? 2 * H : H;
+  if (eagle3)
+    TORCH_CHECK(emb->scalar_type() == at::kBFloat16 && emb->is_contiguous() && emb->numel() == M * H &&
+                emb_norm.has_value() && emb_norm->defined(), "emb [B, T, H] bf16 contiguous, with emb_norm");
+  TORCH_CHECK(qkv_w.size(0) * 16 == Nqkv && qkv_w.size(1) * 32 == Hin, "qkv weight shape");
   TORCH_CHECK(o_w.size(0) * 16 == H && o_w.size(1) * 32 == nh * hd, "o weight shape");
   TORCH_CHECK(down_w.size(0) * 16 == H && down_w.size(1) * 32 == I, "down weight shape");
   TORCH_CHECK(start + T <= S && hd % 32 == 0 && nh % nkv == 0, "cache length / head dim / heads");
   TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.size(0) == T && cos.size(1) == hd, "cos/sin [T, hd]");
   auto opt = x.options();
-  auto xn = torch::empty({M, H}, opt), qkv = torch::empty({M, Nqkv}, opt), att = torch::empty({M, nh * hd}, opt);
+  auto xn = torch::empty({M, Hin}, opt), qkv = torch::empty({M, Nqkv}, opt), att = torch::empty({M, nh * hd}, opt);
   auto h = torch::empty({M, H}, opt), gu = torch::empty({M, I2}, opt), act = torch::empty({M, I}, opt);
   auto out = torch::empty({B, T, H}, opt);
   using u16 = uint16_t;
@@ -117,13 +125,14 @@ torch::Tensor decode_layer(torch::Tensor x, torch::Tensor in_norm, torch::Tensor
   };
   const u16 *xp = P(x), *n1 = P(in_norm), *n2 = P(post_norm), *wq = P(qkv_w), *bq = PO(qkv_b), *wo = P(o_w),
             *bo = PO(o_b), *wgu = P(gate_up_w), *wd = P(down_w), *cp = P(cos), *sp = P(sin);
+  const u16 *ep = eagle3 ? P(*emb) : nullptr, *ne = eagle3 ? P(*emb_norm) : nullptr;
   u16 *xnp = P(xn), *qp = P(qkv), *ap = P(att), *hp = P(h), *gup = P(gu), *actp = P(act), *op = P(out);
   u16 *kc = P(k_cache), *vc = P(v_cache);
   const int G = static_cast<int>(nh / nkv);
-  // tree [T, T] bool: the rows are a draft tree (row i sees the prefix, its ancestors and itself)
+  // tree [T, W] bool: the rows are a draft tree (row i sees the prefix, its ancestors and itself)
   std::vector<int32_t> anc;
   std::vector<int64_t> cnt;
-  const bool is_tree = specctl::attn::read_tree(tree, T, anc, cnt);
+  const int64_t W = specctl::attn::read_tree(tree, T, start, anc, cnt), P0 = start + T - W;
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
   const float feps = static_cast<float>(eps);
   SpinBarrier bar;
@@ -135,11 +144,14 @@ torch::Tensor decode_layer(torch::Tensor x, torch::Tensor in_norm, torch::Tensor
     int sense = 0, configured = -1;
     int64_t a, b;
     std::vector<float> scores;
-    // 1. norm
-    for (int64_t m = tid; m < M; m += nt) rmsnorm_row(xp + m * H, n1, feps, H, xnp + m * H);
+    // 1. norm (EAGLE-3: [normed emb | normed x])
+    for (int64_t m = tid; m < M; m += nt) {
+      if (eagle3) rmsnorm_row(ep + m * H, ne, feps, H, xnp + m * Hin);
+      rmsnorm_row(xp + m * H, n1, feps, H, xnp + m * Hin + Hin - H);
+    }
     bar.wait(nt, sense);
     // 2. q|k|v
-    gemm_dynamic(next_qkv, xnp, M, H, wq, Nqkv / 16, bq, qp, nullptr, Nqkv, configured);
+    gemm_dynamic(next_qkv, xnp, M, Hin, wq, Nqkv / 16, bq, qp, nullptr, Nqkv, configured);
     bar.wait(nt, sense);
     // 3. rotary on q (in place, via a copy of the head) and k; k and v into the caches
     const int64_t heads = nh + 2 * nkv;
@@ -168,10 +180,10 @@ torch::Tensor decode_layer(torch::Tensor x, torch::Tensor in_norm, torch::Tensor
       else { m = it / nkv; head0 = (it % nkv) * G; g = G; }
       const int64_t bi = m / T, i = m % T, kvh = head0 / G;
       const int64_t cache_off = (bi * nkv + kvh) * S * hd;
-      if (is_tree)
-        specctl::attn::item(qp + m * Nqkv + head0 * hd, hd, kc + cache_off, vc + cache_off, start + cnt[i],
+      if (W)
+        specctl::attn::item(qp + m * Nqkv + head0 * hd, hd, kc + cache_off, vc + cache_off, P0 + cnt[i],
                             static_cast<int>(hd), g, scale, ap + m * nh * hd + head0 * hd, scores,
-                            specctl::attn::TreeRows{start, anc.data() + i * T});
+                            specctl::attn::TreeRows{P0, anc.data() + i * W});
       else
         specctl::attn::item(qp + m * Nqkv + head0 * hd, hd, kc + cache_off, vc + cache_off, start + i + 1,
                             static_cast<int>(hd), g, scale, ap + m * nh * hd + head0 * hd, scores);
@@ -210,5 +222,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("in_norm"), py::arg("post_norm"), py::arg("eps"), py::arg("qkv_w"), py::arg("qkv_b"),
         py::arg("o_w"), py::arg("o_b"), py::arg("gate_up_w"), py::arg("down_w"), py::arg("cos"), py::arg("sin"),
         py::arg("k_cache"), py::arg("v_cache"), py::arg("start"), py::arg("num_heads"), py::arg("num_kv_heads"),
-        py::arg("tree") = py::none());
+        py::arg("tree") = py::none(), py::arg("emb") = py::none(), py::arg("emb_norm") = py::none());
 }

@@ -59,6 +59,34 @@ def test_tree_rows_equal_their_paths_decoded_alone(nh, nkv, hd):
     assert torch.equal(chain, decode_attention.attention(q, kc, vc, start))
 
 
+def test_a_wide_mask_reaches_tree_nodes_already_in_the_cache():
+    # [T, W] with W > T: the rows are a tree level whose ancestors sit in earlier slots (an EAGLE
+    # draft tree forwarded level by level); each row equals the one-row decode of its path
+    nh, nkv, hd, S, P = 4, 2, 64, 96, 23  # slots [0, P) are the prefix, [P, P + 6) two earlier levels
+    g = torch.Generator().manual_seed(5)
+    kc = torch.randn(1, nkv, S, hd, generator=g).bfloat16()
+    vc = torch.randn(1, nkv, S, hd, generator=g).bfloat16()
+    ancestors = [[0, 3], [1], [0, 4], []]  # per row: earlier slots P + j it sees (then itself)
+    T, start = len(ancestors), P + 6
+    q = torch.randn(1, nh, T, hd, generator=g).bfloat16()
+    W = start + T - P
+    tree = torch.zeros(T, W, dtype=torch.bool)
+    for i, anc in enumerate(ancestors):
+        tree[i, anc] = True
+        tree[i, start - P + i] = True
+    out = decode_attention.attention(q, kc, vc, start, tree=tree)
+    for i, anc in enumerate(ancestors):
+        slots = [P + j for j in anc] + [start + i]
+        k2, v2 = kc.clone(), vc.clone()
+        k2[:, :, P:P + len(slots)] = kc[:, :, slots]
+        v2[:, :, P:P + len(slots)] = vc[:, :, slots]
+        alone = decode_attention.attention(q[:, :, i:i + 1], k2, v2, P + len(slots) - 1)
+        assert torch.equal(out[:, i:i + 1], alone), i
+    # the prefix columns may be given too: a [T, start + T] mask whose first P columns are all True
+    full = torch.cat([torch.ones(T, P, dtype=torch.bool), tree], 1)
+    assert torch.equal(decode_attention.attention(q, kc, vc, start, tree=full), out)
+
+
 def test_a_tree_mask_with_a_later_ancestor_is_refused():
     q = torch.zeros(1, 4, 3, 32, dtype=torch.bfloat16)
     kc = torch.zeros(1, 2, 16, 32, dtype=torch.bfloat16)

@@ -36,6 +36,7 @@ What it does not know: verification, the target's cache, training (``specctl.tra
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -217,6 +218,88 @@ class EagleDraft(nn.Module):
         return lay.finish(att, x)
 
 
+class FusedEagle3:
+    """An EAGLE-3 draft for a bf16 target on an AMX CPU: its layer is one C++ call (kernels/decode_layer's
+    ``eagle3_layer``), fc and the draft head are AMX linears on weights packed once, all in bf16.
+
+    At batch 1 the fp32 per-op layer cost ~1.3 ms per call for SmolLM2-135M's width, mostly torch
+    dispatch; this path reads 8 MB of bf16 weights in one parallel region. The same methods as
+    ``EagleDraft`` (``feature``, ``layer_input``, ``forward_cached``, ``logits``), bf16 in and out.
+    The draft's numerics differ from fp32 in rounding only, and verification keeps the output exact.
+    ``build(draft)`` returns None where the kernels or the shapes do not fit (callers keep EagleDraft).
+    """
+
+    dtype = torch.bfloat16
+
+    def __init__(self, draft: EagleDraft):
+        from kernels import amx_linear
+
+        pk = lambda w: amx_linear.pack(w.detach().to(torch.bfloat16).contiguous())  # noqa: E731
+        bf = lambda w: w.detach().to(torch.bfloat16).contiguous()  # noqa: E731
+        lay, a = draft.midlayer, draft.spec.args
+        at = lay.self_attn
+        self.spec, self.version, self.a = draft.spec, 3, a
+        self.inv_freq = draft.inv_freq
+        self.fc = pk(draft.fc.weight)
+        self.fc_bias = None if draft.fc.bias is None else bf(draft.fc.bias)
+        self.qkv = pk(torch.cat([at.q_proj.weight, at.k_proj.weight, at.v_proj.weight]))
+        self.o = pk(at.o_proj.weight)
+        self.gate_up = pk(torch.cat([lay.mlp.gate_proj.weight, lay.mlp.up_proj.weight]))
+        self.down = pk(lay.mlp.down_proj.weight)
+        self.hidden_norm, self.input_norm = bf(lay.hidden_norm.weight), bf(lay.input_layernorm.weight)
+        self.post_norm, self.norm = bf(lay.post_attention_layernorm.weight), bf(draft.norm.weight)
+        self.head = pk(draft.lm_head.weight)
+        self.eps = float(a.rms_norm_eps)
+        self.num_heads, self.num_kv_heads = a.num_heads, a.num_kv_heads
+
+    @classmethod
+    def build(cls, draft: EagleDraft, target_dtype: torch.dtype, device) -> "FusedEagle3 | None":
+        from kernels import amx_linear, decode_layer
+
+        a, H = draft.spec.args, draft.spec.args.hidden_size
+        fits = (draft.version == 3 and target_dtype == torch.bfloat16 and torch.device(device).type == "cpu"
+                and H % 32 == 0 and a.head_dim % 32 == 0 and a.num_heads % a.num_kv_heads == 0
+                and a.num_heads // a.num_kv_heads <= 16 and (a.num_heads + 2 * a.num_kv_heads) * a.head_dim % 16 == 0
+                and a.intermediate_size % 32 == 0 and draft.spec.draft_vocab_size % 16 == 0
+                and draft.fc.weight.shape[1] % 32 == 0 and a.num_heads * a.head_dim % 32 == 0)
+        if not fits or decode_layer.load() is None or amx_linear.load() is None:
+            return None
+        return cls(draft)
+
+    def feature(self, target_hidden, target_aux: torch.Tensor) -> torch.Tensor:
+        from kernels import amx_linear
+
+        return amx_linear.linear(target_aux.to(torch.bfloat16).contiguous(), self.fc, self.fc_bias)
+
+    def layer_input(self, emb, h):
+        return h
+
+    def forward_cached(self, emb, h, start: int, k_cache, v_cache, positions=None, mask=None) -> torch.Tensor:
+        """As EagleDraft.forward_cached; a tree ``mask`` [T, start+T] must see the whole prefix before
+        the tree's first slot (as the proposer's masks do)."""
+        from kernels import decode_layer
+
+        T, R = h.shape[1], decode_layer.MAX_ROWS
+        if T > R:  # a prompt's feature rows: causal chunks of what one call takes
+            return torch.cat([self.forward_cached(emb[:, i:i + R], h[:, i:i + R], start + i, k_cache, v_cache)
+                              for i in range(0, T, R)], dim=1)
+        pos = torch.arange(start, start + T) if positions is None else positions
+        cos, sin = rope_cos_sin(self.inv_freq, pos)
+        tree = None
+        if mask is not None:  # the kernel's mask starts where the fully visible prefix ends
+            first = int(mask.all(0).logical_not().nonzero()[0]) if not bool(mask.all()) else start
+            tree = mask[:, first:]
+        return decode_layer.eagle3_layer(self, h.to(torch.bfloat16), emb.to(torch.bfloat16), cos.to(torch.bfloat16),
+                                         sin.to(torch.bfloat16), k_cache, v_cache, start, tree)
+
+    def logits(self, out: torch.Tensor, head_weight=None) -> torch.Tensor:
+        from kernels import amx_linear
+
+        x = out.float()
+        x = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)).to(torch.bfloat16) * self.norm
+        return amx_linear.linear(x.contiguous(), self.head).float()
+
+
 # --------------------------------------------------------------------------- loading (vLLM / SGLang layouts)
 
 def _read_tensors(folder: Path) -> dict[str, torch.Tensor]:
@@ -305,11 +388,11 @@ def load_eagle_draft(folder: str | Path, target_args: ModelArgs, version: int | 
 class _Slot:
     """One request: the draft's KV cache, the target features of the cached positions, counters."""
 
-    def __init__(self, a: ModelArgs, max_len: int, device):
+    def __init__(self, a: ModelArgs, max_len: int, device, dtype: torch.dtype = torch.float32):
         shape = (1, a.num_kv_heads, max_len, a.head_dim)
-        self.k = torch.zeros(shape, device=device)  # [1, nkv, max_len, hd]
-        self.v = torch.zeros(shape, device=device)
-        self.feat = torch.zeros(max_len, a.hidden_size, device=device)  # [max_len, H] feature of each target position
+        self.k = torch.zeros(shape, device=device, dtype=dtype)  # [1, nkv, max_len, hd]
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.feat = torch.zeros(max_len, a.hidden_size, device=device, dtype=dtype)  # [max_len, H] feature of each target position
         self.n_feat = 0  # target positions with a feature (= the target's cache length)
         self.n_fed = 0  # draft cache positions holding feature rows (chain rows beyond are scratch)
         self.prompt: np.ndarray = np.zeros(0, dtype=np.int64)
@@ -342,6 +425,12 @@ class EagleProposer(SlotProposer):
                              f"use \"method\": \"{'eagle3' if draft.version == 3 else 'eagle'}\"")
         self.device = tmodel.embed.weight.device
         self.draft = draft.to(self.device)
+        # the network that drafts: the fused bf16 kernels next to a bf16 target on an AMX CPU, else the draft itself
+        fused = None
+        if os.environ.get("SPECCTL_EAGLE_FUSED", "1") != "0":
+            fused = FusedEagle3.build(self.draft, tmodel.embed.weight.dtype, self.device)
+        self.net = fused or self.draft
+        self.dtype = FusedEagle3.dtype if fused is not None else torch.float32
         self.embed_weight = embed.to(self.device) if embed is not None else tmodel.embed.weight  # [V, H]
         if draft.version == 3:
             tmodel.aux_layers = tuple(draft.spec.aux_layers)  # the target now also returns aux_out
@@ -354,7 +443,7 @@ class EagleProposer(SlotProposer):
     # ------------------------------------------------------------------ request life
     def _new_slot(self) -> _Slot:
         scratch = self.k + (self.tree_topk or 0) * self.k  # chain rows, or the forwarded tree nodes
-        return _Slot(self.draft.spec.args, self.max_model_len + scratch + 2, self.device)
+        return _Slot(self.draft.spec.args, self.max_model_len + scratch + 2, self.device, self.dtype)
 
     def _reset_slot(self, s: _Slot) -> None:
         s.n_feat = s.n_fed = 0
@@ -367,7 +456,7 @@ class EagleProposer(SlotProposer):
         # hidden: [1, T, H] final-normed; aux: [1, T, A*H] (EAGLE-3) -> features of positions [n_feat, n_feat+T)
         s = self._slot(slot)
         s.active = True
-        f = self.draft.feature(hidden.float(), None if aux is None else aux.float())[0]  # [T, H]
+        f = self.net.feature(hidden, aux)[0]  # [T, H]
         T = f.shape[0]
         end = min(s.n_feat + T, s.feat.shape[0])
         s.feat[s.n_feat:end] = f[:end - s.n_feat]
@@ -416,7 +505,7 @@ class EagleProposer(SlotProposer):
         P = s.n_feat  # = n - 1: positions [0, P) are in the target's cache; row[P] is the last emitted token
         if P == 0 or P + k + 1 > s.k.shape[2]:
             return [], None
-        d = self.draft
+        d = self.net
         o = self._feed(s, row, P)
         sp = s.sampling or _Sampling()
         sample = sp.temperature > 0
@@ -436,7 +525,7 @@ class EagleProposer(SlotProposer):
             if j + 1 == k or t in self.stop_ids:
                 break
             tok = torch.tensor([[t]], device=self.device)
-            o = d.forward_cached(self.embed_weight[tok].float(), o, P + j, s.k, s.v)  # chain row at P + j
+            o = d.forward_cached(self.embed_weight[tok].to(self.dtype), o, P + j, s.k, s.v)  # chain row at P + j
         if not sample:
             return ids, None
         q = torch.zeros(len(q_rows), self.Vt, device=self.device)  # [n, V_target]
@@ -450,14 +539,14 @@ class EagleProposer(SlotProposer):
         a = min(s.n_fed, P - 1)
         toks = torch.from_numpy(row[a + 1:P + 1].astype(np.int64)).to(self.device)[None]  # [1, P - a]
         h = s.feat[a:P][None]  # [1, P - a, H]
-        o = self.draft.forward_cached(self.embed_weight[toks].float(), h, a, s.k, s.v)[:, -1:]  # [1, 1, H]
+        o = self.net.forward_cached(self.embed_weight[toks].to(self.dtype), h, a, s.k, s.v)[:, -1:]  # [1, 1, H]
         s.n_fed = P
         return o
 
     @torch.inference_mode()
     def _propose_tree(self, s: _Slot, row: np.ndarray, n: int, depth: int) -> DraftOutput:
         """EAGLE-2's dynamic tree (see the module docstring): greedy requests, batch 1."""
-        P, K, d = s.n_feat, self.tree_topk, self.draft
+        P, K, d = s.n_feat, self.tree_topk, self.net
         if P == 0 or P + K * depth + 2 > s.k.shape[2]:
             return DraftOutput(torch.full((1, depth), -1, dtype=torch.long), torch.zeros(1, dtype=torch.long))
         o = self._feed(s, row, P)
@@ -482,7 +571,7 @@ class EagleProposer(SlotProposer):
             if not frontier:
                 break
             F = len(frontier)
-            emb = self.embed_weight[torch.tensor([tok[c] for c in frontier], device=self.device)].float()[None]
+            emb = self.embed_weight[torch.tensor([tok[c] for c in frontier], device=self.device)].to(self.dtype)[None]
             h = torch.stack([o[0, -1] if parent[c] < 0 else out_of[parent[c]] for c in frontier])[None]  # [1, F, H]
             mask = torch.zeros(F, nxt + F, dtype=torch.bool, device=self.device)
             mask[:, :P] = True

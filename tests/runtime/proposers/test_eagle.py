@@ -277,3 +277,92 @@ def test_tree_options_are_validated():
         SpecConfig.from_dict({"method": "eagle3", "model": "x", "speculative_eagle_topk": 0})
     c = SpecConfig.from_dict({"method": "eagle3", "model": "x", "speculative_eagle_topk": 2})
     assert c.speculative_num_draft_tokens == 16
+
+
+# --------------------------------------------------------------------------- the fused bf16 EAGLE-3 draft
+
+def _fused_ok() -> bool:
+    from kernels import amx_linear, decode_layer
+
+    return decode_layer.load() is not None and amx_linear.load() is not None
+
+
+@pytest.fixture(scope="module")
+def wide(tiny_model_factory, tmp_path_factory):
+    """A target the bf16 kernels take (head dim 32) and an EAGLE-3 draft overfit on its own answers."""
+    folder = tiny_model_factory("qwen2", initializer_range=0.05, hidden_size=128, intermediate_size=256)
+    work = tmp_path_factory.mktemp("eagle-wide")
+    prompts = work / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in _prompts(24, 1)) + "\n")
+    cfg = EagleTrainConfig(model=str(folder), output=str(work / "run"), self_distill=str(prompts), version=3, steps=60,
+                           batch_size=8, seq_len=64, max_new_tokens=32, eval_split=0.1, lr=3e-3, eval_every=1000,
+                           draft_vocab_size=96)
+    s = train(cfg, loaded=load_model(folder, dtype="float32"), log=lambda m: None)
+    return folder, s["export"], _prompts(24, 1)[:16]
+
+
+@pytest.mark.skipif(not _fused_ok(), reason="needs an AMX CPU and a compiler")
+def test_fused_draft_matches_the_fp32_draft(wide):
+    from specctl.runtime.proposers.eagle import FusedEagle3
+
+    folder, export, _ = wide
+    target = load_model(folder, dtype="bfloat16").model
+    draft, _ = load_eagle_draft(export, target.args)
+    with torch.no_grad():  # norms far from 1 and from each other, so that mixing them up shows
+        for i, norm in enumerate((draft.midlayer.input_layernorm, draft.midlayer.hidden_norm,
+                                  draft.midlayer.post_attention_layernorm, draft.norm)):
+            norm.weight.mul_(1.0 + 0.5 * torch.randn(norm.weight.shape, generator=torch.Generator().manual_seed(i)))
+    fused = FusedEagle3.build(draft, torch.bfloat16, "cpu")
+    assert fused is not None and FusedEagle3.build(draft, torch.float32, "cpu") is None  # bf16 targets only
+    a, g = draft.spec.args, torch.Generator().manual_seed(0)
+    T = 70  # more rows than one kernel call takes: fed in causal chunks
+    aux = torch.randn(1, T, draft.fc.weight.shape[1], generator=g).bfloat16()
+    emb = target.embed.weight[torch.randint(0, 128, (1, T + 3), generator=g)]
+    torch.testing.assert_close(fused.feature(None, aux).float(), draft.feature(None, aux), atol=0.05, rtol=0.02)
+    h = draft.feature(None, aux)
+    caches = [(torch.zeros(1, a.num_kv_heads, 96, a.head_dim, dtype=dt), torch.zeros(1, a.num_kv_heads, 96, a.head_dim, dtype=dt))
+              for dt in (torch.float32, torch.bfloat16)]
+    outs = []
+    for net, (kc, vc), dt in ((draft, caches[0], torch.float32), (fused, caches[1], torch.bfloat16)):
+        o = net.forward_cached(emb[:, :T].to(dt), h.to(dt), 0, kc, vc)
+        rows = [o]
+        for j in range(3):  # chain rows on the draft's own output
+            o = net.forward_cached(emb[:, T + j:T + j + 1].to(dt), o[:, -1:], T + j, kc, vc)
+            rows.append(o)
+        outs.append((torch.cat(rows, 1).float(), net.logits(torch.cat(rows, 1), target.head_weight).float()))
+    (o32, l32), (o16, l16) = outs
+    scale = float(o32.abs().max())
+    torch.testing.assert_close(o16, o32, atol=0.03 * scale, rtol=0.0)
+    torch.testing.assert_close(caches[1][0].float(), caches[0][0], atol=0.05 * float(caches[0][0].abs().max()), rtol=0.0)
+    assert float((l16.argmax(-1) == l32.argmax(-1)).float().mean()) > 0.9  # bf16 rounding flips only near-ties
+
+
+@pytest.mark.skipif(not _fused_ok(), reason="needs an AMX CPU and a compiler")
+def test_fused_greedy_equality_chain_and_tree(wide, monkeypatch):
+    from specctl.runtime.proposers.eagle import FusedEagle3
+
+    folder, export, prompts = wide
+    loaded = load_model(folder, dtype="bfloat16")
+    runner = TargetRunner(loaded.model, 256)
+    plain = SpecDecoder(runner)
+    configs = {"chain": {"method": "eagle3", "model": export, "num_speculative_tokens": 4},
+               "tree": {"method": "eagle3", "model": export, "num_speculative_tokens": 4,
+                        "speculative_eagle_topk": 3, "speculative_num_draft_tokens": 10}}
+    accepted = {}
+    for fused in (True, False):
+        monkeypatch.setenv("SPECCTL_EAGLE_FUSED", "1" if fused else "0")
+        for name, c in configs.items():
+            prop = build_proposer(SpecConfig.from_dict(c), 256, target=loaded)
+            assert isinstance(prop.net, FusedEagle3) == fused
+            dec = SpecDecoder(runner, prop, 4)
+            n = 0
+            for text in prompts:
+                ids = chat_ids(loaded.tokenizer, [{"role": "user", "content": text}], True)
+                params = SamplingParams(max_new_tokens=24)
+                got = dec.generate(ids, params)
+                assert got.token_ids == plain.generate(ids, params).token_ids, (name, fused, text)
+                n += got.stats.num_accepted_tokens
+            accepted[name, fused] = n
+    for name in configs:  # the bf16 draft accepts about as much as the fp32 one
+        assert accepted[name, True] > 0
+        assert accepted[name, True] >= 0.8 * accepted[name, False], accepted
