@@ -348,7 +348,7 @@ def run_bench(
     # warm-up: every decoder once on a short prompt (numba compilation, first-call allocations)
     warm_ids = next(iter(prompts.values()))[0][1][:64]
     for e in entries:
-        e.decoder.generate(warm_ids, SamplingParams(max_new_tokens=8, temperature=params.temperature), _gen(seed))
+        e.decoder.generate(warm_ids, SamplingParams(max_new_tokens=8, temperature=params.temperature), _gen(seed, loaded.device))
     for g in inline:
         for peer in g.peers:
             g.run(peer, warm_ids, 8, loaded.stop_token_ids)
@@ -379,7 +379,7 @@ def run_bench(
                     for e, dec, run in zip(entries, decs, wruns[lab]):
                         say(0, f"{lab} · {e.label} · {what}")
                         res = dec.generate(ids, replace(params, record_margins=e.config is None and params.greedy),
-                                           _gen(seed))
+                                           _gen(seed, loaded.device))
                         if e.config is None:
                             baseline_res = res
                             run.add(res, None, rep)
@@ -459,8 +459,9 @@ def _unique(names: list[str]) -> list[str]:
     return out
 
 
-def _gen(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
+def _gen(seed: int, device) -> torch.Generator:
+    """The sampling generator of a request, on the target's device (torch samples there)."""
+    return torch.Generator(device=device).manual_seed(seed)
 
 
 def _label(workload: str, req: Request, turn: int = 1) -> str:

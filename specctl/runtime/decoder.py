@@ -176,12 +176,15 @@ class SpecDecoder:
         base = runner.length
         inp = torch.cat([torch.tensor([[st.last]], dtype=torch.long), draft_ids], 1)  # [1, 1+nd]
         logits = runner.forward(inp)  # [1, 1+nd, V]
+        dev = logits.device  # verify where the target's logits are (drafts may come from the host)
+        draft_ids, num_draft = draft_ids.to(dev), num_draft.to(dev)
         if params.greedy:
             margins = [] if params.record_margins else None
             out_ids, n_emit = greedy_verify(draft_ids, num_draft, runner.greedy(logits, margins=margins))
         else:
             probs = logits_to_probs(logits, params.temperature, params.top_k, params.top_p)
-            out_ids, n_emit = rejection_sample(draft_ids, num_draft, draft_probs, probs, st.generator)
+            out_ids, n_emit = rejection_sample(draft_ids, num_draft, None if draft_probs is None else draft_probs.to(dev),
+                                               probs, st.generator)
         n = int(n_emit[0])
         emitted = out_ids[0, :n].tolist()
         if st.controller is not None:

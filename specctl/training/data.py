@@ -231,7 +231,8 @@ def self_distill(loaded, requests: list, *, max_new_tokens: int, temperature: fl
     try:
         for i in range(0, len(todo), per_batch):
             group = todo[i:i + per_batch]
-            gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(group[0][0].id.encode()))
+            gen = torch.Generator(device=loaded.model.embed.weight.device).manual_seed(
+                seed * 1_000_003 + zlib.crc32(group[0][0].id.encode()))
             answers = generate_batch(loaded.model, [ids for _, ids, _ in group for _ in range(samples)],
                                      [room for _, _, room in group for _ in range(samples)],
                                      temperature=temperature, stop_token_ids=loaded.stop_token_ids, generator=gen)
