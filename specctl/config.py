@@ -73,7 +73,9 @@ class SpecConfig:
     """eagle/eagle3: draft an EAGLE-2 dynamic tree (greedy requests), expanding the top-k children of
     the k best nodes per level (SGLang's name); unset = a chain."""
     speculative_num_draft_tokens: int | None = None
-    """eagle/eagle3 trees: nodes kept after reranking by cumulative draft probability (default 16)."""
+    """eagle/eagle3 trees: nodes kept after reranking by cumulative draft probability (default 16);
+    medusa with ``"speculative_token_tree": "auto"``: the nodes of the tree built from the heads'
+    held-out rank accuracies (default 16)."""
     vllm_only: dict[str, Any] = field(default_factory=dict)
     """Keys vLLM understands that the own runtime does not use (kept for ``--engine vllm``)."""
 
@@ -163,7 +165,12 @@ class SpecConfig:
         _check_number("suffix_decoding_min_token_prob", self.suffix_decoding_min_token_prob, minimum=0.0, maximum=1.0)
         if self.max_model_len is not None:
             _check_int("max_model_len", self.max_model_len, minimum=1)
-        if self.speculative_eagle_topk is not None or self.speculative_num_draft_tokens is not None:
+        auto_tree = method == "medusa" and str(self.vllm_only.get("speculative_token_tree", "")).strip() == "auto"
+        if auto_tree and self.speculative_eagle_topk is None:  # a Medusa tree built to this many nodes
+            if self.speculative_num_draft_tokens is None:
+                self.speculative_num_draft_tokens = 16
+            _check_int("speculative_num_draft_tokens", self.speculative_num_draft_tokens, minimum=1)
+        elif self.speculative_eagle_topk is not None or self.speculative_num_draft_tokens is not None:
             if method not in ("eagle", "eagle3"):
                 raise ConfigError(f"speculative_eagle_topk / speculative_num_draft_tokens are EAGLE tree options, "
                                   f"not for '{method}'", "drop them, or use method eagle or eagle3")

@@ -148,6 +148,8 @@ def load_medusa(folder: str | Path, device: str | torch.device = "cpu", dtype: t
     sd = _read_weights(folder, layout)
     heads = _from_vllm(folder, sd) if layout == "vllm" else _from_fasterdecoding(folder, sd)
     heads.layout = layout
+    notes = (_read_json(folder / "config.json").get("specctl") or {}) if layout == "vllm" else {}
+    heads.rank_accuracy = notes.get("rank_accuracy")  # [K][R] held-out, from train-medusa (or None)
     if dtype is not None:
         heads = heads.to(dtype)
     return heads.to(device).eval().requires_grad_(False)

@@ -423,6 +423,8 @@ def train(cfg: MedusaTrainConfig, log: Callable[[str], None] = _noop, progress: 
     export_dtype = parse_dtype(cfg.export_dtype or cfg.dtype)
     if main:
         notes = {"base_model": str(path), "trained_with": "specctl train-medusa", "joint": cfg.joint}
+        if summary["eval"].get("rank_accuracy"):  # held-out accuracy of each head's top-R tokens: "auto" trees
+            notes["rank_accuracy"] = summary["eval"]["rank_accuracy"]
         if cfg.joint:
             notes["base_dir"] = "base"  # the fine-tuned target these heads belong to
             run.export_base(out / "base")
@@ -594,24 +596,33 @@ class _FrozenRun(_Run):
         greedy = target_argmax(f.hidden, self.loaded.model.head_weight)  # [P] the target's choice at each position
         tgt_rows = h.rows_of(f.targets)
         counts = (tgt_rows >= 0).sum(0).float().to(self.acc.device)
-        loss, right, valid = 0.0, [], []
+        loss, ranks, valid = 0.0, [], []
         for c in torch.arange(f.num_positions).split(self.chunk):
             l, logits = self._loss(f, c, tgt_rows[c], counts)
             loss += float(l)
-            pred = h.vocab_ids(logits.argmax(-1)).cpu()  # [n, K]
+            R = min(RANKS, logits.shape[-1])
+            top = h.vocab_ids(logits.topk(R, -1).indices).cpu()  # [n, K, R] each head's R best tokens
             idx = (f.rows[c][:, None] + torch.arange(1, K + 1)[None]).clamp(max=f.hidden.shape[0] - 1)
-            right.append(pred == greedy[idx])
+            ranks.append(top == greedy[idx][..., None])  # [n, K, R]: rank r is the target's choice
             valid.append(f.targets[c] >= 0)
         h.train()
-        return _metrics(loss, torch.cat(right), torch.cat(valid))
+        return _metrics(loss, torch.cat(ranks), torch.cat(valid))
 
 
-def _metrics(loss: float, right: torch.Tensor, valid: torch.Tensor) -> dict:
-    """right/valid [N, K]: per-head top-1 over valid rows; chain acceptance over rows where all K are valid."""
-    top1 = [round(float((right[:, k] & valid[:, k]).sum()) / max(1, int(valid[:, k].sum())), 4) for k in range(right.shape[1])]
+RANKS = 10  # rank accuracies kept per head (Medusa's tree construction reads them)
+
+
+def _metrics(loss: float, ranks: torch.Tensor, valid: torch.Tensor) -> dict:
+    """ranks [N, K, R] (head k's rank-r token is the target's choice), valid [N, K]: per-head top-1 and
+    rank accuracies over valid rows; chain acceptance over rows where all K are valid."""
+    right = ranks[..., 0]
+    n = valid.sum(0).clamp(min=1).float()  # [K]
+    rank_acc = ((ranks & valid[..., None]).sum(0).float() / n[:, None])  # [K, R]
+    top1 = [round(float(x), 4) for x in rank_acc[:, 0]]
     full = valid.all(-1)
     acc_len = 1.0 + float(chain_acceptance(right[full]).float().mean()) if bool(full.any()) else 1.0
     return {"loss": round(loss, 5), "top1_per_head": top1, "acceptance_length": round(acc_len, 4),
+            "rank_accuracy": [[round(float(x), 4) for x in row] for row in rank_acc],
             "positions": int(valid.any(-1).sum())}
 
 
@@ -715,8 +726,9 @@ class _JointRun(_Run):
             B, T = greedy.shape
             idx = (torch.arange(T, device=greedy.device)[:, None] + torch.arange(1, K + 1, device=greedy.device)).clamp(max=T - 1)
             want = greedy[:, idx]  # [B, T, K] argmax at t+k+1
-            pred = self.joint.heads.vocab_ids(head_logits.argmax(-1))  # [B, T, K]
-            right.append((pred == want).reshape(-1, K).cpu())
+            R = min(RANKS, head_logits.shape[-1])
+            top = self.joint.heads.vocab_ids(head_logits.topk(R, -1).indices)  # [B, T, K, R]
+            right.append((top == want[..., None]).reshape(-1, K, R).cpu())
             valid.append((tg >= 0).reshape(-1, K).cpu())
         self.module.train()
         return _metrics(loss / max(1, n), torch.cat(right), torch.cat(valid))

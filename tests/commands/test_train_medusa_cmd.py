@@ -40,11 +40,15 @@ def test_train_then_bench(tiny_model_dir, tmp_path):
     assert len(s["eval"]["top1_per_head"]) == 2 and s["eval"]["acceptance_length"] >= 1.0
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["model_type"] == "medusa" and cfg["num_heads"] == 2
+    acc = cfg["specctl"]["rank_accuracy"]  # held-out accuracy of each head's top-10, for "auto" trees
+    assert acc == s["eval"]["rank_accuracy"] and len(acc) == 2 and all(len(row) == 10 for row in acc)
+    assert [row[0] for row in acc] == s["eval"]["top1_per_head"] and all(0 <= sum(row) <= 1.0001 for row in acc)
     assert (out / "training_config.json").is_file() and (out / "data" / "self_distill.jsonl").is_file()
     assert (out / "checkpoints" / "step-0000004" / "training_config.json").is_file()
     assert (out / "checkpoints" / "step-0000008" / "optimizer.pt").is_file()
 
-    spec = json.dumps({"method": "medusa", "model": str(out), "num_speculative_tokens": 2})
+    spec = json.dumps({"method": "medusa", "model": str(out), "num_speculative_tokens": 2,
+                       "speculative_token_tree": "auto", "speculative_num_draft_tokens": 4})
     b = CliRunner().invoke(app, ["bench", "--model", str(tiny_model_dir), "--dtype", "float32", "--speculative-config",
                                  spec, "-w", str(prompts), "-n", "2", "--max-new-tokens", "12", "--json"])
     assert b.exit_code == 0, b.output

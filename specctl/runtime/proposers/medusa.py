@@ -10,7 +10,8 @@ independent given ``hidden``, so q_k is exactly what draft k was drawn from). Ve
 decode loop's, lossless; Medusa's "typical acceptance" (lossy) is not offered.
 
 Tree drafting (Medusa's tree attention), with vLLM's ``speculative_token_tree`` key (or
-"default"): for greedy requests ``propose`` returns a tree (``DraftOutput.parents``) built from the
+"default", or "auto": the ``speculative_num_draft_tokens`` likeliest paths by the heads' held-out
+rank accuracies, which ``specctl train-medusa`` records in the export; see ``auto_tree``): for greedy requests ``propose`` returns a tree (``DraftOutput.parents``) built from the
 "choices" (paths of top-i ranks per head) and cut to the draft length; SpecDecoder verifies it in one
 forward with a tree mask (``TargetRunner.forward_tree``) and keeps the accepted path's keys/values
 (``TargetRunner.compact``). Sampling requests get chains. Worked tree, choices [(0,), (1,), (0, 0)]:
@@ -73,6 +74,14 @@ class MedusaProposer(Proposer):
         if heads is None:
             heads = load_medusa(Path(str(config.model)).expanduser())
         tree = config.vllm_only.get("speculative_token_tree")
+        if isinstance(tree, str) and tree.strip() == "auto":
+            acc = getattr(heads, "rank_accuracy", None)
+            if not acc:
+                raise ConfigError(f"speculative_token_tree \"auto\" needs the held-out rank accuracies of the heads in {config.model}",
+                                  "use heads exported by `specctl train-medusa` (it records them), or give the "
+                                  "tree's paths or \"default\"")
+            depth = min(int(config.num_speculative_tokens or heads.num_heads), heads.num_heads)
+            tree = auto_tree(acc, int(config.speculative_num_draft_tokens or 16), depth)
         # (paths, parents, depths) over nodes 0..N (node 0 = the last token), or None: chain drafts
         self.tree = None if tree is None else tree_from_choices(parse_token_tree(tree), heads.num_heads)
         dtype = target.dtype if target is not None else next(heads.parameters()).dtype
@@ -195,6 +204,29 @@ def tree_from_choices(choices, num_heads: int | None = None) -> tuple[list[tuple
         parents.append(index[p[:-1]])
         depths.append(len(p))
     return [()] + paths, parents, depths
+
+
+def auto_tree(rank_accuracy, num_nodes: int, depth: int) -> list[tuple[int, ...]]:
+    """Medusa's tree construction (Cai et al., sec. 2.3.1): with a[k][r] the held-out probability that
+    head k's rank-r token is the target's choice, a path (r1, .., rd) is accepted whole with probability
+    ~ a[0][r1] * .. * a[d-1][rd] (heads taken as independent), and a tree's expected acceptance length
+    is 1 + the sum of its nodes' probabilities. Best-first from the root, the ``num_nodes`` most likely
+    paths of at most ``depth`` levels: a connected tree, each node's path no likelier than its parent's.
+    """
+    import heapq
+
+    acc = [[float(x) for x in row] for row in rank_accuracy[:depth]]
+    heap = [(-a, (r,)) for r, a in enumerate(acc[0]) if a > 0]
+    heapq.heapify(heap)
+    paths: list[tuple[int, ...]] = []
+    while heap and len(paths) < num_nodes:
+        neg, p = heapq.heappop(heap)
+        paths.append(p)
+        if len(p) < len(acc):
+            for r, a in enumerate(acc[len(p)]):
+                if a > 0:
+                    heapq.heappush(heap, (neg * a, p + (r,)))
+    return paths
 
 
 def tree_tokens(head_logits: torch.Tensor, paths: list[tuple[int, ...]], heads) -> torch.Tensor:

@@ -15,8 +15,8 @@ from specctl.config import SpecConfig
 from specctl.errors import ConfigError, ModelError
 from specctl.runtime.decoder import SamplingParams, SpecDecoder
 from specctl.runtime.proposers import build_proposer
-from specctl.runtime.proposers.medusa import (MedusaProposer, greedy_tree_verify, parse_token_tree, tree_attention_mask,
-                                              tree_from_choices, tree_tokens)
+from specctl.runtime.proposers.medusa import (MedusaProposer, auto_tree, greedy_tree_verify, parse_token_tree,
+                                              tree_attention_mask, tree_from_choices, tree_tokens)
 from specctl.runtime.runner import TargetRunner, load_model
 from specctl.training import data as D
 from specctl.training.export import load_medusa, save_fasterdecoding
@@ -166,6 +166,42 @@ def test_errors_name_the_fix(trained, tiny_model_dir, tmp_path):
         MedusaProposer(cfg(heads_dir), target=lm, max_model_len=128, heads=wrong)
     with pytest.raises(ConfigError, match="no parent"):
         build_proposer(cfg(heads_dir, speculative_token_tree="[(0, 1)]"), 128, target=lm)
+
+
+def test_auto_tree_takes_the_likeliest_paths():
+    acc = [[0.6, 0.25, 0.1], [0.5, 0.1, 0.0], [0.4, 0.0, 0.0]]  # head k's rank-r accuracy
+    # path probabilities: (0,) .6, (0,0) .3, (1,) .25, (1,0) .125, (0,0,0) .12, (2,) .1, (0,1) .06 ...
+    assert auto_tree(acc, 5, 3) == [(0,), (0, 0), (1,), (1, 0), (0, 0, 0)]
+    assert auto_tree(acc, 5, 1) == [(0,), (1,), (2,)]  # depth 1: only head 0's ranks (zero-accuracy ranks never)
+    big = auto_tree(acc, 40, 3)
+    assert len(big) == len(set(big)) and all(p[:-1] in big or len(p) == 1 for p in big)  # a connected tree
+    assert all(acc[d][r] > 0 for p in big for d, r in enumerate(p))
+    tree_from_choices(big, 3)  # a valid Medusa tree
+
+
+def test_auto_tree_from_the_heads_calibration(trained, tmp_path):
+    lm, cases, heads_dir = trained
+    import shutil
+
+    cal = tmp_path / "heads"
+    shutil.copytree(heads_dir, cal)
+    c = json.loads((cal / "config.json").read_text())
+    with pytest.raises(ConfigError, match="rank accuracies"):  # heads trained without a held-out split
+        build_proposer(cfg(cal, speculative_token_tree="auto"), 128, target=lm)
+    c["specctl"]["rank_accuracy"] = [[0.7, 0.2, 0.05], [0.6, 0.2, 0.05], [0.5, 0.2, 0.05]]
+    (cal / "config.json").write_text(json.dumps(c))
+    prop = build_proposer(cfg(cal, speculative_token_tree="auto", speculative_num_draft_tokens=7), 160, target=lm)
+    assert set(prop.tree[0][1:]) == set(auto_tree(c["specctl"]["rank_accuracy"], 7, 3))  # sorted by level there
+    dec = SpecDecoder(TargetRunner(lm.model, 160), prop, 3)
+    acc = steps = 0
+    for p, out in cases:
+        res = dec.generate(p, SamplingParams(max_new_tokens=NEW))
+        assert res.token_ids == out
+        acc += res.stats.num_accepted_tokens
+        steps += res.stats.num_drafts
+    assert 1 + acc / steps > 2.5
+    with pytest.raises(ConfigError, match="EAGLE tree options"):  # the node count alone is not a Medusa option
+        SpecConfig.from_dict({"method": "medusa", "model": "x", "speculative_num_draft_tokens": 8})
 
 
 def test_token_tree_parsing():
