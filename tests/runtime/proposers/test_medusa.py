@@ -36,6 +36,17 @@ def min_gap(model, prompt, out) -> float:
     return float((top[:, 0] - top[:, 1]).min())
 
 
+def greedy_acceptance(dec: SpecDecoder, cases) -> float:
+    """Every case's speculative greedy output equals its plain one; returns the mean acceptance length."""
+    accepted = drafts = 0
+    for p, out in cases:
+        res = dec.generate(p, SamplingParams(max_new_tokens=NEW))
+        assert res.token_ids == out
+        accepted += res.stats.num_accepted_tokens
+        drafts += res.stats.num_drafts
+    return 1 + accepted / drafts  # the heads memorised these outputs: most drafts are accepted
+
+
 @pytest.fixture(scope="module")
 def trained(tiny_model_factory, tmp_path_factory):
     """A loopy tiny llama, 24 prompts with its plain greedy outputs, and heads overfit on them."""
@@ -66,14 +77,7 @@ def test_chain_greedy_equals_plain_and_accepts(trained):
     lm, cases, heads_dir = trained
     prop = build_proposer(cfg(heads_dir), 128, target=lm)
     assert isinstance(prop, MedusaProposer) and prop.needs_hidden_states and prop.num_heads == 3
-    dec = SpecDecoder(TargetRunner(lm.model, 128), prop, 3)
-    accepted = drafts = 0
-    for p, out in cases:
-        res = dec.generate(p, SamplingParams(max_new_tokens=NEW))
-        assert res.token_ids == out
-        accepted += res.stats.num_accepted_tokens
-        drafts += res.stats.num_drafts
-    assert 1 + accepted / drafts > 2.5  # the heads memorised these outputs: most drafts are accepted
+    assert greedy_acceptance(SpecDecoder(TargetRunner(lm.model, 128), prop, 3), cases) > 2.5
 
 
 def test_tree_greedy_equals_plain_and_accepts(trained):
@@ -84,14 +88,7 @@ def test_tree_greedy_equals_plain_and_accepts(trained):
     d = prop.propose(np.zeros((1, 4), dtype=np.int32), np.array([4], dtype=np.int32), 2,
                      torch.randn(1, lm.model.args.hidden_size))
     assert d.parents == [-1, -1, 0, 0, 1] and int(d.num_tokens[0]) == 5  # cut to depth 2: (0,0,0) dropped
-    dec = SpecDecoder(TargetRunner(lm.model, 160), prop, 3)
-    total_acc, steps = 0, 0
-    for p, out in cases:
-        res = dec.generate(p, SamplingParams(max_new_tokens=NEW))
-        assert res.token_ids == out
-        total_acc += res.stats.num_accepted_tokens
-        steps += res.stats.num_drafts
-    assert 1 + total_acc / steps > 2.5
+    assert greedy_acceptance(SpecDecoder(TargetRunner(lm.model, 160), prop, 3), cases) > 2.5
 
 
 def test_tree_mask_on_hand_built_trees():
@@ -192,14 +189,7 @@ def test_auto_tree_from_the_heads_calibration(trained, tmp_path):
     (cal / "config.json").write_text(json.dumps(c))
     prop = build_proposer(cfg(cal, speculative_token_tree="auto", speculative_num_draft_tokens=7), 160, target=lm)
     assert set(prop.tree[0][1:]) == set(auto_tree(c["specctl"]["rank_accuracy"], 7, 3))  # sorted by level there
-    dec = SpecDecoder(TargetRunner(lm.model, 160), prop, 3)
-    acc = steps = 0
-    for p, out in cases:
-        res = dec.generate(p, SamplingParams(max_new_tokens=NEW))
-        assert res.token_ids == out
-        acc += res.stats.num_accepted_tokens
-        steps += res.stats.num_drafts
-    assert 1 + acc / steps > 2.5
+    assert greedy_acceptance(SpecDecoder(TargetRunner(lm.model, 160), prop, 3), cases) > 2.5
     with pytest.raises(ConfigError, match="EAGLE tree options"):  # the node count alone is not a Medusa option
         SpecConfig.from_dict({"method": "medusa", "model": "x", "speculative_num_draft_tokens": 8})
 
