@@ -240,23 +240,6 @@ def save_tiny(conftest, folder: Path, **kw) -> Path:
     return folder
 
 
-def repetitive_prompts(n: int, seed: int) -> list[list[int]]:
-    """As tests/runtime/test_decoder.py: a random prefix of 4-9 tokens repeated 3 times, one token changed each time."""
-    import numpy as np
-
-    rng = np.random.default_rng(seed)
-    prompts = []
-    for _ in range(n):
-        base = rng.integers(6, 128, int(rng.integers(4, 10))).tolist()
-        prompt = list(base)
-        for _ in range(2):
-            rep = list(base)
-            rep[int(rng.integers(len(rep)))] = int(rng.integers(6, 128))
-            prompt += rep
-        prompts.append(prompt)
-    return prompts
-
-
 def chat_prompts(tokenizer, n: int, seed: int) -> list[list[int]]:
     """As tests/runtime/proposers/test_eagle.py: a few words as a user turn, through the chat template."""
     from specctl.training.data import chat_ids
@@ -927,7 +910,7 @@ def main() -> int:
             ck.at("build and save")
             d["loopy_dir"] = save_tiny(conftest, tmp / "tiny-loopy", seed=1, initializer_range=0.05)
             d["base_dir"] = save_tiny(conftest, tmp / "tiny-base")
-            d["loopy_prompts"] = repetitive_prompts(sizes.candidates, seed=0)
+            d["loopy_prompts"] = conftest.make_repetitive_prompts(sizes.candidates, seed=0)
             d["base_prompts"] = chat_prompts(conftest.build_tiny_tokenizer(), sizes.candidates, seed=0)
             ck.summary = f"2 tiny llamas (vocab {conftest.TINY_VOCAB_SIZE}, 2 layers), {sizes.candidates} prompts each"
             return True

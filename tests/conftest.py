@@ -18,6 +18,9 @@ Fixtures (all offline, seeded, CPU, fp32):
 ``tiny_model`` (session)
     ``load_transformer(tiny_model_dir, torch.float32)``: the own Transformer (read-only; share it).
 
+``repetitive_prompts`` (session)
+    ``make_repetitive_prompts(n, seed)``: prompts that repeat themselves, so copying drafts get accepted.
+
 ``make_runner`` / ``target_runner`` (function)
     ``make_runner(max_len=256, batch=1, model=None)`` -> a fresh ``TargetRunner`` over ``tiny_model``
     (or the given model); ``target_runner`` is ``make_runner()``.
@@ -106,6 +109,24 @@ def build_tiny_tokenizer():
     return tok
 
 
+def make_repetitive_prompts(n: int, seed: int) -> list[list[int]]:
+    """Prompts for drafts that copy: a random prefix of 4-9 ids (6..127) repeated 3 times, one id changed
+    in each repeat (benchmarks/cuda_check.py too; tests take it as the ``repetitive_prompts`` fixture)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    prompts = []
+    for _ in range(n):
+        base = rng.integers(6, 128, int(rng.integers(4, 10))).tolist()
+        prompt = list(base)
+        for _ in range(2):
+            rep = list(base)
+            rep[int(rng.integers(len(rep)))] = int(rng.integers(6, 128))
+            prompt += rep
+        prompts.append(prompt)
+    return prompts
+
+
 def tiny_hf_config(arch: str = "llama", tie_word_embeddings: bool = False, **overrides):
     """A 2-layer transformers config of the given family (llama, qwen2, mistral)."""
     from transformers import LlamaConfig, MistralConfig, Qwen2Config
@@ -135,6 +156,12 @@ def build_tiny_hf_model(arch: str = "llama", tie_word_embeddings: bool = False, 
             elif name.endswith(".bias"):
                 p.copy_(0.2 * torch.randn_like(p))
     return model.eval()
+
+
+@pytest.fixture(scope="session")
+def repetitive_prompts():
+    """``make_repetitive_prompts(n, seed)``: prompts whose continuation an n-gram/suffix draft can copy."""
+    return make_repetitive_prompts
 
 
 @pytest.fixture(scope="session")

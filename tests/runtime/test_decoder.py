@@ -47,21 +47,6 @@ def ngram_decoder(runner: TargetRunner, k: int, min_n: int, max_n: int) -> SpecD
     return SpecDecoder(runner, build_proposer(cfg, max_model_len=runner.max_len), cfg.num_speculative_tokens)
 
 
-def repetitive_prompts(n: int, seed: int) -> list[list[int]]:
-    """A random prefix of 4-9 tokens repeated 3 times, one token changed in each repeat."""
-    rng = np.random.default_rng(seed)
-    prompts = []
-    for _ in range(n):
-        base = rng.integers(6, 128, int(rng.integers(4, 10))).tolist()
-        prompt = list(base)
-        for _ in range(2):
-            rep = list(base)
-            rep[int(rng.integers(len(rep)))] = int(rng.integers(6, 128))
-            prompt += rep
-        prompts.append(prompt)
-    return prompts
-
-
 def min_top2_gap(model, prompt: list[int], output: list[int]) -> float:
     """Smallest top1 - top2 logit gap over the positions that chose ``output`` greedily."""
     logits = TargetRunner(model, len(prompt) + len(output)).forward(torch.tensor([prompt + output]))
@@ -70,7 +55,7 @@ def min_top2_gap(model, prompt: list[int], output: list[int]) -> float:
 
 
 @pytest.fixture(scope="module")
-def greedy_cases(loopy_model):
+def greedy_cases(loopy_model, repetitive_prompts):
     """(prompt, plain greedy output) for >= 20 tie-free repetitive prompts."""
     plain = SpecDecoder(TargetRunner(loopy_model, MAX_LEN))
     cases = []

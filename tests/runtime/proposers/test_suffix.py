@@ -31,21 +31,6 @@ def loopy_model(tiny_model_factory):
     return load_transformer(tiny_model_factory(seed=1, initializer_range=0.05), torch.float32)
 
 
-def repetitive_prompts(n: int, seed: int) -> list[list[int]]:
-    """A random prefix of 4-9 tokens repeated 3 times, one token changed in each repeat."""
-    rng = np.random.default_rng(seed)
-    prompts = []
-    for _ in range(n):
-        base = rng.integers(6, 128, int(rng.integers(4, 10))).tolist()
-        prompt = list(base)
-        for _ in range(2):
-            rep = list(base)
-            rep[int(rng.integers(len(rep)))] = int(rng.integers(6, 128))
-            prompt += rep
-        prompts.append(prompt)
-    return prompts
-
-
 def min_top2_gap(model, prompt: list[int], output: list[int]) -> float:
     logits = TargetRunner(model, len(prompt) + len(output)).forward(torch.tensor([prompt + output]))
     top = logits[0, len(prompt) - 1:-1].topk(2, -1).values
@@ -53,7 +38,7 @@ def min_top2_gap(model, prompt: list[int], output: list[int]) -> float:
 
 
 @pytest.fixture(scope="module")
-def greedy_cases(loopy_model):
+def greedy_cases(loopy_model, repetitive_prompts):
     """(prompt, plain greedy output) for >= 20 tie-free prompts."""
     plain = SpecDecoder(TargetRunner(loopy_model, MAX_LEN))
     cases = []
