@@ -83,7 +83,7 @@ class DraftLengthController:
 
     def cost(self, T: int) -> float:
         """c = the relative cost of a step that forwards T tokens, T - 1 of them drafted."""
-        return self.verify_cost(T) + (T - 1) * self._draft_cost()
+        return _step_cost(T, self._slope(), self._draft_cost())
 
     def _rates(self, n: int) -> list[float]:
         """[p_1 .. p_n]: position i accepted, given positions < i were. Each position's counts are
@@ -115,7 +115,7 @@ class DraftLengthController:
         for d, r in enumerate(self._rates(self.k), start=1):
             p *= r
             e += p
-            v = e / (_relative_verify(d + 1, fit) + d * q)
+            v = e / _step_cost(d + 1, fit, q)
             if v > best_v:
                 best_d, best_v = d, v
         # drafting must beat a plain step by 2% (no flapping on and off at break-even); among draft
@@ -172,3 +172,8 @@ def _relative_verify(T: int, fit: tuple[float, float, int] | None) -> float:
         return 1.0
     one, b, t_max = fit
     return 1.0 + b * (min(T, t_max) - 1) / one
+
+
+def _step_cost(T: int, fit: tuple[float, float, int] | None, q: float) -> float:
+    """A step forwarding T tokens, T - 1 of them drafted, in plain steps: v(T) / v(1) + (T - 1) q / v(1)."""
+    return _relative_verify(T, fit) + (T - 1) * q

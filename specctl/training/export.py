@@ -148,8 +148,6 @@ def load_medusa(folder: str | Path, device: str | torch.device = "cpu", dtype: t
     sd = _read_weights(folder, layout)
     heads = _from_vllm(folder, sd) if layout == "vllm" else _from_fasterdecoding(folder, sd)
     heads.layout = layout
-    notes = (_read_json(folder / "config.json").get("specctl") or {}) if layout == "vllm" else {}
-    heads.rank_accuracy = notes.get("rank_accuracy")  # [K][R] held-out, from train-medusa (or None)
     if dtype is not None:
         heads = heads.to(dtype)
     return heads.to(device).eval().requires_grad_(False)
@@ -207,6 +205,7 @@ def _from_vllm(folder: Path, sd: dict[str, torch.Tensor]) -> MedusaHeads:
     if heads.token_map is not None:
         sd["token_map"] = heads.token_map
     _load_checked(heads, sd, folder)
+    heads.rank_accuracy = (cfg.get("specctl") or {}).get("rank_accuracy")  # [K][R] held-out, from train-medusa
     return heads
 
 

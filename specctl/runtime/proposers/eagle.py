@@ -247,7 +247,9 @@ class FusedEagle3:
         self.gate_up = pk(torch.cat([lay.mlp.gate_proj.weight, lay.mlp.up_proj.weight]))
         self.down = pk(lay.mlp.down_proj.weight)
         self.hidden_norm, self.input_norm = bf(lay.hidden_norm.weight), bf(lay.input_layernorm.weight)
-        self.post_norm, self.norm = bf(lay.post_attention_layernorm.weight), bf(draft.norm.weight)
+        self.post_norm = bf(lay.post_attention_layernorm.weight)
+        self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps).requires_grad_(False)  # the final norm, in bf16
+        self.norm.weight.data = bf(draft.norm.weight)
         self.head = pk(draft.lm_head.weight)
         self.eps = float(a.rms_norm_eps)
         self.num_heads, self.num_kv_heads = a.num_heads, a.num_kv_heads
@@ -295,9 +297,7 @@ class FusedEagle3:
     def logits(self, out: torch.Tensor, head_weight=None) -> torch.Tensor:
         from kernels import amx_linear
 
-        x = out.float()
-        x = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)).to(torch.bfloat16) * self.norm
-        return amx_linear.linear(x.contiguous(), self.head).float()
+        return amx_linear.linear(self.norm(out.to(torch.bfloat16)).contiguous(), self.head).float()
 
 
 # --------------------------------------------------------------------------- loading (vLLM / SGLang layouts)

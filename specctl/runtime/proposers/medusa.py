@@ -73,6 +73,7 @@ class MedusaProposer(Proposer):
 
         if heads is None:
             heads = load_medusa(Path(str(config.model)).expanduser())
+        self.k = min(int(config.num_speculative_tokens or heads.num_heads), heads.num_heads)
         tree = config.vllm_only.get("speculative_token_tree")
         if isinstance(tree, str) and tree.strip() == "auto":
             acc = getattr(heads, "rank_accuracy", None)
@@ -80,8 +81,7 @@ class MedusaProposer(Proposer):
                 raise ConfigError(f"speculative_token_tree \"auto\" needs the held-out rank accuracies of the heads in {config.model}",
                                   "use heads exported by `specctl train-medusa` (it records them), or give the "
                                   "tree's paths or \"default\"")
-            depth = min(int(config.num_speculative_tokens or heads.num_heads), heads.num_heads)
-            tree = auto_tree(acc, int(config.speculative_num_draft_tokens or 16), depth)
+            tree = auto_tree(acc, int(config.speculative_num_draft_tokens or 16), self.k)
         # (paths, parents, depths) over nodes 0..N (node 0 = the last token), or None: chain drafts
         self.tree = None if tree is None else tree_from_choices(parse_token_tree(tree), heads.num_heads)
         dtype = target.dtype if target is not None else next(heads.parameters()).dtype
@@ -97,7 +97,6 @@ class MedusaProposer(Proposer):
         self.heads = heads.to(device=device, dtype=dtype).eval()
         self.vocab_size = target.model.args.vocab_size if target is not None else heads.vocab_size
         self.device, self.dtype = device, dtype
-        self.k = min(int(config.num_speculative_tokens or heads.num_heads), heads.num_heads)
         self.max_model_len = int(config.max_model_len or max_model_len)
         self.stop_ids = set(target.stop_token_ids) if target is not None else set()
         self.linear = F.linear
