@@ -1,7 +1,7 @@
 """Compile a C++ kernel in ``kernels/csrc`` once per machine (torch cpp_extension, cached).
 
-``build(name, source, cpu_flags, cflags)`` returns the extension module, or None where it cannot
-run here: the CPU lacks one of ``cpu_flags`` (as /proc/cpuinfo names them), or there is no
+``build(name, source, needs, cflags)`` returns the extension module, or None where it cannot
+run here: the CPU lacks one of ``needs`` (as /proc/cpuinfo names them, see ``kernels.cpu``), or there is no
 compiler; callers then keep torch's path. Every kernel is built with OpenMP: ATen's
 ``at::parallel_for`` is a header template, and without -fopenmp it silently runs on one thread.
 """
@@ -11,22 +11,13 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from kernels import cpu
+
 CSRC = Path(__file__).parent / "csrc"
 
 
-def cpu_flags() -> set[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return set()
-
-
 def build(name: str, source: str, needs: tuple[str, ...], cflags: list[str]):
-    missing = [f for f in needs if f not in cpu_flags()]
+    missing = [f for f in needs if f not in cpu.flags()]
     if missing:
         return None
     try:

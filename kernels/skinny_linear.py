@@ -1,28 +1,26 @@
 """Skinny bf16 linear (decode / verification GEMV) for x86 CPUs with AVX512-BF16.
 
-``linear(x, w, b)`` computes F.linear for bf16 inputs of at most 16 rows with the C++ kernel in
+``linear(x, w, b)`` computes F.linear for bf16 inputs of any number of rows with the C++ kernel in
 ``csrc/skinny_linear.cpp`` (compiled once with torch's cpp_extension, cached in torch's extension
-dir), and falls back to F.linear everywhere else: other dtypes, more rows (prefill), CUDA, a CPU
-without avx512_bf16, or no compiler. ``available()`` says which path runs.
+dir), and falls back to F.linear everywhere else: other dtypes, CUDA, a CPU without avx512_bf16,
+or no compiler. ``available()`` says which path runs.
 
 Why it exists: decode is memory bound, and torch's bf16 GEMV on CPU reads weights well below the
 memory bandwidth; and each output is reduced in an order independent of the row count, so a row
-verified among k+1 rows is bit-identical to that row decoded alone (lossless greedy in bf16).
+verified among k+1 rows (or batched with other requests, or in a draft tree of any size) is
+bit-identical to that row decoded alone (lossless greedy in bf16). Every row count takes the kernel:
+a row-count threshold would hand larger forwards to torch's GEMM, whose rounding differs. For
+prefill the kernel runs within ~15 % of oneDNN's AVX512-BF16 GEMM (benchmarks/linear_rows.py).
 Models use it only when ``ENABLED`` (specctl's exact-bf16 mode, ``SPECCTL_EXACT_BF16=1``).
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import torch.nn.functional as F
 
 from kernels._build import build
 
-MAX_ROWS = 16  # the kernel's limit
-# Rows up to which the kernel is used (above: torch's GEMM, which uses AMX tiles for many rows).
-KERNEL_ROWS = int(os.environ.get("SPECCTL_SKINNY_ROWS", "16"))
 _ext = None
 _tried = False
 ENABLED = False  # set by the model loader in exact-bf16 mode
@@ -43,9 +41,9 @@ def available() -> bool:
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, w, b) for x [..., K], w [N, K]; the kernel path for bf16 CPU x with <= 16 rows."""
+    """F.linear(x, w, b) for x [..., K], w [N, K]; the kernel path for bf16 CPU x (any rows)."""
     rows = x.numel() // x.shape[-1]
-    if (x.dtype is torch.bfloat16 and x.device.type == "cpu" and rows <= KERNEL_ROWS and w.is_contiguous()
+    if (x.dtype is torch.bfloat16 and x.device.type == "cpu" and rows > 0 and w.is_contiguous()
             and _ext is not None and ENABLED):
         y = _ext.skinny_linear(x.reshape(rows, x.shape[-1]), w, b)
         return y.view(*x.shape[:-1], w.shape[0])

@@ -21,6 +21,11 @@ Fixtures (all offline, seeded, CPU, fp32):
 ``repetitive_prompts`` (session)
     ``make_repetitive_prompts(n, seed)``: prompts that repeat themselves, so copying drafts get accepted.
 
+``bf16_path`` (function, parametrized)
+    Runs a test once per CPU bf16 path, as the CPU that selects it would: ``"amx"``, ``"avx512_bf16"``
+    (AMX hidden) and ``"torch"`` (AMX and AVX512-BF16 hidden: an AVX2-only CPU), each skipped with
+    the missing feature named where this CPU cannot run it. Load models inside the test.
+
 ``make_runner`` / ``target_runner`` (function)
     ``make_runner(max_len=256, batch=1, model=None)`` -> a fresh ``TargetRunner`` over ``tiny_model``
     (or the given model); ``target_runner`` is ``make_runner()``.
@@ -211,3 +216,27 @@ def make_runner(tiny_model):
 def target_runner(make_runner):
     """A fresh TargetRunner over ``tiny_model`` (max_len 256, batch 1)."""
     return make_runner()
+
+
+# bf16 path -> (CPU features it needs, features hidden to emulate the CPU that selects it)
+BF16_PATHS = {
+    "amx": (("amx_bf16", "amx_tile", "avx512_bf16"), ()),
+    "avx512_bf16": (("avx512_bf16",), ("amx_bf16", "amx_tile")),
+    "torch": ((), ("amx_bf16", "amx_tile", "avx512_bf16")),
+}
+
+
+@pytest.fixture(params=list(BF16_PATHS))
+def bf16_path(request):
+    """The name of the bf16 path under test; the CPU looks, meanwhile, like one that selects it."""
+    from kernels import cpu
+
+    name = request.param
+    needs, hide = BF16_PATHS[name]
+    missing = [f for f in needs if not cpu.has(f)]
+    if missing:
+        pytest.skip(f"the {name} path needs {', '.join(missing)}, which this CPU lacks")
+    with cpu.hidden(*hide):
+        if cpu.bf16_path() != name:
+            pytest.skip(f"the {name} kernels do not build here (no C++ compiler?)")
+        yield name

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,10 +27,14 @@ from kernels import amx_linear, decode_attention, decode_layer, skinny_linear
 from specctl.errors import ModelError
 
 SUPPORTED_ARCHS = ("llama", "qwen2", "mistral")
-# Forwards of at most this many tokens are "decode/verify" forwards: every op in them computes a
-# row exactly as a one-token forward would (see Block.forward and kernels/skinny_linear.py), so
-# greedy speculative output equals plain greedy output bit for bit, in bf16 too.
-VERIFY_ROWS = 16
+# Forwards of at most this many tokens are "decode/verify" forwards (a chain's k+1 rows, a draft
+# tree's nodes): every op in them computes a row exactly as a one-token forward would (see
+# Block.forward and kernels/skinny_linear.py), so greedy speculative output equals plain greedy
+# output bit for bit, in bf16 too. Longer forwards are prefill (attention through SDPA).
+VERIFY_ROWS = decode_layer.MAX_ROWS
+# Without the C++ attention (fp32, CUDA), verify rows up to this many attend one SDPA call per row,
+# as a one-token decode does; more rows (and prefill) attend in one call.
+SDPA_ROWS = 16
 
 
 @dataclass
@@ -159,6 +164,24 @@ def pack_for_amx(model: "Transformer") -> bool:
     return True
 
 
+@dataclass
+class Segment:
+    """One request's rows in a ragged forward (``Transformer.forward_ragged``): ``n`` tokens written
+    at slots [start, start+n) of ``cache`` (the request's own KVCache, batch 1).
+
+    ``mask`` [n, start+n] bool as ``Transformer.forward`` takes it (None for one row); a draft
+    tree also has ``positions`` [n] (rotary positions) and ``tree`` [n, n] (each node's ancestors,
+    for the exact kernels); ``last_only``: only the last row's logits are wanted (a prompt)."""
+
+    cache: "KVCache"
+    start: int
+    n: int
+    mask: torch.Tensor | None = None
+    positions: torch.Tensor | None = None
+    tree: torch.Tensor | None = None
+    last_only: bool = False
+
+
 class Block(nn.Module):
     def __init__(self, a: ModelArgs):
         super().__init__()
@@ -184,25 +207,34 @@ class Block(nn.Module):
         exact_tree = tree_mask is not None
         if self.fused and (not tree or exact_tree) and B * T <= decode_layer.MAX_ROWS:
             return decode_layer.layer(self, x, cos, sin, k_cache, v_cache, start, tree_mask)
+        q, k, v = self._qkv(x, cos, sin)
+        att = self._attend(q, k, v, k_cache, v_cache, start, mask, tree, tree_mask)
+        return self._out(x, att)
+
+    def _qkv(self, x, cos, sin):
+        """x [B, T, H] -> rotated q [B, nh, T, hd], k and v [B, nkv, T, hd]."""
+        a = self.a
+        B, T, _ = x.shape
         qkv = lin(self.input_norm(x), self.qkv)
         q, k, v = qkv.split([a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.num_kv_heads * a.head_dim], -1)
         q = q.view(B, T, a.num_heads, a.head_dim).transpose(1, 2)  # [B, nh, T, hd]
         k = k.view(B, T, a.num_kv_heads, a.head_dim).transpose(1, 2)  # [B, nkv, T, hd]
         v = v.view(B, T, a.num_kv_heads, a.head_dim).transpose(1, 2)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, v
+
+    def _attend(self, q, k, v, k_cache, v_cache, start: int, mask, tree: bool, tree_mask) -> torch.Tensor:
+        """Write k/v at slots [start, start+T) and attend: -> [B, T, nh * hd]."""
+        a = self.a
+        B, _, T, _ = q.shape
         end = start + T
         k_cache[:, :, start:end] = k
         v_cache[:, :, start:end] = v
         gqa = a.num_kv_heads != a.num_heads
-        if (self.exact_attention and (not tree or exact_tree) and T <= VERIFY_ROWS and a.sliding_window is None
-                and q.dtype is torch.bfloat16):
+        if (self.exact_attention and (not tree or tree_mask is not None) and T <= VERIFY_ROWS
+                and a.sliding_window is None and q.dtype is torch.bfloat16):
             # Decode and verification rows in one kernel call; each row computed as if alone.
-            att = decode_attention.attention(q, k_cache, v_cache, start, tree=tree_mask)  # [B, T, nh * hd]
-            x = x + lin(att, self.o)
-            gate, up = lin(self.post_norm(x), self.gate_up).chunk(2, dim=-1)
-            return x + lin(F.silu(gate) * up, self.down)
-        if mask is not None and not tree and T <= VERIFY_ROWS and a.sliding_window is None:
+            return decode_attention.attention(q, k_cache, v_cache, start, tree=tree_mask)  # [B, T, nh * hd]
+        if mask is not None and not tree and T <= SDPA_ROWS and a.sliding_window is None:
             # Verification: each row attends exactly as it would when decoded alone (one query, no
             # mask, keys [0, pos]), so its output is bit-identical to plain decoding's.
             att = torch.cat([
@@ -214,9 +246,27 @@ class Block(nn.Module):
             att = F.scaled_dot_product_attention(
                 q, k_cache[:, :, :end], v_cache[:, :, :end], attn_mask=mask, enable_gqa=gqa,
             )  # [B, nh, T, hd]
-        x = x + lin(att.transpose(1, 2).reshape(B, T, a.num_heads * a.head_dim), self.o)
+        return att.transpose(1, 2).reshape(B, T, a.num_heads * a.head_dim)
+
+    def _out(self, x, att):
+        """The residual after attention's output projection and the MLP."""
+        x = x + lin(att, self.o)
         gate, up = lin(self.post_norm(x), self.gate_up).chunk(2, dim=-1)
         return x + lin(F.silu(gate) * up, self.down)
+
+    def forward_ragged(self, x, cos, sin, layer: int, segs: list["Segment"]):
+        """Many requests' rows in one block: x [1, R, H] (segment after segment), cos/sin [R, hd].
+        The projections and the MLP run over all R rows at once (one read of the weights); each
+        segment writes its keys/values into its own cache and attends there, exactly as its own
+        forward would."""
+        q, k, v = self._qkv(x, cos, sin)
+        atts, off = [], 0
+        for s in segs:
+            sl = slice(off, off + s.n)
+            atts.append(self._attend(q[:, :, sl], k[:, :, sl], v[:, :, sl], s.cache.k[layer], s.cache.v[layer],
+                                     s.start, s.mask, s.positions is not None, s.tree))
+            off += s.n
+        return self._out(x, torch.cat(atts, 1))
 
 
 def _step_static(block: Block, x, cos, sin, k_cache, v_cache, pos, kmask):
@@ -257,6 +307,9 @@ class Transformer(nn.Module):
         self.aux_layers: tuple[int, ...] = ()
         self.aux_out: torch.Tensor | None = None
         self.head_packed: torch.Tensor | None = None  # the LM head in AMX tiles (pack_for_amx)
+        # the row-independent C++ path its bf16 linears take on a CPU ("amx" or "avx512_bf16"; see
+        # kernels/cpu.py), or None for torch's own kernels
+        self.cpu_kernels: str | None = None
 
     @property
     def head_weight(self) -> torch.Tensor:
@@ -301,6 +354,33 @@ class Transformer(nn.Module):
             return amx_linear.linear(hh, self.head_packed), h
         return skinny_linear.linear(hh, self.head_weight), h
 
+
+    def forward_ragged(self, tokens: torch.Tensor, segs: list[Segment]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One forward over many requests' rows: tokens [R] (the segments' tokens one after the
+        other), each segment at its own cache and positions (a decode row, a verify block, a draft
+        tree or a prompt). The linears read the weights once for all R rows; on the row-independent
+        paths (AMX, AVX512-BF16: kernels/cpu.py) every row equals, bit for bit, what the request's
+        own ``forward`` computes. Returns (logits [R', V]: every row, but only the last of a
+        ``last_only`` segment; hidden [R, H], final-normed); ``aux_out`` [R, len(aux_layers) * H]."""
+        x = self.embed(tokens)[None]  # [1, R, H]
+        pos = torch.cat([s.positions.to(torch.float32) if s.positions is not None
+                         else torch.arange(s.start, s.start + s.n, dtype=torch.float32) for s in segs])
+        cos, sin = self.rope(0, 0, x.dtype, pos)  # [R, hd]
+        aux = []
+        for i, layer in enumerate(self.layers):
+            if i in self.aux_layers:
+                aux.append(x)
+            x = layer.forward_ragged(x, cos, sin, i, segs)
+        self.aux_out = torch.cat(aux, dim=-1)[0] if aux else None
+        h = self.norm(x)[0]  # [R, H]
+        rows, off = [], 0
+        for s in segs:
+            rows.extend([off + s.n - 1] if s.last_only else range(off, off + s.n))
+            off += s.n
+        hh = h if len(rows) == h.shape[0] else h[torch.tensor(rows, device=h.device)]
+        if self.head_packed is not None:
+            return amx_linear.linear(hh, self.head_packed), h
+        return skinny_linear.linear(hh, self.head_weight), h
 
     def decode_step(self, tokens: torch.Tensor, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         """One token per row in static shapes: tokens [B, 1] at cache slot ``pos`` ([1] int64 tensor).
@@ -376,15 +456,28 @@ def load_transformer(folder: str | Path, dtype: torch.dtype, device: str | torch
     return model
 
 
+_told_inexact = False
+
+
 def enable_exact_bf16(model: "Transformer") -> bool:
     """Row-independent bf16 linears (AMX tiles, else the AVX512-BF16 skinny kernel): verification
     then equals plain decoding bit for bit, and decode reads the weights faster than torch's oneDNN
     GEMV (see benchmarks/decode_bandwidth.py). On by default for bf16 on CPU; SPECCTL_EXACT_BF16=0
-    keeps torch's F.linear. Returns whether a row-independent path is active."""
+    keeps torch's F.linear. Returns whether a row-independent path is active; where the CPU has
+    neither AMX nor AVX512-BF16 (or no compiler), says so once on stderr and returns False."""
+    global _told_inexact
     exact = pack_for_amx(model)
-    if not exact and skinny_linear.load() is not None:
+    if exact:
+        model.cpu_kernels = "amx"
+    elif skinny_linear.load() is not None:
         skinny_linear.ENABLED = True
+        model.cpu_kernels = "avx512_bf16"
         exact = True
+    if not exact and not _told_inexact:
+        _told_inexact = True
+        print("specctl: this CPU has neither AMX nor AVX512-BF16 (or no compiler), so bf16 runs on torch's "
+              "kernels: greedy speculative output equals plain output except at near-ties (use --dtype float32 "
+              "for token-exact output)", file=sys.stderr)
     if exact and decode_attention.load() is not None:
         a = model.args
         probe = torch.empty(1, a.num_heads, 1, a.head_dim, dtype=torch.bfloat16)

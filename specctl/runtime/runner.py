@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from specctl.errors import ModelError, UsageError
-from specctl.runtime.model import KVCache, Transformer, load_transformer
+from specctl.runtime.model import KVCache, Segment, Transformer, load_transformer
 
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32,
           "float16": torch.float16, "fp16": torch.float16}
@@ -63,7 +63,7 @@ def tree_depths(parents: list[int]) -> list[int]:
 
 def check_compilable(model: Transformer) -> None:
     """torch.compile runs torch's own kernels: not a model packed for specctl's C++ bf16 CPU path."""
-    if any(getattr(b.qkv, "amx_packed", False) or b.fused for b in model.layers):
+    if model.cpu_kernels is not None:
         raise UsageError("--compile needs torch's own kernels, and this bf16 CPU model runs specctl's C++ ones",
                          "drop --compile (the C++ decode step is already fused), or use --dtype float32, "
                          "a GPU, or SPECCTL_EXACT_BF16=0")
@@ -175,6 +175,29 @@ class TargetRunner:
         self.last_hidden = hidden
         self.last_aux = self.model.aux_out
         return out
+
+    def segment(self, tokens: torch.Tensor, parents: list[int] | None = None, last_only: bool = False) -> Segment:
+        """This runner's part of a ragged forward (``forward_batch``): tokens [1, T] at its length,
+        a chain, or a draft tree as in ``forward_tree``; checks that they fit."""
+        start, T = self.length, tokens.shape[1]
+        if start + T > self.max_len:
+            raise UsageError(f"sequence of {start + T} tokens exceeds the runner's max length {self.max_len}",
+                             "raise --max-model-len or lower --max-new-tokens")
+        if parents is not None:
+            tree = tree_attention_mask(parents)
+            mask = torch.ones(T, start + T, dtype=torch.bool)
+            mask[:, start:] = tree
+            pos = start + torch.tensor(tree_depths(parents), dtype=torch.float32)
+            return Segment(self.cache, start, T, mask.to(self.device), pos.to(self.device), tree.to(self.device))
+        mask = None
+        window = self.model.args.sliding_window
+        if T > 1 or (window is not None and start + T > window):
+            q_pos = torch.arange(start, start + T, device=self.device)[:, None]
+            k_pos = torch.arange(start + T, device=self.device)[None, :]
+            mask = k_pos <= q_pos
+            if window is not None:
+                mask &= k_pos > q_pos - window
+        return Segment(self.cache, start, T, mask, last_only=last_only)
 
     def compact(self, start: int, path: list[int]) -> None:
         """Keep an accepted tree path: the keys/values of slots start+path[j] move to start+j, the
@@ -298,3 +321,34 @@ class _RowCache:
 
     k: torch.Tensor
     v: torch.Tensor
+
+
+@torch.inference_mode()
+def forward_batch(runners: list[TargetRunner], tokens: list[torch.Tensor], parents: list[list[int] | None] | None = None,
+                  last_only: list[bool] | None = None) -> list[torch.Tensor]:
+    """One target forward over many requests, each with its own runner (KV cache and length):
+    tokens[i] [1, T_i] at runners[i]'s length, a chain or (``parents[i]``) a draft tree, or a
+    prompt whose last logits only are wanted (``last_only[i]``). The weights are read once for all
+    rows; on the row-independent CPU paths each request's logits equal, bit for bit, those of its
+    own ``forward``/``forward_tree``. Advances every runner as those would (length, last_hidden,
+    last_aux) and returns logits [1, T_i (or 1), V] per request. All runners share one model."""
+    n = len(runners)
+    parents = parents or [None] * n
+    last_only = last_only or [False] * n
+    if n == 1 and not last_only[0]:  # one request: its own forward (the fused block where it runs)
+        r = runners[0]
+        return [r.forward_tree(tokens[0], parents[0]) if parents[0] is not None else r.forward(tokens[0])]
+    model = runners[0].model
+    segs = [r.segment(t, p, lo) for r, t, p, lo in zip(runners, tokens, parents, last_only)]
+    flat = torch.cat([t.reshape(-1) for t in tokens]).to(runners[0].device)
+    logits, hidden = model.forward_ragged(flat, segs)
+    aux = model.aux_out
+    out, lo, ho = [], 0, 0
+    for r, s in zip(runners, segs):
+        m = 1 if s.last_only else s.n
+        out.append(logits[lo:lo + m][None])
+        r.last_hidden = hidden[ho:ho + s.n][None]
+        r.last_aux = None if aux is None else aux[ho:ho + s.n][None]
+        r.length = s.start + s.n
+        lo, ho = lo + m, ho + s.n
+    return out

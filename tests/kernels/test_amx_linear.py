@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import amx_linear
+from kernels import amx_linear, cpu
 
-needs_amx = pytest.mark.skipif(not amx_linear.available(), reason="no AMX CPU or no compiler here")
+needs_amx = pytest.mark.skipif(not amx_linear.available(), reason=cpu.why_not(cpu.AMX, built=False))
 
 
 def test_pack_unpack_round_trip():

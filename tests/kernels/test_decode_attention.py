@@ -7,10 +7,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import decode_attention
+from kernels import cpu, decode_attention
 from specctl.runtime.runner import tree_attention_mask
 
-pytestmark = pytest.mark.skipif(decode_attention.load() is None, reason="needs an avx512_bf16 CPU and a compiler")
+pytestmark = pytest.mark.skipif(decode_attention.load() is None, reason=cpu.why_not(cpu.AVX512_BF16, built=False))
 
 
 @pytest.mark.parametrize("nh,nkv,hd", [(4, 2, 32), (9, 3, 64), (12, 2, 128), (6, 6, 96)])

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import decode_layer
+from kernels import cpu, decode_layer
 from specctl.runtime.model import KVCache, load_transformer
 from specctl.runtime.runner import tree_attention_mask, tree_depths
 
-pytestmark = pytest.mark.skipif(decode_layer.load() is None, reason="needs an AMX CPU and a compiler")
+pytestmark = pytest.mark.skipif(decode_layer.load() is None, reason=cpu.why_not(cpu.AMX, built=False))
 
 
 @pytest.fixture(scope="module")

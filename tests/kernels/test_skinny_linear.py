@@ -6,9 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import skinny_linear
+from kernels import cpu, skinny_linear
 
-needs_kernel = pytest.mark.skipif(not skinny_linear.available(), reason="no avx512_bf16 CPU or no compiler here")
+needs_kernel = pytest.mark.skipif(not skinny_linear.available(), reason=cpu.why_not(cpu.AVX512_BF16, built=False))
 
 
 @needs_kernel
@@ -19,7 +19,7 @@ def test_matches_fp32_reference(K, bias):
     N = 300
     w = torch.randn(N, K, generator=g).bfloat16()
     b = torch.randn(N, generator=g).bfloat16() if bias else None
-    for M in (1, 3, 11, 16):
+    for M in (1, 3, 11, 16, 17, 45):
         x = torch.randn(M, K, generator=g).bfloat16()
         y = skinny_linear._ext.skinny_linear(x, w, b)
         ref = x.float() @ w.float().T + (b.float() if bias else 0)
@@ -31,20 +31,32 @@ def test_matches_fp32_reference(K, bias):
 
 @needs_kernel
 def test_rows_are_independent_bit_for_bit():
-    """A row computed among M rows equals the same row computed alone: verification == decode."""
+    """A row computed among M rows equals the same row computed alone, for any M (the kernel tiles
+    rows by 16): verification, draft trees and batches == decode."""
     g = torch.Generator().manual_seed(0)
     w = torch.randn(517, 1536, generator=g).bfloat16()
     b = torch.randn(517, generator=g).bfloat16()
-    x = torch.randn(16, 1536, generator=g).bfloat16()
-    alone = torch.cat([skinny_linear._ext.skinny_linear(x[i:i + 1], w, b) for i in range(16)])
-    for M in range(1, 17):
-        assert torch.equal(skinny_linear._ext.skinny_linear(x[:M], w, b), alone[:M])
+    x = torch.randn(100, 1536, generator=g).bfloat16()
+    alone = torch.cat([skinny_linear._ext.skinny_linear(x[i:i + 1], w, b) for i in range(100)])
+    for M in list(range(1, 18)) + [31, 32, 33, 64, 100]:
+        assert torch.equal(skinny_linear._ext.skinny_linear(x[:M], w, b), alone[:M]), M
 
 
-def test_linear_falls_back_outside_its_domain():
+@needs_kernel
+def test_linear_takes_the_kernel_for_any_rows_when_enabled(monkeypatch):
+    g = torch.Generator().manual_seed(1)
+    wb = torch.randn(40, 64, generator=g).bfloat16()
+    xb = torch.randn(3, 40, 64, generator=g).bfloat16()  # 120 rows
+    monkeypatch.setattr(skinny_linear, "ENABLED", True)
+    assert torch.equal(skinny_linear.linear(xb, wb), skinny_linear._ext.skinny_linear(xb.reshape(120, 64), wb, None).view(3, 40, 40))
+
+
+def test_linear_falls_back_outside_its_domain(monkeypatch):
     g = torch.Generator().manual_seed(1)
     w = torch.randn(40, 64, generator=g)
     x = torch.randn(2, 5, 64, generator=g)
+    monkeypatch.setattr(skinny_linear, "ENABLED", True)
     torch.testing.assert_close(skinny_linear.linear(x, w), F.linear(x, w))  # fp32: torch's path
+    monkeypatch.setattr(skinny_linear, "ENABLED", False)  # not in exact-bf16 mode: torch's path
     xb, wb = torch.randn(32, 64, generator=g).bfloat16(), w.bfloat16()
-    assert torch.equal(skinny_linear.linear(xb, wb), F.linear(xb, wb))  # 32 rows: torch's GEMM
+    assert torch.equal(skinny_linear.linear(xb, wb), F.linear(xb, wb))

@@ -10,6 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from kernels import cpu
 from specctl.config import SpecConfig
 from specctl.errors import UsageError
 from specctl.runtime.decoder import SamplingParams, SpecDecoder
@@ -301,7 +302,7 @@ def wide(tiny_model_factory, tmp_path_factory):
     return folder, s["export"], _prompts(24, 1)[:16]
 
 
-@pytest.mark.skipif(not _fused_ok(), reason="needs an AMX CPU and a compiler")
+@pytest.mark.skipif(not _fused_ok(), reason=cpu.why_not(cpu.AMX, built=False))
 def test_fused_draft_matches_the_fp32_draft(wide):
     from specctl.runtime.proposers.eagle import FusedEagle3
 
@@ -337,7 +338,7 @@ def test_fused_draft_matches_the_fp32_draft(wide):
     assert float((l16.argmax(-1) == l32.argmax(-1)).float().mean()) > 0.9  # bf16 rounding flips only near-ties
 
 
-@pytest.mark.skipif(not _fused_ok(), reason="needs an AMX CPU and a compiler")
+@pytest.mark.skipif(not _fused_ok(), reason=cpu.why_not(cpu.AMX, built=False))
 def test_fused_greedy_equality_chain_and_tree(wide, monkeypatch):
     from specctl.runtime.proposers.eagle import FusedEagle3
 

@@ -1,0 +1,98 @@
+"""What this CPU offers specctl's kernels, and which bf16 path that selects.
+
+``flags()`` is /proc/cpuinfo's feature set; ``bf16_path()`` names the path a bf16 CPU model runs on:
+
+- ``"amx"``: AMX tiles (amx_bf16) for every linear and the fused decode block;
+- ``"avx512_bf16"``: the AVX512-BF16 skinny kernel for every linear, the row-independent attention;
+- ``"torch"``: neither, so torch's own kernels, where a row's rounding can depend on how many rows
+  share its forward (bf16 greedy speculation then matches plain decoding except at near-ties).
+
+The first two are row-independent: a row forwarded among any number of others (a verify block, a
+draft tree, a batch) equals, bit for bit, the same row forwarded alone.
+
+``hidden(*names)`` hides features for a while, as if the CPU lacked them: the kernel loaders then
+take the path such a CPU takes (tests run the AVX512-BF16 and torch paths on an AMX machine).
+``SPECCTL_CPU_HIDE=amx_bf16,amx_tile`` does the same for a whole process (the test suite as an AMD
+EPYC runs it: with ``ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16`` torch's own kernels follow suit).
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+from functools import lru_cache
+from pathlib import Path
+
+AMX = ("amx_bf16", "amx_tile", "avx512_bf16")
+AVX512_BF16 = ("avx512_bf16",)
+_hidden: set[str] = {f for f in os.environ.get("SPECCTL_CPU_HIDE", "").split(",") if f}
+
+
+@lru_cache(maxsize=1)
+def _cpuinfo_flags() -> frozenset[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return frozenset(line.split(":", 1)[1].split())
+    return frozenset()
+
+
+def flags() -> set[str]:
+    return set(_cpuinfo_flags()) - _hidden
+
+
+def has(*names: str) -> bool:
+    return all(n in flags() for n in names)
+
+
+def why_not(features: tuple[str, ...], built: bool = True) -> str:
+    """A skip reason naming what is missing: the CPU features, else the kernel's build."""
+    missing = [f for f in features if not has(f)]
+    if missing:
+        return f"needs the CPU feature{'s' if len(missing) > 1 else ''} {', '.join(missing)}, which this CPU lacks"
+    if not built:
+        return f"the kernel for {', '.join(features)} did not build here (no C++ compiler?)"
+    return ""
+
+
+def bf16_path() -> str:
+    """"amx", "avx512_bf16" or "torch": the bf16 path that the CPU's features select (and the
+    compiler allows: a kernel that cannot build counts as absent)."""
+    from kernels import amx_linear, skinny_linear
+
+    if amx_linear.available():
+        return "amx"
+    if skinny_linear.available():
+        return "avx512_bf16"
+    return "torch"
+
+
+def _kernel_modules():
+    from kernels import amx_linear, decode_attention, decode_layer, skinny_linear
+
+    return (amx_linear, decode_attention, decode_layer, skinny_linear)
+
+
+@contextmanager
+def hidden(*names: str):
+    """Within the block, the CPU looks as if it lacked ``names`` (e.g. ``"amx_bf16"``): the kernel
+    loaders answer again, and models loaded inside take that CPU's path. Restored on exit."""
+    mods = _kernel_modules()
+    saved = [(m, m._ext, m._tried) for m in mods]
+    from kernels import skinny_linear
+
+    enabled, before = skinny_linear.ENABLED, set(_hidden)
+    _hidden.update(names)
+    for m in mods:
+        m._ext, m._tried = None, False
+    try:
+        yield
+    finally:
+        _hidden.clear()
+        _hidden.update(before)
+        for m, ext, tried in saved:
+            m._ext, m._tried = ext, tried
+        skinny_linear.ENABLED = enabled
