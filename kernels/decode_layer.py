@@ -1,10 +1,11 @@
 """One transformer block per call for decode and verification forwards (bf16, AMX CPUs).
 
 ``layer(block, x, cos, sin, k_cache, v_cache, start)`` runs specctl.runtime.model.Block for a few
-rows (batch x tokens <= 16) in one C++ call and one parallel region (``csrc/decode_layer.cpp``):
+rows (batch x tokens <= 64) in one C++ call and one parallel region (``csrc/decode_layer.cpp``):
 the same arithmetic as the AMX linears and the row-independent attention, without ~25 torch
 dispatches and 5 thread-pool wake-ups per block. ``load()`` returns None where it cannot run (no
-AMX, no compiler); callers keep the per-op path.
+AMX, no compiler); callers keep the per-op path. ``layer_ragged`` does the same for many requests'
+rows at once, each request with its own cache, length and draft tree (the batched engine).
 
 ``eagle3_layer(...)`` runs EAGLE-3's draft layer the same way: its attention reads
 cat(emb_norm(emb), in_norm(x)) [2H] while x stays the residual (specctl.runtime.proposers.eagle).
@@ -40,6 +41,19 @@ def layer(block, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache:
                              block.qkv.weight, block.qkv.bias, block.o.weight, block.o.bias,
                              block.gate_up.weight, block.down.weight, cos, sin, k_cache, v_cache, start,
                              a.num_heads, a.num_kv_heads, tree)
+
+
+def layer_ragged(block, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, index: int, segs) -> torch.Tensor:
+    """Many requests' rows through ``block`` (layer ``index``) in one call: x [1, M, H], cos/sin [M, hd],
+    ``segs`` the requests' specctl.runtime.model.Segment (own caches, starts, lengths, trees). Each
+    row is computed exactly as ``layer`` computes it for its request alone."""
+    a = block.a
+    return _ext.decode_layer_ragged(x.contiguous(), block.input_norm.weight, block.post_norm.weight, a.rms_norm_eps,
+                                    block.qkv.weight, block.qkv.bias, block.o.weight, block.o.bias,
+                                    block.gate_up.weight, block.down.weight, cos, sin,
+                                    [s.cache.k[index] for s in segs], [s.cache.v[index] for s in segs],
+                                    [s.start for s in segs], [s.n for s in segs], [s.tree for s in segs],
+                                    a.num_heads, a.num_kv_heads)
 
 
 def eagle3_layer(w, x: torch.Tensor, emb: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,

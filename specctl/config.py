@@ -76,6 +76,9 @@ class SpecConfig:
     """eagle/eagle3 trees: nodes kept after reranking by cumulative draft probability (default 16);
     medusa with ``"speculative_token_tree": "auto"``: the nodes of the tree built from the heads'
     held-out rank accuracies (default 16)."""
+    disable_by_batch_size: int | None = None
+    """Batched engine (serve, bench --concurrency): no drafting in a step where at least this many
+    requests run (vLLM's key and meaning: verification stops being free in large batches)."""
     vllm_only: dict[str, Any] = field(default_factory=dict)
     """Keys vLLM understands that the own runtime does not use (kept for ``--engine vllm``)."""
 
@@ -159,6 +162,8 @@ class SpecConfig:
                     f"prompt_lookup_min ({self.prompt_lookup_min}) > prompt_lookup_max ({self.prompt_lookup_max})",
                     "set prompt_lookup_min <= prompt_lookup_max",
                 )
+        if self.disable_by_batch_size is not None:
+            _check_int("disable_by_batch_size", self.disable_by_batch_size, minimum=2)
         _check_int("suffix_decoding_max_tree_depth", self.suffix_decoding_max_tree_depth, minimum=1)
         _check_int("suffix_decoding_max_cached_requests", self.suffix_decoding_max_cached_requests, minimum=0)
         _check_number("suffix_decoding_max_spec_factor", self.suffix_decoding_max_spec_factor, minimum=0.0)
@@ -201,7 +206,7 @@ def _check_number(name: str, value: Any, minimum: float, maximum: float | None =
 # Keys of vLLM's SpeculativeConfig that only its engine uses; accepted and passed through.
 VLLM_PASSTHROUGH_KEYS = frozenset({
     "draft_tensor_parallel_size", "quantization", "revision", "code_revision",
-    "disable_by_batch_size", "disable_padded_drafter_batch", "speculative_token_tree",
+    "disable_padded_drafter_batch", "speculative_token_tree",
     "enforce_eager", "disable_log_stats", "draft_model_config", "target_model_config",
     "parallel_drafting", "use_local_argmax_reduction", "tensor_parallel_size",
     "rejection_sample_method", "draft_load_config", "moe_backend",

@@ -16,6 +16,7 @@
 #include <omp.h>
 #include <atomic>
 #include <thread>
+#include <vector>
 #include "amx_gemm.h"
 #include "tree_rows.h"
 
@@ -88,53 +89,38 @@ inline void share(int64_t n, int tid, int nt, int64_t& a, int64_t& b) {
   a = n * tid / nt;
   b = n * (tid + 1) / nt;
 }
-
-}  // namespace
-
-torch::Tensor decode_layer(torch::Tensor x, torch::Tensor in_norm, torch::Tensor post_norm, double eps,
-                           torch::Tensor qkv_w, c10::optional<torch::Tensor> qkv_b, torch::Tensor o_w,
-                           c10::optional<torch::Tensor> o_b, torch::Tensor gate_up_w, torch::Tensor down_w,
-                           torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache, torch::Tensor v_cache,
-                           int64_t start, int64_t num_heads, int64_t num_kv_heads, c10::optional<torch::Tensor> tree,
-                           c10::optional<torch::Tensor> emb, c10::optional<torch::Tensor> emb_norm) {
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 3 && x.is_contiguous(), "x [B, T, H] bf16 contiguous");
-  const int64_t B = x.size(0), T = x.size(1), H = x.size(2), M = B * T;
-  TORCH_CHECK(M <= 64, "at most 64 rows");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.size(0) == B, "caches [B, nkv, S, hd]");
-  const int64_t S = k_cache.size(2), hd = k_cache.size(3), nh = num_heads, nkv = num_kv_heads;
-  const int64_t Nqkv = (nh + 2 * nkv) * hd, I2 = gate_up_w.size(0) * 16, I = I2 / 2;
-  // EAGLE-3's draft layer: the attention reads cat(emb_norm(emb), in_norm(x)) [M, 2H]; x stays the residual
-  const bool eagle3 = emb.has_value() && emb->defined();
-  const int64_t Hin = eagle3 ? 2 * H : H;
-  if (eagle3)
-    TORCH_CHECK(emb->scalar_type() == at::kBFloat16 && emb->is_contiguous() && emb->numel() == M * H &&
-                emb_norm.has_value() && emb_norm->defined(), "emb [B, T, H] bf16 contiguous, with emb_norm");
-  TORCH_CHECK(qkv_w.size(0) * 16 == Nqkv && qkv_w.size(1) * 32 == Hin, "qkv weight shape");
-  TORCH_CHECK(o_w.size(0) * 16 == H && o_w.size(1) * 32 == nh * hd, "o weight shape");
-  TORCH_CHECK(down_w.size(0) * 16 == H && down_w.size(1) * 32 == I, "down weight shape");
-  TORCH_CHECK(start + T <= S && hd % 32 == 0 && nh % nkv == 0, "cache length / head dim / heads");
-  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.size(0) == T && cos.size(1) == hd, "cos/sin [T, hd]");
-  auto opt = x.options();
-  auto xn = torch::empty({M, Hin}, opt), qkv = torch::empty({M, Nqkv}, opt), att = torch::empty({M, nh * hd}, opt);
-  auto h = torch::empty({M, H}, opt), gu = torch::empty({M, I2}, opt), act = torch::empty({M, I}, opt);
-  auto out = torch::empty({B, T, H}, opt);
-  using u16 = uint16_t;
-  auto P = [](const torch::Tensor& t) { return reinterpret_cast<u16*>(t.data_ptr()); };
-  auto PO = [](const c10::optional<torch::Tensor>& t) -> const u16* {
-    return t.has_value() && t->defined() ? reinterpret_cast<const u16*>(t->data_ptr()) : nullptr;
-  };
-  const u16 *xp = P(x), *n1 = P(in_norm), *n2 = P(post_norm), *wq = P(qkv_w), *bq = PO(qkv_b), *wo = P(o_w),
-            *bo = PO(o_b), *wgu = P(gate_up_w), *wd = P(down_w), *cp = P(cos), *sp = P(sin);
-  const u16 *ep = eagle3 ? P(*emb) : nullptr, *ne = eagle3 ? P(*emb_norm) : nullptr;
-  u16 *xnp = P(xn), *qp = P(qkv), *ap = P(att), *hp = P(h), *gup = P(gu), *actp = P(act), *op = P(out);
-  u16 *kc = P(k_cache), *vc = P(v_cache);
-  const int G = static_cast<int>(nh / nkv);
-  // tree [T, W] bool: the rows are a draft tree (row i sees the prefix, its ancestors and itself)
+// One request's rows in a (ragged) call: its caches, where its rows go, and its draft tree.
+struct Seg {
+  uint16_t* kc;
+  uint16_t* vc;  // [nkv, S, hd] of this request
+  int64_t S, start, T, crow;  // cache length, first slot, rows, first row of cos/sin
+  int64_t W, P0;  // tree mask width (0: a chain) and the prefix it sees
   std::vector<int32_t> anc;
   std::vector<int64_t> cnt;
-  const int64_t W = specctl::attn::read_tree(tree, T, start, anc, cnt), P0 = start + T - W;
+};
+
+struct Weights {
+  const uint16_t *n1, *n2, *wq, *bq, *wo, *bo, *wgu, *wd, *ne;
+  float eps;
+  int64_t H, Hin, Nqkv, I, I2, nh, nkv, hd;
+};
+
+// The block over M rows (x, emb: [M, H]; cos/sin: [rows, hd]) of the segments, in one parallel
+// region; rows are the segments' rows in order.
+void run_block(const Weights& w, std::vector<Seg>& segs, const uint16_t* xp, const uint16_t* ep, const uint16_t* cp,
+               const uint16_t* sp, int64_t M, uint16_t* op, const torch::TensorOptions& opt) {
+  const int64_t H = w.H, Hin = w.Hin, Nqkv = w.Nqkv, I = w.I, I2 = w.I2, nh = w.nh, nkv = w.nkv, hd = w.hd;
+  const bool eagle3 = ep != nullptr;
+  auto xn = torch::empty({M, Hin}, opt), qkv = torch::empty({M, Nqkv}, opt), att = torch::empty({M, nh * hd}, opt);
+  auto h = torch::empty({M, H}, opt), gu = torch::empty({M, I2}, opt), act = torch::empty({M, I}, opt);
+  using u16 = uint16_t;
+  auto P = [](const torch::Tensor& t) { return reinterpret_cast<u16*>(t.data_ptr()); };
+  u16 *xnp = P(xn), *qp = P(qkv), *ap = P(att), *hp = P(h), *gup = P(gu), *actp = P(act);
+  std::vector<int32_t> seg_of(M), row_of(M);
+  for (int64_t s = 0, m = 0; s < static_cast<int64_t>(segs.size()); ++s)
+    for (int64_t i = 0; i < segs[s].T; ++i, ++m) { seg_of[m] = static_cast<int32_t>(s); row_of[m] = static_cast<int32_t>(i); }
+  const int G = static_cast<int>(nh / nkv);
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
-  const float feps = static_cast<float>(eps);
   SpinBarrier bar;
   std::atomic<int64_t> next_qkv{0}, next_att{0}, next_o{0}, next_gu{0}, next_down{0};
   const int want = std::max(1, at::get_num_threads());
@@ -146,57 +132,59 @@ torch::Tensor decode_layer(torch::Tensor x, torch::Tensor in_norm, torch::Tensor
     std::vector<float> scores;
     // 1. norm (EAGLE-3: [normed emb | normed x])
     for (int64_t m = tid; m < M; m += nt) {
-      if (eagle3) rmsnorm_row(ep + m * H, ne, feps, H, xnp + m * Hin);
-      rmsnorm_row(xp + m * H, n1, feps, H, xnp + m * Hin + Hin - H);
+      if (eagle3) rmsnorm_row(ep + m * H, w.ne, w.eps, H, xnp + m * Hin);
+      rmsnorm_row(xp + m * H, w.n1, w.eps, H, xnp + m * Hin + Hin - H);
     }
     bar.wait(nt, sense);
     // 2. q|k|v
-    gemm_dynamic(next_qkv, xnp, M, Hin, wq, Nqkv / 16, bq, qp, nullptr, Nqkv, configured);
+    gemm_dynamic(next_qkv, xnp, M, Hin, w.wq, Nqkv / 16, w.bq, qp, nullptr, Nqkv, configured);
     bar.wait(nt, sense);
-    // 3. rotary on q (in place, via a copy of the head) and k; k and v into the caches
+    // 3. rotary on q (in place, via a copy of the head) and k; k and v into each request's caches
     const int64_t heads = nh + 2 * nkv;
     for (int64_t it = tid; it < M * heads; it += nt) {
-      const int64_t m = it / heads, hh = it % heads, bi = m / T, i = m % T;
+      const int64_t m = it / heads, hh = it % heads, i = row_of[m];
+      const Seg& sg = segs[seg_of[m]];
       u16* src = qp + m * Nqkv + hh * hd;
-      const u16 *c = cp + i * hd, *s = sp + i * hd;
+      const u16 *c = cp + (sg.crow + i) * hd, *s = sp + (sg.crow + i) * hd;
       u16 tmp[256];
       if (hh < nh) {
         rope_head(src, c, s, static_cast<int>(hd), tmp);
         std::memcpy(src, tmp, hd * 2);
       } else if (hh < nh + nkv) {
-        rope_head(src, c, s, static_cast<int>(hd), kc + ((bi * nkv + (hh - nh)) * S + start + i) * hd);
+        rope_head(src, c, s, static_cast<int>(hd), sg.kc + ((hh - nh) * sg.S + sg.start + i) * hd);
       } else {
-        std::memcpy(vc + ((bi * nkv + (hh - nh - nkv)) * S + start + i) * hd, src, hd * 2);
+        std::memcpy(sg.vc + ((hh - nh - nkv) * sg.S + sg.start + i) * hd, src, hd * 2);
       }
     }
     bar.wait(nt, sense);
     // 4. attention: items of G heads sharing a kv head, or single heads when that balances better
-    const bool per_head = B * nkv * T < 2 * nt;
-    const int64_t items = per_head ? M * nh : B * nkv * T;
+    const bool per_head = M * nkv < 2 * nt;
+    const int64_t items = per_head ? M * nh : M * nkv;
     for (int64_t it = next_att.fetch_add(1); it < items; it = next_att.fetch_add(1)) {
       int64_t m, head0;
       int g;
       if (per_head) { m = it / nh; head0 = it % nh; g = 1; }
       else { m = it / nkv; head0 = (it % nkv) * G; g = G; }
-      const int64_t bi = m / T, i = m % T, kvh = head0 / G;
-      const int64_t cache_off = (bi * nkv + kvh) * S * hd;
-      if (W)
-        specctl::attn::item(qp + m * Nqkv + head0 * hd, hd, kc + cache_off, vc + cache_off, P0 + cnt[i],
+      const Seg& sg = segs[seg_of[m]];
+      const int64_t i = row_of[m], kvh = head0 / G;
+      const int64_t cache_off = kvh * sg.S * hd;
+      if (sg.W)
+        specctl::attn::item(qp + m * Nqkv + head0 * hd, hd, sg.kc + cache_off, sg.vc + cache_off, sg.P0 + sg.cnt[i],
                             static_cast<int>(hd), g, scale, ap + m * nh * hd + head0 * hd, scores,
-                            specctl::attn::TreeRows{P0, anc.data() + i * W});
+                            specctl::attn::TreeRows{sg.P0, sg.anc.data() + i * sg.W});
       else
-        specctl::attn::item(qp + m * Nqkv + head0 * hd, hd, kc + cache_off, vc + cache_off, start + i + 1,
+        specctl::attn::item(qp + m * Nqkv + head0 * hd, hd, sg.kc + cache_off, sg.vc + cache_off, sg.start + i + 1,
                             static_cast<int>(hd), g, scale, ap + m * nh * hd + head0 * hd, scores);
     }
     bar.wait(nt, sense);
     // 5. output projection + residual
-    gemm_dynamic(next_o, ap, M, nh * hd, wo, H / 16, bo, hp, xp, H, configured);
+    gemm_dynamic(next_o, ap, M, nh * hd, w.wo, H / 16, w.bo, hp, xp, H, configured);
     bar.wait(nt, sense);
     // 6. norm
-    for (int64_t m = tid; m < M; m += nt) rmsnorm_row(hp + m * H, n2, feps, H, xnp + m * H);
+    for (int64_t m = tid; m < M; m += nt) rmsnorm_row(hp + m * H, w.n2, w.eps, H, xnp + m * H);
     bar.wait(nt, sense);
     // 7. gate|up
-    gemm_dynamic(next_gu, xnp, M, H, wgu, I2 / 16, nullptr, gup, nullptr, I2, configured);
+    gemm_dynamic(next_gu, xnp, M, H, w.wgu, I2 / 16, nullptr, gup, nullptr, I2, configured);
     bar.wait(nt, sense);
     // 8. SiLU(gate) x up, rounded as torch: bf16(bf16(silu(g)) * u)
     share(M * (I / 16), tid, nt, a, b);
@@ -211,9 +199,105 @@ torch::Tensor decode_layer(torch::Tensor x, torch::Tensor in_norm, torch::Tensor
     }
     bar.wait(nt, sense);
     // 9. down projection + residual
-    gemm_dynamic(next_down, actp, M, I, wd, H / 16, nullptr, op, hp, H, configured);
+    gemm_dynamic(next_down, actp, M, I, w.wd, H / 16, nullptr, op, hp, H, configured);
     _tile_release();
   }
+}
+
+const uint16_t* ptr_or_null(const c10::optional<torch::Tensor>& t) {
+  return t.has_value() && t->defined() ? reinterpret_cast<const uint16_t*>(t->data_ptr()) : nullptr;
+}
+
+Weights weights(const torch::Tensor& in_norm, const torch::Tensor& post_norm, double eps, const torch::Tensor& qkv_w,
+                const c10::optional<torch::Tensor>& qkv_b, const torch::Tensor& o_w,
+                const c10::optional<torch::Tensor>& o_b, const torch::Tensor& gate_up_w, const torch::Tensor& down_w,
+                int64_t H, int64_t hd, int64_t nh, int64_t nkv, bool eagle3,
+                const c10::optional<torch::Tensor>& emb_norm) {
+  auto P = [](const torch::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr()); };
+  Weights w{P(in_norm), P(post_norm), P(qkv_w), ptr_or_null(qkv_b), P(o_w), ptr_or_null(o_b), P(gate_up_w),
+            P(down_w), eagle3 ? P(*emb_norm) : nullptr, static_cast<float>(eps),
+            H, eagle3 ? 2 * H : H, (nh + 2 * nkv) * hd, gate_up_w.size(0) * 8, gate_up_w.size(0) * 16, nh, nkv, hd};
+  TORCH_CHECK(qkv_w.size(0) * 16 == w.Nqkv && qkv_w.size(1) * 32 == w.Hin, "qkv weight shape");
+  TORCH_CHECK(o_w.size(0) * 16 == H && o_w.size(1) * 32 == nh * hd, "o weight shape");
+  TORCH_CHECK(down_w.size(0) * 16 == H && down_w.size(1) * 32 == w.I, "down weight shape");
+  TORCH_CHECK(hd % 32 == 0 && hd <= 256 && nh % nkv == 0, "head dim / heads");
+  return w;
+}
+
+Seg make_seg(torch::Tensor& k_cache, torch::Tensor& v_cache, int64_t b, int64_t start, int64_t T, int64_t crow,
+             const c10::optional<torch::Tensor>& tree) {
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes() &&
+              k_cache.dim() == 4, "caches [B, nkv, S, hd] contiguous");
+  const int64_t nkv = k_cache.size(1), S = k_cache.size(2), hd = k_cache.size(3);
+  TORCH_CHECK(start >= 0 && start + T <= S, "cache too short");
+  auto* kc = reinterpret_cast<uint16_t*>(k_cache.data_ptr()) + b * nkv * S * hd;
+  auto* vc = reinterpret_cast<uint16_t*>(v_cache.data_ptr()) + b * nkv * S * hd;
+  Seg s{kc, vc, S, start, T, crow, 0, 0, {}, {}};
+  s.W = specctl::attn::read_tree(tree, T, start, s.anc, s.cnt);
+  s.P0 = start + T - s.W;
+  return s;
+}
+
+}  // namespace
+
+torch::Tensor decode_layer(torch::Tensor x, torch::Tensor in_norm, torch::Tensor post_norm, double eps,
+                           torch::Tensor qkv_w, c10::optional<torch::Tensor> qkv_b, torch::Tensor o_w,
+                           c10::optional<torch::Tensor> o_b, torch::Tensor gate_up_w, torch::Tensor down_w,
+                           torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache, torch::Tensor v_cache,
+                           int64_t start, int64_t num_heads, int64_t num_kv_heads, c10::optional<torch::Tensor> tree,
+                           c10::optional<torch::Tensor> emb, c10::optional<torch::Tensor> emb_norm) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 3 && x.is_contiguous(), "x [B, T, H] bf16 contiguous");
+  const int64_t B = x.size(0), T = x.size(1), H = x.size(2), M = B * T;
+  TORCH_CHECK(M <= 64, "at most 64 rows");
+  TORCH_CHECK(k_cache.size(0) == B, "caches [B, nkv, S, hd]");
+  // EAGLE-3's draft layer: the attention reads cat(emb_norm(emb), in_norm(x)) [M, 2H]; x stays the residual
+  const bool eagle3 = emb.has_value() && emb->defined();
+  if (eagle3)
+    TORCH_CHECK(emb->scalar_type() == at::kBFloat16 && emb->is_contiguous() && emb->numel() == M * H &&
+                emb_norm.has_value() && emb_norm->defined(), "emb [B, T, H] bf16 contiguous, with emb_norm");
+  const Weights w = weights(in_norm, post_norm, eps, qkv_w, qkv_b, o_w, o_b, gate_up_w, down_w, H, k_cache.size(3),
+                            num_heads, num_kv_heads, eagle3, emb_norm);
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.size(0) == T && cos.size(1) == w.hd, "cos/sin [T, hd]");
+  std::vector<Seg> segs;
+  for (int64_t b = 0; b < B; ++b) segs.push_back(make_seg(k_cache, v_cache, b, start, T, 0, tree));
+  auto out = torch::empty({B, T, H}, x.options());
+  auto P = [](const torch::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr()); };
+  run_block(w, segs, P(x), eagle3 ? P(*emb) : nullptr, P(cos), P(sin), M, reinterpret_cast<uint16_t*>(out.data_ptr()),
+            x.options());
+  return out;
+}
+
+// Many requests' rows in one call: x [1, M, H] (segment after segment), cos/sin [M, hd]; segment s
+// has lens[s] rows written at starts[s] of its own caches k_caches[s] / v_caches[s] ([1, nkv, S, hd]),
+// and optionally a draft tree trees[s] [T, T]. Each row is computed exactly as the one-request call.
+torch::Tensor decode_layer_ragged(torch::Tensor x, torch::Tensor in_norm, torch::Tensor post_norm, double eps,
+                                  torch::Tensor qkv_w, c10::optional<torch::Tensor> qkv_b, torch::Tensor o_w,
+                                  c10::optional<torch::Tensor> o_b, torch::Tensor gate_up_w, torch::Tensor down_w,
+                                  torch::Tensor cos, torch::Tensor sin, std::vector<torch::Tensor> k_caches,
+                                  std::vector<torch::Tensor> v_caches, std::vector<int64_t> starts,
+                                  std::vector<int64_t> lens, std::vector<c10::optional<torch::Tensor>> trees,
+                                  int64_t num_heads, int64_t num_kv_heads) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 3 && x.size(0) == 1 && x.is_contiguous(),
+              "x [1, M, H] bf16 contiguous");
+  const int64_t M = x.size(1), H = x.size(2), n = static_cast<int64_t>(k_caches.size());
+  TORCH_CHECK(n >= 1 && static_cast<int64_t>(v_caches.size()) == n && static_cast<int64_t>(starts.size()) == n &&
+              static_cast<int64_t>(lens.size()) == n && static_cast<int64_t>(trees.size()) == n,
+              "one cache pair, start, length and tree per segment");
+  const Weights w = weights(in_norm, post_norm, eps, qkv_w, qkv_b, o_w, o_b, gate_up_w, down_w, H,
+                            k_caches[0].size(3), num_heads, num_kv_heads, false, c10::nullopt);
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.size(0) == M && cos.size(1) == w.hd, "cos/sin [M, hd]");
+  std::vector<Seg> segs;
+  int64_t rows = 0;
+  for (int64_t s = 0; s < n; ++s) {
+    TORCH_CHECK(k_caches[s].size(0) == 1 && k_caches[s].size(1) == num_kv_heads && k_caches[s].size(3) == w.hd,
+                "each cache [1, nkv, S, hd]");
+    segs.push_back(make_seg(k_caches[s], v_caches[s], 0, starts[s], lens[s], rows, trees[s]));
+    rows += lens[s];
+  }
+  TORCH_CHECK(rows == M, "the segments' lengths must add up to x's rows");
+  auto out = torch::empty({1, M, H}, x.options());
+  auto P = [](const torch::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr()); };
+  run_block(w, segs, P(x), nullptr, P(cos), P(sin), M, reinterpret_cast<uint16_t*>(out.data_ptr()), x.options());
   return out;
 }
 
@@ -223,4 +307,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("o_w"), py::arg("o_b"), py::arg("gate_up_w"), py::arg("down_w"), py::arg("cos"), py::arg("sin"),
         py::arg("k_cache"), py::arg("v_cache"), py::arg("start"), py::arg("num_heads"), py::arg("num_kv_heads"),
         py::arg("tree") = py::none(), py::arg("emb") = py::none(), py::arg("emb_norm") = py::none());
+  m.def("decode_layer_ragged", &decode_layer_ragged, "one transformer block over many requests' rows (bf16, AMX)",
+        py::arg("x"), py::arg("in_norm"), py::arg("post_norm"), py::arg("eps"), py::arg("qkv_w"), py::arg("qkv_b"),
+        py::arg("o_w"), py::arg("o_b"), py::arg("gate_up_w"), py::arg("down_w"), py::arg("cos"), py::arg("sin"),
+        py::arg("k_caches"), py::arg("v_caches"), py::arg("starts"), py::arg("lens"), py::arg("trees"),
+        py::arg("num_heads"), py::arg("num_kv_heads"));
 }

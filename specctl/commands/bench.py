@@ -46,6 +46,11 @@ Every workload, multi-turn chat included (one row per turn), in one run:
 
   specctl bench --model qwen2.5-coder-1.5b -w code-edit -w humaneval -w chat -w mt-bench -w summarize -w math -w agentic
 
+Aggregate throughput under load: the prompts through the continuous-batching engine with N requests
+decoding together (one target forward per step), plain and each method, at each N:
+
+  specctl bench --model qwen2.5-coder-0.5b --method ngram -w chat -n 16 --max-new-tokens 64 --concurrency 1 --concurrency 4 --concurrency 8
+
 Workloads (-w NAME, or a .jsonl file of your own prompts; NAME@R repeats it for R rounds):
 
 """ + "\n\n".join(f"  {name}: {desc}" for name, desc in WORKLOADS.items()) + "\n"
@@ -68,6 +73,7 @@ def bench(
     fixed_k: Annotated[bool, typer.Option("--fixed-k", help="Always draft k tokens (default: adapt the draft length per request to what pays).")] = False,
     compile: Annotated[bool, typer.Option("--compile", help="Run one-token decode steps through torch.compile (float32, or a GPU with CUDA graphs; bf16 on CPU already runs a fused C++ step).")] = False,
     sweep_k: Annotated[Optional[str], typer.Option("--sweep-k", help="Comma-separated k values (e.g. 2,4,8): run every configuration at each k (overriding its own) and report the best k per method and workload (table; 'best_k' in --json).")] = None,
+    concurrency: Annotated[Optional[list[int]], typer.Option("--concurrency", "-c", help="Measure aggregate throughput with N requests decoding together (repeatable, e.g. -c 1 -c 8): all prompts queued at once through the continuous-batching engine with N KV slots; reports total tok/s, speedup over plain at the same N, scaling over plain at N=1, TTFT and inter-token latency.")] = None,
     seed: SeedOpt = 0,
     dtype: DtypeOpt = "bfloat16",
     device: DeviceOpt = "cpu",
@@ -109,6 +115,15 @@ def bench(
 
             engine_python(p)  # fail fast, before loading the model, when the engine is not installed
     ks = parse_k_list(sweep_k) if sweep_k is not None else None
+    levels = sorted(set(concurrency or []))
+    if levels:
+        if any(n < 1 for n in levels):
+            raise UsageError(f"--concurrency must be >= 1, got {min(levels)}", "pass e.g. --concurrency 1 --concurrency 8")
+        clash = [o for o, v in (("--peer", peers), ("--sweep-k", ks), ("--compile", compile), ("--plot", plot),
+                                ("--csv", csv_out)) if v] + (["--runs"] if runs > 1 else [])
+        if clash:
+            raise UsageError(f"{', '.join(clash)} cannot be combined with --concurrency yet",
+                             "measure them in a run without --concurrency")
 
     from rich.console import Console
 
@@ -135,6 +150,9 @@ def bench(
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, stop_token_ids=loaded.stop_token_ids)
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    if levels:
+        _bench_concurrency(loaded, configs, workloads, num_prompts, params, levels, seed, not fixed_k, json_out, err)
+        return
     with Progress(TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), console=err, transient=True, disable=not err.is_terminal) as prog:
         task = prog.add_task("loading", total=None)  # run_bench gives the total first
@@ -165,6 +183,54 @@ def bench(
     render(report)
     if ks:
         render_best_k(report)
+
+
+def _bench_concurrency(loaded, configs, workloads, num_prompts, params, levels, seed, adaptive, json_out, err) -> None:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from specctl.bench.concurrency import run_concurrency
+
+    with Progress(TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), console=err, transient=True, disable=not err.is_terminal) as prog:
+        task = prog.add_task("loading", total=None)
+
+        def progress(adv, desc, total=None):
+            prog.update(task, advance=adv, description=desc, total=total)
+            if not err.is_terminal and adv == 0 and total is None:  # a log: one line per measurement
+                err.log(desc)
+
+        header, rows = run_concurrency(loaded, configs, workloads, num_prompts, params, levels, seed,
+                                       adaptive=adaptive, progress=progress)
+    if json_out:
+        typer.echo(json.dumps({"header": header, "results": rows}, indent=2))
+        return
+    render_concurrency(header, rows)
+
+
+def render_concurrency(h: dict, rows: list[dict]) -> None:
+    from rich.table import Table
+
+    def ms(x):
+        return "—" if x is None else f"{x * 1e3:.0f}"
+
+    title = (f"{h['model']} · {h['dtype']} · {h['device']} ({h['machine']}, {h['threads']} threads, kernels "
+             f"{h['cpu_kernels'] or 'torch'}) · {h['max_new_tokens']} new tokens · temperature {h['temperature']} · "
+             f"draft length {h['draft_length']}")
+    t = Table(title=title, title_justify="left",
+              caption="tok/s: all requests' tokens over the wall time; speedup: over plain at the same N; "
+                      "x plain@1: over plain with one request at a time; TTFT from queueing; ITL between a "
+                      "request's token-bearing steps; = base: outputs equal to plain's.", caption_justify="left")
+    for col in ("workload", "N", "method", "k", "tok/s", "speedup", "x plain@1", "mean batch", "TTFT p50 ms",
+                "ITL p50 ms", "ITL p99 ms", "accept", "= base"):
+        t.add_column(col, justify="left" if col in ("workload", "method") else "right", no_wrap=True)
+    for r in rows:
+        t.add_row(r["workload"], str(r["concurrency"]), r["method"], "—" if r["k"] is None else str(r["k"]),
+                  f"{r['tokens_per_s']:.1f}", f"{r['speedup']:.2f}x" if r["speedup"] else "—",
+                  f"{r['scaling_vs_plain_1']:.2f}x" if r["scaling_vs_plain_1"] else "—", f"{r['mean_batch']:.1f}",
+                  ms(r["ttft_p50_s"]), ms(r["itl_p50_s"]), ms(r["itl_p99_s"]),
+                  "—" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.2f}",
+                  "—" if r["identical_to_baseline"] is None else f"{r['identical_to_baseline']}/{r['requests']}")
+    _stdout().print(t)
 
 
 def parse_k_list(text: str) -> list[int]:

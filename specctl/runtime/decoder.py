@@ -22,9 +22,9 @@ import torch
 
 from specctl.runtime.controller import DraftLengthController
 from specctl.runtime.metrics import SpecStats
-from specctl.runtime.proposers.base import DraftOutput, Proposer
+from specctl.runtime.proposers.base import Proposer
 from specctl.runtime.rejection import greedy_tree_verify, greedy_verify, logits_to_probs, rejection_sample
-from specctl.runtime.runner import TargetRunner, tree_depths
+from specctl.runtime.runner import TargetRunner, forward_batch, tree_depths
 
 
 @dataclass
@@ -79,6 +79,7 @@ class DecodeState:
     t_first: float = 0.0
     controller: DraftLengthController | None = None
     hidden: torch.Tensor | None = None  # [1, H] target's final hidden state at the position that produced `last`
+    error: BaseException | None = None  # what ended it, when a step failed (finish is then "error")
 
     def result(self) -> GenerationResult:
         t_end = time.perf_counter()
@@ -88,6 +89,26 @@ class DecodeState:
 
 _EMPTY = torch.empty((1, 0), dtype=torch.long)
 _ZERO = torch.zeros(1, dtype=torch.long)
+
+
+def _fail(st: DecodeState, e: BaseException) -> None:
+    st.error, st.finish = e, "error"
+
+
+@dataclass
+class _Plan:
+    """One request's part of a step: the tokens its verify forward carries ([1, 1+nd]: the last
+    emitted token, then the draft), the draft chain (or the tree's ``parents``), the cache length
+    before the step, and when drafting started and ended."""
+
+    tokens: torch.Tensor
+    t0: float
+    t1: float
+    draft_ids: torch.Tensor = _EMPTY
+    num_draft: torch.Tensor = _ZERO
+    draft_probs: torch.Tensor | None = None
+    parents: list[int] | None = None
+    base: int = 0
 
 
 class SpecDecoder:
@@ -153,29 +174,79 @@ class SpecDecoder:
 
     def step(self, st: DecodeState) -> list[int]:
         """One propose -> verify -> rollback step. Returns the tokens emitted (sets st.finish)."""
-        runner, params = st.runner, st.params
+        out = self.step_batch([st])[0]
+        if st.error is not None:
+            raise st.error
+        return out
+
+    def step_batch(self, states: list[DecodeState], max_draft: int | None = None) -> list[list[int]]:
+        """One step for each of many requests (each with its own runner and proposer slot): every
+        request drafts (at most ``max_draft`` tokens, when given), then one target forward verifies
+        all of them (``runner.forward_batch``), then each request is verified and rolled back on its
+        own. A request's tokens are those its own ``step`` would give (bit for bit on the
+        row-independent CPU paths: its rows are computed as if alone). Returns the tokens each
+        request emitted (sets its ``finish``). A request whose drafting or verification fails ends
+        with ``finish = "error"`` and the exception in ``error``; the others go on."""
+        plans: list[_Plan | None] = []
+        for st in states:
+            try:
+                plans.append(self._plan(st, max_draft))
+            except Exception as e:  # noqa: BLE001 - this request fails, the batch goes on
+                _fail(st, e)
+                plans.append(None)
+        live = [i for i, p in enumerate(plans) if p is not None]
+        out: list[list[int]] = [[] for _ in states]
+        if not live:
+            return out
+        try:
+            logits = forward_batch([states[i].runner for i in live], [plans[i].tokens for i in live],
+                                   [plans[i].parents for i in live])
+        except Exception as e:  # noqa: BLE001 - the forward failed: every request in it ends
+            for i in live:
+                _fail(states[i], e)
+            return out
+        for i, lg in zip(live, logits):
+            try:
+                out[i] = self._complete(states[i], plans[i], lg)
+            except Exception as e:  # noqa: BLE001
+                _fail(states[i], e)
+        return out
+
+    def _plan(self, st: DecodeState, max_draft: int | None = None) -> "_Plan | None":
+        """Draft for one request: what its verify forward carries (None: it has finished)."""
+        params = st.params
         room = params.max_new_tokens - len(st.out)
         if st.finish is not None or room <= 0:
             st.finish = st.finish or "length"
-            return []
+            return None
         k = min(self.k, room - 1)
+        if max_draft is not None:
+            k = min(k, max_draft)
         if st.controller is not None:
             k = min(k, st.controller.draft_len())
-        draft_ids, num_draft, draft_probs = _EMPTY, _ZERO, None
         t0 = t1 = time.perf_counter()  # the controller weighs the whole step: drafting (t0..t1) and verifying
+        last = torch.tensor([[st.last]], dtype=torch.long)
         if k > 0:
             d = self.proposer.propose(st.ctx, np.array([st.n_ctx], dtype=np.int32), k, st.hidden)
             t1 = time.perf_counter()
-            if d.parents is not None and int(d.num_tokens[0]) > 0:
-                return self._tree_step(st, d, t0)
             nd = int(d.num_tokens[0])
+            if d.parents is not None and nd > 0:
+                if not params.greedy:
+                    raise ValueError("draft trees are verified greedily only; the proposer must send a chain when sampling")
+                parents = [-1] + [p + 1 for p in d.parents[:nd]]  # node 0 = the last token, draft i = node i+1
+                return _Plan(torch.cat([last, d.token_ids[:, :nd]], 1), t0, t1, parents=parents, base=st.runner.length)
             if nd > 0:
-                draft_ids, num_draft = d.token_ids[:, :nd], d.num_tokens
-                draft_probs = None if d.probs is None else d.probs[:, :nd]
+                return _Plan(torch.cat([last, d.token_ids[:, :nd]], 1), t0, t1, d.token_ids[:, :nd], d.num_tokens,
+                             None if d.probs is None else d.probs[:, :nd], base=st.runner.length)
+        return _Plan(last, t0, t1, base=st.runner.length)
+
+    def _complete(self, st: DecodeState, plan: "_Plan", logits: torch.Tensor) -> list[int]:
+        """Verify one request's forward (logits [1, 1+nd, V]), roll back, tell the proposer."""
+        if plan.parents is not None:
+            return self._tree_step(st, plan, logits)
+        runner, params = st.runner, st.params
+        draft_ids, num_draft, draft_probs = plan.draft_ids, plan.num_draft, plan.draft_probs
         nd = draft_ids.shape[1]
-        base = runner.length
-        inp = torch.cat([torch.tensor([[st.last]], dtype=torch.long), draft_ids], 1)  # [1, 1+nd]
-        logits = runner.forward(inp)  # [1, 1+nd, V]
         dev = logits.device  # verify where the target's logits are (drafts may come from the host)
         draft_ids, num_draft = draft_ids.to(dev), num_draft.to(dev)
         if params.greedy:
@@ -188,10 +259,10 @@ class SpecDecoder:
         n = int(n_emit[0])
         emitted = out_ids[0, :n].tolist()
         if st.controller is not None:
-            st.controller.observe(nd, n - 1, nd + 1, time.perf_counter() - t0, t1 - t0)
+            st.controller.observe(nd, n - 1, nd + 1, time.perf_counter() - plan.t0, plan.t1 - plan.t0)
         if params.record_margins and params.greedy:
             st.margins.extend(margins[:n])
-        runner.rollback(base + n)  # last + (n-1) accepted drafts are valid
+        runner.rollback(plan.base + n)  # last + (n-1) accepted drafts are valid
         if self.proposer is not None and self.proposer.needs_hidden_states:
             st.hidden = runner.last_hidden[:, n - 1]  # row n-1 produced the step's final token
             aux = runner.last_aux
@@ -202,25 +273,20 @@ class SpecDecoder:
         st.steps += 1
         return self._emit(st, emitted)
 
-    def _tree_step(self, st: DecodeState, d: DraftOutput, t0: float) -> list[int]:
-        """Greedy verification of a draft tree (Medusa / EAGLE-2 style): one forward over every node
-        with a tree mask; from the last token, follow the child that is the target's own choice
+    def _tree_step(self, st: DecodeState, plan: "_Plan", logits: torch.Tensor) -> list[int]:
+        """Greedy verification of a draft tree (Medusa / EAGLE-2 style), forwarded over every node
+        with a tree mask: from the last token, follow the child that is the target's own choice
         while one exists; keep that path's keys/values. Lossless: every emitted token is the
         target's greedy choice given the tokens before it."""
-        if not st.params.greedy:
-            raise ValueError("draft trees are verified greedily only; the proposer must send a chain when sampling")
-        runner, n = st.runner, int(d.num_tokens[0])
-        parents = [-1] + [p + 1 for p in d.parents[:n]]  # node 0 = the last token, draft i = node i+1
-        tokens = torch.cat([torch.tensor([[st.last]], dtype=torch.long), d.token_ids[:, :n]], 1)  # [1, 1+n]
-        base = runner.length
-        logits = runner.forward_tree(tokens, parents)  # [1, 1+n, V]
+        runner, parents, tokens = st.runner, plan.parents, plan.tokens
+        n = len(parents) - 1
         path, emitted = greedy_tree_verify(tokens[0].tolist(), parents, runner.greedy(logits)[0].tolist())
         depth = max(tree_depths(parents))
         if st.controller is not None:
             # a tree's drafting is not d draft tokens' worth (one draft call per level, n nodes): the
             # whole step counts, keyed by the nodes verified
-            st.controller.observe(depth, len(path) - 1, n + 1, time.perf_counter() - t0)
-        runner.compact(base, path)
+            st.controller.observe(depth, len(path) - 1, n + 1, time.perf_counter() - plan.t0)
+        runner.compact(plan.base, path)
         if self.proposer.needs_hidden_states:
             idx = torch.tensor(path, device=runner.last_hidden.device)
             hidden = runner.last_hidden[:, idx]

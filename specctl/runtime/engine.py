@@ -1,10 +1,10 @@
-"""The serving engine: one thread that owns the model and interleaves requests step by step.
+"""The serving engine: one thread that owns the model and runs the continuous-batching scheduler.
 
 A pool of ``max_num_seqs`` TargetRunners (KV caches allocated once) and one SpecDecoder with its
-proposer (pool slot i = proposer slot i). Each round admits waiting requests in FIFO order into
-free slots (prefill + first token), then gives every active request one propose -> verify ->
-rollback step, round robin. Requests are interleaved, not batched. Results reach the HTTP side as
-Events through a callback; the HTTP side stops a request by setting its ``cancelled`` flag.
+proposer (pool slot i = proposer slot i), driven by ``specctl.runtime.scheduler.Scheduler``: each
+round admits waiting requests in FIFO order into free slots (prefill + first token), then every
+running request drafts and one target forward verifies them all. Results reach the HTTP side as
+Events through a callback; the HTTP side stops a request through ``abort``.
 
 What it does not know: HTTP, tokenizers, chat templates (``specctl.runtime.server``).
 """
@@ -23,10 +23,11 @@ import torch
 
 from specctl.config import SpecConfig
 from specctl.errors import UsageError
-from specctl.runtime.decoder import DecodeState, SamplingParams, SpecDecoder
+from specctl.runtime.decoder import SamplingParams, SpecDecoder
 from specctl.runtime.metrics import SpecStats
 from specctl.runtime.proposers import build_proposer
 from specctl.runtime.runner import LoadedModel, TargetRunner, check_compilable
+from specctl.runtime.scheduler import Request, Scheduler, Update
 
 log = logging.getLogger("specctl.serve")
 
@@ -55,6 +56,7 @@ class EngineRequest:
         self.abort_reason: str | None = None  # set by the handler side; the engine checks it every step
         self.done = False  # set by the engine (under its lock) before the last event is posted
         self.t_arrival = time.perf_counter()
+        self.sched = Request(prompt_ids, params, seed, self.id, self.t_arrival)  # the scheduler's view
 
 
 class EngineMetrics:
@@ -69,7 +71,7 @@ class EngineMetrics:
 
 
 class Engine:
-    """The engine thread: a KV-cache pool, a FIFO queue, and round-robin stepping (see module doc)."""
+    """The engine thread: a KV-cache pool, a FIFO queue, and batched stepping (see module doc)."""
 
     def __init__(self, loaded: LoadedModel, spec: SpecConfig | None, max_model_len: int, max_num_seqs: int = 8,
                  adaptive: bool = True, compile: bool = False):
@@ -85,8 +87,10 @@ class Engine:
         self.metrics = EngineMetrics()
         self.num_running = 0
         self._cv = threading.Condition()
-        self._waiting: deque[EngineRequest] = deque()
-        self._free: list[int] = []
+        self._waiting: deque[EngineRequest] = deque()  # submitted, not yet handed to the scheduler
+        self._reqs: dict[str, EngineRequest] = {}  # every request not yet ended, by id
+        self._seen: dict[str, tuple[int, int]] = {}  # id -> (drafts, accepted) already counted in metrics
+        self._sched: Scheduler | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._ready = threading.Event()
@@ -96,7 +100,7 @@ class Engine:
     # ------------------------------------------------------------------ handler side (any thread)
     @property
     def num_waiting(self) -> int:
-        return len(self._waiting)
+        return len(self._waiting) + (len(self._sched.waiting) if self._sched is not None else 0)
 
     @property
     def alive(self) -> bool:
@@ -128,6 +132,7 @@ class Engine:
             if not self.alive:
                 raise RuntimeError(f"the engine is not running ({self.failure or 'stopped'})")
             self._waiting.append(req)
+            self._reqs[req.id] = req
             self._cv.notify()
 
     def abort(self, req: EngineRequest, reason: str = "abort") -> None:
@@ -137,12 +142,14 @@ class Engine:
                 return
             if req.abort_reason is None:
                 req.abort_reason = reason
-            if req in self._waiting:  # never started: it ends here
+            queued = req in self._waiting
+            if queued:  # never reached the scheduler: it ends here
                 self._waiting.remove(req)
-                req.done = True
-                self._count_finished(req.abort_reason)
-                self._post(req, Event([], SpecStats(), finish=req.abort_reason))
+            else:  # the scheduler ends it at its next step
+                req.sched.cancelled = req.sched.cancelled or req.abort_reason
             self._cv.notify()
+        if queued:
+            self._close(req, Event([], SpecStats(), finish=req.abort_reason))
 
     # ------------------------------------------------------------------ engine thread
     def _setup(self) -> None:
@@ -152,9 +159,9 @@ class Engine:
         proposer = None
         if self.spec is not None:
             proposer = build_proposer(self.spec, self.max_model_len, target=self.loaded)
-        self._runners = runners
         self._decoder = SpecDecoder(runners[0], proposer, self.k, adaptive=self.adaptive)
-        self._free = list(range(self.max_num_seqs - 1, -1, -1))  # pop() hands out slot 0 first
+        self._sched = Scheduler(self._decoder, runners,
+                                disable_by_batch_size=None if self.spec is None else self.spec.disable_by_batch_size)
         vocab = self.loaded.model.args.vocab_size
         if self.max_model_len >= 24 and vocab > 16:  # warm-up: allocator, numba kernels, first-call costs
             self._decoder.generate([8, 9, 10, 11, 12, 13] * 2, SamplingParams(max_new_tokens=8, ignore_eos=True))
@@ -167,99 +174,76 @@ class Engine:
             self._ready.set()
             return
         self._ready.set()
-        active: list[tuple[EngineRequest, DecodeState]] = []
+        sched = self._sched
         try:
             while True:
                 with self._cv:
-                    while not (self._stopping or self._waiting or active):
+                    while not (self._stopping or self._waiting or not sched.idle):
                         self._cv.wait()
                     if self._stopping:
                         break
-                    admitted = []
-                    while self._waiting and self._free:
-                        admitted.append((self._waiting.popleft(), self._free.pop()))
-                    self.num_running = len(active) + len(admitted)
-                for req, slot in admitted:
-                    st = self._start(req, slot)
-                    if st is not None:
-                        active.append((req, st))
-                still = []
-                for req, st in active:  # one round: one step per request
-                    error = None
-                    if req.abort_reason is None and st.finish is None:
-                        error = self._step(req, st)
-                    if error is not None or req.abort_reason is not None or st.finish is not None:
-                        self._end(req, st, error)
-                    else:
-                        still.append((req, st))
-                active = still
-                self.num_running = len(active)
+                    while self._waiting:  # FIFO: the scheduler admits them as slots free up
+                        sched.add(self._waiting.popleft().sched)
+                updates = sched.step()
+                for u in updates:
+                    self._publish(u)
+                self.num_running = len(sched.running)
         except BaseException as e:  # noqa: BLE001 - a bug in the loop itself: fail every request, stop
             log.exception("engine thread failed")
             self.failure = e
         why = "the server is shutting down" if self.failure is None else f"engine failure: {self.failure}"
-        for req, st in active:
-            self._end(req, st, None if self.failure is None else why, "abort")
+        for r, st in sched.running:
+            self._decoder.finish(st)
+            self._close(self._reqs.get(r.id), Event([], _copy_stats(st.stats), finish="abort",
+                                                    error=None if self.failure is None else why))
         with self._cv:
-            for req in self._waiting:
-                req.done = True
-                self._post(req, Event([], SpecStats(), finish="abort", error=why))
+            left = list(self._waiting) + [self._reqs.get(r.id) for r in sched.waiting]
             self._waiting.clear()
+        for req in left:
+            self._close(req, Event([], SpecStats(), finish="abort", error=why))
         self.num_running = 0
 
-    def _start(self, req: EngineRequest, slot: int) -> DecodeState | None:
-        try:
-            gen = None
-            if not req.params.greedy:
-                gen = torch.Generator(device=self.loaded.device)
-                if req.seed is not None:
-                    gen.manual_seed(req.seed)
-                else:
-                    gen.seed()
-            st = self._decoder.start(req.prompt_ids, req.params, gen, runner=self._runners[slot], slot=slot)
-        except Exception as e:  # noqa: BLE001 - this request fails, the engine keeps serving
-            log.warning("request %s failed at prefill: %s", req.id, e)
-            if self._decoder.proposer is not None:
-                self._decoder.proposer.end_request(slot)
-            with self._cv:
-                req.done = True
-                self._free.append(slot)
-                self._count_finished("error")
-            self._post(req, Event([], SpecStats(), finish="abort", error=f"{type(e).__name__}: {e}"))
-            return None
-        with self.metrics.lock:
-            self.metrics.prompt_tokens += len(req.prompt_ids)
-            self.metrics.generation_tokens += len(st.out)
-        self._post(req, Event(list(st.out), _copy_stats(st.stats)))
-        return st
+    def _publish(self, u: Update) -> None:
+        """One scheduler update -> metrics, the request's events and (last one) its end."""
+        req = self._reqs.get(u.request.id)
+        st = u.state
+        if st is not None:
+            d0, a0 = self._seen.get(u.request.id, (None, None))
+            with self.metrics.lock:
+                if d0 is None:  # admitted: its prefill ran
+                    self.metrics.prompt_tokens += len(u.request.prompt_ids)
+                    d0, a0 = 0, 0
+                self.metrics.spec.observe(st.stats.num_draft_tokens - d0, st.stats.num_accepted_tokens - a0)
+                self.metrics.generation_tokens += len(u.tokens)
+            self._seen[u.request.id] = (st.stats.num_draft_tokens, st.stats.num_accepted_tokens)
+            if u.tokens:
+                self._post(req, Event(u.tokens, _copy_stats(st.stats)))
+        if u.finish is None:
+            return
+        self._seen.pop(u.request.id, None)
+        reason = u.finish
+        if u.error is not None:
+            log.warning("request %s failed: %s", u.request.id, u.error)
+        self._close(req, Event([], _copy_stats(st.stats) if st is not None else SpecStats(),
+                               finish="abort" if u.error is not None else reason, error=u.error))
+        if u.result is not None and st is not None:
+            s = u.result.stats
+            log.info("%s: %d prompt + %d new tokens, %s, %.1f tok/s decode, %.2f mean acceptance length, "
+                     "queued %.2fs", u.request.id, len(u.request.prompt_ids), len(u.result.token_ids),
+                     u.error or reason, u.result.decode_tokens_per_s, s.mean_acceptance_length,
+                     st.t_start - u.request.t_arrival)
 
-    def _step(self, req: EngineRequest, st: DecodeState) -> str | None:
-        d0, a0 = st.stats.num_draft_tokens, st.stats.num_accepted_tokens
-        try:
-            emitted = self._decoder.step(st)
-        except Exception as e:  # noqa: BLE001
-            log.warning("request %s failed at step %d: %s", req.id, st.steps, e)
-            return f"{type(e).__name__}: {e}"
-        with self.metrics.lock:  # a step observes at most one draft: the deltas are that observation
-            self.metrics.spec.observe(st.stats.num_draft_tokens - d0, st.stats.num_accepted_tokens - a0)
-            self.metrics.generation_tokens += len(emitted)
-        if emitted:
-            self._post(req, Event(emitted, _copy_stats(st.stats)))
-        return None
-
-    def _end(self, req: EngineRequest, st: DecodeState, error: str | None, reason: str | None = None) -> None:
-        res = self._decoder.finish(st)
-        reason = reason or req.abort_reason or st.finish or "length"
+    def _close(self, req: "EngineRequest | None", ev: Event) -> None:
+        if req is None:
+            return
         with self._cv:
+            if req.done:
+                return
             req.done = True
-            self._free.append(st.slot)
-            self._count_finished("error" if error else reason)
+            self._reqs.pop(req.id, None)
+            self._count_finished("error" if ev.error else ev.finish)
             self._cv.notify()
-        self._post(req, Event([], _copy_stats(st.stats), finish=reason, error=error))
-        s = res.stats
-        log.info("%s: %d prompt + %d new tokens, %s, %.1f tok/s decode, %.2f mean acceptance length, "
-                 "queued %.2fs", req.id, len(req.prompt_ids), len(res.token_ids), error or reason,
-                 res.decode_tokens_per_s, s.mean_acceptance_length, st.t_start - req.t_arrival)
+        self._post(req, ev)
 
     def _count_finished(self, reason: str) -> None:
         with self.metrics.lock:

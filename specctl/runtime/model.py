@@ -258,7 +258,10 @@ class Block(nn.Module):
         """Many requests' rows in one block: x [1, R, H] (segment after segment), cos/sin [R, hd].
         The projections and the MLP run over all R rows at once (one read of the weights); each
         segment writes its keys/values into its own cache and attends there, exactly as its own
-        forward would."""
+        forward would (segments of at most VERIFY_ROWS rows: longer ones are prefill, which their
+        own forward computes differently)."""
+        if self.fused:
+            return decode_layer.layer_ragged(self, x, cos, sin, layer, segs)
         q, k, v = self._qkv(x, cos, sin)
         atts, off = [], 0
         for s in segs:

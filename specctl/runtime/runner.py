@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from specctl.errors import ModelError, UsageError
-from specctl.runtime.model import KVCache, Segment, Transformer, load_transformer
+from specctl.runtime.model import VERIFY_ROWS, KVCache, Segment, Transformer, load_transformer
 
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32,
           "float16": torch.float16, "fp16": torch.float16}
@@ -335,18 +335,26 @@ def forward_batch(runners: list[TargetRunner], tokens: list[torch.Tensor], paren
     n = len(runners)
     parents = parents or [None] * n
     last_only = last_only or [False] * n
-    if n == 1 and not last_only[0]:  # one request: its own forward (the fused block where it runs)
-        r = runners[0]
-        return [r.forward_tree(tokens[0], parents[0]) if parents[0] is not None else r.forward(tokens[0])]
-    model = runners[0].model
-    segs = [r.segment(t, p, lo) for r, t, p, lo in zip(runners, tokens, parents, last_only)]
-    flat = torch.cat([t.reshape(-1) for t in tokens]).to(runners[0].device)
+    out: list[torch.Tensor | None] = [None] * n
+    # Longer blocks (prompts) are prefill, which a forward of their own computes (SDPA attention):
+    # run them alone so that a request's cache does not depend on the batch it arrived in.
+    together = [i for i in range(n) if tokens[i].shape[1] <= VERIFY_ROWS]
+    for i in range(n):
+        if i not in together or len(together) == 1:
+            r = runners[i]
+            out[i] = (r.forward_tree(tokens[i], parents[i]) if parents[i] is not None
+                      else r.forward(tokens[i], logits="last" if last_only[i] else "all"))
+    if len(together) < 2:
+        return out
+    model = runners[together[0]].model
+    segs = [runners[i].segment(tokens[i], parents[i], last_only[i]) for i in together]
+    flat = torch.cat([tokens[i].reshape(-1) for i in together]).to(runners[together[0]].device)
     logits, hidden = model.forward_ragged(flat, segs)
     aux = model.aux_out
-    out, lo, ho = [], 0, 0
-    for r, s in zip(runners, segs):
-        m = 1 if s.last_only else s.n
-        out.append(logits[lo:lo + m][None])
+    lo = ho = 0
+    for i, s in zip(together, segs):
+        r, m = runners[i], (1 if s.last_only else s.n)
+        out[i] = logits[lo:lo + m][None]
         r.last_hidden = hidden[ho:ho + s.n][None]
         r.last_aux = None if aux is None else aux[ho:ho + s.n][None]
         r.length = s.start + s.n

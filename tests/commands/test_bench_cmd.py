@@ -262,3 +262,31 @@ def test_a_failing_peer_loses_its_rows_not_the_run(tiny_model_dir, prompts_file,
     bad = rows["llama.cpp:prompt-lookup"]
     assert "prompt lookup broke" in bad["error"] and bad["tokens_per_s"] == 0 and bad["speedup"] is None
     assert "llama.cpp:prompt-lookup" in r.stderr and "prompt lookup broke" in r.stderr
+
+
+def test_bench_concurrency_json_and_table(tiny_model_dir, prompts_file, tmp_path):
+    args = ("bench", "--model", str(tiny_model_dir), "--dtype", "float32", "--method", "ngram", "-k", "4",
+            "-w", str(prompts_file), "-n", "3", "--max-new-tokens", "16", "-c", "1", "-c", "3")
+    env = {"SPECCTL_CACHE": str(tmp_path / "cache")}
+    r = run_cli(*args, "--json", env_extra=env)
+    assert r.returncode == 0, r.stderr
+    data = json.loads(r.stdout)
+    rows = {(x["concurrency"], x["method"]): x for x in data["results"]}
+    assert set(rows) == {(1, "baseline"), (1, "ngram"), (3, "baseline"), (3, "ngram")}
+    assert data["header"]["concurrency"] == [1, 3]
+    for (n, m), x in rows.items():
+        assert x["requests"] == 3 and x["identical_to_baseline"] == 3  # greedy: every output equals plain's
+        assert x["tokens"] > 0 and x["tokens_per_s"] == pytest.approx(x["tokens"] / x["wall_s"])
+        assert 1 <= x["mean_batch"] <= n and x["ttft_p50_s"] > 0
+    assert rows[(3, "baseline")]["mean_batch"] > 1.5  # the three requests decoded together
+    assert rows[(1, "baseline")]["speedup"] == pytest.approx(1.0)
+    r = run_cli(*args, env_extra={**env, "COLUMNS": "250"})
+    assert r.returncode == 0, r.stderr
+    assert "x plain@1" in r.stdout and "TTFT p50 ms" in r.stdout and "3/3" in r.stdout
+
+
+def test_bench_concurrency_refuses_what_it_cannot_combine(tmp_path):
+    r = run_cli("bench", "-c", "2", "--sweep-k", "2,4", env_extra={"SPECCTL_CACHE": str(tmp_path / "cache")})
+    assert r.returncode == 2 and "--sweep-k cannot be combined with --concurrency" in r.stderr
+    r = run_cli("bench", "-c", "0", env_extra={"SPECCTL_CACHE": str(tmp_path / "cache")})
+    assert r.returncode == 2 and "--concurrency must be >= 1" in r.stderr

@@ -373,7 +373,9 @@ def test_disconnect_mid_stream_frees_the_slot(keyed_server):
     conn = http.client.HTTPConnection("127.0.0.1", keyed_server.port, timeout=30)
     conn.request("POST", "/v1/completions", body.replace('"stream": true', '"stream": false'),
                  {"Content-Type": "application/json", "Authorization": "Bearer s3cret"})
-    time.sleep(0.2)
+    deadline = time.time() + 20
+    while keyed_server.metrics()[("vllm:num_requests_running", "")] == 0:  # it is being decoded: go away
+        assert time.time() < deadline, "the non-streaming request never started"
     conn.sock.shutdown(socket.SHUT_RDWR)
     conn.close()
     deadline = time.time() + 20

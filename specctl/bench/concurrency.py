@@ -1,0 +1,119 @@
+"""`specctl bench --concurrency N`: aggregate throughput under load, plain and every method.
+
+For each workload, each N and each configuration (the baseline first), the workload's prompts run
+through the continuous-batching scheduler (``specctl.runtime.scheduler``) with N KV slots, all
+queued at once: up to N requests decode together, one target forward per step, and a finished
+request's slot goes to the next waiting one. Reported per row: total generated tokens over the
+wall time (aggregate tok/s), the speedup over the baseline at the same N and the scaling over the
+baseline at N = 1 (when measured), time to first token (from the moment it was queued) and
+inter-token latency (between a request's successive token-bearing steps), median and p99, and
+how many outputs equal the baseline's at the same N token for token (greedy).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+import numpy as np
+import torch
+
+from specctl.bench.suite import BASELINE, _Proposers, config_labels, machine_header
+from specctl.bench.workloads import load_workload, render_prompt
+from specctl.config import SpecConfig
+from specctl.runtime.decoder import SamplingParams, SpecDecoder
+from specctl.runtime.runner import LoadedModel, TargetRunner
+from specctl.runtime.scheduler import Request, Scheduler
+
+
+def _pct(xs: list[float], q: float) -> float | None:
+    return float(np.percentile(xs, q)) if xs else None
+
+
+def run_level(decoder: SpecDecoder, runners: list[TargetRunner], prompts: list[list[int]], params: SamplingParams,
+              seed: int, disable_by_batch_size: int | None = None) -> dict:
+    """All prompts through a scheduler over ``runners``; returns the row's measures and outputs."""
+    sched = Scheduler(decoder, runners, disable_by_batch_size=disable_by_batch_size)
+    reqs = [Request(p, params, seed=None if params.greedy else seed + i) for i, p in enumerate(prompts)]
+    t0 = time.perf_counter()
+    for r in reqs:
+        r.t_arrival = t0
+        sched.add(r)
+    last: dict[str, float] = {}
+    ttft, itl = [], []
+    out = {r.id: None for r in reqs}
+    while not sched.idle:
+        for u in sched.step():
+            now = time.perf_counter()
+            if u.tokens:
+                rid = u.request.id
+                if rid not in last:
+                    ttft.append(now - u.request.t_arrival)
+                else:
+                    itl.append(now - last[rid])
+                last[rid] = now
+            if u.finish is not None:
+                if u.error is not None:
+                    raise RuntimeError(f"request failed in the batch: {u.error}")
+                out[u.request.id] = u.result
+    wall = time.perf_counter() - t0
+    results = [out[r.id] for r in reqs]
+    ntok = sum(len(r.token_ids) for r in results)
+    drafts = sum(r.stats.num_draft_tokens for r in results)
+    acc = sum(r.stats.num_accepted_tokens for r in results)
+    return {
+        "tokens": ntok, "wall_s": wall, "tokens_per_s": ntok / wall if wall > 0 else 0.0,
+        "ttft_p50_s": _pct(ttft, 50), "ttft_p99_s": _pct(ttft, 99), "itl_p50_s": _pct(itl, 50), "itl_p99_s": _pct(itl, 99),
+        "mean_batch": float(np.mean(sched.batch_sizes)) if sched.batch_sizes else 0.0, "steps": sched.steps,
+        "acceptance_rate": acc / drafts if drafts else None, "num_draft_tokens": drafts,
+        "outputs": [r.token_ids for r in results],
+    }
+
+
+def run_concurrency(loaded: LoadedModel, configs: list[SpecConfig], workloads: list[str], num_prompts: int,
+                    params: SamplingParams, levels: list[int], seed: int = 0, adaptive: bool = True,
+                    progress=None) -> tuple[dict, list[dict]]:
+    """(header, rows): one row per workload x N x configuration (the baseline first)."""
+    say = progress or (lambda advance, description, total=None: None)
+    tok = loaded.tokenizer
+    top = max(levels)
+    prompts = {w: [render_prompt(tok, r) for r in load_workload(w, max(num_prompts, top), seed)] for w in workloads}
+    max_k = max([c.num_speculative_tokens for c in configs], default=0)
+    max_len = max(len(p) for ps in prompts.values() for p in ps) + params.max_new_tokens + max_k + 8
+    runners = [TargetRunner(loaded.model, max_len) for _ in range(top)]
+    proposers = _Proposers(loaded, max_len)
+    labels = [BASELINE] + config_labels(configs)
+    decoders = [SpecDecoder(runners[0])] + [
+        SpecDecoder(runners[0], proposers.build(c), c.num_speculative_tokens, adaptive=adaptive) for c in configs]
+    spec = [None] + configs
+    say(0, "warm-up", len(workloads) * len(levels) * len(decoders))
+    warm = next(iter(prompts.values()))[0][:32]
+    for dec in decoders:  # first-call costs (allocator, numba kernels) stay out of the first row
+        dec.generate(warm, replace(params, max_new_tokens=8))
+    rows = []
+    for w in workloads:
+        base_at: dict[int, dict] = {}
+        for n in sorted(levels):
+            for label, dec, c in zip(labels, decoders, spec):
+                say(0, f"{w} · {n} concurrent · {label}")
+                m = run_level(dec, runners[:n], prompts[w], params, seed,
+                              None if c is None else c.disable_by_batch_size)
+                if c is None:
+                    base_at[n] = m
+                base = base_at[n]
+                one = base_at.get(1)
+                outs = m["outputs"]
+                same = sum(a == b for a, b in zip(outs, base["outputs"])) if params.greedy else None
+                rows.append({
+                    "workload": w, "concurrency": n, "method": label,
+                    "k": None if c is None else c.num_speculative_tokens, "requests": len(outs),
+                    **{key: v for key, v in m.items() if key != "outputs"},
+                    "speedup": m["tokens_per_s"] / base["tokens_per_s"] if base["tokens_per_s"] else None,
+                    "scaling_vs_plain_1": (m["tokens_per_s"] / one["tokens_per_s"]) if one and one["tokens_per_s"] else None,
+                    "identical_to_baseline": same,
+                })
+                say(1, f"{w} · {n} concurrent · {label}")
+    header = machine_header(loaded, params.max_new_tokens, params.temperature)
+    header.update({"concurrency": sorted(levels), "cpu_kernels": loaded.model.cpu_kernels,
+                   "draft_length": "adaptive (up to k)" if adaptive else "fixed k"})
+    return header, rows

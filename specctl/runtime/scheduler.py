@@ -1,0 +1,168 @@
+"""Continuous batching: requests join and leave between steps, and every step is one target forward.
+
+    waiting (FIFO) ─► admit into a free KV slot (prefill + first token)
+    running ─► step(): every running request drafts, one ragged forward verifies them all
+              (``SpecDecoder.step_batch``), each is verified and rolled back on its own
+    finished / cancelled ─► the slot is free for the next waiting request
+
+A pool of ``max_num_seqs`` TargetRunners (KV caches allocated once, ``max_model_len`` positions
+each; rollback stays O(1) per request) and one SpecDecoder whose proposer keeps one slot per pool
+slot. A request's tokens do not depend on what else is in the batch: on the row-independent CPU
+paths its rows are computed bit for bit as if alone, and its sampling has its own generator.
+
+vLLM's ``disable_by_batch_size``: no drafting in a step where at least that many requests run.
+
+The scheduler is synchronous (``add``, ``step``, ``cancel``): the server's engine thread drives it
+(``specctl.runtime.engine``) and so does ``specctl bench --concurrency``. What it does not know:
+threads, HTTP, tokenizers.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from specctl.runtime.decoder import DecodeState, GenerationResult, SamplingParams, SpecDecoder
+from specctl.runtime.runner import TargetRunner
+
+
+@dataclass
+class Request:
+    """One request for the scheduler. ``seed`` seeds its sampling generator (None: random)."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int | None = None
+    id: str = ""
+    t_arrival: float = field(default_factory=time.perf_counter)
+    cancelled: str | None = None  # set by ``cancel``: the reason ("abort", "stop")
+
+    def __post_init__(self):
+        self.id = self.id or f"req-{next(_ids)}"
+
+
+_ids = itertools.count()
+
+
+@dataclass
+class Update:
+    """What one ``step`` did to a request: tokens appended, and (last update) how it ended."""
+
+    request: Request
+    tokens: list[int]
+    state: DecodeState | None  # None when it failed before its prefill ended
+    finish: str | None = None  # "stop" | "length" | "abort" | "error"; None while it runs
+    error: str | None = None
+    result: GenerationResult | None = None  # with ``finish``, where it ran
+
+
+class Scheduler:
+    """FIFO admission into a fixed pool of KV slots, one batched step for every running request."""
+
+    def __init__(self, decoder: SpecDecoder, runners: list[TargetRunner], disable_by_batch_size: int | None = None):
+        if not runners:
+            raise ValueError("the scheduler needs at least one runner (KV slot)")
+        self.decoder = decoder
+        self.runners = runners
+        self.disable_by_batch_size = disable_by_batch_size
+        self.waiting: deque[Request] = deque()
+        self.running: list[tuple[Request, DecodeState]] = []
+        self._free = list(range(len(runners) - 1, -1, -1))  # pop() hands out slot 0 first
+        self.steps = 0
+        self.batch_sizes: list[int] = []  # running requests per step (a trace for tests and stats)
+
+    @property
+    def max_num_seqs(self) -> int:
+        return len(self.runners)
+
+    @property
+    def idle(self) -> bool:
+        return not self.waiting and not self.running
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def cancel(self, req: Request, reason: str = "abort") -> None:
+        """Stop ``req`` at the next step (a waiting request never starts)."""
+        if req.cancelled is None:
+            req.cancelled = reason
+
+    def step(self) -> list[Update]:
+        """Admit what fits, then one batched step of every running request. Returns the updates."""
+        updates: list[Update] = []
+        kept = deque()
+        for req in self.waiting:  # cancelled before it started: it ends here
+            if req.cancelled is not None:
+                updates.append(Update(req, [], None, finish=req.cancelled))
+            else:
+                kept.append(req)
+        self.waiting = kept
+        while self.waiting and self._free:
+            req, slot = self.waiting.popleft(), self._free.pop()
+            upd = self._start(req, slot)
+            updates.append(upd)
+            if upd.finish is None:
+                self.running.append((req, upd.state))
+            else:
+                self._free.append(slot)
+        stepping = [(r, st) for r, st in self.running if r.cancelled is None and st.finish is None]
+        if stepping:
+            cap = None
+            if self.disable_by_batch_size is not None and len(stepping) >= self.disable_by_batch_size:
+                cap = 0
+            self.batch_sizes.append(len(stepping))
+            emitted = self.decoder.step_batch([st for _, st in stepping], max_draft=cap)
+            self.steps += 1
+            for (req, st), toks in zip(stepping, emitted):
+                if toks or st.error is None:
+                    updates.append(Update(req, toks, st))
+        still = []
+        for req, st in self.running:
+            if req.cancelled is not None or st.finish is not None:
+                upd = Update(req, [], st, finish=req.cancelled or st.finish,
+                             error=None if st.error is None else f"{type(st.error).__name__}: {st.error}")
+                if st.error is not None:
+                    upd.finish = "error"
+                self._end(req, st, upd)
+                updates.append(upd)
+            else:
+                still.append((req, st))
+        self.running = still
+        return updates
+
+    def _start(self, req: Request, slot: int) -> Update:
+        gen = None
+        if not req.params.greedy:
+            gen = torch.Generator(device=self.runners[slot].device)
+            if req.seed is not None:
+                gen.manual_seed(req.seed)
+            else:
+                gen.seed()
+        try:
+            st = self.decoder.start(req.prompt_ids, req.params, gen, runner=self.runners[slot], slot=slot)
+        except Exception as e:  # noqa: BLE001 - this request fails, the others go on
+            if self.decoder.proposer is not None:
+                self.decoder.proposer.end_request(slot)
+            return Update(req, [], None, finish="error", error=f"{type(e).__name__}: {e}")
+        return Update(req, list(st.out), st)
+
+    def _end(self, req: Request, st: DecodeState, upd: Update) -> None:
+        upd.result = self.decoder.finish(st)
+        self._free.append(st.slot)
+
+    def run(self, requests: list[Request]) -> list[GenerationResult]:
+        """Every request to its end (all queued at once); results in the order given."""
+        for r in requests:
+            self.add(r)
+        done: dict[str, GenerationResult] = {}
+        while not self.idle:
+            for u in self.step():
+                if u.finish is not None:
+                    if u.error is not None:
+                        raise RuntimeError(f"request {u.request.id} failed: {u.error}")
+                    done[u.request.id] = u.result
+        return [done[r.id] for r in requests]
