@@ -31,9 +31,10 @@ def _pct(xs: list[float], q: float) -> float | None:
 
 
 def run_level(decoder: SpecDecoder, runners: list[TargetRunner], prompts: list[list[int]], params: SamplingParams,
-              seed: int, disable_by_batch_size: int | None = None) -> dict:
+              seed: int, disable_by_batch_size: int | None = None, max_num_batched_tokens: int | None = 256) -> dict:
     """All prompts through a scheduler over ``runners``; returns the row's measures and outputs."""
-    sched = Scheduler(decoder, runners, disable_by_batch_size=disable_by_batch_size)
+    sched = Scheduler(decoder, runners, disable_by_batch_size=disable_by_batch_size,
+                      max_num_batched_tokens=max_num_batched_tokens)
     reqs = [Request(p, params, seed=None if params.greedy else seed + i) for i, p in enumerate(prompts)]
     t0 = time.perf_counter()
     for r in reqs:
@@ -72,7 +73,7 @@ def run_level(decoder: SpecDecoder, runners: list[TargetRunner], prompts: list[l
 
 def run_concurrency(loaded: LoadedModel, configs: list[SpecConfig], workloads: list[str], num_prompts: int,
                     params: SamplingParams, levels: list[int], seed: int = 0, adaptive: bool = True,
-                    progress=None) -> tuple[dict, list[dict]]:
+                    progress=None, max_num_batched_tokens: int | None = 256) -> tuple[dict, list[dict]]:
     """(header, rows): one row per workload x N x configuration (the baseline first)."""
     say = progress or (lambda advance, description, total=None: None)
     tok = loaded.tokenizer
@@ -97,7 +98,7 @@ def run_concurrency(loaded: LoadedModel, configs: list[SpecConfig], workloads: l
             for label, dec, c in zip(labels, decoders, spec):
                 say(0, f"{w} · {n} concurrent · {label}")
                 m = run_level(dec, runners[:n], prompts[w], params, seed,
-                              None if c is None else c.disable_by_batch_size)
+                              None if c is None else c.disable_by_batch_size, max_num_batched_tokens)
                 if c is None:
                     base_at[n] = m
                 base = base_at[n]
@@ -115,5 +116,6 @@ def run_concurrency(loaded: LoadedModel, configs: list[SpecConfig], workloads: l
                 say(1, f"{w} · {n} concurrent · {label}")
     header = machine_header(loaded, params.max_new_tokens, params.temperature)
     header.update({"concurrency": sorted(levels), "cpu_kernels": loaded.model.cpu_kernels,
+                   "max_num_batched_tokens": max_num_batched_tokens,
                    "draft_length": "adaptive (up to k)" if adaptive else "fixed k"})
     return header, rows

@@ -74,6 +74,7 @@ def bench(
     compile: Annotated[bool, typer.Option("--compile", help="Run one-token decode steps through torch.compile (float32, or a GPU with CUDA graphs; bf16 on CPU already runs a fused C++ step).")] = False,
     sweep_k: Annotated[Optional[str], typer.Option("--sweep-k", help="Comma-separated k values (e.g. 2,4,8): run every configuration at each k (overriding its own) and report the best k per method and workload (table; 'best_k' in --json).")] = None,
     concurrency: Annotated[Optional[list[int]], typer.Option("--concurrency", "-c", help="Measure aggregate throughput with N requests decoding together (repeatable, e.g. -c 1 -c 8): all prompts queued at once through the continuous-batching engine with N KV slots; reports total tok/s, speedup over plain at the same N, scaling over plain at N=1, TTFT and inter-token latency.")] = None,
+    max_num_batched_tokens: Annotated[int, typer.Option("--max-num-batched-tokens", help="With --concurrency: prompt tokens one engine step may carry (chunked prefill, as serve).")] = 256,
     seed: SeedOpt = 0,
     dtype: DtypeOpt = "bfloat16",
     device: DeviceOpt = "cpu",
@@ -117,6 +118,9 @@ def bench(
     ks = parse_k_list(sweep_k) if sweep_k is not None else None
     levels = sorted(set(concurrency or []))
     if levels:
+        if max_num_batched_tokens < 1:
+            raise UsageError(f"--max-num-batched-tokens must be >= 1, got {max_num_batched_tokens}",
+                             "pass e.g. --max-num-batched-tokens 256")
         if any(n < 1 for n in levels):
             raise UsageError(f"--concurrency must be >= 1, got {min(levels)}", "pass e.g. --concurrency 1 --concurrency 8")
         clash = [o for o, v in (("--peer", peers), ("--sweep-k", ks), ("--compile", compile), ("--plot", plot),
@@ -151,7 +155,8 @@ def bench(
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     if levels:
-        _bench_concurrency(loaded, configs, workloads, num_prompts, params, levels, seed, not fixed_k, json_out, err)
+        _bench_concurrency(loaded, configs, workloads, num_prompts, params, levels, seed, not fixed_k, json_out, err,
+                           max_num_batched_tokens)
         return
     with Progress(TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), console=err, transient=True, disable=not err.is_terminal) as prog:
@@ -185,7 +190,8 @@ def bench(
         render_best_k(report)
 
 
-def _bench_concurrency(loaded, configs, workloads, num_prompts, params, levels, seed, adaptive, json_out, err) -> None:
+def _bench_concurrency(loaded, configs, workloads, num_prompts, params, levels, seed, adaptive, json_out, err,
+                       max_num_batched_tokens) -> None:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from specctl.bench.concurrency import run_concurrency
@@ -200,7 +206,8 @@ def _bench_concurrency(loaded, configs, workloads, num_prompts, params, levels, 
                 err.log(desc)
 
         header, rows = run_concurrency(loaded, configs, workloads, num_prompts, params, levels, seed,
-                                       adaptive=adaptive, progress=progress)
+                                       adaptive=adaptive, progress=progress,
+                                       max_num_batched_tokens=max_num_batched_tokens)
     if json_out:
         typer.echo(json.dumps({"header": header, "results": rows}, indent=2))
         return

@@ -21,7 +21,7 @@ HELP = """Serve a model through an OpenAI-compatible API with speculative decodi
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (both stream with "stream": true), GET /v1/models, GET /health, GET /metrics (Prometheus text under vLLM's names: vllm:spec_decode_num_drafts, ..._num_draft_tokens, ..._num_accepted_tokens, ..._num_accepted_tokens_per_pos). Each response carries a "spec_decode" field with its acceptance rate and mean acceptance length.
 
-Concurrency: one engine thread interleaves the requests in flight step by step (round robin), each in its own preallocated KV cache (--max-num-seqs of them); further requests wait in a FIFO queue. Requests share the throughput of one; a client that disconnects frees its slot.
+Concurrency: continuous batching. Up to --max-num-seqs requests decode together, each in its own preallocated KV cache: every step, each drafts and one target forward verifies them all (a request's output is the same as alone). Prompts are prefilled in chunks of --max-num-batched-tokens tokens riding in those steps, so a long prompt delays the running requests by at most one chunk per step. Further requests wait in a FIFO queue (with --max-waiting N, the N+1st waiting request gets a 429); a client that disconnects frees its slot. With "disable_by_batch_size" in the speculative config, no drafting while that many requests run.
 
 Examples:
 
@@ -129,6 +129,8 @@ def serve(
     api_key: Annotated[Optional[str], typer.Option("--api-key", envvar="SPECCTL_API_KEY", help="Require 'Authorization: Bearer KEY' on every /v1 request (or set SPECCTL_API_KEY).")] = None,
     max_model_len: Annotated[Optional[int], typer.Option("--max-model-len", help="Longest prompt + completion, in tokens. Default: the model's, capped at 4096.")] = None,
     max_num_seqs: Annotated[int, typer.Option("--max-num-seqs", help="Requests decoded at once (preallocated KV caches); more wait in a FIFO queue.")] = 8,
+    max_num_batched_tokens: Annotated[int, typer.Option("--max-num-batched-tokens", help="Prompt tokens one engine step may carry (chunked prefill: a long prompt delays running requests by at most one chunk per step).")] = 256,
+    max_waiting: Annotated[Optional[int], typer.Option("--max-waiting", help="Requests that may wait for a slot; beyond, new requests get HTTP 429. Default: no limit.")] = None,
     served_model_name: Annotated[Optional[str], typer.Option("--served-model-name", help="Model name clients send. Default: the --model value.")] = None,
     dtype: DtypeOpt = "bfloat16",
     device: DeviceOpt = "auto",
@@ -143,6 +145,11 @@ def serve(
         raise UsageError(f"unknown engine '{engine}'", f"use one of: {', '.join(ENGINES)}")
     if not 0 <= port <= 65535:
         raise UsageError(f"--port {port} is out of range", "use a port in 0..65535")
+    if max_num_batched_tokens < 1:
+        raise UsageError(f"--max-num-batched-tokens must be >= 1, got {max_num_batched_tokens}",
+                         "pass e.g. --max-num-batched-tokens 256")
+    if max_waiting is not None and max_waiting < 0:
+        raise UsageError(f"--max-waiting must be >= 0, got {max_waiting}", "pass e.g. --max-waiting 64")
     spec = _spec_config(method, num_speculative_tokens, speculative_config)
     if engine == "vllm":
         _exec_vllm(model, spec, served_model_name, host, port, api_key, max_model_len, max_num_seqs, dtype, device, err)
@@ -163,7 +170,8 @@ def serve(
     log.info("loading %s (%s, %s)", path, dtype, device)
     loaded = load_model(path, dtype=dtype, device=device)
     max_len = resolve_max_model_len(loaded, max_model_len)
-    eng = Engine(loaded, spec, max_len, max_num_seqs, adaptive=not fixed_k, compile=compile)
+    eng = Engine(loaded, spec, max_len, max_num_seqs, adaptive=not fixed_k, compile=compile,
+                 max_num_batched_tokens=max_num_batched_tokens, max_waiting=max_waiting)
     log.info("speculation: %s; max model len %d; %d slots (KV cache pool %.0f MiB)",
              json.dumps(spec.to_dict()) if spec else "off (plain decoding; add --method ngram to speculate)",
              max_len, max_num_seqs, eng.kv_cache_bytes() / 2**20)

@@ -80,6 +80,11 @@ class DecodeState:
     controller: DraftLengthController | None = None
     hidden: torch.Tensor | None = None  # [1, H] target's final hidden state at the position that produced `last`
     error: BaseException | None = None  # what ended it, when a step failed (finish is then "error")
+    n_prefilled: int = 0  # prompt tokens already in the KV cache (the prompt is n_ctx until the first token)
+
+    @property
+    def prefilling(self) -> bool:
+        return not self.out and self.finish is None
 
     def result(self) -> GenerationResult:
         t_end = time.perf_counter()
@@ -135,8 +140,49 @@ class SpecDecoder:
         return self.finish(state)
 
     def start(self, prompt_ids: list[int], params: SamplingParams, generator: torch.Generator | None = None,
+              runner: TargetRunner | None = None, slot: int = 0, prefill_chunk: int | None = None) -> DecodeState:
+        """Prefill the prompt (in one forward, or in chunks of ``prefill_chunk`` tokens as the batched
+        scheduler cuts it) and emit the first token."""
+        st = self.begin(prompt_ids, params, generator, runner, slot)
+        while st.prefilling:
+            n = self.next_chunk(st, prefill_chunk)
+            tokens = torch.tensor([prompt_ids[st.n_prefilled:st.n_prefilled + n]], dtype=torch.long)
+            self.prefilled(st, n, st.runner.forward(tokens, logits="last"))
+        return st
+
+    @staticmethod
+    def next_chunk(st: DecodeState, prefill_chunk: int | None) -> int:
+        """How many prompt tokens the request's next prefill forward carries."""
+        left = st.n_ctx - st.n_prefilled
+        return left if prefill_chunk is None else min(left, prefill_chunk)
+
+    def prefill_tokens(self, st: DecodeState, n: int) -> torch.Tensor:
+        """The request's next n prompt tokens [1, n]."""
+        return torch.from_numpy(st.ctx[:, st.n_prefilled:st.n_prefilled + n].astype(np.int64))
+
+    def prefilled(self, st: DecodeState, n: int, logits: torch.Tensor) -> list[int]:
+        """n more prompt tokens are in the cache (``logits`` [1, 1, V]: the last one's); after the
+        prompt's last chunk, the first token is chosen and emitted (returned)."""
+        runner, params = st.runner, st.params
+        st.n_prefilled += n
+        if self.proposer is not None and self.proposer.needs_hidden_states:
+            self.proposer.on_target_hidden(st.slot, runner.last_hidden, runner.last_aux)
+        if st.n_prefilled < st.n_ctx:
+            return []
+        if self.proposer is not None and self.proposer.needs_hidden_states:
+            st.hidden = runner.last_hidden[:, -1]
+        if params.greedy:
+            first = int(runner.greedy(logits, margins=st.margins if params.record_margins else None)[0, -1])
+        else:
+            probs = logits_to_probs(logits[0, -1], params.temperature, params.top_k, params.top_p)
+            first = int(torch.multinomial(probs, 1, generator=st.generator))
+        out = self._emit(st, [first])
+        st.t_first = time.perf_counter()
+        return out
+
+    def begin(self, prompt_ids: list[int], params: SamplingParams, generator: torch.Generator | None = None,
               runner: TargetRunner | None = None, slot: int = 0) -> DecodeState:
-        """Prefill the prompt and emit the first token."""
+        """A request's state, its runner reset and its proposer slot told, before any prefill."""
         runner = runner or self.runner
         T = len(prompt_ids)
         if T == 0:
@@ -159,17 +205,6 @@ class SpecDecoder:
         if self.proposer is not None:
             self.proposer.set_sampling(slot, params, generator)
             self.proposer.start_request(slot, ctx[0, :T])
-        logits = runner.forward(torch.tensor([prompt_ids], dtype=torch.long), logits="last")  # [1, 1, V]
-        if self.proposer is not None and self.proposer.needs_hidden_states:
-            st.hidden = runner.last_hidden[:, -1]
-            self.proposer.on_target_hidden(slot, runner.last_hidden, runner.last_aux)
-        if params.greedy:
-            first = int(runner.greedy(logits, margins=st.margins if params.record_margins else None)[0, -1])
-        else:
-            probs = logits_to_probs(logits[0, -1], params.temperature, params.top_k, params.top_p)
-            first = int(torch.multinomial(probs, 1, generator=generator))
-        self._emit(st, [first])
-        st.t_first = time.perf_counter()
         return st
 
     def step(self, st: DecodeState) -> list[int]:
@@ -179,14 +214,19 @@ class SpecDecoder:
             raise st.error
         return out
 
-    def step_batch(self, states: list[DecodeState], max_draft: int | None = None) -> list[list[int]]:
+    def step_batch(self, states: list[DecodeState], max_draft: int | None = None,
+                   prefills: list[tuple[DecodeState, int]] = ()) -> list[list[int]]:
         """One step for each of many requests (each with its own runner and proposer slot): every
         request drafts (at most ``max_draft`` tokens, when given), then one target forward verifies
         all of them (``runner.forward_batch``), then each request is verified and rolled back on its
         own. A request's tokens are those its own ``step`` would give (bit for bit on the
         row-independent CPU paths: its rows are computed as if alone). Returns the tokens each
         request emitted (sets its ``finish``). A request whose drafting or verification fails ends
-        with ``finish = "error"`` and the exception in ``error``; the others go on."""
+        with ``finish = "error"`` and the exception in ``error``; the others go on.
+
+        ``prefills``: (request, n) pairs whose next n prompt tokens ride in the same forward (chunked
+        prefill); their first token, once a prompt is complete, follows the decoding requests' lists
+        in the result."""
         plans: list[_Plan | None] = []
         for st in states:
             try:
@@ -195,21 +235,29 @@ class SpecDecoder:
                 _fail(st, e)
                 plans.append(None)
         live = [i for i, p in enumerate(plans) if p is not None]
-        out: list[list[int]] = [[] for _ in states]
-        if not live:
+        out: list[list[int]] = [[] for _ in list(states) + list(prefills)]
+        if not live and not prefills:
             return out
+        fed = [states[i] for i in live] + [st for st, _ in prefills]
         try:
-            logits = forward_batch([states[i].runner for i in live], [plans[i].tokens for i in live],
-                                   [plans[i].parents for i in live])
+            logits = forward_batch([st.runner for st in fed],
+                                   [plans[i].tokens for i in live] + [self.prefill_tokens(st, n) for st, n in prefills],
+                                   [plans[i].parents for i in live] + [None] * len(prefills),
+                                   [False] * len(live) + [True] * len(prefills))
         except Exception as e:  # noqa: BLE001 - the forward failed: every request in it ends
-            for i in live:
-                _fail(states[i], e)
+            for st in fed:
+                _fail(st, e)
             return out
         for i, lg in zip(live, logits):
             try:
                 out[i] = self._complete(states[i], plans[i], lg)
             except Exception as e:  # noqa: BLE001
                 _fail(states[i], e)
+        for j, ((st, n), lg) in enumerate(zip(prefills, logits[len(live):])):
+            try:
+                out[len(states) + j] = self.prefilled(st, n, lg)
+            except Exception as e:  # noqa: BLE001
+                _fail(st, e)
         return out
 
     def _plan(self, st: DecodeState, max_draft: int | None = None) -> "_Plan | None":

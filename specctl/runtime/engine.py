@@ -12,6 +12,7 @@ What it does not know: HTTP, tokenizers, chat templates (``specctl.runtime.serve
 from __future__ import annotations
 
 import asyncio
+import bisect
 import itertools
 import logging
 import threading
@@ -59,11 +60,43 @@ class EngineRequest:
         self.sched = Request(prompt_ids, params, seed, self.id, self.t_arrival)  # the scheduler's view
 
 
+class QueueFull(RuntimeError):
+    """The waiting queue is at --max-waiting: the server answers 429."""
+
+
+class Histogram:
+    """A Prometheus histogram: cumulative counts at fixed bucket bounds, a sum and a count."""
+
+    def __init__(self, bounds: tuple[float, ...]):
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)  # the last: above every bound (+Inf)
+        self.sum = 0.0
+
+    def observe(self, x: float) -> None:
+        self.sum += x
+        self.counts[bisect.bisect_left(self.bounds, x)] += 1
+
+    def cumulative(self) -> list[tuple[str, int]]:
+        out, total = [], 0
+        for b, c in zip([*map(str, self.bounds), "+Inf"], self.counts):
+            total += c
+            out.append((b, total))
+        return out
+
+
+# vLLM's buckets for time to first token and inter-token latency (seconds)
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+
+
 class EngineMetrics:
     """Counters over all requests (read by /metrics); updated by the engine thread."""
 
     def __init__(self):
         self.lock = threading.Lock()
+        self.ttft = Histogram(TTFT_BUCKETS)  # arrival -> first token
+        self.itl = Histogram(ITL_BUCKETS)  # between a request's successive token-bearing steps
         self.spec = SpecStats()
         self.prompt_tokens = 0
         self.generation_tokens = 0
@@ -74,9 +107,16 @@ class Engine:
     """The engine thread: a KV-cache pool, a FIFO queue, and batched stepping (see module doc)."""
 
     def __init__(self, loaded: LoadedModel, spec: SpecConfig | None, max_model_len: int, max_num_seqs: int = 8,
-                 adaptive: bool = True, compile: bool = False):
+                 adaptive: bool = True, compile: bool = False, max_num_batched_tokens: int | None = 256,
+                 max_waiting: int | None = None):
         if max_num_seqs < 1:
             raise UsageError(f"--max-num-seqs must be >= 1, got {max_num_seqs}", "pass e.g. --max-num-seqs 8")
+        if max_num_batched_tokens is not None and max_num_batched_tokens < 1:
+            raise UsageError(f"--max-num-batched-tokens must be >= 1, got {max_num_batched_tokens}",
+                             "pass e.g. --max-num-batched-tokens 256")
+        if max_waiting is not None and max_waiting < 0:
+            raise UsageError(f"--max-waiting must be >= 0, got {max_waiting}", "pass e.g. --max-waiting 64")
+        self.max_num_batched_tokens, self.max_waiting = max_num_batched_tokens, max_waiting
         self.loaded, self.spec = loaded, spec
         self.compile = compile
         if compile:
@@ -89,7 +129,7 @@ class Engine:
         self._cv = threading.Condition()
         self._waiting: deque[EngineRequest] = deque()  # submitted, not yet handed to the scheduler
         self._reqs: dict[str, EngineRequest] = {}  # every request not yet ended, by id
-        self._seen: dict[str, tuple[int, int]] = {}  # id -> (drafts, accepted) already counted in metrics
+        self._seen: dict[str, tuple] = {}  # id -> (drafts, accepted, last token time) already counted in metrics
         self._sched: Scheduler | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -128,9 +168,14 @@ class Engine:
             self._thread.join(timeout)
 
     def submit(self, req: EngineRequest) -> None:
+        """Queue ``req``; raises QueueFull when ``max_waiting`` requests already wait for a slot."""
         with self._cv:
             if not self.alive:
                 raise RuntimeError(f"the engine is not running ({self.failure or 'stopped'})")
+            if (self.max_waiting is not None
+                    and self.num_running + self.num_waiting >= self.max_num_seqs + self.max_waiting):
+                raise QueueFull(f"the server is at capacity: {self.num_running} requests running, "
+                                f"{self.num_waiting} waiting (--max-waiting {self.max_waiting})")
             self._waiting.append(req)
             self._reqs[req.id] = req
             self._cv.notify()
@@ -161,7 +206,8 @@ class Engine:
             proposer = build_proposer(self.spec, self.max_model_len, target=self.loaded)
         self._decoder = SpecDecoder(runners[0], proposer, self.k, adaptive=self.adaptive)
         self._sched = Scheduler(self._decoder, runners,
-                                disable_by_batch_size=None if self.spec is None else self.spec.disable_by_batch_size)
+                                disable_by_batch_size=None if self.spec is None else self.spec.disable_by_batch_size,
+                                max_num_batched_tokens=self.max_num_batched_tokens)
         vocab = self.loaded.model.args.vocab_size
         if self.max_model_len >= 24 and vocab > 16:  # warm-up: allocator, numba kernels, first-call costs
             self._decoder.generate([8, 9, 10, 11, 12, 13] * 2, SamplingParams(max_new_tokens=8, ignore_eos=True))
@@ -187,12 +233,12 @@ class Engine:
                 updates = sched.step()
                 for u in updates:
                     self._publish(u)
-                self.num_running = len(sched.running)
+                self.num_running = len(sched.running) + len(sched.prefilling)
         except BaseException as e:  # noqa: BLE001 - a bug in the loop itself: fail every request, stop
             log.exception("engine thread failed")
             self.failure = e
         why = "the server is shutting down" if self.failure is None else f"engine failure: {self.failure}"
-        for r, st in sched.running:
+        for r, st in sched.running + sched.prefilling:
             self._decoder.finish(st)
             self._close(self._reqs.get(r.id), Event([], _copy_stats(st.stats), finish="abort",
                                                     error=None if self.failure is None else why))
@@ -208,14 +254,21 @@ class Engine:
         req = self._reqs.get(u.request.id)
         st = u.state
         if st is not None:
-            d0, a0 = self._seen.get(u.request.id, (None, None))
+            now = time.perf_counter()
+            d0, a0, t_last = self._seen.get(u.request.id, (None, None, None))
             with self.metrics.lock:
-                if d0 is None:  # admitted: its prefill ran
+                if d0 is None:  # admitted
                     self.metrics.prompt_tokens += len(u.request.prompt_ids)
                     d0, a0 = 0, 0
                 self.metrics.spec.observe(st.stats.num_draft_tokens - d0, st.stats.num_accepted_tokens - a0)
                 self.metrics.generation_tokens += len(u.tokens)
-            self._seen[u.request.id] = (st.stats.num_draft_tokens, st.stats.num_accepted_tokens)
+                if u.tokens:
+                    if t_last is None:
+                        self.metrics.ttft.observe(now - u.request.t_arrival)
+                    else:
+                        self.metrics.itl.observe(now - t_last)
+            self._seen[u.request.id] = (st.stats.num_draft_tokens, st.stats.num_accepted_tokens,
+                                        now if u.tokens else t_last)
             if u.tokens:
                 self._post(req, Event(u.tokens, _copy_stats(st.stats)))
         if u.finish is None:

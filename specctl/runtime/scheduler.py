@@ -1,8 +1,11 @@
 """Continuous batching: requests join and leave between steps, and every step is one target forward.
 
-    waiting (FIFO) ─► admit into a free KV slot (prefill + first token)
-    running ─► step(): every running request drafts, one ragged forward verifies them all
-              (``SpecDecoder.step_batch``), each is verified and rolled back on its own
+    waiting (FIFO) ─► admit into a free KV slot
+    prefilling ─► its prompt in chunks of ``max_num_batched_tokens`` tokens, riding in the steps'
+              forwards (at most that many prompt tokens per step), then its first token
+    running ─► step(): every running request drafts, one ragged forward verifies them all and
+              carries the step's prefill chunks (``SpecDecoder.step_batch``), each request is
+              verified and rolled back on its own
     finished / cancelled ─► the slot is free for the next waiting request
 
 A pool of ``max_num_seqs`` TargetRunners (KV caches allocated once, ``max_model_len`` positions
@@ -11,6 +14,10 @@ slot. A request's tokens do not depend on what else is in the batch: on the row-
 paths its rows are computed bit for bit as if alone, and its sampling has its own generator.
 
 vLLM's ``disable_by_batch_size``: no drafting in a step where at least that many requests run.
+``max_num_batched_tokens`` (vLLM's name): the prompt tokens one step may carry, so that a long prompt
+delays the running decodes by at most one chunk per step. A prompt is always cut at the same
+places (every ``max_num_batched_tokens`` tokens), whatever else runs, so its cache and its output do
+not depend on the batch either; None prefills each prompt whole, alone, when it is admitted.
 
 The scheduler is synchronous (``add``, ``step``, ``cancel``): the server's engine thread drives it
 (``specctl.runtime.engine``) and so does ``specctl bench --concurrency``. What it does not know:
@@ -63,9 +70,14 @@ class Update:
 class Scheduler:
     """FIFO admission into a fixed pool of KV slots, one batched step for every running request."""
 
-    def __init__(self, decoder: SpecDecoder, runners: list[TargetRunner], disable_by_batch_size: int | None = None):
+    def __init__(self, decoder: SpecDecoder, runners: list[TargetRunner], disable_by_batch_size: int | None = None,
+                 max_num_batched_tokens: int | None = None):
         if not runners:
             raise ValueError("the scheduler needs at least one runner (KV slot)")
+        if max_num_batched_tokens is not None and max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be >= 1")
+        self.chunk = max_num_batched_tokens
+        self.prefilling: list[tuple[Request, DecodeState]] = []
         self.decoder = decoder
         self.runners = runners
         self.disable_by_batch_size = disable_by_batch_size
@@ -73,7 +85,8 @@ class Scheduler:
         self.running: list[tuple[Request, DecodeState]] = []
         self._free = list(range(len(runners) - 1, -1, -1))  # pop() hands out slot 0 first
         self.steps = 0
-        self.batch_sizes: list[int] = []  # running requests per step (a trace for tests and stats)
+        self.batch_sizes: list[int] = []  # decoding requests per step (a trace for tests and stats)
+        self.trace: list[tuple[int, int]] = []  # per step: (decoding requests, prompt tokens carried)
 
     @property
     def max_num_seqs(self) -> int:
@@ -81,7 +94,7 @@ class Scheduler:
 
     @property
     def idle(self) -> bool:
-        return not self.waiting and not self.running
+        return not self.waiting and not self.running and not self.prefilling
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -105,21 +118,38 @@ class Scheduler:
             req, slot = self.waiting.popleft(), self._free.pop()
             upd = self._start(req, slot)
             updates.append(upd)
-            if upd.finish is None:
-                self.running.append((req, upd.state))
-            else:
+            if upd.finish is not None:
                 self._free.append(slot)
+            elif upd.state.prefilling:
+                self.prefilling.append((req, upd.state))
+            else:
+                self.running.append((req, upd.state))
+        # this step's prompt chunks, first come first served, within the budget
+        chunks, budget = [], self.chunk
+        for req, st in self.prefilling:
+            if req.cancelled is None and st.finish is None:
+                n = self.decoder.next_chunk(st, self.chunk)
+                if n <= budget:
+                    chunks.append((req, st, n))
+                    budget -= n
         stepping = [(r, st) for r, st in self.running if r.cancelled is None and st.finish is None]
-        if stepping:
+        if stepping or chunks:
             cap = None
             if self.disable_by_batch_size is not None and len(stepping) >= self.disable_by_batch_size:
                 cap = 0
-            self.batch_sizes.append(len(stepping))
-            emitted = self.decoder.step_batch([st for _, st in stepping], max_draft=cap)
+            if stepping:
+                self.batch_sizes.append(len(stepping))
+            self.trace.append((len(stepping), sum(n for _, _, n in chunks)))
+            emitted = self.decoder.step_batch([st for _, st in stepping], max_draft=cap,
+                                              prefills=[(st, n) for _, st, n in chunks])
             self.steps += 1
-            for (req, st), toks in zip(stepping, emitted):
-                if toks or st.error is None:
+            for (req, st), toks in zip(stepping + [(r, s) for r, s, _ in chunks], emitted):
+                if toks or (st.error is None and not st.prefilling):
                     updates.append(Update(req, toks, st))
+        left = []  # prompts done (or ended) join the running requests
+        for req, st in self.prefilling:
+            (left if st.prefilling and st.error is None and req.cancelled is None else self.running).append((req, st))
+        self.prefilling = left
         still = []
         for req, st in self.running:
             if req.cancelled is not None or st.finish is not None:
@@ -143,7 +173,10 @@ class Scheduler:
             else:
                 gen.seed()
         try:
-            st = self.decoder.start(req.prompt_ids, req.params, gen, runner=self.runners[slot], slot=slot)
+            if self.chunk is None:
+                st = self.decoder.start(req.prompt_ids, req.params, gen, runner=self.runners[slot], slot=slot)
+            else:  # prefilled chunk by chunk in the coming steps
+                st = self.decoder.begin(req.prompt_ids, req.params, gen, runner=self.runners[slot], slot=slot)
         except Exception as e:  # noqa: BLE001 - this request fails, the others go on
             if self.decoder.proposer is not None:
                 self.decoder.proposer.end_request(slot)

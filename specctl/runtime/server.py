@@ -45,7 +45,7 @@ from specctl.errors import UsageError
 from specctl.runtime.decoder import SamplingParams
 from specctl.runtime.metrics import SpecStats
 from specctl.runtime.runner import LoadedModel
-from specctl.runtime.engine import Engine, EngineRequest, _copy_stats
+from specctl.runtime.engine import Engine, EngineRequest, QueueFull, _copy_stats
 
 log = logging.getLogger("specctl.serve")
 
@@ -380,6 +380,8 @@ async def _serve(request: Request, ctx: _Ctx, body: _Sampling, model: str, ids: 
     out = TextStream(ctx.tok, stop)
     try:
         ctx.engine.submit(req)
+    except QueueFull as e:
+        raise ApiError(429, f"{e}; retry later", "rate_limit_error", "too_many_requests") from None
     except RuntimeError as e:
         raise ApiError(503, str(e), "server_error") from None
     events = _events(request, ctx.engine, req, out)
@@ -497,6 +499,9 @@ def render_metrics(engine: Engine, model_name: str) -> str:
     with m.lock:
         spec = _copy_stats(m.spec)
         prompt, gen, finished = m.prompt_tokens, m.generation_tokens, dict(m.finished)
+        hists = [(name, doc, h.cumulative(), h.sum) for name, doc, h in (
+            ("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", m.ttft),
+            ("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", m.itl))]
     lines: list[str] = []
 
     def family(name: str, kind: str, doc: str, samples: list[tuple[str, float]]) -> None:
@@ -513,6 +518,11 @@ def render_metrics(engine: Engine, model_name: str) -> str:
     family("vllm:generation_tokens", "counter", "Number of generation tokens processed.", [("", gen)])
     family("vllm:request_success", "counter", "Count of finished requests, by finish reason.",
            [(f',finished_reason="{r}"', finished.get(r, 0)) for r in sorted({"stop", "length", "abort"} | set(finished))])
+    for name, doc, buckets, total in hists:
+        lines.extend([f"# HELP {name} {doc}", f"# TYPE {name} histogram"])
+        lines.extend(f'{name}_bucket{{{labels},le="{le}"}} {float(c)}' for le, c in buckets)
+        lines.append(f"{name}_sum{{{labels}}} {float(total)}")
+        lines.append(f"{name}_count{{{labels}}} {float(buckets[-1][1])}")
     if engine.spec is not None:
         family("vllm:spec_decode_num_drafts", "counter", "Number of spec decoding drafts.", [("", spec.num_drafts)])
         family("vllm:spec_decode_num_draft_tokens", "counter", "Number of draft tokens.", [("", spec.num_draft_tokens)])

@@ -140,3 +140,49 @@ def test_a_failing_request_ends_alone(tiny_model, repetitive_prompts):
                 ends[u.request.id] = (u.finish, u.error)
     assert ends[bad.id][0] == "error" and "max model length" in ends[bad.id][1]
     assert ends[good.id] == ("length", None)
+
+
+@pytest.mark.parametrize("chunk", [16, 100])
+def test_chunked_prefill_never_stalls_the_decodes_and_changes_no_token(tiny_model_factory, repetitive_prompts,
+                                                                       bf16_path, chunk):
+    """Long prompts join while others decode: every step carries at most one chunk of prompt
+    tokens, the running requests emit tokens in every step, and each request's output equals it
+    alone with its prompt cut at the same places (bit for bit on the row-independent paths)."""
+    folder = tiny_model_factory("qwen2", initializer_range=0.05, hidden_size=128, intermediate_size=256)
+    model = load_transformer(folder, torch.bfloat16)
+    g = torch.Generator().manual_seed(1)
+    short = _prompts(repetitive_prompts)[:2]
+    long_ = [torch.randint(6, 128, (n,), generator=g).tolist() for n in (90, 130)]
+    prompts = short + long_
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True, record_margins=True) for n in (30, 30, 8, 8)]
+    dec = _decoder(model, "ngram")
+    sched = Scheduler(dec, [TargetRunner(model, MAX_LEN) for _ in range(4)], max_num_batched_tokens=chunk)
+    reqs = [Request(p, pr) for p, pr in zip(prompts, params)]
+    for r in reqs[:2]:
+        sched.add(r)
+    got = {r.id: [] for r in reqs}
+    emitted_in_step = []
+    while not sched.idle:
+        if sched.steps == 3:  # the long prompts arrive while the short ones decode
+            sched.add(reqs[2])
+            sched.add(reqs[3])
+        ups = sched.step()
+        for u in ups:
+            got[u.request.id] += u.tokens
+        emitted_in_step.append({u.request.id for u in ups if u.tokens})
+    assert all(rows <= chunk for _, rows in sched.trace)
+    assert sum(rows for _, rows in sched.trace) == sum(len(p) for p in prompts)
+    prefill_steps = [i for i, (n, rows) in enumerate(sched.trace) if rows and n]
+    assert prefill_steps, "no prompt chunk rode along with running decodes"
+    for i in prefill_steps:  # a running request got its tokens in that same step
+        assert emitted_in_step[i] & {reqs[0].id, reqs[1].id}
+    for r, p, pr in zip(reqs, prompts, params):
+        want = _decoder(model, None).start(p, pr, prefill_chunk=chunk)
+        plain = SpecDecoder(want.runner)
+        while want.finish is None:
+            plain.step(want)
+        if bf16_path == "torch" and got[r.id] != want.out:
+            i = next(i for i, (a, b) in enumerate(zip(got[r.id], want.out)) if a != b)
+            assert want.margins[i] <= 2 ** -5
+        else:
+            assert got[r.id] == want.out

@@ -458,3 +458,37 @@ def test_16_concurrent_streams_x3_rounds(server, loaded, reference):
     finished = sum(delta("vllm:request_success_total", f'finished_reason="{r}"') for r in ("stop", "length"))
     assert finished == 48
     assert after[("vllm:num_requests_running", "")] == 0 and after[("vllm:num_requests_waiting", "")] == 0
+    # latency histograms: one first token per request; an inter-token gap per later token-bearing step
+    assert delta("vllm:time_to_first_token_seconds_count") == 48
+    assert delta("vllm:time_to_first_token_seconds_bucket", 'le="+Inf"') == 48
+    assert 0 < delta("vllm:inter_token_latency_seconds_count") <= sums["completion"] - 48
+    les = [k[1] for k in after if k[0] == "vllm:inter_token_latency_seconds_bucket"]
+    counts = [after[("vllm:inter_token_latency_seconds_bucket", le)] for le in les]
+    assert counts == sorted(counts) and delta("vllm:inter_token_latency_seconds_sum") > 0
+
+
+def test_a_full_server_answers_429_and_keeps_serving(loaded):
+    """One slot, no waiting room: while a request decodes, the next one is refused with a 429 that
+    says why; once the slot is free again, requests are served."""
+    with LiveServer(Engine(loaded, None, MAX_LEN, max_num_seqs=1, max_waiting=0)) as s:
+        conn = http.client.HTTPConnection("127.0.0.1", s.port, timeout=30)
+        body = json.dumps({"model": NAME, "prompt": "abc abc", "max_tokens": MAX_LEN - 20, "temperature": 0,
+                           "ignore_eos": True, "stream": True})
+        conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        assert resp.status == 200 and resp.readline().startswith(b"data: ")
+        with pytest.raises(openai.RateLimitError) as e:
+            s.client().completions.create(model=NAME, prompt="xy xy", max_tokens=3, temperature=0)
+        assert e.value.status_code == 429 and "--max-waiting 0" in e.value.message
+        assert e.value.body["code"] == "too_many_requests"
+        conn.sock.shutdown(socket.SHUT_RDWR)
+        conn.close()
+        deadline = time.time() + 20
+        while True:  # the abandoned request frees the slot
+            try:
+                r = s.client().completions.create(model=NAME, prompt="xy xy", max_tokens=3, temperature=0)
+                break
+            except openai.RateLimitError:
+                assert time.time() < deadline, "the slot was never freed"
+                time.sleep(0.05)
+        assert r.usage.completion_tokens >= 1
