@@ -14,7 +14,10 @@ this step".
   c(d) : (v(d+1) + d q) / v(1). v(T) is the time of the target forward (and verification) over T
          tokens: the plain step's own measurement v(1) (an exponential moving average), plus a
          slope fitted through the averages measured at every T > 1, so the noise of rarely seen
-         T does not decide alone. q is the measured drafting time per draft token (a draft
+         T does not decide alone. In a batch of B requests (``draft_len(batch=B)``) T counts the
+         rows of the whole forward and a request's step is its share of it: v(T) = a + b T, the
+         weights' read a shared by the B requests, so c_B(d) = (a/B + b (1 + d) + d q) / (a/B + b).
+         As B grows, verification stops being free and d shrinks. q is the measured drafting time per draft token (a draft
          model's forwards, an EAGLE head's; ~0 for n-gram lookup). Kept apart, a rare slow draft
          (the draft model catching up on a long prompt) moves q, which every d shares; a draft
          observation is capped at twice the current q, so one outlier cannot switch drafting
@@ -61,13 +64,31 @@ class DraftLengthController:
             self._prior = self.alpha
 
     def _slope(self) -> tuple[float, float, int] | None:
-        """(v(1), b, the largest measured T) of the fitted v(T) = v(1) + b (T - 1), or None unmeasured."""
-        one = self.costs.get(1)
-        pts = [(t, v) for t, v in self.costs.items() if t > 1]
-        if one is None or one <= 0 or not pts:
+        """(v(1), b, the largest measured T) of the fitted v(T) = v(1) + b (T - 1), or None unmeasured.
+
+        Anchored at the measured v(1) where there is one (a request decoding alone); in a batch,
+        where one-row forwards are rare, a least-squares line through every measured T (one point:
+        a flat line, so drafting is tried and measured)."""
+        pts = [(t, v) for t, v in self.costs.items() if t >= 1]
+        if not pts:
             return None
-        b = max(sum((t - 1) * (v - one) for t, v in pts) / sum((t - 1) ** 2 for t, _ in pts), 0.0)
-        return one, b, max(t for t, _ in pts)
+        one = self.costs.get(1)
+        more = [(t, v) for t, v in pts if t > 1]
+        t_max = max(t for t, _ in pts)
+        if one is not None and one > 0:
+            if not more:
+                return one, 0.0, 1
+            b = max(sum((t - 1) * (v - one) for t, v in more) / sum((t - 1) ** 2 for t, _ in more), 0.0)
+            return one, b, t_max
+        if len(pts) == 1:
+            return pts[0][1], 0.0, t_max
+        n = len(pts)
+        mt, mv = sum(t for t, _ in pts) / n, sum(v for _, v in pts) / n
+        b = max(sum((t - mt) * (v - mv) for t, v in pts) / sum((t - mt) ** 2 for t, _ in pts), 0.0)
+        v1 = mv - b * (mt - 1)
+        if v1 <= 0:  # a line through noise: keep the weights' read positive
+            b, v1 = 0.0, mv
+        return v1, b, t_max
 
     def verify_cost(self, T: int) -> float:
         """v(T) / v(1): a target forward over T tokens against a one-token step; 1.0 while unmeasured.
@@ -77,13 +98,12 @@ class DraftLengthController:
         return _relative_verify(T, self._slope())
 
     def _draft_cost(self) -> float:
-        """q / v(1): drafting one token against a plain step (0 while unmeasured)."""
-        one = self.costs.get(1)
-        return self.costs.get(DRAFT, 0.0) / one if one else 0.0
+        """q: seconds of drafting per draft token (0 while unmeasured)."""
+        return self.costs.get(DRAFT, 0.0)
 
-    def cost(self, T: int) -> float:
+    def cost(self, T: int, batch: int = 1) -> float:
         """c = the relative cost of a step that forwards T tokens, T - 1 of them drafted."""
-        return _step_cost(T, self._slope(), self._draft_cost())
+        return _step_cost(T, self._slope(), self._draft_cost(), batch)
 
     def _rates(self, n: int) -> list[float]:
         """[p_1 .. p_n]: position i accepted, given positions < i were. Each position's counts are
@@ -108,14 +128,14 @@ class DraftLengthController:
             e += p
         return e
 
-    def best_len(self) -> int:
+    def best_len(self, batch: int = 1) -> int:
         """argmax over d in [0, k] of E(d) / cost(d + 1): one pass, E(d) built up as d grows."""
         fit, q = self._slope(), self._draft_cost()
         best_d, best_v, e, p = 0, 0.0, 1.0, 1.0
         for d, r in enumerate(self._rates(self.k), start=1):
             p *= r
             e += p
-            v = e / _step_cost(d + 1, fit, q)
+            v = e / _step_cost(d + 1, fit, q, batch)
             if v > best_v:
                 best_d, best_v = d, v
         # drafting must beat a plain step by 2% (no flapping on and off at break-even); among draft
@@ -123,11 +143,12 @@ class DraftLengthController:
         # verification) long drafts cost nothing and win big on the runs that match
         return best_d if best_v > 1.02 else 0
 
-    def draft_len(self) -> int:
-        """The number of draft tokens to ask for this step (0: plain decoding step)."""
-        if 1 not in self.costs:
+    def draft_len(self, batch: int = 1) -> int:
+        """The number of draft tokens to ask for this step (0: plain decoding step), for a request
+        that steps among ``batch`` requests (one target forward for all)."""
+        if self._slope() is None or (batch == 1 and 1 not in self.costs):
             return 0  # measure a plain step first: every cost is relative to it
-        d = self.best_len()
+        d = self.best_len(batch)
         if d > 0:
             self._off_steps, self._gap = 0, 0
             return d
@@ -141,8 +162,9 @@ class DraftLengthController:
 
     def observe(self, num_draft: int, num_accepted: int, tokens_forwarded: int, seconds: float,
                 draft_seconds: float | None = None) -> None:
-        """After a step: drafts verified, drafts accepted, tokens in the forward, its wall time, and
-        of that the time spent drafting (None: not measured apart, the whole step counts as v(T))."""
+        """After a step: drafts verified, drafts accepted, tokens in the forward (every request's,
+        in a batch), its wall time, and of that the time spent drafting (None: not measured apart,
+        the whole step counts as v(T))."""
         if num_draft > 0:
             # positions tried: the accepted ones, plus the first rejected one if any
             tried = num_accepted + (1 if num_accepted < num_draft else 0)
@@ -174,6 +196,14 @@ def _relative_verify(T: int, fit: tuple[float, float, int] | None) -> float:
     return 1.0 + b * (min(T, t_max) - 1) / one
 
 
-def _step_cost(T: int, fit: tuple[float, float, int] | None, q: float) -> float:
-    """A step forwarding T tokens, T - 1 of them drafted, in plain steps: v(T) / v(1) + (T - 1) q / v(1)."""
-    return _relative_verify(T, fit) + (T - 1) * q
+def _step_cost(T: int, fit: tuple[float, float, int] | None, q: float, batch: int = 1) -> float:
+    """A request's step forwarding T tokens, T - 1 of them drafted, in its plain steps: alone,
+    v(T) / v(1) + (T - 1) q / v(1); among ``batch`` requests, its share of the forward:
+    (a / B + b T + (T - 1) q) / (a / B + b) with v(T) = a + b T."""
+    if fit is None:
+        return 1.0
+    one, b, _ = fit
+    if batch <= 1:
+        return _relative_verify(T, fit) + (T - 1) * q / one
+    base = max(one - b, 0.0) / batch + b
+    return (base + b * (T - 1) + (T - 1) * q) / base if base > 0 else 1.0

@@ -114,6 +114,13 @@ class _Plan:
     draft_probs: torch.Tensor | None = None
     parents: list[int] | None = None
     base: int = 0
+    rows: int = 0  # rows of the whole forward it rode in (every request's)
+    forward_s: float = 0.0  # that forward's seconds
+    t_done: float = field(default_factory=time.perf_counter)  # reset when its verification starts
+
+    def step_seconds(self) -> float:
+        """Its drafting, the forward, and its own verification so far: what the controller weighs."""
+        return (self.t1 - self.t0) + self.forward_s + (time.perf_counter() - self.t_done)
 
 
 class SpecDecoder:
@@ -230,7 +237,7 @@ class SpecDecoder:
         plans: list[_Plan | None] = []
         for st in states:
             try:
-                plans.append(self._plan(st, max_draft))
+                plans.append(self._plan(st, max_draft, len(states)))
             except Exception as e:  # noqa: BLE001 - this request fails, the batch goes on
                 _fail(st, e)
                 plans.append(None)
@@ -239,6 +246,8 @@ class SpecDecoder:
         if not live and not prefills:
             return out
         fed = [states[i] for i in live] + [st for st, _ in prefills]
+        rows = sum(plans[i].tokens.shape[1] for i in live) + sum(n for _, n in prefills)
+        t_fwd = time.perf_counter()
         try:
             logits = forward_batch([st.runner for st in fed],
                                    [plans[i].tokens for i in live] + [self.prefill_tokens(st, n) for st, n in prefills],
@@ -248,7 +257,9 @@ class SpecDecoder:
             for st in fed:
                 _fail(st, e)
             return out
+        t_fwd = time.perf_counter() - t_fwd
         for i, lg in zip(live, logits):
+            plans[i].rows, plans[i].forward_s = rows, t_fwd
             try:
                 out[i] = self._complete(states[i], plans[i], lg)
             except Exception as e:  # noqa: BLE001
@@ -260,7 +271,7 @@ class SpecDecoder:
                 _fail(st, e)
         return out
 
-    def _plan(self, st: DecodeState, max_draft: int | None = None) -> "_Plan | None":
+    def _plan(self, st: DecodeState, max_draft: int | None = None, batch: int = 1) -> "_Plan | None":
         """Draft for one request: what its verify forward carries (None: it has finished)."""
         params = st.params
         room = params.max_new_tokens - len(st.out)
@@ -271,7 +282,7 @@ class SpecDecoder:
         if max_draft is not None:
             k = min(k, max_draft)
         if st.controller is not None:
-            k = min(k, st.controller.draft_len())
+            k = min(k, st.controller.draft_len(batch))
         t0 = t1 = time.perf_counter()  # the controller weighs the whole step: drafting (t0..t1) and verifying
         last = torch.tensor([[st.last]], dtype=torch.long)
         if k > 0:
@@ -290,6 +301,7 @@ class SpecDecoder:
 
     def _complete(self, st: DecodeState, plan: "_Plan", logits: torch.Tensor) -> list[int]:
         """Verify one request's forward (logits [1, 1+nd, V]), roll back, tell the proposer."""
+        plan.t_done = time.perf_counter()
         if plan.parents is not None:
             return self._tree_step(st, plan, logits)
         runner, params = st.runner, st.params
@@ -307,7 +319,7 @@ class SpecDecoder:
         n = int(n_emit[0])
         emitted = out_ids[0, :n].tolist()
         if st.controller is not None:
-            st.controller.observe(nd, n - 1, nd + 1, time.perf_counter() - plan.t0, plan.t1 - plan.t0)
+            st.controller.observe(nd, n - 1, plan.rows, plan.step_seconds(), plan.t1 - plan.t0)
         if params.record_margins and params.greedy:
             st.margins.extend(margins[:n])
         runner.rollback(plan.base + n)  # last + (n-1) accepted drafts are valid
@@ -333,7 +345,7 @@ class SpecDecoder:
         if st.controller is not None:
             # a tree's drafting is not d draft tokens' worth (one draft call per level, n nodes): the
             # whole step counts, keyed by the nodes verified
-            st.controller.observe(depth, len(path) - 1, n + 1, time.perf_counter() - plan.t0)
+            st.controller.observe(depth, len(path) - 1, plan.rows, plan.step_seconds())
         runner.compact(plan.base, path)
         if self.proposer.needs_hidden_states:
             idx = torch.tensor(path, device=runner.last_hidden.device)

@@ -169,3 +169,23 @@ def test_verify_cost_is_a_fit_so_one_noisy_t_does_not_decide():
     assert abs(c.verify_cost(2) - 1.0) < 0.05
     c.alpha = 0.8
     assert c.best_len() >= 7  # long drafts still pay
+
+
+def test_drafting_backs_off_as_the_batch_grows():
+    """v(T) = a + b T over the whole forward's rows (a: reading the weights, shared by the batch;
+    b: a row's compute). Alone, verifying drafts is nearly free and the controller drafts long; in
+    a batch of 16, a request's share of a is small, its draft rows cost their full b, and drafting
+    at this acceptance stops paying: it drafts nothing."""
+    a, b = 0.10, 0.01
+    costs = {t: a + b * t for t in (1, 8, 16, 24, 40)}
+    c = DraftLengthController(k=6, costs=dict(costs), alpha=0.6)
+    alone, four, sixteen = c.best_len(1), c.best_len(4), c.best_len(16)
+    assert alone >= 3 and 0 < four < alone and sixteen == 0
+    assert c.draft_len(16) == 0 and c.draft_len(1) == alone
+    # a cheaper row (memory bound even at 16 requests) keeps drafting on in the batch
+    flat = DraftLengthController(k=6, costs={t: a + 0.0005 * t for t in (1, 8, 16, 40)}, alpha=0.6)
+    assert flat.best_len(16) > 0
+    # in a batch no one-row forward is measured: the line through the batch sizes seen stands in
+    batch_only = DraftLengthController(k=6, costs={t: a + b * t for t in (16, 24, 40)}, alpha=0.6)
+    assert batch_only.best_len(16) == 0 and batch_only.draft_len(16) == 0
+    assert abs(batch_only._slope()[1] - b) < 1e-9
