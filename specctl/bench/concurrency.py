@@ -18,6 +18,7 @@ from dataclasses import replace
 import numpy as np
 import torch
 
+from specctl.bench.memory import tensor_bytes
 from specctl.bench.suite import BASELINE, _Proposers, config_labels, machine_header
 from specctl.bench.workloads import load_workload, render_prompt
 from specctl.config import SpecConfig
@@ -112,6 +113,7 @@ def run_concurrency(loaded: LoadedModel, configs: list[SpecConfig], workloads: l
                     "speedup": m["tokens_per_s"] / base["tokens_per_s"] if base["tokens_per_s"] else None,
                     "scaling_vs_plain_1": (m["tokens_per_s"] / one["tokens_per_s"]) if one and one["tokens_per_s"] else None,
                     "identical_to_baseline": same,
+                    "extra_memory_mib": tensor_bytes(dec.proposer, (loaded.model, *runners)) / 2**20,
                 })
                 say(1, f"{w} · {n} concurrent · {label}")
     header = machine_header(loaded, params.max_new_tokens, params.temperature)

@@ -119,6 +119,7 @@ def _same_vocab(target: Path, draft: Path) -> bool:
 class BenchReport:
     header: dict
     runs: list[MethodRun]
+    memory: dict = field(default_factory=dict)  # method label -> its proposer's extra bytes (bench/memory.py)
 
     def rows(self) -> list[dict]:
         base = {r.workload: r for r in self.runs if r.method == BASELINE}
@@ -142,6 +143,7 @@ class BenchReport:
                 "first_divergence": r.first_divergence,
                 "divergence_margins": r.divergence_margins,
                 "error": r.error,
+                "extra_memory_mib": (self.memory[r.method] / 2**20 if r.method in self.memory else None),
                 **r.stats.to_dict(),
             })
         return out
@@ -400,6 +402,9 @@ def run_bench(
             runs_out.extend(wruns[lab] + peer_runs[lab])
     # vLLM / llama.cpp: peer by peer (one engine per mode at a time), the same prompts; specctl's
     # drafts and decoders are done with: their memory goes back first (a peer engine reserves its own)
+    from specctl.bench.memory import tensor_bytes
+
+    memory = {e.label: tensor_bytes(e.decoder.proposer, (loaded.model, runner)) for e in entries}
     if deferred_jobs:
         entries.clear()
         decs = proposers = e = dec = None  # (the loop variables hold the last decoder too)
@@ -438,7 +443,7 @@ def run_bench(
     header = machine_header(loaded, params.max_new_tokens, params.temperature)
     if sweep_k:
         header["sweep_k"] = list(dict.fromkeys(sweep_k))
-    return BenchReport(header, runs_out)
+    return BenchReport(header, runs_out, memory)
 
 
 def _answer_text(tokenizer, token_ids: list[int], stop_ids) -> str:

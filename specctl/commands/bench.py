@@ -161,9 +161,18 @@ def bench(
     with Progress(TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), console=err, transient=True, disable=not err.is_terminal) as prog:
         task = prog.add_task("loading", total=None)  # run_bench gives the total first
+        done = [0]
+
+        def progress(adv, desc, total=None):
+            prog.update(task, advance=adv, description=desc, total=total)
+            if total is not None:
+                done.append(total)
+            if adv and not err.is_terminal:  # a log, not a terminal: one line per prompt run
+                done[0] += adv
+                err.log(f"[{done[0]}/{done[-1] if len(done) > 1 else '?'}] {desc}")
+
         report = run_bench(loaded, configs, workloads, num_prompts, params, seed,
-                           progress=lambda adv, desc, total=None: prog.update(task, advance=adv, description=desc,
-                                                                              total=total),
+                           progress=progress,
                            adaptive=not fixed_k, peers=peers, runs=runs, sweep_k=ks,
                            compile=compile, peer_gguf=peer_gguf,
                            warn=lambda m: err.log(f"[yellow]peer failed, its rows are left empty:[/] {m}"))
@@ -226,9 +235,10 @@ def render_concurrency(h: dict, rows: list[dict]) -> None:
     t = Table(title=title, title_justify="left",
               caption="tok/s: all requests' tokens over the wall time; speedup: over plain at the same N; "
                       "x plain@1: over plain with one request at a time; TTFT from queueing; ITL between a "
-                      "request's token-bearing steps; = base: outputs equal to plain's.", caption_justify="left")
+                      "request's token-bearing steps; = base: outputs equal to plain's; +mem: the method's tensors "
+                      "beyond the target's (draft weights, draft KV caches).", caption_justify="left")
     for col in ("workload", "N", "method", "k", "tok/s", "speedup", "x plain@1", "mean batch", "TTFT p50 ms",
-                "ITL p50 ms", "ITL p99 ms", "accept", "= base"):
+                "ITL p50 ms", "ITL p99 ms", "accept", "= base", "+mem MiB"):
         t.add_column(col, justify="left" if col in ("workload", "method") else "right", no_wrap=True)
     for r in rows:
         t.add_row(r["workload"], str(r["concurrency"]), r["method"], "—" if r["k"] is None else str(r["k"]),
@@ -236,7 +246,8 @@ def render_concurrency(h: dict, rows: list[dict]) -> None:
                   f"{r['scaling_vs_plain_1']:.2f}x" if r["scaling_vs_plain_1"] else "—", f"{r['mean_batch']:.1f}",
                   ms(r["ttft_p50_s"]), ms(r["itl_p50_s"]), ms(r["itl_p99_s"]),
                   "—" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.2f}",
-                  "—" if r["identical_to_baseline"] is None else f"{r['identical_to_baseline']}/{r['requests']}")
+                  "—" if r["identical_to_baseline"] is None else f"{r['identical_to_baseline']}/{r['requests']}",
+                  _mib(r.get("extra_memory_mib")))
     _stdout().print(t)
 
 
@@ -282,11 +293,12 @@ def render(report) -> None:
               caption="speedup: specctl methods over specctl's plain decoding; a peer's (hf:*, vllm:*, llama.cpp:*) "
                       "over its own plain. "
                       "= base: outputs equal to specctl's plain output.", caption_justify="left")
-    for col in ("workload", "method", "k", "tok/s", "speedup", "accept", "acc. len", "per-position", "= base"):
+    for col in ("workload", "method", "k", "tok/s", "speedup", "accept", "acc. len", "per-position", "= base",
+                "+mem MiB"):
         t.add_column(col, justify="left" if col in ("workload", "method", "per-position") else "right", no_wrap=True)
     for r in report.rows():
         if r.get("error"):
-            t.add_row(r["workload"], r["method"], "—", "failed", "—", "—", "—", r["error"][:60], "—")
+            t.add_row(r["workload"], r["method"], "—", "failed", "—", "—", "—", r["error"][:60], "—", "—")
             continue
         base = r["method"] == "baseline"
         no_stats = base or peer_engine(r["method"]) is not None
@@ -303,9 +315,16 @@ def render(report) -> None:
             r["workload"], r["method"], "—" if no_stats and not r["k"] else str(r["k"]), tps,
             f"{r['speedup']:.2f}x" if r["speedup"] is not None else "—",
             "—" if no_stats else f"{r['acceptance_rate']:.2f}", "—" if no_stats else f"{r['mean_acceptance_length']:.2f}",
-            "—" if no_stats else per_pos, same,
+            "—" if no_stats else per_pos, same, _mib(r.get("extra_memory_mib")),
         )
     out.print(t)
+
+
+def _mib(x) -> str:
+    """A method's extra memory in MiB ("—" where none is measured: the baseline, peers)."""
+    if not x:
+        return "—"
+    return f"{x:.2f}" if x < 10 else f"{x:.0f}"
 
 
 def _stdout():

@@ -124,6 +124,11 @@ def test_two_drafts_one_run_distinct_rows_and_assisted_peer_per_draft(target, dr
             assert r["identical_to_baseline"] == 2, r["method"]
     for lab in (f"draft_model:{same}", f"draft_model:{other}"):
         assert by[lab]["num_drafts"] > 0
+        # the draft's weights (and its KV cache) are its extra memory; the baseline has none
+        draft = load_model(drafts["same" if lab.endswith(same) else "other"], dtype="float32").model
+        weights = sum(p.numel() * p.element_size() for p in draft.parameters()) / 2**20
+        assert by[lab]["extra_memory_mib"] > weights
+    assert by["baseline"]["extra_memory_mib"] == 0
     # the progress bar: told its total first, then advanced exactly that often
     assert events[0][1] == 2 * (3 + 4)
     assert sum(adv for adv, _ in events) == events[0][1]
