@@ -23,10 +23,13 @@ from specctl.errors import ConfigError
 VLLM_METHODS = (
     "ngram", "suffix", "medusa", "eagle", "eagle3", "draft_model", "mtp", "deepseek_mtp",
 )
+# specctl's own: several vLLM-shaped configs behind one proposer (not a vLLM key)
+SPECCTL_METHODS = ("hybrid",)
+HYBRID_POLICIES = ("first",)
 # method -> module under specctl/runtime/proposers/ (one file per method; eagle and eagle3 share one)
 PROPOSER_MODULES = {
     "ngram": "ngram", "suffix": "suffix", "medusa": "medusa", "eagle": "eagle", "eagle3": "eagle",
-    "draft_model": "draft_model", "mtp": "mtp",
+    "draft_model": "draft_model", "mtp": "mtp", "hybrid": "hybrid",
 }
 
 
@@ -76,6 +79,14 @@ class SpecConfig:
     """eagle/eagle3 trees: nodes kept after reranking by cumulative draft probability (default 16);
     medusa with ``"speculative_token_tree": "auto"``: the nodes of the tree built from the heads'
     held-out rank accuracies (default 16)."""
+    proposers: list | None = None
+    """hybrid (specctl's extension): the sub-proposers' configs, each vLLM-shaped, tried in order."""
+    policy: str | None = None
+    """hybrid: how a step picks its draft: "first" (the first sub-proposer with a draft of at least
+    ``hybrid_min_match`` tokens)."""
+    hybrid_min_match: int | None = None
+    """hybrid, policy "first": the shortest draft that wins (default 2); the last sub-proposer's
+    draft is taken at any length."""
     disable_by_batch_size: int | None = None
     """Batched engine (serve, bench --concurrency): no drafting in a step where at least this many
     requests run (vLLM's key and meaning: verification stops being free in large batches)."""
@@ -133,14 +144,19 @@ class SpecConfig:
         if not isinstance(method, str):
             raise ConfigError(f"method must be a string, got {method!r}", f"use one of: {available}")
         method = METHOD_ALIASES.get(method, method)
-        if method not in VLLM_METHODS:
-            close = difflib.get_close_matches(method, VLLM_METHODS, n=1)
+        if method not in VLLM_METHODS + SPECCTL_METHODS:
+            close = difflib.get_close_matches(method, VLLM_METHODS + SPECCTL_METHODS, n=1)
             hint = f"did you mean '{close[0]}'? " if close else ""
             raise ConfigError(f"unknown speculative method '{method}'", f"{hint}available: {available}")
         if method not in implemented_methods():
             raise ConfigError(f"method '{method}' is not available in this version of specctl", f"available: {available}")
         self.method = method
 
+        if method == "hybrid":
+            self._validate_hybrid()
+        elif self.proposers is not None or self.policy is not None or self.hybrid_min_match is not None:
+            raise ConfigError(f"proposers / policy / hybrid_min_match are hybrid options, not for '{method}'",
+                              'drop them, or use {"method": "hybrid", "proposers": [...]}')
         if self.num_speculative_tokens is None:
             self.num_speculative_tokens = DEFAULT_NUM_SPECULATIVE_TOKENS.get(method, 5)
         _check_int("num_speculative_tokens", self.num_speculative_tokens, minimum=1)
@@ -186,6 +202,37 @@ class SpecConfig:
             _check_int("speculative_eagle_topk", self.speculative_eagle_topk, minimum=1)
             _check_int("speculative_num_draft_tokens", self.speculative_num_draft_tokens, minimum=1)
         return self
+
+    def sub_configs(self) -> list["SpecConfig"]:
+        """The hybrid's sub-proposers, each a validated SpecConfig (nested hybrids refused)."""
+        example = '{"method": "hybrid", "proposers": [{"method": "suffix"}, {"method": "eagle3", "model": "DRAFT"}]}'
+        if not isinstance(self.proposers, list) or not self.proposers:
+            raise ConfigError("hybrid needs 'proposers': a non-empty list of speculative configs", f"e.g. {example}")
+        subs = []
+        for i, c in enumerate(self.proposers):
+            if isinstance(c, SpecConfig):
+                c = c.to_dict()
+            if not isinstance(c, dict):
+                raise ConfigError(f"proposers[{i}] must be a JSON object, got {type(c).__name__}", f"e.g. {example}")
+            if METHOD_ALIASES.get(c.get("method"), c.get("method")) == "hybrid":
+                raise ConfigError(f"proposers[{i}] is itself a hybrid", "list its proposers in the outer hybrid instead")
+            try:
+                subs.append(SpecConfig.from_dict(c))
+            except ConfigError as e:
+                raise ConfigError(f"proposers[{i}]: {e.problem}", e.fix) from None
+        return subs
+
+    def _validate_hybrid(self) -> None:
+        subs = self.sub_configs()
+        self.policy = self.policy or "first"
+        if self.policy not in HYBRID_POLICIES:
+            raise ConfigError(f"unknown hybrid policy '{self.policy}'", f"use one of: {', '.join(HYBRID_POLICIES)}")
+        if self.hybrid_min_match is None:
+            self.hybrid_min_match = 2
+        _check_int("hybrid_min_match", self.hybrid_min_match, minimum=1)
+        if self.num_speculative_tokens is None:
+            self.num_speculative_tokens = max(s.num_speculative_tokens for s in subs)
+        self.proposers = [s.to_dict() for s in subs]
 
 
 def _check_int(name: str, value: Any, minimum: int) -> None:

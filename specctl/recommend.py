@@ -960,9 +960,9 @@ class _Timed:
     def on_target_hidden(self, slot, hidden, aux):
         self._timed(self.inner.on_target_hidden, slot, hidden, aux)
 
-    def propose(self, token_ids, num_tokens, k, hidden_states=None):
+    def propose(self, token_ids, num_tokens, k, hidden_states=None, slots=None):
         self._decoding = True
-        d = self._timed(self.inner.propose, token_ids, num_tokens, k, hidden_states)
+        d = self._timed(self.inner.propose, token_ids, num_tokens, k, hidden_states, slots)
         self.k_asked += k
         self.calls += 1
         self._pending = int(d.num_tokens[0])

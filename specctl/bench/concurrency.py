@@ -23,6 +23,7 @@ from specctl.bench.suite import BASELINE, _Proposers, config_labels, machine_hea
 from specctl.bench.workloads import load_workload, render_prompt
 from specctl.config import SpecConfig
 from specctl.runtime.decoder import SamplingParams, SpecDecoder
+from specctl.runtime.metrics import SpecStats
 from specctl.runtime.runner import LoadedModel, TargetRunner
 from specctl.runtime.scheduler import Request, Scheduler
 
@@ -62,12 +63,17 @@ def run_level(decoder: SpecDecoder, runners: list[TargetRunner], prompts: list[l
     results = [out[r.id] for r in reqs]
     ntok = sum(len(r.token_ids) for r in results)
     drafts = sum(r.stats.num_draft_tokens for r in results)
+    parts: dict[str, SpecStats] = {}
+    for r in results:
+        for name, s in r.by_proposer.items():
+            parts[name] = parts.get(name, SpecStats()).merge(s)
     acc = sum(r.stats.num_accepted_tokens for r in results)
     return {
         "tokens": ntok, "wall_s": wall, "tokens_per_s": ntok / wall if wall > 0 else 0.0,
         "ttft_p50_s": _pct(ttft, 50), "ttft_p99_s": _pct(ttft, 99), "itl_p50_s": _pct(itl, 50), "itl_p99_s": _pct(itl, 99),
         "mean_batch": float(np.mean(sched.batch_sizes)) if sched.batch_sizes else 0.0, "steps": sched.steps,
         "acceptance_rate": acc / drafts if drafts else None, "num_draft_tokens": drafts,
+        "by_proposer": {n: s.to_dict() for n, s in parts.items()},
         "outputs": [r.token_ids for r in results],
     }
 
@@ -117,7 +123,7 @@ def run_concurrency(loaded: LoadedModel, configs: list[SpecConfig], workloads: l
                 })
                 say(1, f"{w} · {n} concurrent · {label}")
     header = machine_header(loaded, params.max_new_tokens, params.temperature)
-    header.update({"concurrency": sorted(levels), "cpu_kernels": loaded.model.cpu_kernels,
+    header.update({"concurrency": sorted(levels),
                    "max_num_batched_tokens": max_num_batched_tokens,
                    "draft_length": "adaptive (up to k)" if adaptive else "fixed k"})
     return header, rows

@@ -53,6 +53,7 @@ class MethodRun:
     first_divergence: list = field(default_factory=list)  # per request: index or None
     divergence_margins: list = field(default_factory=list)  # baseline's top-1 - top-2 logit gap there
     stats: SpecStats = field(default_factory=SpecStats)
+    by_proposer: dict = field(default_factory=dict)  # hybrid: sub-proposer name -> SpecStats
     rep_tokens: dict = field(default_factory=dict)  # repetition -> decode tokens
     rep_s: dict = field(default_factory=dict)  # repetition -> decode seconds
     error: str | None = None  # a peer that failed: why (its row has no figures)
@@ -80,6 +81,8 @@ class MethodRun:
         self.steps += res.num_steps
         self.num_requests += 1
         self.stats = self.stats.merge(res.stats)
+        for name, s in getattr(res, "by_proposer", {}).items():
+            self.by_proposer[name] = self.by_proposer.get(name, SpecStats()).merge(s)
         if baseline is not None:
             div = first_divergence(baseline.token_ids, res.token_ids)
             self.first_divergence.append(div)
@@ -144,6 +147,7 @@ class BenchReport:
                 "divergence_margins": r.divergence_margins,
                 "error": r.error,
                 "extra_memory_mib": (self.memory[r.method] / 2**20 if r.method in self.memory else None),
+                "by_proposer": {n: s.to_dict() for n, s in r.by_proposer.items()},
                 **r.stats.to_dict(),
             })
         return out
@@ -177,6 +181,8 @@ def machine_header(loaded: LoadedModel, max_new_tokens: int, temperature: float)
         "model": str(loaded.path), "dtype": str(loaded.dtype).removeprefix("torch."), "device": str(dev),
         "machine": torch.cuda.get_device_name(dev) if dev.type == "cuda" else cpu,
         "threads": torch.get_num_threads(), "torch": torch.__version__,
+        # the CPU path of bf16 linears: "amx", "avx512_bf16" (row-independent) or None (torch's kernels)
+        "cpu_kernels": loaded.model.cpu_kernels,
         "max_new_tokens": max_new_tokens, "temperature": temperature,
     }
 

@@ -229,10 +229,7 @@ def render_concurrency(h: dict, rows: list[dict]) -> None:
     def ms(x):
         return "—" if x is None else f"{x * 1e3:.0f}"
 
-    title = (f"{h['model']} · {h['dtype']} · {h['device']} ({h['machine']}, {h['threads']} threads, kernels "
-             f"{h['cpu_kernels'] or 'torch'}) · {h['max_new_tokens']} new tokens · temperature {h['temperature']} · "
-             f"draft length {h['draft_length']}")
-    t = Table(title=title, title_justify="left",
+    t = Table(title=_title(h), title_justify="left",
               caption="tok/s: all requests' tokens over the wall time; speedup: over plain at the same N; "
                       "x plain@1: over plain with one request at a time; TTFT from queueing; ITL between a "
                       "request's token-bearing steps; = base: outputs equal to plain's; +mem: the method's tensors "
@@ -284,12 +281,8 @@ def render(report) -> None:
 
     from specctl.bench.suite import peer_engine
 
-    h = report.header
     out = _stdout()
-    title = (f"{h['model']} · {h['dtype']} · {h['device']} ({h['machine']}, {h['threads']} threads) · "
-             f"torch {h['torch']} · {h['max_new_tokens']} new tokens · temperature {h['temperature']} · "
-             f"draft length {h.get('draft_length', 'fixed k')}")
-    t = Table(title=title, title_justify="left",
+    t = Table(title=_title(report.header), title_justify="left",
               caption="speedup: specctl methods over specctl's plain decoding; a peer's (hf:*, vllm:*, llama.cpp:*) "
                       "over its own plain. "
                       "= base: outputs equal to specctl's plain output.", caption_justify="left")
@@ -317,7 +310,19 @@ def render(report) -> None:
             "—" if no_stats else f"{r['acceptance_rate']:.2f}", "—" if no_stats else f"{r['mean_acceptance_length']:.2f}",
             "—" if no_stats else per_pos, same, _mib(r.get("extra_memory_mib")),
         )
+        for name, s in (r.get("by_proposer") or {}).items():  # a hybrid's parts: who drafted, how well
+            share = s["num_drafts"] / r["num_drafts"] if r.get("num_drafts") else 0.0
+            pp = " ".join(f"{x:.2f}" for x in s["acceptance_rate_per_pos"][:4])
+            t.add_row("", f"  ↳ {name}", "", f"{share:.0%} of drafts", "", f"{s['acceptance_rate']:.2f}",
+                      f"{s['mean_acceptance_length']:.2f}", pp, "", "")
     out.print(t)
+
+
+def _title(h: dict) -> str:
+    """The table's title: model, dtype, device, machine and its CPU kernel path, run settings."""
+    return (f"{h['model']} · {h['dtype']} · {h['device']} ({h['machine']}, {h['threads']} threads, kernels "
+            f"{h.get('cpu_kernels') or 'torch'}) · torch {h['torch']} · {h['max_new_tokens']} new tokens · "
+            f"temperature {h['temperature']} · draft length {h.get('draft_length', 'fixed k')}")
 
 
 def _mib(x) -> str:

@@ -51,6 +51,7 @@ class GenerationResult:
     decode_s: float = 0.0  # every later token
     num_steps: int = 0  # target forwards after prefill
     margins: list[float] = field(default_factory=list)  # [len(token_ids)] when record_margins
+    by_proposer: dict[str, SpecStats] = field(default_factory=dict)  # hybrid: stats per sub-proposer
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -81,6 +82,7 @@ class DecodeState:
     hidden: torch.Tensor | None = None  # [1, H] target's final hidden state at the position that produced `last`
     error: BaseException | None = None  # what ended it, when a step failed (finish is then "error")
     n_prefilled: int = 0  # prompt tokens already in the KV cache (the prompt is n_ctx until the first token)
+    by_proposer: dict[str, SpecStats] = field(default_factory=dict)  # hybrid: stats per sub-proposer
 
     @property
     def prefilling(self) -> bool:
@@ -89,7 +91,7 @@ class DecodeState:
     def result(self) -> GenerationResult:
         t_end = time.perf_counter()
         return GenerationResult(self.out, self.finish or "length", self.stats, self.t_first - self.t_start,
-                                t_end - self.t_first, self.steps, self.margins[: len(self.out)])
+                                t_end - self.t_first, self.steps, self.margins[: len(self.out)], self.by_proposer)
 
 
 _EMPTY = torch.empty((1, 0), dtype=torch.long)
@@ -286,7 +288,7 @@ class SpecDecoder:
         t0 = t1 = time.perf_counter()  # the controller weighs the whole step: drafting (t0..t1) and verifying
         last = torch.tensor([[st.last]], dtype=torch.long)
         if k > 0:
-            d = self.proposer.propose(st.ctx, np.array([st.n_ctx], dtype=np.int32), k, st.hidden)
+            d = self.proposer.propose(st.ctx, np.array([st.n_ctx], dtype=np.int32), k, st.hidden, slots=[st.slot])
             t1 = time.perf_counter()
             nd = int(d.num_tokens[0])
             if d.parents is not None and nd > 0:
@@ -328,6 +330,7 @@ class SpecDecoder:
             aux = runner.last_aux
             self.proposer.on_target_hidden(st.slot, runner.last_hidden[:, :n], None if aux is None else aux[:, :n])
         st.stats.observe(nd, n - 1)
+        self._observe_source(st, nd, n - 1)
         if self.proposer is not None:
             self.proposer.on_verified(st.slot, n - 1, emitted)
         st.steps += 1
@@ -354,9 +357,16 @@ class SpecDecoder:
             st.hidden = hidden[:, -1]
             self.proposer.on_target_hidden(st.slot, hidden, None if aux is None else aux[:, idx])
         st.stats.observe(depth, len(path) - 1)
+        self._observe_source(st, depth, len(path) - 1)
         self.proposer.on_verified(st.slot, len(path) - 1, emitted)
         st.steps += 1
         return self._emit(st, emitted)
+
+    def _observe_source(self, st: DecodeState, num_draft: int, num_accepted: int) -> None:
+        """Count the step's draft for the sub-proposer that made it (a hybrid's; nothing otherwise)."""
+        src = self.proposer.draft_source(st.slot) if self.proposer is not None and num_draft > 0 else None
+        if src is not None:
+            st.by_proposer.setdefault(src, SpecStats()).observe(num_draft, num_accepted)
 
     def finish(self, st: DecodeState) -> GenerationResult:
         """End the request (the proposer may learn from it) and return its result."""

@@ -95,6 +95,7 @@ class EngineMetrics:
 
     def __init__(self):
         self.lock = threading.Lock()
+        self.by_proposer: dict[str, SpecStats] = {}  # a hybrid's parts, by name
         self.ttft = Histogram(TTFT_BUCKETS)  # arrival -> first token
         self.itl = Histogram(ITL_BUCKETS)  # between a request's successive token-bearing steps
         self.spec = SpecStats()
@@ -130,6 +131,7 @@ class Engine:
         self._waiting: deque[EngineRequest] = deque()  # submitted, not yet handed to the scheduler
         self._reqs: dict[str, EngineRequest] = {}  # every request not yet ended, by id
         self._seen: dict[str, tuple] = {}  # id -> (drafts, accepted, last token time) already counted in metrics
+        self._seen_parts: dict[str, dict[str, SpecStats]] = {}  # id -> a hybrid's parts as last counted
         self._sched: Scheduler | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -269,11 +271,19 @@ class Engine:
                         self.metrics.itl.observe(now - t_last)
             self._seen[u.request.id] = (st.stats.num_draft_tokens, st.stats.num_accepted_tokens,
                                         now if u.tokens else t_last)
+            if st.by_proposer:  # a hybrid's parts: what each counted since the last update
+                seen = self._seen_parts.setdefault(u.request.id, {})
+                with self.metrics.lock:
+                    for name, s in st.by_proposer.items():
+                        d = s.minus(seen.get(name, SpecStats()))
+                        self.metrics.by_proposer[name] = self.metrics.by_proposer.get(name, SpecStats()).merge(d)
+                        seen[name] = _copy_stats(s)
             if u.tokens:
                 self._post(req, Event(u.tokens, _copy_stats(st.stats)))
         if u.finish is None:
             return
         self._seen.pop(u.request.id, None)
+        self._seen_parts.pop(u.request.id, None)
         reason = u.finish
         if u.error is not None:
             log.warning("request %s failed: %s", u.request.id, u.error)

@@ -332,8 +332,8 @@ class Transformer(nn.Module):
         """tokens: [B, T] at cache slots [start, start+T); mask: [T, start+T] bool or None (T == 1).
         ``positions`` [T] (rotary positions; default start..start+T-1) marks a draft tree: the rows
         then attend as ``mask`` says (each node its ancestors), through SDPA. ``positions`` [B, T]
-        with ``mask`` [B, 1, T, start+T]: rows at positions of their own (left-padded prompts of
-        different lengths decoded as one batch, see ``runner.generate_batch``).
+        with ``mask`` [B, 1, T, start+T]: rows at positions of their own (left-padded rows; the batched
+        engine uses ``forward_ragged`` instead, each request in its own cache).
 
         Returns (logits [B, T', V] with T' = T for "all", 1 for "last", None for "none";
         hidden [B, T, H], the final-normed hidden states the LM head reads).

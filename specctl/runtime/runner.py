@@ -259,68 +259,39 @@ def stop_token_ids(path: Path, tokenizer) -> tuple[int, ...]:
     return tuple(sorted(ids))
 
 
-@torch.inference_mode()
 def generate_batch(model: Transformer, prompts: list[list[int]], rooms: list[int], *, temperature: float = 0.0,
-                   stop_token_ids=(), generator: torch.Generator | None = None) -> list[tuple[list[int], str]]:
-    """Answers to prompts of different lengths, decoded together as the rows of one batch.
+                   stop_token_ids=(), generator: torch.Generator | None = None,
+                   max_num_batched_tokens: int | None = 256) -> list[tuple[list[int], str]]:
+    """Answers to prompts of different lengths, decoded together by the continuous-batching
+    scheduler (one target forward per step for every row; ``specctl.runtime.scheduler``).
 
-    Prompts are left-padded to one length; each row has rotary positions of its own and a key mask
-    that hides its padding, so every row computes what it would alone (up to rounding: a batch
-    reads the weights once for all rows, which on a CPU makes n answers cost little more than one).
-    Row i stops at a stop token or after ``rooms[i]`` tokens; returns [(answer ids, "stop" | "length")].
-    Greedy at temperature 0, else sampled from the temperature-scaled distribution.
-    """
-    from specctl.runtime.rejection import logits_to_probs
+    Each row computes what it would alone (bit for bit on the row-independent CPU paths), and on a
+    CPU a step reads the weights once for all rows, so n answers cost little more than one. Row i
+    stops at a stop token or after ``rooms[i]`` tokens; returns [(answer ids, "stop" | "length")].
+    Greedy at temperature 0, else sampled from the temperature-scaled distribution, each row with a
+    generator seeded from ``generator`` (the same generator state, the same answers)."""
+    from specctl.runtime.decoder import SamplingParams, SpecDecoder
+    from specctl.runtime.scheduler import Request, Scheduler
 
-    B, P = len(prompts), max(len(p) for p in prompts)
-    steps = max(rooms)
-    dev = model.inv_freq.device
-    pad = torch.tensor([P - len(x) for x in prompts], device=dev)
-    p = next(model.parameters())
-    cache = KVCache(model.args, B, P + steps, p.dtype, dev)
-    slots = torch.arange(P + steps, device=dev)
-    valid = slots[None, :] >= pad[:, None]  # [B, S]: the keys each row may see (not its padding)
-    # Prefill row by row (no compute spent on padding): row b's prompt goes to slots [pad_b, P).
-    causal = slots[:P, None] >= slots[None, :P]
-    logits = torch.empty(B, 1, model.args.vocab_size, dtype=p.dtype, device=dev)
-    for b, prompt in enumerate(prompts):
-        row = _RowCache(cache.k[:, b:b + 1], cache.v[:, b:b + 1])
-        s = P - len(prompt)
-        m = (causal[s:] & valid[b, None, :P])[None, None]  # [1, 1, len, P]
-        pos = torch.arange(len(prompt), device=dev)[None]
-        ids = torch.tensor([prompt], dtype=torch.long, device=dev)
-        logits[b:b + 1], _ = model(ids, s, row, m, logits="last", positions=pos)
-    stop = set(stop_token_ids)
-    outs: list[list[int]] = [[] for _ in range(B)]
-    finish = ["length"] * B
-    live = [r > 0 for r in rooms]
-    lengths = P - pad  # [B] prompt lengths
-    for t in range(steps):
-        last = logits[:, -1]
-        if temperature > 0:
-            tok = torch.multinomial(logits_to_probs(last, temperature), 1, generator=generator)  # [B, 1]
-        else:
-            tok = last.argmax(-1, keepdim=True)
-        for b, x in enumerate(tok[:, 0].tolist()):
-            if live[b]:
-                outs[b].append(x)
-                if x in stop:
-                    finish[b], live[b] = "stop", False
-                elif len(outs[b]) >= rooms[b]:
-                    live[b] = False
-        if not any(live):
-            break
-        m = valid[:, None, None, :P + t + 1]  # [B, 1, 1, P+t+1]
-        logits, _ = model(tok.to(dev), P + t, cache, m, logits="last", positions=(lengths + t)[:, None])
-    return list(zip(outs, finish))
-
-
-@dataclass
-class _RowCache:
-    """One row of a KVCache (views: writes land in the batch's cache)."""
-
-    k: torch.Tensor
-    v: torch.Tensor
+    seeds: list[int | None] = [None] * len(prompts)
+    if temperature > 0:
+        g = generator
+        if g is None:
+            g = torch.Generator()
+            g.seed()
+        seeds = [int(torch.randint(0, 2**62, (1,), generator=g, device=g.device)) for _ in prompts]
+    live = [i for i, r in enumerate(rooms) if r > 0]
+    out: list[tuple[list[int], str]] = [([], "length") for _ in prompts]
+    if not live:
+        return out
+    max_len = max(len(prompts[i]) + rooms[i] for i in live) + 1
+    runners = [TargetRunner(model, max_len) for _ in live]
+    sched = Scheduler(SpecDecoder(runners[0]), runners, max_num_batched_tokens=max_num_batched_tokens)
+    reqs = [Request(list(prompts[i]), SamplingParams(max_new_tokens=rooms[i], temperature=temperature,
+                                                     stop_token_ids=tuple(stop_token_ids)), seeds[i]) for i in live]
+    for i, res in zip(live, sched.run(reqs)):
+        out[i] = (res.token_ids, res.finish_reason)
+    return out
 
 
 @torch.inference_mode()

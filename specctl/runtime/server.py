@@ -499,6 +499,7 @@ def render_metrics(engine: Engine, model_name: str) -> str:
     with m.lock:
         spec = _copy_stats(m.spec)
         prompt, gen, finished = m.prompt_tokens, m.generation_tokens, dict(m.finished)
+        parts = {name: _copy_stats(s) for name, s in m.by_proposer.items()}
         hists = [(name, doc, h.cumulative(), h.sum) for name, doc, h in (
             ("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", m.ttft),
             ("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", m.itl))]
@@ -524,10 +525,14 @@ def render_metrics(engine: Engine, model_name: str) -> str:
         lines.append(f"{name}_sum{{{labels}}} {float(total)}")
         lines.append(f"{name}_count{{{labels}}} {float(buckets[-1][1])}")
     if engine.spec is not None:
-        family("vllm:spec_decode_num_drafts", "counter", "Number of spec decoding drafts.", [("", spec.num_drafts)])
-        family("vllm:spec_decode_num_draft_tokens", "counter", "Number of draft tokens.", [("", spec.num_draft_tokens)])
+        # a hybrid's parts beside the totals, under a ``proposer`` label
+        by = [(f',proposer="{n}"', s) for n, s in sorted(parts.items())]
+        family("vllm:spec_decode_num_drafts", "counter", "Number of spec decoding drafts.",
+               [("", spec.num_drafts)] + [(lab, s.num_drafts) for lab, s in by])
+        family("vllm:spec_decode_num_draft_tokens", "counter", "Number of draft tokens.",
+               [("", spec.num_draft_tokens)] + [(lab, s.num_draft_tokens) for lab, s in by])
         family("vllm:spec_decode_num_accepted_tokens", "counter", "Number of accepted tokens.",
-               [("", spec.num_accepted_tokens)])
+               [("", spec.num_accepted_tokens)] + [(lab, s.num_accepted_tokens) for lab, s in by])
         per_pos = spec.num_accepted_tokens_per_pos + [0] * max(0, engine.k - len(spec.num_accepted_tokens_per_pos))
         family("vllm:spec_decode_num_accepted_tokens_per_pos", "counter", "Accepted tokens per draft position.",
                [(f',position="{i}"', c) for i, c in enumerate(per_pos)])

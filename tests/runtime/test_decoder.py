@@ -19,8 +19,8 @@ from specctl.errors import UsageError
 from specctl.runtime.decoder import SamplingParams, SpecDecoder
 from specctl.runtime.model import load_transformer
 from specctl.runtime.proposers import DraftOutput, Proposer, build_proposer
-from specctl.runtime.rejection import logits_to_probs
 from specctl.runtime.runner import TargetRunner
+from specctl.testing import exact_marginals, null_tv_quantile, tv
 
 MAX_LEN = 160
 NEW = 40
@@ -147,7 +147,7 @@ class ScriptedProposer(Proposer):
     def __init__(self, prompt_len: int, continuation: list[int], wrong: bool = False):
         self.prompt_len, self.continuation, self.wrong = prompt_len, continuation, wrong
 
-    def propose(self, token_ids, num_tokens, k, hidden_states=None) -> DraftOutput:
+    def propose(self, token_ids, num_tokens, k, hidden_states=None, slots=None) -> DraftOutput:
         done = int(num_tokens[0]) - self.prompt_len  # tokens emitted so far
         ids = self.continuation[done:done + k]
         if self.wrong:
@@ -235,46 +235,6 @@ def test_sampling_is_deterministic_given_a_seed(loopy_model, greedy_cases, specu
     assert any(run(s) != a for s in (1, 2, 3))
 
 
-def _exact_marginals(model, prompt: list[int], temperature: float, depth: int, prune: float = 1e-6):
-    """Exact distributions of emitted tokens 1..depth under plain sampling, by enumerating prefixes.
-
-    Returns (list of [V] marginals, mass left out by pruning prefixes with probability < prune).
-    """
-    prefixes = [((), 1.0)]
-    marginals, dropped = [], 0.0
-    for _ in range(depth):
-        V = model.args.vocab_size
-        marginal = torch.zeros(V, dtype=torch.float64)
-        nxt = []
-        for i in range(0, len(prefixes), 256):
-            chunk = prefixes[i:i + 256]
-            rows = torch.tensor([prompt + list(p) for p, _ in chunk])
-            runner = TargetRunner(model, rows.shape[1], batch=len(chunk))
-            probs = logits_to_probs(runner.forward(rows, logits="last")[:, 0], temperature).double()
-            w = torch.tensor([m for _, m in chunk], dtype=torch.float64)
-            joint = w[:, None] * probs  # [rows, V]
-            marginal += joint.sum(0)
-            for r, (p, _) in enumerate(chunk):
-                for tok in (joint[r] >= prune).nonzero().flatten().tolist():
-                    nxt.append((p + (tok,), float(joint[r, tok])))
-                dropped += float(joint[r][joint[r] < prune].sum())
-        marginals.append(marginal)
-        prefixes = nxt
-    return marginals, dropped
-
-
-def _tv(a: torch.Tensor, b: torch.Tensor) -> float:
-    return 0.5 * float((a.double() - b.double()).abs().sum())
-
-
-def _null_tv_quantile(exact: torch.Tensor, n: int, q: float = 0.999, trials: int = 2000) -> float:
-    """The q-quantile of TV(empirical of n exact samples, exact): how far a correct sampler may land."""
-    g = torch.Generator().manual_seed(0)
-    draws = torch.multinomial(exact.float().expand(trials, -1), n, replacement=True, generator=g)
-    hist = torch.zeros(trials, exact.numel()).scatter_add_(1, draws, torch.ones(draws.shape)) / n
-    return float(torch.quantile(0.5 * (hist - exact.float()).abs().sum(1), q))
-
-
 def _emitted_histograms(dec: SpecDecoder, prompt, params: SamplingParams, n: int, V: int):
     """Histograms of the 2nd and 3rd emitted tokens over n seeded runs, and the summed SpecStats."""
     seconds, thirds = torch.zeros(V), torch.zeros(V)
@@ -314,16 +274,16 @@ def test_stochastic_speculation_keeps_the_target_distribution(loopy_model):
         return sum(x.num_accepted_tokens for x in s) / max(1, sum(x.num_draft_tokens for x in s))
 
     prompt = max(candidates, key=acceptance)
-    (_, m2, m3), dropped = _exact_marginals(loopy_model, prompt, temperature, depth=3)
+    (_, m2, m3), dropped = exact_marginals(loopy_model, prompt, temperature, depth=3)
     assert dropped < 0.01
 
     sec, third, drafted, accepted = _emitted_histograms(spec, prompt, params, N, V)
     assert 0.2 < accepted / drafted < 0.95, accepted / drafted  # both accepts and rejections happen
-    assert _tv(sec, m2) < _null_tv_quantile(m2, N) + dropped, _tv(sec, m2)
-    assert _tv(third, m3) < _null_tv_quantile(m3, N) + dropped, _tv(third, m3)
+    assert tv(sec, m2) < null_tv_quantile(m2, N) + dropped, tv(sec, m2)
+    assert tv(third, m3) < null_tv_quantile(m3, N) + dropped, tv(third, m3)
 
     # the same check on plain sampling: the reference itself is what plain decoding samples
     sec, third, drafted, _ = _emitted_histograms(plain, prompt, SamplingParams(max_new_tokens=3, temperature=temperature), N, V)
     assert drafted == 0
-    assert _tv(sec, m2) < _null_tv_quantile(m2, N) + dropped
-    assert _tv(third, m3) < _null_tv_quantile(m3, N) + dropped
+    assert tv(sec, m2) < null_tv_quantile(m2, N) + dropped
+    assert tv(third, m3) < null_tv_quantile(m3, N) + dropped

@@ -492,3 +492,21 @@ def test_a_full_server_answers_429_and_keeps_serving(loaded):
                 assert time.time() < deadline, "the slot was never freed"
                 time.sleep(0.05)
         assert r.usage.completion_tokens >= 1
+
+
+def test_hybrid_parts_are_counted_under_a_proposer_label(loaded):
+    """/metrics carries a hybrid's parts beside vLLM's totals (label ``proposer``), and they add up."""
+    spec = SpecConfig.from_dict({"method": "hybrid", "proposers": [
+        {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2},
+        {"method": "suffix", "num_speculative_tokens": 4}]})
+    with LiveServer(Engine(loaded, spec, MAX_LEN, max_num_seqs=2, adaptive=False)) as s:
+        client = s.client()
+        for p in PROMPTS[:4]:
+            client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": p}], max_tokens=NEW,
+                                           temperature=0)
+        m = s.metrics()
+    for name in ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_accepted_tokens_total"):
+        parts = {k[1]: v for k, v in m.items() if k[0] == name and k[1].startswith("proposer=")}
+        assert set(parts) <= {'proposer="ngram"', 'proposer="suffix"'} and parts
+        assert sum(parts.values()) == m[(name, "")]
+    assert m[("vllm:spec_decode_num_drafts_total", "")] > 0

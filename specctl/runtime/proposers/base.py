@@ -53,6 +53,7 @@ class Proposer:
         num_tokens: np.ndarray,  # [batch] int32
         k: int,
         hidden_states: torch.Tensor | None = None,  # [batch, H] target's last hidden state, if asked
+        slots=None,  # [batch] the slot of each row's request (the decoder passes it); None: matched by context
     ) -> DraftOutput:
         raise NotImplementedError
 
@@ -69,6 +70,10 @@ class Proposer:
 
     def end_request(self, slot: int) -> None:
         """The request in ``slot`` finished (a proposer may learn from its output here)."""
+
+    def draft_source(self, slot: int) -> str | None:
+        """Which of its sub-proposers made ``slot``'s latest draft (hybrid); None for a single one."""
+        return None
 
 
 class SlotProposer(Proposer):
@@ -107,9 +112,13 @@ class SlotProposer(Proposer):
         if slot in self.slots:
             self.slots[slot].active = False
 
-    def _match_slot(self, row: np.ndarray, n: int):
-        """The active slot whose target states fit this context of n tokens (the target holds n - 1),
-        told apart by prompt where several do; None if none."""
+    def _match_slot(self, row: np.ndarray, n: int, slot: int | None = None):
+        """The request's slot when the caller names it (``slot``); else the active slot whose target
+        states fit this context of n tokens (the target holds n - 1), told apart by prompt where
+        several do; None if none."""
+        if slot is not None:
+            s = self.slots.get(slot)
+            return s if s is not None and s.active and self._target_len(s) == n - 1 else None
         cands = [s for s in self.slots.values() if s.active and self._target_len(s) == n - 1]
         if len(cands) > 1:
             cands = [s for s in cands if np.array_equal(s.prompt, row[:len(s.prompt)])] or cands

@@ -466,18 +466,19 @@ class EagleProposer(SlotProposer):
     def on_verified(self, slot: int, num_accepted: int, emitted: list[int]) -> None:
         """Nothing to do: the next ``on_target_hidden`` rows overwrite the rejected chain rows."""
 
-    def _slot_for_row(self, row: np.ndarray, n: int) -> _Slot:
-        s = self._match_slot(row, n)
+    def _slot_for_row(self, row: np.ndarray, n: int, slot: int | None = None) -> _Slot:
+        s = self._match_slot(row, n, slot)
         if s is None:
             raise UsageError("the EAGLE proposer was asked to draft for a request whose target states it has not seen",
                              "drive it through SpecDecoder (it calls on_target_hidden after every target forward)")
         return s
 
     # ------------------------------------------------------------------ drafting
-    def propose(self, token_ids, num_tokens, k, hidden_states=None) -> DraftOutput:
+    def propose(self, token_ids, num_tokens, k, hidden_states=None, slots=None) -> DraftOutput:
         B = token_ids.shape[0]
+        slot_of = (lambda b: None) if slots is None else (lambda b: int(slots[b]))
         if self.tree_topk is not None and B == 1 and k > 0:
-            s = self._slot_for_row(token_ids[0], int(num_tokens[0]))
+            s = self._slot_for_row(token_ids[0], int(num_tokens[0]), slot_of(0))
             if (s.sampling or _Sampling()).temperature <= 0:
                 return self._propose_tree(s, token_ids[0], int(num_tokens[0]), k)
         out = torch.full((B, k), -1, dtype=torch.long)
@@ -485,7 +486,7 @@ class EagleProposer(SlotProposer):
         qs = []
         for b in range(B):
             n = int(num_tokens[b])
-            ids, q = self._propose_one(self._slot_for_row(token_ids[b], n), token_ids[b], n, k)
+            ids, q = self._propose_one(self._slot_for_row(token_ids[b], n, slot_of(b)), token_ids[b], n, k)
             out[b, :len(ids)] = torch.tensor(ids, dtype=torch.long)
             num[b] = len(ids)
             qs.append(q)

@@ -125,8 +125,9 @@ class MedusaProposer(Proposer):
     def end_request(self, slot: int) -> None:
         self._buffers = {b: s for b, s in self._buffers.items() if s != slot}
 
-    def _sampling(self, token_ids: np.ndarray) -> _Sampling:
-        slot = self._buffers.get(id(token_ids))
+    def _sampling(self, token_ids: np.ndarray, slot: int | None = None) -> _Sampling:
+        if slot is None:
+            slot = self._buffers.get(id(token_ids))
         if slot is None and len(self.slots) == 1:
             slot = next(iter(self.slots))
         return self.slots.get(slot) or _Sampling(self.temperature, self.top_k, self.top_p)
@@ -137,12 +138,12 @@ class MedusaProposer(Proposer):
         """hidden [B, H] -> [B, n, V'] logits of the first n heads (LM-head rows; see heads.vocab_ids)."""
         return self.heads(hidden.to(self.device, self.dtype), n, self.linear)
 
-    def propose(self, token_ids, num_tokens, k, hidden_states=None) -> DraftOutput:
+    def propose(self, token_ids, num_tokens, k, hidden_states=None, slots=None) -> DraftOutput:
         B = token_ids.shape[0]
         n = min(k, self.k)
         if hidden_states is None or n <= 0:
             return DraftOutput(torch.full((B, max(k, 0)), -1, dtype=torch.long), torch.zeros(B, dtype=torch.long))
-        sp = self._sampling(token_ids)
+        sp = self._sampling(token_ids, None if slots is None else int(slots[0]))
         if self.tree is not None and sp.temperature <= 0 and B == 1:
             return self._propose_tree(hidden_states, n)
         logits = self.head_logits(hidden_states, n)  # [B, n, V']

@@ -312,7 +312,7 @@ class MtpProposer(SlotProposer):
 
     # ------------------------------------------------------------------ drafting
     @torch.inference_mode()
-    def propose(self, token_ids, num_tokens, k, hidden_states=None) -> DraftOutput:
+    def propose(self, token_ids, num_tokens, k, hidden_states=None, slots=None) -> DraftOutput:
         B = token_ids.shape[0]
         V = self.target.model.args.vocab_size
         out = torch.full((B, k), -1, dtype=torch.long)
@@ -320,7 +320,7 @@ class MtpProposer(SlotProposer):
         qs: list[torch.Tensor | None] = [None] * B
         for b in range(B):
             n = int(num_tokens[b])
-            s = self._match_slot(token_ids[b], n)
+            s = self._match_slot(token_ids[b], n, None if slots is None else int(slots[b]))
             if s is None or n < 2 or n + k > s.max_len:
                 continue  # no target states for this row (or no room): no draft this step
             ids, q = self._propose_one(s, torch.from_numpy(np.asarray(token_ids[b, :n], dtype=np.int64)), k)

@@ -22,7 +22,7 @@ class NgramProposer(Proposer):
         self.max_n = int(config.prompt_lookup_max)
         self.max_model_len = int(config.max_model_len or max_model_len)
 
-    def propose(self, token_ids, num_tokens, k, hidden_states=None) -> DraftOutput:
+    def propose(self, token_ids, num_tokens, k, hidden_states=None, slots=None) -> DraftOutput:
         batch = token_ids.shape[0]
         draft = np.empty((batch, k), dtype=np.int32)
         num = np.empty(batch, dtype=np.int32)

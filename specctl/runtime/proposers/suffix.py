@@ -93,7 +93,7 @@ class SuffixProposer(Proposer):
         g.end_seq()
 
     # ------------------------------------------------------------------ drafting
-    def propose(self, token_ids, num_tokens, k, hidden_states=None) -> DraftOutput:
+    def propose(self, token_ids, num_tokens, k, hidden_states=None, slots=None) -> DraftOutput:
         batch = token_ids.shape[0]
         draft = np.full((batch, max(k, 0)), -1, dtype=np.int32)  # [batch, k]
         num = np.zeros(batch, dtype=np.int32)  # [batch]
@@ -103,7 +103,7 @@ class SuffixProposer(Proposer):
         for b in range(batch):
             n = int(num_tokens[b])
             row = token_ids[b]
-            req = self._sync(token_ids, b, n)
+            req = self._sync(token_ids, b, n, None if slots is None else int(slots[b]))
             max_spec = min(k, self.max_model_len - n - 1)
             if max_spec <= 0:
                 continue
@@ -120,18 +120,23 @@ class SuffixProposer(Proposer):
                 num[b], self.last_source[b] = nl, "local" if nl else "none"
         return DraftOutput(torch.from_numpy(draft).long(), torch.from_numpy(num).long(), None)
 
-    def _sync(self, token_ids: np.ndarray, b: int, n: int) -> _Request:
+    def _sync(self, token_ids: np.ndarray, b: int, n: int, slot: int | None = None) -> _Request:
         """Row b's request, its local tree caught up to token_ids[b, :n].
 
-        The decoder's own buffer identifies its slot; any other row b is slot b, trusted only if
-        it continues that slot's tokens (else the slot restarts from the row).
+        The slot named by the caller, else the one whose buffer is the decoder's; any other row b
+        is slot b. A slot is trusted only if the row continues its tokens (else it restarts from
+        the row).
         """
         row = token_ids[b]
         req = None
-        if token_ids.shape[0] == 1:
+        if slot is not None:
+            req = self.requests.get(slot)
+            if req is not None and (req.length > n or not np.array_equal(req.tokens(), row[:req.length])):
+                req = None
+        elif token_ids.shape[0] == 1:
             slot = next((s for s, r in self.requests.items() if r.buffer is token_ids), None)
             req = self.requests.get(slot) if slot is not None else None
-        if req is None:
+        if req is None and slot is None:
             slot = b
             req = self.requests.get(slot)
             if req is not None and (req.length > n or not np.array_equal(req.tokens(), row[:req.length])):

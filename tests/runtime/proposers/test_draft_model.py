@@ -25,6 +25,7 @@ from specctl.runtime.proposers import build_proposer
 from specctl.runtime.proposers.draft_model import DraftModelProposer
 from specctl.runtime.rejection import logits_to_probs
 from specctl.runtime.runner import TargetRunner, load_model
+from specctl.testing import exact_marginals, null_tv_quantile
 from specctl.runtime.vocab_map import build_vocab_map
 
 MAX_LEN = 128
@@ -305,32 +306,6 @@ def test_prefix_shared_with_an_earlier_request_is_reused(target, drafts, greedy_
 # --------------------------------------------------------------------------- sampling
 
 
-def _exact_marginals(model, prompt: list[int], temperature: float, depth: int, prune: float = 1e-5):
-    """Exact distributions of emitted tokens 1..depth under plain sampling (enumerating prefixes)."""
-    prefixes, marginals, dropped = [((), 1.0)], [], 0.0
-    for _ in range(depth):
-        marginal = torch.zeros(model.args.vocab_size, dtype=torch.float64)
-        nxt = []
-        rows = torch.tensor([prompt + list(p) for p, _ in prefixes])
-        probs = logits_to_probs(TargetRunner(model, rows.shape[1], batch=len(prefixes)).forward(rows, logits="last")[:, 0],
-                                temperature).double()
-        joint = torch.tensor([m for _, m in prefixes], dtype=torch.float64)[:, None] * probs
-        marginal += joint.sum(0)
-        for r, (p, _) in enumerate(prefixes):
-            nxt += [(p + (t,), float(joint[r, t])) for t in (joint[r] >= prune).nonzero().flatten().tolist()]
-            dropped += float(joint[r][joint[r] < prune].sum())
-        marginals.append(marginal)
-        prefixes = nxt
-    return marginals, dropped
-
-
-def _null_tv_quantile(exact: torch.Tensor, n: int, q: float = 0.999, trials: int = 2000) -> float:
-    g = torch.Generator().manual_seed(0)
-    draws = torch.multinomial(exact.float().expand(trials, -1), n, replacement=True, generator=g)
-    hist = torch.zeros(trials, exact.numel()).scatter_add_(1, draws, torch.ones(draws.shape)) / n
-    return float(torch.quantile(0.5 * (hist - exact.float()).abs().sum(1), q))
-
-
 def test_sampling_keeps_the_target_distribution(target, drafts):
     """Sampled drafts from the mapped (tli) draft, with q moved onto target ids: tokens 2 and 3 emitted
     are distributed exactly as plain sampling's (arXiv 2211.17192). With max_new_tokens 4 and k 2, the
@@ -343,7 +318,7 @@ def test_sampling_keeps_the_target_distribution(target, drafts):
     prop.set_sampling(0, SamplingParams(temperature=DRAFT_T))  # q far enough from p that recovered tokens matter
     spec = SpecDecoder(TargetRunner(target.model, MAX_LEN), prop, 2)
     prompt = random_text_prompts(1, seed=11)[0]
-    (_, m2, m3), dropped = _exact_marginals(target.model, prompt, temperature, depth=3)
+    (_, m2, m3), dropped = exact_marginals(target.model, prompt, temperature, depth=3, prune=1e-5)
     assert dropped < 0.01, dropped
     V = target.model.args.vocab_size
     sec, third = torch.zeros(V), torch.zeros(V)
@@ -357,7 +332,7 @@ def test_sampling_keeps_the_target_distribution(target, drafts):
     assert 0.2 < accepted / drafted < 0.95, accepted / drafted  # accepted and recovered tokens both occur
     for emp, exact in ((sec / N, m2), (third / N, m3)):
         tv = 0.5 * float((emp.double() - exact).abs().sum())
-        assert tv < _null_tv_quantile(exact, N) + dropped, tv
+        assert tv < null_tv_quantile(exact, N) + dropped, tv
 
 
 def test_sampled_draft_returns_q_on_target_ids(target, drafts):
@@ -423,3 +398,14 @@ def test_a_map_for_another_pair_is_refused(target, drafts, tmp_path):
     other = build_vocab_map(byte_level_tokenizer(), byte_level_tokenizer())
     with pytest.raises(DataError, match="target tokenizer differs"):
         make_proposer(target, drafts["byte"], vocab_map=other)
+
+
+@pytest.mark.parametrize("draft_name", ["same", "byte"])
+def test_batched_greedy_equals_plain(target, drafts, greedy_cases, run_batched, draft_name):
+    """Requests decoding together, each with its own draft cache, give their plain output (identical
+    requests too: the decoder names each request's slot)."""
+    cases = greedy_cases[:8] + greedy_cases[:2]
+    dec = SpecDecoder(TargetRunner(target.model, MAX_LEN), make_proposer(target, drafts[draft_name]), K)
+    got = run_batched(dec, [p for p, _ in cases], [SamplingParams(max_new_tokens=NEW)] * len(cases))
+    assert [r.token_ids for r in got] == [o for _, o in cases]
+    assert sum(r.stats.num_accepted_tokens for r in got) > 0

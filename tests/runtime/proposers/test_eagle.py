@@ -367,3 +367,21 @@ def test_fused_greedy_equality_chain_and_tree(wide, monkeypatch):
     for name in configs:  # the bf16 draft accepts about as much as the fp32 one
         assert accepted[name, True] > 0
         assert accepted[name, True] >= 0.8 * accepted[name, False], accepted
+
+
+@pytest.mark.parametrize("method,tree", [("eagle3", False), ("eagle", False), ("eagle3", True)])
+def test_batched_greedy_equals_plain(trained, tiny_model_dir, run_batched, method, tree):
+    """Requests decoding together (EAGLE chains, or dynamic trees, in one ragged forward; each its
+    own draft features) give their plain output."""
+    loaded = load_model(tiny_model_dir, dtype="float32")
+    s = trained[3 if method == "eagle3" else 1]
+    cfg = {"method": method, "model": s["export"], "num_speculative_tokens": 4}
+    if tree:
+        cfg.update(speculative_eagle_topk=3, speculative_num_draft_tokens=12)
+    prop = build_proposer(SpecConfig.from_dict(cfg), 256, target=loaded)
+    plain = SpecDecoder(TargetRunner(loaded.model, 256))
+    prompts = [chat_ids(loaded.tokenizer, [{"role": "user", "content": t}], True) for t in trained["prompts"][:10]]
+    params = SamplingParams(max_new_tokens=24)
+    got = run_batched(SpecDecoder(TargetRunner(loaded.model, 256), prop, 4), prompts, [params] * len(prompts))
+    assert [r.token_ids for r in got] == [plain.generate(p, params).token_ids for p in prompts]
+    assert sum(r.stats.num_accepted_tokens for r in got) > 0

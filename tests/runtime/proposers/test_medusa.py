@@ -201,3 +201,14 @@ def test_token_tree_parsing():
     for bad in ("[(0,), oops]", "[]", [[-1]], "3"):
         with pytest.raises(ConfigError, match="speculative_token_tree"):
             parse_token_tree(bad)
+
+
+@pytest.mark.parametrize("tree", [None, "[(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]"])
+def test_batched_greedy_equals_plain(trained, run_batched, tree):
+    """Requests decoding together (chains or draft trees in one ragged forward) give their plain output."""
+    lm, cases, heads_dir = trained
+    extra = {} if tree is None else {"speculative_token_tree": tree}
+    dec = SpecDecoder(TargetRunner(lm.model, 160), build_proposer(cfg(heads_dir, **extra), 160, target=lm), 3)
+    got = run_batched(dec, [p for p, _ in cases[:10]], [SamplingParams(max_new_tokens=NEW)] * 10)
+    assert [r.token_ids for r in got] == [o for _, o in cases[:10]]
+    assert sum(r.stats.num_accepted_tokens for r in got) > 10

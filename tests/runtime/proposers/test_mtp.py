@@ -178,3 +178,15 @@ def test_target_without_mtp_is_a_clear_error(loaded):
 
 def test_config_records_modules(layout_dirs):
     assert json.loads((layout_dirs["deepseek_v3"] / "config.json").read_text())["num_nextn_predict_layers"] == 1
+
+
+def test_batched_greedy_equals_plain(loaded, trained_stack, run_batched):
+    prompts = PROMPTS[:8] + PROMPTS[:2]  # two pairs of identical requests in flight together: told apart by slot
+    sp = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    plain = SpecDecoder(TargetRunner(loaded.model, 256))
+    want = [plain.generate(p, sp).token_ids for p in prompts]
+    prop = MtpProposer(SpecConfig.from_dict({"method": "mtp", "num_speculative_tokens": K}), target=loaded,
+                       max_model_len=256, stack=trained_stack)
+    got = run_batched(SpecDecoder(TargetRunner(loaded.model, 256), prop, K), prompts, [sp] * len(prompts))
+    assert [r.token_ids for r in got] == want
+    assert sum(r.stats.num_accepted_tokens for r in got) > 10

@@ -1,0 +1,49 @@
+"""Exact references for the statistical tests of speculative sampling (shared by the test suite).
+
+``exact_marginals``: the distributions of the 1st..depth-th emitted token under plain sampling,
+computed exactly by enumerating prefixes (those below ``prune`` are dropped and their mass
+returned); ``tv``: total variation distance; ``null_tv_quantile``: how far the empirical histogram
+of n samples from the exact distribution itself lands (its q-quantile over many trials), the
+threshold a correct sampler stays under (arXiv 2211.17192's claim, checked).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specctl.runtime.rejection import logits_to_probs
+from specctl.runtime.runner import TargetRunner
+
+
+def exact_marginals(model, prompt: list[int], temperature: float, depth: int, prune: float = 1e-6):
+    """(list of [V] marginals of emitted tokens 1..depth, mass left out by pruning)."""
+    prefixes = [((), 1.0)]
+    marginals, dropped = [], 0.0
+    for _ in range(depth):
+        marginal = torch.zeros(model.args.vocab_size, dtype=torch.float64)
+        nxt = []
+        for i in range(0, len(prefixes), 256):
+            chunk = prefixes[i:i + 256]
+            rows = torch.tensor([prompt + list(p) for p, _ in chunk])
+            runner = TargetRunner(model, rows.shape[1], batch=len(chunk))
+            probs = logits_to_probs(runner.forward(rows, logits="last")[:, 0], temperature).double()
+            joint = torch.tensor([m for _, m in chunk], dtype=torch.float64)[:, None] * probs  # [rows, V]
+            marginal += joint.sum(0)
+            for r, (p, _) in enumerate(chunk):
+                nxt += [(p + (t,), float(joint[r, t])) for t in (joint[r] >= prune).nonzero().flatten().tolist()]
+                dropped += float(joint[r][joint[r] < prune].sum())
+        marginals.append(marginal)
+        prefixes = nxt
+    return marginals, dropped
+
+
+def tv(a: torch.Tensor, b: torch.Tensor) -> float:
+    return 0.5 * float((a.double() - b.double()).abs().sum())
+
+
+def null_tv_quantile(exact: torch.Tensor, n: int, q: float = 0.999, trials: int = 2000) -> float:
+    """The q-quantile of TV(empirical of n exact samples, exact): how far a correct sampler may land."""
+    g = torch.Generator().manual_seed(0)
+    draws = torch.multinomial(exact.float().expand(trials, -1), n, replacement=True, generator=g)
+    hist = torch.zeros(trials, exact.numel()).scatter_add_(1, draws, torch.ones(draws.shape)) / n
+    return float(torch.quantile(0.5 * (hist - exact.float()).abs().sum(1), q))

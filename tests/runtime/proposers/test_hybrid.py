@@ -1,0 +1,164 @@
+"""method "hybrid": n-gram first, a draft model where it has nothing; lossless, counted per part."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from specctl.config import SpecConfig
+from specctl.errors import ConfigError
+from specctl.runtime.decoder import SamplingParams, SpecDecoder
+from specctl.runtime.proposers import build_proposer
+from specctl.runtime.proposers.hybrid import HybridProposer
+from specctl.runtime.runner import TargetRunner, load_model
+from specctl.testing import exact_marginals, null_tv_quantile, tv
+
+MAX_LEN = 192
+
+
+@pytest.fixture(scope="module")
+def folders(tiny_model_factory, tmp_path_factory):
+    """(target, draft): a tiny llama whose greedy output loops, and a perturbed copy as its draft."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    target = tiny_model_factory(seed=1, initializer_range=0.05)
+    draft = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(0.02 * p.abs().mean() * torch.randn(p.shape, generator=g))
+    out = tmp_path_factory.mktemp("hybrid-draft")
+    draft.save_pretrained(out)
+    AutoTokenizer.from_pretrained(target).save_pretrained(out)
+    return target, out
+
+
+@pytest.fixture(scope="module")
+def target(folders):
+    return load_model(folders[0], dtype="float32")
+
+
+def hybrid(draft_dir, min_match: int = 2, k: int = 4) -> SpecConfig:
+    return SpecConfig.from_dict({"method": "hybrid", "hybrid_min_match": min_match, "proposers": [
+        {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2, "prompt_lookup_max": 4},
+        {"method": "draft_model", "model": str(draft_dir), "num_speculative_tokens": 3}]})
+
+
+def _prompts(n: int, seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(6, 128, int(rng.integers(5, 12))).tolist() for _ in range(n)]
+
+
+def test_config_is_validated_with_the_fix_named(folders):
+    c = hybrid(folders[1])
+    assert c.policy == "first" and c.hybrid_min_match == 2 and c.num_speculative_tokens == 4
+    assert [s.method for s in c.sub_configs()] == ["ngram", "draft_model"]
+    for bad, needle in ((dict(proposers=[]), "non-empty list"), (dict(proposers=[{"method": "sufix"}]), "did you mean"),
+                        (dict(proposers=[{"method": "ngram"}], policy="best"), "unknown hybrid policy"),
+                        (dict(proposers=[{"method": "ngram"}], hybrid_min_match=0), "hybrid_min_match"),
+                        (dict(proposers=[{"method": "hybrid", "proposers": [{"method": "ngram"}]}]), "itself a hybrid"),
+                        (dict(proposers=["ngram"]), "must be a JSON object")):
+        with pytest.raises(ConfigError, match=needle):
+            SpecConfig.from_dict({"method": "hybrid", **bad})
+    with pytest.raises(ConfigError, match="hybrid options"):
+        SpecConfig.from_dict({"method": "ngram", "proposers": [{"method": "ngram"}]})
+
+
+def test_greedy_equals_plain_with_both_parts_drafting_and_counted(target, folders):
+    """Copying fires where the output repeats what came before, the draft model drafts elsewhere:
+    the output is plain greedy's, each part's drafts and acceptances are counted to it, and they
+    add up to the request's totals. Between its drafts the draft model falls behind (the n-gram
+    steps' tokens) and catches up; the output stays exact."""
+    prop = build_proposer(hybrid(folders[1]), MAX_LEN, target=target)
+    assert isinstance(prop, HybridProposer) and prop.names == ["ngram", "draft_model"]
+    sources = []
+    inner = prop.propose
+
+    def spy(*a, **kw):
+        d = inner(*a, **kw)
+        sources.append(prop.draft_source(0) if int(d.num_tokens[0]) else None)
+        return d
+
+    prop.propose = spy
+    spec = SpecDecoder(TargetRunner(target.model, MAX_LEN), prop, 4)
+    plain = SpecDecoder(TargetRunner(target.model, MAX_LEN))
+    totals = {}
+    for p in _prompts(8, 0):
+        sp = SamplingParams(max_new_tokens=48, ignore_eos=True)
+        sources.clear()
+        want, got = plain.generate(p, sp), spec.generate(p, sp)
+        assert got.token_ids == want.token_ids
+        parts = got.by_proposer
+        assert sum(s.num_drafts for s in parts.values()) == got.stats.num_drafts
+        assert sum(s.num_draft_tokens for s in parts.values()) == got.stats.num_draft_tokens
+        assert sum(s.num_accepted_tokens for s in parts.values()) == got.stats.num_accepted_tokens
+        for name, s in parts.items():
+            t = totals.setdefault(name, [0, 0])
+            t[0] += s.num_drafts
+            t[1] += s.num_accepted_tokens
+        # the model drafted after n-gram steps it sat out: it caught up and stayed exact
+        if "ngram" in sources and "draft_model" in sources[sources.index("ngram"):]:
+            totals["caught_up"] = totals.get("caught_up", 0) + 1
+    assert totals["ngram"][0] > 10 and totals["draft_model"][0] > 10  # each part drafted on some steps
+    assert totals["ngram"][1] > 0 and totals["draft_model"][1] > 0  # and had drafts accepted
+    assert totals.get("caught_up", 0) >= 2
+
+
+def test_min_match_decides_who_drafts(target, folders):
+    """hybrid_min_match 1: n-gram wins every step it has any match; a very high one hands every
+    step to the draft model (the last part drafts at any length)."""
+    p = _prompts(1, 3)[0]
+    sp = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    want = SpecDecoder(TargetRunner(target.model, MAX_LEN)).generate(p, sp).token_ids
+    counts = {}
+    for m in (1, 99):
+        prop = build_proposer(hybrid(folders[1], min_match=m), MAX_LEN, target=target)
+        got = SpecDecoder(TargetRunner(target.model, MAX_LEN), prop, 4).generate(p, sp)
+        assert got.token_ids == want
+        counts[m] = {n: s.num_drafts for n, s in got.by_proposer.items()}
+    assert counts[99].get("ngram", 0) == 0 and counts[99]["draft_model"] > 0
+    assert counts[1].get("ngram", 0) > counts[99].get("ngram", 0)
+
+
+def test_batched_greedy_equals_plain(target, folders, run_batched):
+    prompts = _prompts(6, 5)
+    sp = SamplingParams(max_new_tokens=32, ignore_eos=True)
+    plain = SpecDecoder(TargetRunner(target.model, MAX_LEN))
+    dec = SpecDecoder(TargetRunner(target.model, MAX_LEN), build_proposer(hybrid(folders[1]), MAX_LEN, target=target), 4)
+    got = run_batched(dec, prompts, [sp] * len(prompts), slots=3)
+    assert [r.token_ids for r in got] == [plain.generate(p, sp).token_ids for p in prompts]
+    assert {n for r in got for n in r.by_proposer} == {"ngram", "draft_model"}
+
+
+@pytest.mark.parametrize("which", ["ngram", "draft_model"])
+def test_sampling_keeps_the_target_distribution(target, folders, which):
+    """Sampled with each part drafting (a prompt n-gram matches, one it does not): tokens 2 and 3
+    emitted are distributed exactly as plain sampling's (exact marginals by enumeration; the
+    threshold is the 99.9% quantile of a correct sampler's TV with as many samples)."""
+    temperature, N = 0.1, 800
+    if which == "ngram":  # the model's own loop, so n-gram matches at once
+        x = _prompts(1, 9)[0]
+        prompt = x + SpecDecoder(TargetRunner(target.model, MAX_LEN)).generate(
+            x, SamplingParams(max_new_tokens=30, ignore_eos=True)).token_ids
+    else:
+        prompt = list(range(10, 19))  # no repeated pair: nothing for n-gram
+    prop = build_proposer(hybrid(folders[1], k=2), MAX_LEN, target=target)
+    spec = SpecDecoder(TargetRunner(target.model, MAX_LEN), prop, 2)
+    params = SamplingParams(max_new_tokens=4, temperature=temperature, ignore_eos=True)
+    (_, m2, m3), dropped = exact_marginals(target.model, prompt, temperature, depth=3)
+    assert dropped < 0.01, dropped
+    V = target.model.args.vocab_size
+    sec, third = torch.zeros(V), torch.zeros(V)
+    drafts, acc = {}, 0
+    for i in range(N):
+        res = spec.generate(prompt, params, torch.Generator().manual_seed(i))
+        sec[res.token_ids[1]] += 1
+        third[res.token_ids[2]] += 1
+        for n, s in res.by_proposer.items():
+            drafts[n] = drafts.get(n, 0) + s.num_draft_tokens
+            acc += s.num_accepted_tokens if n == which else 0
+    assert drafts.get(which, 0) > N // 2, drafts  # the part under test made the first step's draft
+    assert 0.05 < acc / drafts[which] < 0.98, acc / drafts[which]  # accepted and recovered tokens both occur
+    assert tv(sec / N, m2) < null_tv_quantile(m2, N) + dropped
+    assert tv(third / N, m3) < null_tv_quantile(m3, N) + dropped
