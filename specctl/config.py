@@ -25,7 +25,7 @@ VLLM_METHODS = (
 )
 # specctl's own: several vLLM-shaped configs behind one proposer (not a vLLM key)
 SPECCTL_METHODS = ("hybrid",)
-HYBRID_POLICIES = ("first",)
+HYBRID_POLICIES = ("first", "score", "tree")
 # method -> module under specctl/runtime/proposers/ (one file per method; eagle and eagle3 share one)
 PROPOSER_MODULES = {
     "ngram": "ngram", "suffix": "suffix", "medusa": "medusa", "eagle": "eagle", "eagle3": "eagle",
@@ -83,7 +83,8 @@ class SpecConfig:
     """hybrid (specctl's extension): the sub-proposers' configs, each vLLM-shaped, tried in order."""
     policy: str | None = None
     """hybrid: how a step picks its draft: "first" (the first sub-proposer with a draft of at least
-    ``hybrid_min_match`` tokens)."""
+    ``hybrid_min_match`` tokens), "score" (best measured accepted tokens per second first) or "tree"
+    (every draft merged into one tree, verified in one forward; greedy requests)."""
     hybrid_min_match: int | None = None
     """hybrid, policy "first": the shortest draft that wins (default 2); the last sub-proposer's
     draft is taken at any length."""

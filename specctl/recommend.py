@@ -675,6 +675,8 @@ class Choice:
 
     @property
     def layer(self) -> int:
+        if self.method == "hybrid":  # as costly as its costliest part
+            return max(LAYERS[p["method"]] for p in self.config["proposers"])
         return LAYERS[self.method]
 
     def to_dict(self) -> dict:
@@ -740,6 +742,35 @@ def make_choice(method: str, target: ModelInfo, label: str, reason: str, *, draf
                 "specctl_bench": f"specctl bench --model {model} {flags}",
                 "vllm": f"vllm serve {shlex.quote(target.path or target.spec)} --speculative-config {shlex.quote(json.dumps(vcfg))}"}
     return Choice(method, label, reason, cfg, vcfg, runnable, note, commands)
+
+
+PATTERN_ALPHA_WHEN_MATCHED = 0.7
+"""Prior acceptance of an n-gram/suffix draft on the steps where it finds a match, on a workload
+whose output copies the prompt or repeats earlier responses (measured on code editing here: 0.8 to
+0.85 for ngram on Qwen2.5-Coder; a prior, --probe measures it)."""
+
+
+def hybrid_choice(target: ModelInfo, pattern: Choice, model: Choice, w: Workload, model_gain: float | None) -> Choice:
+    """A hybrid of a zero-cost pattern proposer (first) and a model draft (where it has nothing),
+    with the predicted gain of each part: the pattern part's from its prior where it matches (ρ = 0),
+    the model part's from the cost model."""
+    k = int(pattern.config.get("num_speculative_tokens") or 8)
+    pattern_gain = best_k(PATTERN_ALPHA_WHEN_MATCHED, 0.0, k)[1]
+    cfg = {"method": "hybrid", "policy": "first", "hybrid_min_match": 2,
+           "proposers": [dict(pattern.config), dict(model.config)]}
+    why = ("the output copies the prompt" if w.copies_prompt else "requests repeat earlier responses")
+    reason = (f"{pattern.method} first where it matches ({why}): predicted x{pattern_gain:.2f} on those steps "
+              f"(α≈{PATTERN_ALPHA_WHEN_MATCHED} when matched, no draft cost); {model.label} on new text"
+              + (f": predicted x{model_gain:.2f}" if model_gain else "") + "; --probe measures both parts")
+    model_q = shlex.quote(target.spec)
+    flags = f"--speculative-config {shlex.quote(json.dumps(cfg))}"
+    commands = {"specctl_flags": flags, "specctl_serve": f"specctl serve --model {model_q} {flags}",
+                "specctl_bench": f"specctl bench --model {model_q} {flags}",
+                "vllm": model.commands.get("vllm", "")}  # vLLM: the model part alone
+    note = ("specctl's own method: vLLM runs one proposer at a time (its config below is the model part's)"
+            + ("; " + model.note if model.note else ""))
+    return Choice("hybrid", f"hybrid: {pattern.method} first, then {model.label}", reason, cfg, model.vllm_config,
+                  pattern.runnable and model.runnable and "hybrid" in _implemented(), note, commands)
 
 
 def _fmt_count(n: int | None) -> str:
@@ -847,7 +878,10 @@ def _after_q1(target, mtp, mtp_ev, drafts, cands, w, parent, drafts_searched) ->
         q2.add(Node("choice", c.label, reason=c.reason))
         alts += [make_choice(d.kind, target, f"{d.kind} with {d.path}", "another fitting draft",
                              draft=d.path, draft_path=d.path, k=d.k or None) for d in good[1:]]
-        alts.append(_layer1(target, w, Node("note", ""))[0])
+        l1 = _layer1(target, w, Node("note", ""))[0]
+        alts.append(l1)
+        if w.copies_prompt or w.repeats:
+            alts.append(hybrid_choice(target, l1, c, w, None))
         return c, alts
     same = sorted((c for c in cands if c.verdict == "draft"), key=lambda c: -(c.predicted_speedup or 0))
     other = [c for c in cands if c.verdict == "alternative"]
@@ -879,8 +913,11 @@ def _after_q1(target, mtp, mtp_ev, drafts, cands, w, parent, drafts_searched) ->
                     if w.copies_prompt else "zero-cost fallback")
             l1.reason = note if w.copies_prompt else l1.reason
             q4.add(Node("note", f"also try {l1.method}", reason=note))
+            hyb = [hybrid_choice(target, l1, c, w, best.predicted_speedup)] if (w.copies_prompt or w.repeats) else []
+            if hyb:
+                q4.add(Node("note", f"or both: {hyb[0].label}", reason=hyb[0].reason))
             alts += [make_choice("draft_model", target, f"draft_model with {o.name}", o.reason, draft=o.spec,
-                                 draft_path=o.path, k=o.best_k) for o in same[1:]] + [l1] + draft_alts
+                                 draft_path=o.path, k=o.best_k) for o in same[1:]] + [l1] + hyb + draft_alts
             return c, alts
         parent_l1 = q4
     else:
@@ -1011,7 +1048,19 @@ def probe_plan(rec: Recommendation, k: int | None = None) -> tuple[list[tuple[st
                f"only the {MAX_PROBED_DRAFTS} most promising draft models are probed" if i >= MAX_PROBED_DRAFTS else None)
         add(f"draft_model:{c.name}", "draft_model",
             {"method": "draft_model", "model": c.path or c.spec, "num_speculative_tokens": c.best_k or 3}, why)
+    for h in [a for a in [rec.choice, *rec.alternatives] if a.method == "hybrid"]:
+        parts = [dict(p, model=local) if (local := _local_model(p)) else p for p in h.config["proposers"]]
+        add("hybrid:" + "+".join(p["method"] for p in parts), "hybrid", dict(h.config, proposers=parts),
+            None if all(_local_model(p) is not None or "model" not in p for p in parts) else "its draft model is not pulled")
     return run, skipped
+
+
+def _local_model(part: dict) -> str | None:
+    """A sub-config's draft as a local path (a catalogue name that is pulled), else None."""
+    m = part.get("model")
+    if m is None:
+        return None
+    return m if Path(m).exists() else (str(p) if (p := _pulled_path(m)) else None)
 
 
 def probe(rec: Recommendation, *, prompts: str | None = None, num_prompts: int = 2, max_new_tokens: int = 32,

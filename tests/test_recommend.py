@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import save_file
 
 from specctl import recommend as r
-from specctl.config import implemented_methods
+from specctl.config import SpecConfig, implemented_methods
 from specctl.errors import ModelError, UsageError
 
 H, V = 64, 128  # the target's hidden size and vocabulary (the conftest tokenizer's 128 ids)
@@ -321,6 +321,16 @@ def test_same_family_small_model_gives_draft_model(target, tmp_path, tiny_model_
     assert rec.choice.config == {"method": "draft_model", "model": str(small), "num_speculative_tokens": c.best_k}
     assert rec.alternatives[0].method == "ngram"  # code copies the prompt: ngram is the rival to compare
     assert "ρ≈" in evidence(rec.tree)[0].reason
+    # ... or both: ngram first, the draft model where it has nothing, with each part's predicted gain
+    hyb = rec.alternatives[1]
+    assert hyb.method == "hybrid" and hyb.layer == 3 and hyb.runnable
+    assert [p["method"] for p in hyb.config["proposers"]] == ["ngram", "draft_model"]
+    assert hyb.config["proposers"][1] == rec.choice.config
+    assert f"predicted x{c.predicted_speedup:.2f}" in hyb.reason and hyb.reason.count("predicted x") == 2
+    SpecConfig.from_dict(hyb.config)  # a config specctl takes as it is
+    assert "--speculative-config" in hyb.commands["specctl_bench"]
+    run, _ = r.probe_plan(rec)
+    assert any(label == "hybrid:ngram+draft_model" for label, _ in run)  # --probe measures it too
 
 
 def test_same_family_but_rho_too_high_falls_through(target, tmp_path, tiny_model_dir):

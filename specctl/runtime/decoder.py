@@ -330,7 +330,7 @@ class SpecDecoder:
             aux = runner.last_aux
             self.proposer.on_target_hidden(st.slot, runner.last_hidden[:, :n], None if aux is None else aux[:, :n])
         st.stats.observe(nd, n - 1)
-        self._observe_source(st, nd, n - 1)
+        self._observe_parts(st, nd, n - 1, emitted)
         if self.proposer is not None:
             self.proposer.on_verified(st.slot, n - 1, emitted)
         st.steps += 1
@@ -357,16 +357,17 @@ class SpecDecoder:
             st.hidden = hidden[:, -1]
             self.proposer.on_target_hidden(st.slot, hidden, None if aux is None else aux[:, idx])
         st.stats.observe(depth, len(path) - 1)
-        self._observe_source(st, depth, len(path) - 1)
+        self._observe_parts(st, depth, len(path) - 1, emitted)
         self.proposer.on_verified(st.slot, len(path) - 1, emitted)
         st.steps += 1
         return self._emit(st, emitted)
 
-    def _observe_source(self, st: DecodeState, num_draft: int, num_accepted: int) -> None:
-        """Count the step's draft for the sub-proposer that made it (a hybrid's; nothing otherwise)."""
-        src = self.proposer.draft_source(st.slot) if self.proposer is not None and num_draft > 0 else None
-        if src is not None:
-            st.by_proposer.setdefault(src, SpecStats()).observe(num_draft, num_accepted)
+    def _observe_parts(self, st: DecodeState, num_draft: int, num_accepted: int, emitted: list[int]) -> None:
+        """Count the step's draft for the sub-proposers that made it (a hybrid's; nothing otherwise)."""
+        if self.proposer is None or num_draft <= 0:
+            return
+        for name, (d, a) in self.proposer.credit(st.slot, num_draft, num_accepted, emitted).items():
+            st.by_proposer.setdefault(name, SpecStats()).observe(d, a)
 
     def finish(self, st: DecodeState) -> GenerationResult:
         """End the request (the proposer may learn from it) and return its result."""

@@ -80,6 +80,12 @@ def test_json(target_with_medusa):
     assert data["recommendation"]["method"] == "medusa" and data["recommendation"]["layer"] == 2
     assert data["recommendation"]["vllm_config"] == {"method": "medusa", "model": str(d), "num_speculative_tokens": 2}
     assert data["alternatives"][0]["method"] == "suffix"  # agentic: requests repeat
+    hyb = data["alternatives"][1]  # or both: suffix first, the Medusa heads where it has nothing
+    assert hyb["method"] == "hybrid" and [p["method"] for p in hyb["config"]["proposers"]] == ["suffix", "medusa"]
+    assert hyb["vllm_config"] == data["recommendation"]["vllm_config"] and "one proposer at a time" in hyb["note"]
+    text = runner.invoke(app, ["recommend", str(t), "--candidates", str(t), "--workload", "agentic"])
+    assert text.exit_code == 0, text.output
+    assert "hybrid: suffix first" in text.stdout and '"method": "hybrid"' in text.stdout
     assert data["drafts"][0]["accepted"] is True and data["workload"]["repeats"] is True
     assert data["tree"]["children"][0]["text"] == "Do you train this model yourself?"
     assert data["implemented_methods"] == list(implemented_methods()) and data["probe"] is None

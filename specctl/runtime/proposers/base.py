@@ -71,9 +71,10 @@ class Proposer:
     def end_request(self, slot: int) -> None:
         """The request in ``slot`` finished (a proposer may learn from its output here)."""
 
-    def draft_source(self, slot: int) -> str | None:
-        """Which of its sub-proposers made ``slot``'s latest draft (hybrid); None for a single one."""
-        return None
+    def credit(self, slot: int, num_draft: int, num_accepted: int, emitted: list[int]) -> dict[str, tuple[int, int]]:
+        """After ``slot``'s step was verified: its sub-proposers that drafted, each with (its draft
+        tokens, how many were accepted) (hybrid); {} for a single proposer."""
+        return {}
 
 
 class SlotProposer(Proposer):

@@ -5,20 +5,31 @@
 
 The seed's roadmap (unified proposers, "ngram as the fallback + model drafting"): pattern matching
 is free and nearly always right when it fires (code edits, agentic loops, quoting the prompt); a
-model draft pays on new text. Policy ``first``: the sub-proposers are asked in order, and the first
-draft of at least ``hybrid_min_match`` tokens is the step's draft (the last one's at any length).
+model draft pays on new text. Policies:
+
+- ``first``: the sub-proposers are asked in order; the first draft of at least ``hybrid_min_match``
+  tokens is the step's draft (the last one's at any length).
+- ``score``: the sub-proposers are asked best first by expected accepted tokens per second, each
+  from its own measured per-position acceptance and drafting time and the measured time of a
+  verification step (unmeasured ones are tried first, optimistically); the first with a draft wins.
+- ``tree``: every sub-proposer drafts and the drafts are merged into one token tree (shared
+  prefixes once), verified in one forward (greedy requests; sampled ones take ``first``).
 
 Every sub-proposer follows every request whether or not it drafted (start, sampling, the target's
-hidden states, each verification), so one that falls behind catches up from the state it kept:
-a draft model's cache extends over the tokens it missed in one forward, an EAGLE head keeps every
-target feature. Lossless like any proposer: the step's draft is one sub-proposer's draft, with its
-probabilities when it samples, verified as that proposer's would be.
+hidden states, each verification), so one that falls behind catches up from the state it kept: a
+draft model's cache extends over the tokens it missed in one forward, an EAGLE head keeps every
+target feature. Lossless like any proposer: a chain is one sub-proposer's draft, with its
+probabilities when it samples; a tree is verified greedily.
 
-``draft_source(slot)`` names the sub-proposer behind a slot's latest draft, so the decoder counts
+``credit(slot, ...)`` splits a verified step among the parts that drafted it, so the decoder counts
 drafts and acceptance per sub-proposer (bench's rows, /metrics' ``proposer`` label).
 """
 
 from __future__ import annotations
+
+import time
+
+import torch
 
 from specctl.config import SpecConfig
 from specctl.runtime.proposers.base import DraftOutput, Proposer
@@ -32,6 +43,65 @@ def sub_labels(configs: list[SpecConfig]) -> list[str]:
         seen[c.method] = seen.get(c.method, 0) + 1
         out.append(c.method if seen[c.method] == 1 else f"{c.method}#{seen[c.method]}")
     return out
+
+
+def paths(d: DraftOutput) -> list[list[int]]:
+    """Every node's token path from the root (a chain: its prefixes) of a one-row draft."""
+    n = int(d.num_tokens[0])
+    toks = d.token_ids[0, :n].tolist()
+    if d.parents is None:
+        return [toks[:i + 1] for i in range(n)]
+    out: list[list[int]] = []
+    for i in range(n):
+        p = d.parents[i]
+        out.append((out[p] if p >= 0 else []) + [toks[i]])
+    return out
+
+
+def merge_tree(drafts: list[DraftOutput]) -> tuple[list[int], list[int]]:
+    """The drafts as one token trie: (tokens, parents), parents first, -1 for the root's children."""
+    index: dict[tuple[int, ...], int] = {}
+    tokens, parents = [], []
+    for d in drafts:
+        for path in paths(d):
+            key = tuple(path)
+            if key not in index:
+                index[key] = len(tokens)
+                tokens.append(path[-1])
+                parents.append(index[key[:-1]] if len(key) > 1 else -1)
+    return tokens, parents
+
+
+class _Part:
+    """A sub-proposer's measured record: decayed accepted / tried counts per draft position, and
+    its drafting seconds per call."""
+
+    def __init__(self, prior: float = 0.6, decay: float = 0.1):
+        self.prior, self.decay = prior, decay
+        self.succ: list[float] = []
+        self.tried: list[float] = []
+        self.draft_s: float | None = None
+
+    def observe(self, num_draft: int, num_accepted: int) -> None:
+        keep = 1 - self.decay
+        tried = num_accepted + (1 if num_accepted < num_draft else 0)
+        while len(self.tried) < tried:
+            self.tried.append(0.0)
+            self.succ.append(0.0)
+        for i in range(len(self.tried)):
+            self.tried[i] = keep * self.tried[i] + (i < tried)
+            self.succ[i] = keep * self.succ[i] + (i < num_accepted)
+
+    def expected_tokens(self, k: int) -> float:
+        """1 + p_1 + p_1 p_2 + ...: tokens a k-token draft of this part emits on average."""
+        e = run = 1.0
+        p = self.prior
+        for i in range(k):
+            if i < len(self.tried):
+                p = (self.succ[i] + 2 * p) / (self.tried[i] + 2)  # shrunk toward the position before
+            run *= min(p, 0.999)
+            e += run
+        return e
 
 
 class HybridProposer(Proposer):
@@ -48,14 +118,21 @@ class HybridProposer(Proposer):
         self.min_match = int(config.hybrid_min_match or 2)
         self.needs_hidden_states = any(p.needs_hidden_states for p in self.subs)
         self.learns_across_requests = any(p.learns_across_requests for p in self.subs)
-        self._source: dict[int, str] = {}  # slot -> the sub-proposer of its latest draft
+        self.parts = [_Part() for _ in self.subs]
+        self._greedy: dict[int, bool] = {}  # slot -> its request is greedy (trees are verified greedily)
+        self._drafted: dict[int, list[tuple[int, list[list[int]]]]] = {}  # slot -> [(part, its paths)] this step
+        self._last_propose: dict[int, float] = {}  # slot -> when it last drafted
+        self.verify_s: float | None = None  # a step's time outside drafting (EMA), for ``score``
 
     # ------------------------------------------------------------------ every sub-proposer follows
     def start_request(self, slot, prompt_ids) -> None:
+        self._drafted.pop(slot, None)
+        self._last_propose.pop(slot, None)
         for p in self.subs:
             p.start_request(slot, prompt_ids)
 
     def set_sampling(self, slot, params, generator=None) -> None:
+        self._greedy[slot] = float(params.temperature) <= 0
         for p in self.subs:
             p.set_sampling(slot, params, generator)
 
@@ -69,28 +146,80 @@ class HybridProposer(Proposer):
             p.on_verified(slot, num_accepted, emitted)
 
     def end_request(self, slot) -> None:
-        self._source.pop(slot, None)
+        self._drafted.pop(slot, None)
+        self._last_propose.pop(slot, None)
         for p in self.subs:
             p.end_request(slot)
 
-    def draft_source(self, slot: int) -> str | None:
-        return self._source.get(slot)
+    def credit(self, slot: int, num_draft: int, num_accepted: int, emitted: list[int]) -> dict[str, tuple[int, int]]:
+        """Each part that drafted this step: (its draft tokens, how many of them were accepted): its
+        chain's (or tree's deepest path's) agreement with the accepted tokens."""
+        out = {}
+        accepted = emitted[:num_accepted]
+        for i, ps in self._drafted.pop(slot, []):
+            best = max((len(p) for p in ps if p == accepted[:len(p)]), default=0)
+            depth = max(len(p) for p in ps)
+            self.parts[i].observe(depth, best)
+            out[self.names[i]] = (depth, best)
+        return out
 
     # ------------------------------------------------------------------ drafting
+    def _ask(self, i: int, token_ids, num_tokens, k, hidden_states, slots) -> DraftOutput:
+        t = time.perf_counter()
+        d = self.subs[i].propose(token_ids, num_tokens, min(k, self.ks[i]), hidden_states, slots=slots)
+        dt = time.perf_counter() - t
+        part = self.parts[i]
+        part.draft_s = dt if part.draft_s is None else part.draft_s + 0.2 * (dt - part.draft_s)
+        return d
+
+    def _order(self, k: int) -> list[int]:
+        """``score``: parts by expected tokens per second of a step with their draft, best first."""
+        v = self.verify_s or 0.0
+
+        def score(i: int) -> float:
+            d = self.parts[i].draft_s
+            if d is None:
+                return float("inf")  # never measured: try it
+            return self.parts[i].expected_tokens(min(k, self.ks[i])) / max(v + d, 1e-9)
+
+        return sorted(range(len(self.subs)), key=score, reverse=True)
+
     def propose(self, token_ids, num_tokens, k, hidden_states=None, slots=None) -> DraftOutput:
         if token_ids.shape[0] != 1:
             raise ValueError("the hybrid proposer drafts for one request per call (the decoder's way)")
         slot = 0 if slots is None else int(slots[0])
-        last = len(self.subs) - 1
-        d = None
-        for i, p in enumerate(self.subs):
-            d = p.propose(token_ids, num_tokens, min(k, self.ks[i]), hidden_states, slots=slots)
+        t0 = time.perf_counter()
+        last = self._last_propose.get(slot)
+        if last is not None:  # the time since its last draft, less drafting: one verification step
+            drafted = sum(self.parts[i].draft_s or 0.0 for i, _ in self._drafted.get(slot, []))
+            gap = max(t0 - last - drafted, 0.0)
+            self.verify_s = gap if self.verify_s is None else self.verify_s + 0.2 * (gap - self.verify_s)
+        self._last_propose[slot] = t0
+        self._drafted[slot] = []
+        empty = DraftOutput(torch.full((1, max(k, 0)), -1, dtype=torch.long), torch.zeros(1, dtype=torch.long))
+        if self.policy == "tree" and self._greedy.get(slot, True):
+            drafts = []
+            for i in range(len(self.subs)):
+                d = self._ask(i, token_ids, num_tokens, k, hidden_states, slots)
+                if int(d.num_tokens[0]) > 0:
+                    drafts.append(d)
+                    self._drafted[slot].append((i, paths(d)))
+            if not drafts:
+                return empty
+            if len(drafts) == 1:
+                return drafts[0]
+            tokens, parents = merge_tree(drafts)
+            return DraftOutput(torch.tensor([tokens], dtype=torch.long), torch.tensor([len(tokens)]), None, parents)
+        order = self._order(k) if self.policy == "score" else range(len(self.subs))
+        order = list(order)
+        for j, i in enumerate(order):
+            d = self._ask(i, token_ids, num_tokens, k, hidden_states, slots)
             n = int(d.num_tokens[0])
-            if n >= self.min_match or (i == last and n > 0):
-                self._source[slot] = self.names[i]
+            need = self.min_match if self.policy == "first" else 1
+            if n >= need or (j == len(order) - 1 and n > 0):
+                self._drafted[slot] = [(i, paths(d))]
                 return d
-        self._source.pop(slot, None)
-        return d
+        return empty
 
 
 PROPOSERS = {"hybrid": HybridProposer}

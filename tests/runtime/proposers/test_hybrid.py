@@ -39,8 +39,8 @@ def target(folders):
     return load_model(folders[0], dtype="float32")
 
 
-def hybrid(draft_dir, min_match: int = 2, k: int = 4) -> SpecConfig:
-    return SpecConfig.from_dict({"method": "hybrid", "hybrid_min_match": min_match, "proposers": [
+def hybrid(draft_dir, min_match: int = 2, k: int = 4, policy: str = "first") -> SpecConfig:
+    return SpecConfig.from_dict({"method": "hybrid", "hybrid_min_match": min_match, "policy": policy, "proposers": [
         {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2, "prompt_lookup_max": 4},
         {"method": "draft_model", "model": str(draft_dir), "num_speculative_tokens": 3}]})
 
@@ -65,22 +65,24 @@ def test_config_is_validated_with_the_fix_named(folders):
         SpecConfig.from_dict({"method": "ngram", "proposers": [{"method": "ngram"}]})
 
 
-def test_greedy_equals_plain_with_both_parts_drafting_and_counted(target, folders):
-    """Copying fires where the output repeats what came before, the draft model drafts elsewhere:
-    the output is plain greedy's, each part's drafts and acceptances are counted to it, and they
-    add up to the request's totals. Between its drafts the draft model falls behind (the n-gram
-    steps' tokens) and catches up; the output stays exact."""
-    prop = build_proposer(hybrid(folders[1]), MAX_LEN, target=target)
+@pytest.mark.parametrize("policy", ["first", "score", "tree"])
+def test_greedy_equals_plain_with_both_parts_drafting_and_counted(target, folders, policy):
+    """Copying fires where the output repeats what came before, the draft model drafts elsewhere
+    (or, policy tree, both drafts go in one tree): the output is plain greedy's, each part's
+    drafts and acceptances are counted to it (one part per step: they add up to the request's
+    totals). Between its drafts the draft model falls behind (the n-gram steps' tokens) and catches
+    up; the output stays exact."""
+    prop = build_proposer(hybrid(folders[1], policy=policy), MAX_LEN, target=target)
     assert isinstance(prop, HybridProposer) and prop.names == ["ngram", "draft_model"]
-    sources = []
-    inner = prop.propose
+    sources = []  # per verified step: the parts credited with it
+    inner = prop.credit
 
     def spy(*a, **kw):
-        d = inner(*a, **kw)
-        sources.append(prop.draft_source(0) if int(d.num_tokens[0]) else None)
-        return d
+        out = inner(*a, **kw)
+        sources.append("+".join(out))
+        return out
 
-    prop.propose = spy
+    prop.credit = spy
     spec = SpecDecoder(TargetRunner(target.model, MAX_LEN), prop, 4)
     plain = SpecDecoder(TargetRunner(target.model, MAX_LEN))
     totals = {}
@@ -90,19 +92,26 @@ def test_greedy_equals_plain_with_both_parts_drafting_and_counted(target, folder
         want, got = plain.generate(p, sp), spec.generate(p, sp)
         assert got.token_ids == want.token_ids
         parts = got.by_proposer
-        assert sum(s.num_drafts for s in parts.values()) == got.stats.num_drafts
-        assert sum(s.num_draft_tokens for s in parts.values()) == got.stats.num_draft_tokens
-        assert sum(s.num_accepted_tokens for s in parts.values()) == got.stats.num_accepted_tokens
+        if policy != "tree":
+            assert sum(s.num_drafts for s in parts.values()) == got.stats.num_drafts
+            assert sum(s.num_draft_tokens for s in parts.values()) == got.stats.num_draft_tokens
+            assert sum(s.num_accepted_tokens for s in parts.values()) == got.stats.num_accepted_tokens
+        else:  # a part's accepted tokens are the accepted path's agreement with its own draft
+            assert all(s.num_accepted_tokens <= got.stats.num_accepted_tokens for s in parts.values())
+            totals["merged"] = totals.get("merged", 0) + sources.count("ngram+draft_model")
         for name, s in parts.items():
             t = totals.setdefault(name, [0, 0])
             t[0] += s.num_drafts
             t[1] += s.num_accepted_tokens
         # the model drafted after n-gram steps it sat out: it caught up and stayed exact
-        if "ngram" in sources and "draft_model" in sources[sources.index("ngram"):]:
+        if "ngram" in sources and "draft_model" in sources[sources.index("ngram"):] and policy != "tree":
             totals["caught_up"] = totals.get("caught_up", 0) + 1
     assert totals["ngram"][0] > 10 and totals["draft_model"][0] > 10  # each part drafted on some steps
     assert totals["ngram"][1] > 0 and totals["draft_model"][1] > 0  # and had drafts accepted
-    assert totals.get("caught_up", 0) >= 2
+    if policy == "tree":
+        assert totals["merged"] > 10  # steps whose tree held both parts' drafts
+    else:
+        assert totals.get("caught_up", 0) >= 2
 
 
 def test_min_match_decides_who_drafts(target, folders):
@@ -131,11 +140,13 @@ def test_batched_greedy_equals_plain(target, folders, run_batched):
     assert {n for r in got for n in r.by_proposer} == {"ngram", "draft_model"}
 
 
-@pytest.mark.parametrize("which", ["ngram", "draft_model"])
-def test_sampling_keeps_the_target_distribution(target, folders, which):
+@pytest.mark.parametrize("which,policy", [("ngram", "first"), ("draft_model", "first"), ("draft_model", "score"),
+                                          ("draft_model", "tree")])
+def test_sampling_keeps_the_target_distribution(target, folders, which, policy):
     """Sampled with each part drafting (a prompt n-gram matches, one it does not): tokens 2 and 3
     emitted are distributed exactly as plain sampling's (exact marginals by enumeration; the
-    threshold is the 99.9% quantile of a correct sampler's TV with as many samples)."""
+    threshold is the 99.9% quantile of a correct sampler's TV with as many samples). A sampled
+    request under policy tree gets chains (trees are verified greedily)."""
     temperature, N = 0.1, 800
     if which == "ngram":  # the model's own loop, so n-gram matches at once
         x = _prompts(1, 9)[0]
@@ -143,7 +154,7 @@ def test_sampling_keeps_the_target_distribution(target, folders, which):
             x, SamplingParams(max_new_tokens=30, ignore_eos=True)).token_ids
     else:
         prompt = list(range(10, 19))  # no repeated pair: nothing for n-gram
-    prop = build_proposer(hybrid(folders[1], k=2), MAX_LEN, target=target)
+    prop = build_proposer(hybrid(folders[1], k=2, policy=policy), MAX_LEN, target=target)
     spec = SpecDecoder(TargetRunner(target.model, MAX_LEN), prop, 2)
     params = SamplingParams(max_new_tokens=4, temperature=temperature, ignore_eos=True)
     (_, m2, m3), dropped = exact_marginals(target.model, prompt, temperature, depth=3)
@@ -162,3 +173,29 @@ def test_sampling_keeps_the_target_distribution(target, folders, which):
     assert 0.05 < acc / drafts[which] < 0.98, acc / drafts[which]  # accepted and recovered tokens both occur
     assert tv(sec / N, m2) < null_tv_quantile(m2, N) + dropped
     assert tv(third / N, m3) < null_tv_quantile(m3, N) + dropped
+
+
+def test_merge_tree_shares_prefixes():
+    from specctl.runtime.proposers.base import DraftOutput
+    from specctl.runtime.proposers.hybrid import merge_tree
+
+    chain = DraftOutput(torch.tensor([[5, 6, 7, -1]]), torch.tensor([3]))
+    other = DraftOutput(torch.tensor([[5, 9, -1, -1]]), torch.tensor([2]))
+    tree = DraftOutput(torch.tensor([[5, 8, 6, 4]]), torch.tensor([4]), None, [-1, -1, 0, 2])  # 5 > 6 > 4, and 8
+    tokens, parents = merge_tree([chain, other, tree])
+    assert tokens == [5, 6, 7, 9, 8, 4] and parents == [-1, 0, 1, 0, -1, 1]
+
+
+def test_score_asks_the_best_measured_part_first(target, folders):
+    """Policy score: a part never measured is tried; after that the one with more expected
+    accepted tokens per second of a step goes first."""
+    prop = build_proposer(hybrid(folders[1], policy="score"), MAX_LEN, target=target)
+    assert prop._order(4) == [0, 1]  # both unmeasured: in order
+    prop.parts[0].draft_s, prop.parts[1].draft_s, prop.verify_s = 1e-5, 0.02, 0.05
+    for _ in range(20):  # n-gram's drafts rejected at once, the model's accepted three deep
+        prop.parts[0].observe(4, 0)
+        prop.parts[1].observe(3, 3)
+    assert prop._order(4) == [1, 0]
+    for _ in range(40):  # n-gram right too: free and as good, it goes first again
+        prop.parts[0].observe(4, 4)
+    assert prop._order(4) == [0, 1]
