@@ -205,6 +205,8 @@ class SpecDecoder:
             )
         ctx = np.zeros((1, runner.max_len), dtype=np.int32)
         ctx[0, :T] = prompt_ids
+        # the target returns the layer inputs this decoder's proposer asked for (EAGLE-3), and no others
+        runner.model.aux_layers = self.proposer.aux_layers if self.proposer is not None else ()
         st = DecodeState(runner, slot, params, generator, ctx, T,
                          set() if params.ignore_eos else set(params.stop_token_ids))
         if self.adaptive:

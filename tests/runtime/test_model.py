@@ -283,7 +283,6 @@ def test_compiled_decode_step_gives_the_uncompiled_greedy_tokens(tiny_model_fact
     from specctl.runtime.runner import TargetRunner
 
     model = load_transformer(tiny_model_factory("qwen2", tie_word_embeddings=True), torch.float32)
-    model.aux_layers = (0, 1)  # aux hidden states (EAGLE-3's input) come out of the compiled step too
     plain = SpecDecoder(TargetRunner(model, 96))
     compiled_runner = TargetRunner(model, 96, compile=True)
     calls = []
@@ -299,6 +298,7 @@ def test_compiled_decode_step_gives_the_uncompiled_greedy_tokens(tiny_model_fact
         assert compiled.generate(prompt, SamplingParams(max_new_tokens=24)).token_ids == want
         assert ngram.generate(prompt, SamplingParams(max_new_tokens=24)).token_ids == want
     assert len(calls) >= 3 * 23  # every plain step ran compiled
+    model.aux_layers = (0, 1)  # aux hidden states (EAGLE-3's input) come out of the compiled step too
     r = TargetRunner(model, 96)
     r.forward(torch.tensor([[7, 8, 9]]))
     r.forward(torch.tensor([[10]]))

@@ -39,6 +39,9 @@ class Proposer:
 
     method: str = ""
     needs_hidden_states: bool = False
+    # the target layers whose inputs it wants beside the final hidden states (EAGLE-3's aux hidden
+    # states, ascending): the decoder has the target return them, in ``on_target_hidden``'s aux
+    aux_layers: tuple[int, ...] = ()
     learns_across_requests: bool = False  # e.g. suffix's global cache of earlier responses
 
     def start_request(self, slot: int, prompt_ids: np.ndarray) -> None:
@@ -62,7 +65,7 @@ class Proposer:
 
         Called after the prefill (every prompt row) and after each verification (the rows kept:
         the previous last token and the accepted drafts). hidden: [1, T, H] final-normed (what
-        the LM head reads); aux: [1, T, A*H] the inputs of ``target.model.aux_layers``, or None.
+        the LM head reads); aux: [1, T, A*H] the inputs of the layers in ``aux_layers``, or None.
         """
 
     def on_verified(self, slot: int, num_accepted: int, emitted: list[int]) -> None:

@@ -433,7 +433,7 @@ class EagleProposer(SlotProposer):
         self.dtype = FusedEagle3.dtype if fused is not None else torch.float32
         self.embed_weight = embed.to(self.device) if embed is not None else tmodel.embed.weight  # [V, H]
         if draft.version == 3:
-            tmodel.aux_layers = tuple(draft.spec.aux_layers)  # the target now also returns aux_out
+            self.aux_layers = tuple(sorted(draft.spec.aux_layers))  # asked of the target by the decoder
         self.target_ids = self.draft.target_ids.to(self.device)  # [N]
         self.Vt = tmodel.args.vocab_size
         self.stop_ids = set(getattr(target, "stop_token_ids", ()) or ())

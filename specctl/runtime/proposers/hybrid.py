@@ -117,6 +117,7 @@ class HybridProposer(Proposer):
         self.policy = config.policy or "first"
         self.min_match = int(config.hybrid_min_match or 2)
         self.needs_hidden_states = any(p.needs_hidden_states for p in self.subs)
+        self.aux_layers = tuple(sorted({l for p in self.subs for l in p.aux_layers}))  # every part's, once
         self.learns_across_requests = any(p.learns_across_requests for p in self.subs)
         self.parts = [_Part() for _ in self.subs]
         self._greedy: dict[int, bool] = {}  # slot -> its request is greedy (trees are verified greedily)
@@ -139,7 +140,15 @@ class HybridProposer(Proposer):
     def on_target_hidden(self, slot, hidden, aux) -> None:
         for p in self.subs:
             if p.needs_hidden_states:
-                p.on_target_hidden(slot, hidden, aux)
+                p.on_target_hidden(slot, hidden, self._aux_for(p, aux))
+
+    def _aux_for(self, p: Proposer, aux):
+        """The part's own layers out of the union the target returned ([1, T, A*H], ascending)."""
+        if aux is None or not p.aux_layers or p.aux_layers == self.aux_layers:
+            return aux if p.aux_layers else None
+        H = aux.shape[-1] // len(self.aux_layers)
+        return torch.cat([aux[..., self.aux_layers.index(l) * H:(self.aux_layers.index(l) + 1) * H]
+                          for l in p.aux_layers], dim=-1)
 
     def on_verified(self, slot, num_accepted, emitted) -> None:
         for p in self.subs:

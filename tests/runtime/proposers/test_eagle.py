@@ -159,8 +159,8 @@ def test_greedy_equality_with_accepted_drafts(trained, tiny_model_dir, version):
     method = "eagle3" if version == 3 else "eagle"
     prop = build_proposer(SpecConfig.from_dict({"method": method, "model": s["export"], "num_speculative_tokens": 4}),
                           256, target=loaded)
-    if version == 3:
-        assert loaded.model.aux_layers == tuple(s["aux_layers"])
+    if version == 3:  # it asks for the layers it reads; building it leaves the shared target as it was
+        assert prop.aux_layers == tuple(s["aux_layers"]) and loaded.model.aux_layers == ()
     spec = SpecDecoder(TargetRunner(loaded.model, 256), prop, 4)
     plain = SpecDecoder(TargetRunner(loaded.model, 256))
     accepted = 0
@@ -385,3 +385,34 @@ def test_batched_greedy_equals_plain(trained, tiny_model_dir, run_batched, metho
     got = run_batched(SpecDecoder(TargetRunner(loaded.model, 256), prop, 4), prompts, [params] * len(prompts))
     assert [r.token_ids for r in got] == [plain.generate(p, params).token_ids for p in prompts]
     assert sum(r.stats.num_accepted_tokens for r in got) > 0
+
+
+def test_a_hybrid_of_eagle3_drafts_reading_different_layers(tiny_model_dir, tiny_model, tmp_path):
+    """Each proposer declares the target layers it reads; a hybrid asks the target for their union
+    and hands each part its own (two EAGLE-3 drafts: fc over 1 and over 2 layers). Building them
+    leaves the shared target as it was; greedy output equals plain's, both parts draft every step."""
+    loaded = load_model(tiny_model_dir, dtype="float32")
+    dirs = []
+    for i, aux in enumerate([(1,), (0, 1)]):
+        torch.manual_seed(i)
+        d = EagleDraft(spec_from_target(tiny_model.args, 3, 100, aux_layers=aux))
+        with torch.no_grad():
+            for p in d.parameters():
+                p.add_(0.05 * torch.randn_like(p))
+            d.d2t.copy_(torch.arange(100) % 7)
+            d.t2d.zero_()
+            d.t2d[d.target_ids] = True
+        dirs.append(export_eagle(d.eval(), tmp_path / f"eagle3-{i}", loaded))
+    cfg = SpecConfig.from_dict({"method": "hybrid", "policy": "tree", "proposers": [
+        {"method": "eagle3", "model": str(dirs[0]), "num_speculative_tokens": 3},
+        {"method": "eagle3", "model": str(dirs[1]), "num_speculative_tokens": 3}]})
+    prop = build_proposer(cfg, 256, target=loaded)
+    assert [p.aux_layers for p in prop.subs] == [(1,), (0, 1)] and prop.aux_layers == (0, 1)
+    assert loaded.model.aux_layers == ()
+    spec, plain = SpecDecoder(TargetRunner(loaded.model, 256), prop, 3), SpecDecoder(TargetRunner(loaded.model, 256))
+    for p in ([5, 9, 9, 20, 31], [70, 71, 72, 70, 71, 72, 70]):
+        params = SamplingParams(max_new_tokens=16, ignore_eos=True)
+        got = spec.generate(p, params)
+        assert got.token_ids == plain.generate(p, params).token_ids
+        assert set(got.by_proposer) == {"eagle3", "eagle3#2"}
+        assert all(got.num_steps - 1 <= s.num_drafts <= got.num_steps for s in got.by_proposer.values())
