@@ -7,7 +7,10 @@ request's slot goes to the next waiting one. Reported per row: total generated t
 wall time (aggregate tok/s), the speedup over the baseline at the same N and the scaling over the
 baseline at N = 1 (when measured), time to first token (from the moment it was queued) and
 inter-token latency (between a request's successive token-bearing steps), median and p99, and
-how many outputs equal the baseline's at the same N token for token (greedy).
+how many outputs equal the baseline's at the same N token for token (greedy). Beside the scaling,
+its roof, measured in the same run: N one-row forwards against one N-row forward (``forward_roof``:
+what reading the weights once for N rows allows; prefill, scheduling and uneven lengths explain
+the rest of the gap).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from specctl.bench.workloads import load_workload, render_prompt
 from specctl.config import SpecConfig
 from specctl.runtime.decoder import SamplingParams, SpecDecoder
 from specctl.runtime.metrics import SpecStats
-from specctl.runtime.runner import LoadedModel, TargetRunner
+from specctl.runtime.runner import LoadedModel, TargetRunner, forward_batch
 from specctl.runtime.scheduler import Request, Scheduler
 
 
@@ -78,6 +81,33 @@ def run_level(decoder: SpecDecoder, runners: list[TargetRunner], prompts: list[l
     }
 
 
+def forward_roof(runners: list[TargetRunner], n: int, context: int = 64, reps: int = 5) -> float:
+    """The most plain decoding at n requests can gain over one: n x (one decode row's forward) / (n
+    rows' forward), each row at ``context`` tokens of its own cache, best of ``reps``, measured now.
+    A memory-bound forward reads the weights once for all rows (roof n); compute makes it less."""
+    g = torch.Generator().manual_seed(0)
+    vocab = runners[0].model.args.vocab_size
+
+    def t(k: int) -> float:
+        rs = runners[:k]
+        for r in rs:
+            r.reset()
+        forward_batch(rs, [torch.randint(0, vocab, (1, context), generator=g) for _ in rs], last_only=[True] * k)
+        best = float("inf")
+        for _ in range(reps):
+            for r in rs:
+                r.rollback(context)
+            toks = [torch.randint(0, vocab, (1, 1), generator=g) for _ in rs]
+            s = time.perf_counter()
+            forward_batch(rs, toks)
+            best = min(best, time.perf_counter() - s)
+        for r in rs:
+            r.reset()
+        return best
+
+    return n * t(1) / t(n) if n > 1 else 1.0
+
+
 def run_concurrency(loaded: LoadedModel, configs: list[SpecConfig], workloads: list[str], num_prompts: int,
                     params: SamplingParams, levels: list[int], seed: int = 0, adaptive: bool = True,
                     progress=None, max_num_batched_tokens: int | None = 256) -> tuple[dict, list[dict]]:
@@ -98,6 +128,8 @@ def run_concurrency(loaded: LoadedModel, configs: list[SpecConfig], workloads: l
     warm = next(iter(prompts.values()))[0][:32]
     for dec in decoders:  # first-call costs (allocator, numba kernels) stay out of the first row
         dec.generate(warm, replace(params, max_new_tokens=8))
+    say(0, "measuring the forward's roof")
+    roof = {n: forward_roof(runners, n) for n in sorted(levels)}
     rows = []
     for w in workloads:
         base_at: dict[int, dict] = {}
@@ -118,6 +150,7 @@ def run_concurrency(loaded: LoadedModel, configs: list[SpecConfig], workloads: l
                     **{key: v for key, v in m.items() if key != "outputs"},
                     "speedup": m["tokens_per_s"] / base["tokens_per_s"] if base["tokens_per_s"] else None,
                     "scaling_vs_plain_1": (m["tokens_per_s"] / one["tokens_per_s"]) if one and one["tokens_per_s"] else None,
+                    "roof_vs_plain_1": roof[n],
                     "identical_to_baseline": same,
                     "extra_memory_mib": tensor_bytes(dec.proposer, (loaded.model, *runners)) / 2**20,
                 })

@@ -231,16 +231,18 @@ def render_concurrency(h: dict, rows: list[dict]) -> None:
 
     t = Table(title=_title(h), title_justify="left",
               caption="tok/s: all requests' tokens over the wall time; speedup: over plain at the same N; "
-                      "x plain@1: over plain with one request at a time; TTFT from queueing; ITL between a "
+                      "x plain@1: over plain with one request at a time; roof: N one-row forwards over one N-row "
+                      "forward, measured in this run (the most x plain@1 can reach); TTFT from queueing; ITL between a "
                       "request's token-bearing steps; = base: outputs equal to plain's; +mem: the method's tensors "
                       "beyond the target's (draft weights, draft KV caches).", caption_justify="left")
-    for col in ("workload", "N", "method", "k", "tok/s", "speedup", "x plain@1", "mean batch", "TTFT p50 ms",
+    for col in ("workload", "N", "method", "k", "tok/s", "speedup", "x plain@1", "roof", "mean batch", "TTFT p50 ms",
                 "ITL p50 ms", "ITL p99 ms", "accept", "= base", "+mem MiB"):
         t.add_column(col, justify="left" if col in ("workload", "method") else "right", no_wrap=True)
     for r in rows:
         t.add_row(r["workload"], str(r["concurrency"]), r["method"], "—" if r["k"] is None else str(r["k"]),
                   f"{r['tokens_per_s']:.1f}", f"{r['speedup']:.2f}x" if r["speedup"] else "—",
-                  f"{r['scaling_vs_plain_1']:.2f}x" if r["scaling_vs_plain_1"] else "—", f"{r['mean_batch']:.1f}",
+                  f"{r['scaling_vs_plain_1']:.2f}x" if r["scaling_vs_plain_1"] else "—",
+                  f"{r['roof_vs_plain_1']:.2f}x" if r["method"] == "baseline" else "", f"{r['mean_batch']:.1f}",
                   ms(r["ttft_p50_s"]), ms(r["itl_p50_s"]), ms(r["itl_p99_s"]),
                   "—" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.2f}",
                   "—" if r["identical_to_baseline"] is None else f"{r['identical_to_baseline']}/{r['requests']}",

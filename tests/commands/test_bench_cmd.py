@@ -280,9 +280,10 @@ def test_bench_concurrency_json_and_table(tiny_model_dir, prompts_file, tmp_path
         assert 1 <= x["mean_batch"] <= n and x["ttft_p50_s"] > 0
     assert rows[(3, "baseline")]["mean_batch"] > 1.5  # the three requests decoded together
     assert rows[(1, "baseline")]["speedup"] == pytest.approx(1.0)
+    assert rows[(1, "baseline")]["roof_vs_plain_1"] == 1.0 and rows[(3, "baseline")]["roof_vs_plain_1"] > 0
     r = run_cli(*args, env_extra={**env, "COLUMNS": "250"})
     assert r.returncode == 0, r.stderr
-    assert "x plain@1" in r.stdout and "TTFT p50 ms" in r.stdout and "3/3" in r.stdout
+    assert "x plain@1" in r.stdout and "roof" in r.stdout and "TTFT p50 ms" in r.stdout and "3/3" in r.stdout
 
 
 def test_bench_concurrency_refuses_what_it_cannot_combine(tmp_path):
