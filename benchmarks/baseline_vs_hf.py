@@ -10,7 +10,9 @@ outputs are identical.
 
 from __future__ import annotations
 
-import specctl  # noqa: F401  (sets OMP_WAIT_POLICY before torch loads)
+import specctl
+
+specctl.process_defaults()  # OMP_WAIT_POLICY before torch loads
 
 import argparse
 import time

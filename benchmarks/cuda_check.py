@@ -818,8 +818,8 @@ def environment(device) -> dict:
     env = {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
            "device": str(device), "threads": torch.get_num_threads(),
            "float32_matmul_precision": torch.get_float32_matmul_precision(),
-           "SPECCTL_EXACT_BF16": os.environ.get("SPECCTL_EXACT_BF16"),
-           "SPECCTL_EAGLE_FUSED": os.environ.get("SPECCTL_EAGLE_FUSED"), "cpu": platform.processor() or platform.machine()}
+           "kernels": __import__("specctl.runtime.model", fromlist=["_kernels"])._kernels,
+           "cpu": platform.processor() or platform.machine()}
     if device.type == "cuda":
         try:
             p = torch.cuda.get_device_properties(device)
@@ -872,14 +872,18 @@ def main() -> int:
                     help="after this many seconds the optional checks (eagle3 sampling, the Qwen speed check) are skipped")
     ap.add_argument("--torch-path", action="store_true",
                     help="on a CPU, run the torch ops a GPU runs instead of specctl's C++ bf16 kernels "
-                         "(SPECCTL_EXACT_BF16=0, SPECCTL_EAGLE_FUSED=0)")
+                         "(--kernels torch: the EAGLE draft follows its target)")
     args = ap.parse_args()
-    if args.torch_path:
-        os.environ["SPECCTL_EXACT_BF16"] = "0"
-        os.environ["SPECCTL_EAGLE_FUSED"] = "0"
 
-    import specctl  # noqa: F401  (sets OMP_WAIT_POLICY before torch loads)
+    import specctl
+
+    specctl.process_defaults()  # OMP_WAIT_POLICY before torch loads
     import torch
+
+    if args.torch_path:
+        from specctl.runtime.model import set_kernels
+
+        set_kernels("torch")
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and not torch.cuda.is_available():

@@ -11,7 +11,9 @@ plus the KV cache read. Prints GB/s of each and their ratio, and the one-token v
 
 from __future__ import annotations
 
-import specctl  # noqa: F401  (sets OMP_WAIT_POLICY before torch loads)
+import specctl
+
+specctl.process_defaults()  # OMP_WAIT_POLICY before torch loads
 
 import argparse
 import time

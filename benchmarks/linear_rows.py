@@ -13,7 +13,9 @@ specctl packs its weights for its own AMX kernel instead, so this kernel is not 
 
 from __future__ import annotations
 
-import specctl  # noqa: F401  (sets OMP_WAIT_POLICY before torch loads)
+import specctl
+
+specctl.process_defaults()  # OMP_WAIT_POLICY before torch loads
 
 import platform
 import time

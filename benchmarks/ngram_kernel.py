@@ -8,7 +8,9 @@ matches), and real code tokens-like (small alphabet). Prints microseconds per re
 
 from __future__ import annotations
 
-import specctl  # noqa: F401  (sets OMP_WAIT_POLICY before torch loads)
+import specctl
+
+specctl.process_defaults()  # OMP_WAIT_POLICY before torch loads
 
 import argparse
 import time

@@ -11,7 +11,7 @@ verified among k+1 rows (or batched with other requests, or in a draft tree of a
 bit-identical to that row decoded alone (lossless greedy in bf16). Every row count takes the kernel:
 a row-count threshold would hand larger forwards to torch's GEMM, whose rounding differs. For
 prefill the kernel runs within ~15 % of oneDNN's AVX512-BF16 GEMM (benchmarks/linear_rows.py).
-Models use it only when ``ENABLED`` (specctl's exact-bf16 mode, ``SPECCTL_EXACT_BF16=1``).
+Models use it only when ``ENABLED`` (specctl's exact-bf16 mode: ``--kernels auto`` or ``fused``).
 """
 
 from __future__ import annotations

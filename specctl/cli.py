@@ -47,8 +47,10 @@ def _root(
 
 def main() -> None:
     """Console entry point: run the app, turning SpecctlError into one line and an exit code."""
+    import specctl
     from specctl.errors import SpecctlError
 
+    specctl.process_defaults()  # before any command loads torch
     debug = os.environ.get("SPECCTL_DEBUG") == "1"
     try:
         app()

@@ -146,7 +146,9 @@ class ExternalPeers:
         self._log = tempfile.NamedTemporaryFile("w+", prefix=f"specctl-{engine}-", suffix=".log", delete=False)
         worker = Path(__file__).with_name("peer_worker.py")
         python = engine_python(engine)
-        env = dict(os.environ)
+        from specctl import user_environ
+
+        env = user_environ()  # the peer's own defaults (no OMP_WAIT_POLICY of specctl's)
         # vLLM's CPU backend asks for Intel OpenMP preloaded (its wheel ships it), above all for speculation
         iomp = Path(python).parent.parent / "lib" / "libiomp5.so"
         if engine == "vllm" and iomp.is_file() and "libiomp5" not in env.get("LD_PRELOAD", ""):

@@ -18,3 +18,20 @@ DtypeOpt = Annotated[str, typer.Option("--dtype", help="Weights and compute dtyp
 DeviceOpt = Annotated[str, typer.Option("--device", help="cpu, cuda, cuda:N, or auto (cuda when available).")]
 SeedOpt = Annotated[int, typer.Option("--seed", help="Seed for sampling and any randomness.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON on stdout instead of tables.")]
+KERNEL_MODES = ("auto", "fused", "torch")  # as specctl.runtime.model.KERNEL_MODES (no torch import here)
+
+
+def use_kernels(mode: str) -> None:
+    """Check ``--kernels`` (a usage error names the choices) and make it the process's bf16 CPU path."""
+    from specctl.errors import UsageError
+
+    if mode not in KERNEL_MODES:
+        raise UsageError(f"unknown --kernels '{mode}'", f"use one of: {', '.join(KERNEL_MODES)}")
+    from specctl.runtime.model import set_kernels
+
+    set_kernels(mode)
+
+
+KernelsOpt = Annotated[str, typer.Option(
+    "--kernels", help="bf16 CPU kernels: auto (specctl's row-independent C++ kernels where the CPU has AMX or "
+    "AVX512-BF16, else torch's), fused (those or an error), torch (torch's own ops).")]

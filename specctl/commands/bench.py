@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from specctl.bench.workloads import WORKLOADS  # names and one-line descriptions; no torch
-from specctl.commands._options import DeviceOpt, DtypeOpt, JsonOpt, ModelOpt, SeedOpt
+from specctl.commands._options import DeviceOpt, DtypeOpt, JsonOpt, KernelsOpt, ModelOpt, SeedOpt, use_kernels
 
 PEERS = ("hf", "vllm", "llama.cpp")
 
@@ -78,6 +78,7 @@ def bench(
     seed: SeedOpt = 0,
     dtype: DtypeOpt = "bfloat16",
     device: DeviceOpt = "cpu",
+    kernels: KernelsOpt = "auto",
     json_out: JsonOpt = False,
 ) -> None:
     from specctl.config import SpecConfig
@@ -116,6 +117,7 @@ def bench(
 
             engine_python(p)  # fail fast, before loading the model, when the engine is not installed
     ks = parse_k_list(sweep_k) if sweep_k is not None else None
+    use_kernels(kernels)
     levels = sorted(set(concurrency or []))
     if levels:
         if max_num_batched_tokens < 1:
@@ -177,6 +179,7 @@ def bench(
                            compile=compile, peer_gguf=peer_gguf,
                            warn=lambda m: err.log(f"[yellow]peer failed, its rows are left empty:[/] {m}"))
     report.header["draft_length"] = "fixed k" if fixed_k else "adaptive (up to k)"
+    report.header["kernels"] = kernels
 
     rows = report.rows()
     if csv_out:
@@ -217,6 +220,9 @@ def _bench_concurrency(loaded, configs, workloads, num_prompts, params, levels, 
         header, rows = run_concurrency(loaded, configs, workloads, num_prompts, params, levels, seed,
                                        adaptive=adaptive, progress=progress,
                                        max_num_batched_tokens=max_num_batched_tokens)
+    from specctl.runtime.model import _kernels as kernels
+
+    header["kernels"] = kernels
     if json_out:
         typer.echo(json.dumps({"header": header, "results": rows}, indent=2))
         return

@@ -12,7 +12,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from specctl.commands._options import DeviceOpt, DtypeOpt, JsonOpt, SeedOpt
+from specctl.commands._options import DeviceOpt, DtypeOpt, JsonOpt, KernelsOpt, SeedOpt, use_kernels
 
 HELP = """Recommend a speculative decoding method for MODEL, walking the seed's layered flowchart.
 
@@ -47,6 +47,7 @@ def recommend_cmd(
     seed: SeedOpt = 0,
     dtype: DtypeOpt = "bfloat16",
     device: DeviceOpt = "cpu",
+    kernels: KernelsOpt = "auto",
     json_out: JsonOpt = False,
 ) -> None:
     from specctl.errors import UsageError
@@ -54,6 +55,7 @@ def recommend_cmd(
 
     get_workload(workload)  # fail fast, before reading any model
     if probe:
+        use_kernels(kernels)
         if num_prompts <= 0:
             raise UsageError(f"--num-prompts must be positive, got {num_prompts}", "pass e.g. -n 2")
         if max_new_tokens <= 0:

@@ -15,7 +15,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from specctl.commands._options import DeviceOpt, DtypeOpt, ModelOpt
+from specctl.commands._options import DeviceOpt, DtypeOpt, KernelsOpt, ModelOpt, use_kernels
 
 HELP = """Serve a model through an OpenAI-compatible API with speculative decoding.
 
@@ -134,6 +134,7 @@ def serve(
     served_model_name: Annotated[Optional[str], typer.Option("--served-model-name", help="Model name clients send. Default: the --model value.")] = None,
     dtype: DtypeOpt = "bfloat16",
     device: DeviceOpt = "auto",
+    kernels: KernelsOpt = "auto",
     engine: Annotated[str, typer.Option("--engine", help="own (specctl's runtime) or vllm (exec `vllm serve` with the same settings).")] = "own",
 ) -> None:
     from rich.console import Console
@@ -163,6 +164,7 @@ def serve(
     from specctl.runtime.runner import load_model
     from specctl.runtime.server import Engine, create_app, resolve_max_model_len
 
+    use_kernels(kernels)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s", stream=sys.stderr)
     log = logging.getLogger("specctl.serve")
     name = served_model_name or model or DEFAULT_MODEL

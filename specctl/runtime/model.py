@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import amx_linear, decode_attention, decode_layer, skinny_linear
-from specctl.errors import ModelError
+from specctl.errors import ModelError, UsageError
 
 SUPPORTED_ARCHS = ("llama", "qwen2", "mistral")
 # Forwards of at most this many tokens are "decode/verify" forwards (a chain's k+1 rows, a draft
@@ -434,8 +434,24 @@ def read_config(folder: Path) -> dict:
         raise ModelError(f"{path} is not valid JSON ({e.msg})", "re-save the checkpoint or re-pull it") from None
 
 
-def load_transformer(folder: str | Path, dtype: torch.dtype, device: str | torch.device = "cpu") -> Transformer:
-    """Build the Transformer from an HF folder's config.json and *.safetensors, fusing weights."""
+KERNEL_MODES = ("auto", "fused", "torch")
+_kernels = "auto"
+
+
+def set_kernels(mode: str) -> None:
+    """The kernels bf16 CPU models load with from now on (the commands' ``--kernels``): "auto" (the
+    C++ row-independent kernels where the CPU has them, else torch's), "fused" (the C++ kernels or
+    an error), "torch" (torch's own ops). Draft models follow their target's."""
+    global _kernels
+    if mode not in KERNEL_MODES:
+        raise UsageError(f"unknown --kernels '{mode}'", f"use one of: {', '.join(KERNEL_MODES)}")
+    _kernels = mode
+
+
+def load_transformer(folder: str | Path, dtype: torch.dtype, device: str | torch.device = "cpu",
+                     kernels: str | None = None) -> Transformer:
+    """Build the Transformer from an HF folder's config.json and *.safetensors, fusing weights;
+    ``kernels`` (default: ``set_kernels``'s) picks the bf16 CPU path (see ``set_kernels``)."""
     from safetensors import safe_open
 
     folder = Path(folder)
@@ -454,8 +470,14 @@ def load_transformer(folder: str | Path, dtype: torch.dtype, device: str | torch
     model.load_state_dict(fuse_hf_state_dict(sd, args), strict=True, assign=False)
     model.inv_freq = rope_inv_freq(args).to(device)
     model = model.to(dtype).eval().requires_grad_(False)
-    if dtype == torch.bfloat16 and torch.device(device).type == "cpu" and os.environ.get("SPECCTL_EXACT_BF16", "1") != "0":
-        enable_exact_bf16(model)
+    mode = kernels or _kernels
+    bf16_cpu = dtype == torch.bfloat16 and torch.device(device).type == "cpu"
+    if mode == "fused" and not bf16_cpu:
+        raise UsageError("--kernels fused selects specctl's C++ kernels for bf16 on a CPU",
+                         "use --dtype bfloat16 --device cpu, or --kernels auto")
+    if bf16_cpu and mode != "torch" and not enable_exact_bf16(model) and mode == "fused":
+        raise UsageError("--kernels fused needs a CPU with AMX or AVX512-BF16 (and a C++ compiler); this one "
+                         "takes torch's path", "use --kernels auto")
     return model
 
 
@@ -465,7 +487,7 @@ _told_inexact = False
 def enable_exact_bf16(model: "Transformer") -> bool:
     """Row-independent bf16 linears (AMX tiles, else the AVX512-BF16 skinny kernel): verification
     then equals plain decoding bit for bit, and decode reads the weights faster than torch's oneDNN
-    GEMV (see benchmarks/decode_bandwidth.py). On by default for bf16 on CPU; SPECCTL_EXACT_BF16=0
+    GEMV (see benchmarks/decode_bandwidth.py). On by default for bf16 on CPU; ``--kernels torch``
     keeps torch's F.linear. Returns whether a row-independent path is active; where the CPU has
     neither AMX nor AVX512-BF16 (or no compiler), says so once on stderr and returns False."""
     global _told_inexact

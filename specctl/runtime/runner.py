@@ -66,7 +66,7 @@ def check_compilable(model: Transformer) -> None:
     if model.cpu_kernels is not None:
         raise UsageError("--compile needs torch's own kernels, and this bf16 CPU model runs specctl's C++ ones",
                          "drop --compile (the C++ decode step is already fused), or use --dtype float32, "
-                         "a GPU, or SPECCTL_EXACT_BF16=0")
+                         "a GPU, or --kernels torch")
 
 
 class TargetRunner:

@@ -291,3 +291,22 @@ def test_bench_concurrency_refuses_what_it_cannot_combine(tmp_path):
     assert r.returncode == 2 and "--sweep-k cannot be combined with --concurrency" in r.stderr
     r = run_cli("bench", "-c", "0", env_extra={"SPECCTL_CACHE": str(tmp_path / "cache")})
     assert r.returncode == 2 and "--concurrency must be >= 1" in r.stderr
+
+
+def test_kernels_option_picks_the_bf16_cpu_path_and_is_recorded(tiny_model_dir, prompts_file, tmp_path):
+    env = {"SPECCTL_CACHE": str(tmp_path / "cache")}
+    args = ("bench", "--model", str(tiny_model_dir), "--dtype", "bfloat16", "--method", "ngram", "-w", str(prompts_file),
+            "-n", "1", "--max-new-tokens", "8", "--json")
+    r = run_cli(*args, "--kernels", "torch", env_extra=env)
+    assert r.returncode == 0, r.stderr
+    h = json.loads(r.stdout)["header"]
+    assert h["kernels"] == "torch" and h["cpu_kernels"] is None  # torch's own ops, as asked
+    r = run_cli(*args, env_extra=env)
+    h = json.loads(r.stdout)["header"]
+    from kernels import cpu
+
+    assert h["kernels"] == "auto" and h["cpu_kernels"] == (None if cpu.bf16_path() == "torch" else cpu.bf16_path())
+    r = run_cli(*args[:4], "float32", *args[5:], "--kernels", "fused", env_extra=env)
+    assert r.returncode == 2 and "--kernels fused" in r.stderr and "bfloat16" in r.stderr
+    r = run_cli(*args, "--kernels", "fast", env_extra=env)
+    assert r.returncode == 2 and "unknown --kernels 'fast'" in r.stderr and "auto, fused, torch" in r.stderr

@@ -408,7 +408,10 @@ class EagleProposer(SlotProposer):
     needs_hidden_states = True
 
     def __init__(self, config: SpecConfig, *, target, max_model_len: int, draft: EagleDraft | None = None,
-                 embed: torch.Tensor | None = None):
+                 embed: torch.Tensor | None = None, fused: bool | None = None):
+        """``fused``: draft through the fused bf16 C++ block (EAGLE-3 beside a bf16 target on an AMX
+        CPU); None follows the target (fused where it runs the AMX kernels)."""
+        self._fused = fused
         if target is None:
             raise UsageError(f"the {self.method} method needs the target model it drafts for",
                              "build it through build_proposer(config, max_model_len, target=LOADED_MODEL)")
@@ -427,7 +430,7 @@ class EagleProposer(SlotProposer):
         self.draft = draft.to(self.device)
         # the network that drafts: the fused bf16 kernels next to a bf16 target on an AMX CPU, else the draft itself
         fused = None
-        if os.environ.get("SPECCTL_EAGLE_FUSED", "1") != "0":
+        if self._fused if self._fused is not None else tmodel.cpu_kernels == "amx":  # as the target runs
             fused = FusedEagle3.build(self.draft, tmodel.embed.weight.dtype, self.device)
         self.net = fused or self.draft
         self.dtype = FusedEagle3.dtype if fused is not None else torch.float32

@@ -339,8 +339,8 @@ def test_fused_draft_matches_the_fp32_draft(wide):
 
 
 @pytest.mark.skipif(not _fused_ok(), reason=cpu.why_not(cpu.AMX, built=False))
-def test_fused_greedy_equality_chain_and_tree(wide, monkeypatch):
-    from specctl.runtime.proposers.eagle import FusedEagle3
+def test_fused_greedy_equality_chain_and_tree(wide):
+    from specctl.runtime.proposers.eagle import Eagle3Proposer, FusedEagle3
 
     folder, export, prompts = wide
     loaded = load_model(folder, dtype="bfloat16")
@@ -351,9 +351,11 @@ def test_fused_greedy_equality_chain_and_tree(wide, monkeypatch):
                         "speculative_eagle_topk": 3, "speculative_num_draft_tokens": 10}}
     accepted = {}
     for fused in (True, False):
-        monkeypatch.setenv("SPECCTL_EAGLE_FUSED", "1" if fused else "0")
         for name, c in configs.items():
-            prop = build_proposer(SpecConfig.from_dict(c), 256, target=loaded)
+            if fused:  # the default beside a target on the AMX kernels
+                prop = build_proposer(SpecConfig.from_dict(c), 256, target=loaded)
+            else:
+                prop = Eagle3Proposer(SpecConfig.from_dict(c), target=loaded, max_model_len=256, fused=False)
             assert isinstance(prop.net, FusedEagle3) == fused
             dec = SpecDecoder(runner, prop, 4)
             n = 0
