@@ -46,6 +46,11 @@ Every workload, multi-turn chat included (one row per turn), in one run:
 
   specctl bench --model qwen2.5-coder-1.5b -w code-edit -w humaneval -w chat -w mt-bench -w summarize -w math -w agentic
 
+N-gram first, the draft model where it finds nothing (specctl's "hybrid"; each part gets a row of
+its own under the hybrid's):
+
+  specctl bench --model qwen2.5-coder-1.5b -w code-edit --speculative-config '{"method": "hybrid", "proposers": [{"method": "ngram"}, {"method": "draft_model", "model": "qwen2.5-coder-0.5b", "num_speculative_tokens": 4}]}'
+
 Aggregate throughput under load: the prompts through the continuous-batching engine with N requests
 decoding together (one target forward per step), plain and each method, at each N:
 

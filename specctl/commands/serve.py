@@ -152,6 +152,9 @@ def serve(
     if max_waiting is not None and max_waiting < 0:
         raise UsageError(f"--max-waiting must be >= 0, got {max_waiting}", "pass e.g. --max-waiting 64")
     spec = _spec_config(method, num_speculative_tokens, speculative_config)
+    if engine == "vllm" and spec is not None and spec.method == "hybrid":
+        raise UsageError("'hybrid' is specctl's own method: vLLM runs one proposer at a time",
+                         "pass vLLM one of its parts' configs, or serve the hybrid with --engine own")
     if engine == "vllm":
         _exec_vllm(model, spec, served_model_name, host, port, api_key, max_model_len, max_num_seqs, dtype, device, err)
         return

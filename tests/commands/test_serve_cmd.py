@@ -156,3 +156,9 @@ def test_serve_subprocess_end_to_end(tiny_model_dir, tmp_path):
     assert "Application shutdown complete" in log
     assert "speculation:" in log and "POST /v1/chat/completions" in log  # logs (and access logs) on stderr
     assert proc.stdout.read() == ""  # nothing on stdout
+
+
+def test_a_hybrid_is_not_handed_to_vllm(tmp_path):
+    cfg = '{"method": "hybrid", "proposers": [{"method": "ngram"}, {"method": "suffix"}]}'
+    r = run_cli("serve", "--engine", "vllm", "--model", str(tmp_path), "--speculative-config", cfg)
+    assert r.returncode == 2 and "one proposer at a time" in r.stderr and "--engine own" in r.stderr
