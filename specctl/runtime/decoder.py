@@ -22,7 +22,7 @@ import torch
 
 from specctl.runtime.controller import DraftLengthController
 from specctl.runtime.metrics import SpecStats
-from specctl.runtime.proposers.base import Proposer
+from specctl.runtime.proposers.base import DraftOutput, Proposer
 from specctl.runtime.rejection import greedy_tree_verify, greedy_verify, logits_to_probs, rejection_sample
 from specctl.runtime.runner import TargetRunner, forward_batch, tree_depths
 
@@ -238,13 +238,7 @@ class SpecDecoder:
         ``prefills``: (request, n) pairs whose next n prompt tokens ride in the same forward (chunked
         prefill); their first token, once a prompt is complete, follows the decoding requests' lists
         in the result."""
-        plans: list[_Plan | None] = []
-        for st in states:
-            try:
-                plans.append(self._plan(st, max_draft, len(states)))
-            except Exception as e:  # noqa: BLE001 - this request fails, the batch goes on
-                _fail(st, e)
-                plans.append(None)
+        plans = self._plan_all(states, max_draft)
         live = [i for i, p in enumerate(plans) if p is not None]
         out: list[list[int]] = [[] for _ in list(states) + list(prefills)]
         if not live and not prefills:
@@ -275,10 +269,9 @@ class SpecDecoder:
                 _fail(st, e)
         return out
 
-    def _plan(self, st: DecodeState, max_draft: int | None = None, batch: int = 1) -> "_Plan | None":
-        """Draft for one request: what its verify forward carries (None: it has finished)."""
-        params = st.params
-        room = params.max_new_tokens - len(st.out)
+    def _draft_len(self, st: DecodeState, max_draft: int | None = None, batch: int = 1) -> int | None:
+        """How many tokens the request drafts this step (None: it has finished)."""
+        room = st.params.max_new_tokens - len(st.out)
         if st.finish is not None or room <= 0:
             st.finish = st.finish or "length"
             return None
@@ -287,11 +280,20 @@ class SpecDecoder:
             k = min(k, max_draft)
         if st.controller is not None:
             k = min(k, st.controller.draft_len(batch))
-        t0 = t1 = time.perf_counter()  # the controller weighs the whole step: drafting (t0..t1) and verifying
+        return k
+
+    def _plan_k(self, st: DecodeState, k: int) -> "_Plan":
+        """The request's own draft of up to k tokens, and its plan."""
+        t0 = time.perf_counter()  # the controller weighs the whole step: drafting (t0..t1) and verifying
+        d = self.proposer.propose(st.ctx, np.array([st.n_ctx], dtype=np.int32), k, st.hidden, slots=[st.slot]) \
+            if k > 0 else None
+        return self._plan_from(st, d, t0, time.perf_counter())
+
+    def _plan_from(self, st: DecodeState, d: DraftOutput | None, t0: float, t1: float) -> "_Plan":
+        """The verify forward's tokens: the last emitted token, then the draft (a chain or a tree)."""
+        params = st.params
         last = torch.tensor([[st.last]], dtype=torch.long)
-        if k > 0:
-            d = self.proposer.propose(st.ctx, np.array([st.n_ctx], dtype=np.int32), k, st.hidden, slots=[st.slot])
-            t1 = time.perf_counter()
+        if d is not None:
             nd = int(d.num_tokens[0])
             if d.parents is not None and nd > 0:
                 if not params.greedy:
@@ -301,7 +303,43 @@ class SpecDecoder:
             if nd > 0:
                 return _Plan(torch.cat([last, d.token_ids[:, :nd]], 1), t0, t1, d.token_ids[:, :nd], d.num_tokens,
                              None if d.probs is None else d.probs[:, :nd], base=st.runner.length)
-        return _Plan(last, t0, t1, base=st.runner.length)
+        return _Plan(last, t0, t0 if d is None else t1, base=st.runner.length)
+
+    def _plan_all(self, states: list[DecodeState], max_draft: int | None) -> list["_Plan | None"]:
+        """Every request's plan; a proposer that drafts for many at once (``propose_batch``: one draft
+        forward per drafting step for all) does so, and each request is charged its share of the time."""
+        plans: list[_Plan | None] = [None] * len(states)
+        ks: dict[int, int] = {}
+        for i, st in enumerate(states):
+            try:
+                k = self._draft_len(st, max_draft, len(states))
+            except Exception as e:  # noqa: BLE001 - this request fails, the batch goes on
+                _fail(st, e)
+                continue
+            if k is not None:
+                ks[i] = k
+        drafting = [i for i, k in ks.items() if k > 0]
+        together = len(drafting) > 1 and hasattr(self.proposer, "propose_batch")
+        if together:
+            t0 = time.perf_counter()
+            try:
+                ds = self.proposer.propose_batch([(states[i].ctx, states[i].n_ctx, states[i].slot) for i in drafting],
+                                                 [ks[i] for i in drafting])
+            except Exception as e:  # noqa: BLE001 - the batched draft failed: every request in it ends
+                for i in drafting:
+                    _fail(states[i], e)
+                    ks.pop(i)
+                ds = []
+            share = (time.perf_counter() - t0) / max(len(drafting), 1)
+            for i, d in zip(drafting, ds):
+                plans[i] = self._plan_from(states[i], d, t0, t0 + share)
+        for i, k in ks.items():
+            if plans[i] is None and not (together and k > 0):
+                try:
+                    plans[i] = self._plan_k(states[i], k)
+                except Exception as e:  # noqa: BLE001
+                    _fail(states[i], e)
+        return plans
 
     def _complete(self, st: DecodeState, plan: "_Plan", logits: torch.Tensor) -> list[int]:
         """Verify one request's forward (logits [1, 1+nd, V]), roll back, tell the proposer."""

@@ -256,14 +256,7 @@ class DraftModelProposer(Proposer):
 
     def _sync(self, s: _Slot, want: np.ndarray) -> torch.Tensor:
         """Make the draft cache hold ``want``, feeding only what differs; returns the last logits [Vd]."""
-        runner, fed = s.runner, s.fed
-        m = min(runner.length, len(want))
-        diff = np.flatnonzero(fed[:m] != want[:m])
-        c = min(int(diff[0]) if diff.size else m, len(want) - 1)  # feed at least one token for fresh logits
-        runner.rollback(c)
-        fed[c:len(want)] = want[c:]
-        tokens = torch.from_numpy(want[c:]).to(self.device)[None]  # [1, len(want) - c]
-        return runner.forward(tokens, logits="last")[0, -1]
+        return s.runner.forward(self._sync_tokens(s, want), logits="last")[0, -1]
 
     def _step_mode(self, s: _Slot, want: np.ndarray) -> str:
         """same / tli / text for this step (auto: by the recent tokenizations' agreement, see the docstring)."""
@@ -280,34 +273,77 @@ class DraftModelProposer(Proposer):
 
     def _propose_one(self, s: _Slot, k: int) -> tuple[list[int], torch.Tensor | None]:
         """k draft tokens for one request: (target ids, q [n, V_target] or None)."""
-        want = self._context_ids(s)
-        if len(want) == 0 or len(want) + k > s.runner.max_len:
-            s.base, s.num_fed_drafts = s.runner.length, 0  # on_verified then keeps the cache as it is
-            return [], None  # nothing to read, or no room left in the draft cache: no draft this step
-        mode = s.step_mode = self._step_mode(s, want)
-        suppress = self.suppress_text if mode == "text" else self.suppress_tli
-        logits = self._sync(s, want)
-        sp = s.sampling or _Sampling(self.temperature, self.top_k, self.top_p)
-        sample = sp.temperature > 0
-        gen = sp.generator or self._own_generator
-        base = len(want)
-        draft_ids: list[int] = []
-        q_rows: list[torch.Tensor] = []
-        for i in range(k):
-            if suppress is not None:
-                logits = logits.masked_fill(suppress, float("-inf"))
-            if sample:
-                p = logits_to_probs(logits, sp.temperature, sp.top_k, sp.top_p)  # [Vd]
-                d = int(torch.multinomial(p, 1, generator=gen))
-                q_rows.append(p)
-            else:
-                d = int(torch.argmax(logits))
-            draft_ids.append(d)
-            if i + 1 == k or (mode != "text" and int(self.d2t[d]) in self.stop_ids):
-                break
-            s.fed[base + i] = d
-            logits = s.runner.forward(torch.tensor([[d]], device=self.device), logits="last")[0, -1]
-        s.base, s.num_fed_drafts = base, s.runner.length - base
+        return self._propose_many([s], [k])[0]
+
+    def propose_batch(self, rows: list[tuple[np.ndarray, int, int]], ks: list[int]) -> list[DraftOutput]:
+        """Drafts for many requests at once, (token_ids [1, max_len], n, slot) each, with one draft
+        forward per drafting step for all of them (``runner.forward_batch``: the draft's weights are
+        read once per step, not once per request). Each request's draft is the one ``propose`` gives."""
+        slots = [self._slot_for_row(t[0], n, slot) for t, n, slot in rows]
+        out = []
+        for (ids, q), k in zip(self._propose_many(slots, ks), ks):
+            tok = torch.full((1, k), -1, dtype=torch.long)
+            tok[0, :len(ids)] = torch.tensor(ids, dtype=torch.long)
+            out.append(DraftOutput(tok, torch.tensor([len(ids)]), None if q is None else q[None]))
+        return out
+
+    def _sync_tokens(self, s: _Slot, want: np.ndarray) -> torch.Tensor:
+        """Roll the draft cache back to its longest prefix of ``want`` and return what is left to feed
+        [1, T >= 1] (the last token at least: fresh logits)."""
+        runner, fed = s.runner, s.fed
+        m = min(runner.length, len(want))
+        diff = np.flatnonzero(fed[:m] != want[:m])
+        c = min(int(diff[0]) if diff.size else m, len(want) - 1)
+        runner.rollback(c)
+        fed[c:len(want)] = want[c:]
+        return torch.from_numpy(want[c:]).to(self.device)[None]
+
+    def _propose_many(self, slots: list[_Slot], ks: list[int]) -> list[tuple[list[int], torch.Tensor | None]]:
+        """(target ids, q [n, V_target] or None) per slot; every drafting step one batched draft forward."""
+        from specctl.runtime.runner import forward_batch
+
+        results: list[tuple[list[int], torch.Tensor | None]] = [([], None)] * len(slots)
+        live = []  # [index, slot, k, mode, suppress, sampling, base, draft ids, q rows]
+        for j, (s, k) in enumerate(zip(slots, ks)):
+            want = self._context_ids(s)
+            if len(want) == 0 or len(want) + k > s.runner.max_len:
+                s.base, s.num_fed_drafts = s.runner.length, 0  # on_verified then keeps the cache as it is
+                continue  # nothing to read, or no room left in the draft cache: no draft this step
+            mode = s.step_mode = self._step_mode(s, want)
+            sp = s.sampling or _Sampling(self.temperature, self.top_k, self.top_p)
+            live.append([j, s, k, mode, self.suppress_text if mode == "text" else self.suppress_tli, sp, len(want),
+                         [], [], self._sync_tokens(s, want)])
+        feeding = live
+        while feeding:
+            logits = forward_batch([e[1].runner for e in feeding], [e[9] for e in feeding],
+                                   last_only=[True] * len(feeding))
+            nxt = []
+            for e, lg in zip(feeding, logits):
+                j, s, k, mode, suppress, sp, base, draft_ids, q_rows, _ = e
+                lg = lg[0, -1]
+                if suppress is not None:
+                    lg = lg.masked_fill(suppress, float("-inf"))
+                if sp.temperature > 0:
+                    p = logits_to_probs(lg, sp.temperature, sp.top_k, sp.top_p)  # [Vd]
+                    d = int(torch.multinomial(p, 1, generator=sp.generator or self._own_generator))
+                    q_rows.append(p)
+                else:
+                    d = int(torch.argmax(lg))
+                i = len(draft_ids)
+                draft_ids.append(d)
+                if i + 1 == k or (mode != "text" and int(self.d2t[d]) in self.stop_ids):
+                    continue  # done: its last draft is not fed
+                s.fed[base + i] = d
+                e[9] = torch.tensor([[d]], device=self.device)
+                nxt.append(e)
+            feeding = nxt
+        for j, s, k, mode, _, sp, base, draft_ids, q_rows, _ in live:
+            s.base, s.num_fed_drafts = base, s.runner.length - base
+            results[j] = self._finish(s, mode, sp.temperature > 0, draft_ids, q_rows, k)
+        return results
+
+    def _finish(self, s: _Slot, mode: str, sample: bool, draft_ids: list[int], q_rows: list, k: int):
+        """Draft ids -> (target ids, q on target ids or None)."""
         if mode == "text":
             return self._text_to_target(s, draft_ids, k), None
         ids = [int(self.d2t[d]) for d in draft_ids]

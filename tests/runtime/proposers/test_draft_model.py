@@ -405,7 +405,12 @@ def test_batched_greedy_equals_plain(target, drafts, greedy_cases, run_batched, 
     """Requests decoding together, each with its own draft cache, give their plain output (identical
     requests too: the decoder names each request's slot)."""
     cases = greedy_cases[:8] + greedy_cases[:2]
-    dec = SpecDecoder(TargetRunner(target.model, MAX_LEN), make_proposer(target, drafts[draft_name]), K)
+    prop = make_proposer(target, drafts[draft_name])
+    calls = []
+    ragged = prop.draft.model.forward_ragged
+    prop.draft.model.forward_ragged = lambda tokens, segs: (calls.append(len(segs)), ragged(tokens, segs))[1]
+    dec = SpecDecoder(TargetRunner(target.model, MAX_LEN), prop, K)
     got = run_batched(dec, [p for p, _ in cases], [SamplingParams(max_new_tokens=NEW)] * len(cases))
     assert [r.token_ids for r in got] == [o for _, o in cases]
     assert sum(r.stats.num_accepted_tokens for r in got) > 0
+    assert calls and max(calls) > 1  # the requests' drafts came out of shared draft forwards
