@@ -38,6 +38,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 DRAFT = 0  # costs[DRAFT]: drafting seconds per draft token (costs[T], T >= 1: a T-token forward)
+# costs[-d]: drafting seconds of a step that drafted d tokens; over three or more d they give the
+# drafting cost as q0 + q d (q0: what a drafting step pays whatever d is, e.g. a draft model's
+# catch-up forward on the tokens it has not read yet)
 
 
 @dataclass
@@ -97,9 +100,19 @@ class DraftLengthController:
         at v(1); beyond the largest measured T, v of that T (optimistic: it gets measured)."""
         return _relative_verify(T, self._slope())
 
-    def _draft_cost(self) -> float:
-        """q: seconds of drafting per draft token (0 while unmeasured)."""
-        return self.costs.get(DRAFT, 0.0)
+    def _draft_cost(self) -> tuple[float, float]:
+        """(q0, q): a drafting step's seconds q0 + q d. A line through the seconds measured at three
+        or more draft lengths; before that q0 = 0 and q the per-token average (0 while unmeasured)."""
+        pts = [(-d, v) for d, v in self.costs.items() if d < 0]
+        if len(pts) < 3:
+            return 0.0, self.costs.get(DRAFT, 0.0)
+        n = len(pts)
+        md, mv = sum(d for d, _ in pts) / n, sum(v for _, v in pts) / n
+        q = max(sum((d - md) * (v - mv) for d, v in pts) / sum((d - md) ** 2 for d, _ in pts), 0.0)
+        q0 = mv - q * md
+        if q0 < 0:  # through the origin instead
+            q0, q = 0.0, sum(d * v for d, v in pts) / sum(d * d for d, _ in pts)
+        return q0, q
 
     def cost(self, T: int, batch: int = 1) -> float:
         """c = the relative cost of a step that forwards T tokens, T - 1 of them drafted."""
@@ -184,6 +197,10 @@ class DraftLengthController:
             per = draft_seconds / num_draft
             q = self.costs.get(DRAFT)
             self.costs[DRAFT] = per if q is None else q + self.ema * (min(per, 2 * q) - q)
+            q0, qd = self._draft_cost()
+            pred, old = q0 + qd * num_draft, self.costs.get(-num_draft)
+            obs = min(draft_seconds, 2 * pred) if pred > 0 else draft_seconds  # one outlier moves it a doubling at most
+            self.costs[-num_draft] = obs if old is None else old + self.ema * (obs - old)
         old = self.costs.get(tokens_forwarded)
         self.costs[tokens_forwarded] = seconds if old is None else old + self.ema * (seconds - old)
 
@@ -196,14 +213,16 @@ def _relative_verify(T: int, fit: tuple[float, float, int] | None) -> float:
     return 1.0 + b * (min(T, t_max) - 1) / one
 
 
-def _step_cost(T: int, fit: tuple[float, float, int] | None, q: float, batch: int = 1) -> float:
-    """A request's step forwarding T tokens, T - 1 of them drafted, in its plain steps: alone,
-    v(T) / v(1) + (T - 1) q / v(1); among ``batch`` requests, its share of the forward:
-    (a / B + b T + (T - 1) q) / (a / B + b) with v(T) = a + b T."""
+def _step_cost(T: int, fit: tuple[float, float, int] | None, q: tuple[float, float], batch: int = 1) -> float:
+    """A request's step forwarding T tokens, T - 1 = d of them drafted, in its plain steps: alone,
+    v(T) / v(1) + draft(d) / v(1); among ``batch`` requests, its share of the forward:
+    (a / B + b T + draft(d)) / (a / B + b) with v(T) = a + b T; draft(d) = q0 + q d (0 at d = 0)."""
     if fit is None:
         return 1.0
     one, b, _ = fit
+    d = T - 1
+    draft = (q[0] + q[1] * d) if d > 0 else 0.0
     if batch <= 1:
-        return _relative_verify(T, fit) + (T - 1) * q / one
+        return _relative_verify(T, fit) + draft / one
     base = max(one - b, 0.0) / batch + b
-    return (base + b * (T - 1) + (T - 1) * q) / base if base > 0 else 1.0
+    return (base + b * d + draft) / base if base > 0 else 1.0

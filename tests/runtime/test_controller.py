@@ -189,3 +189,18 @@ def test_drafting_backs_off_as_the_batch_grows():
     batch_only = DraftLengthController(k=6, costs={t: a + b * t for t in (16, 24, 40)}, alpha=0.6)
     assert batch_only.best_len(16) == 0 and batch_only.draft_len(16) == 0
     assert abs(batch_only._slope()[1] - b) < 1e-9
+
+
+def test_a_fixed_drafting_cost_per_step_is_seen():
+    """A draft model that catches up on the step's new tokens before it drafts pays q0 whatever d is:
+    drafting seconds measured at three or more d give q0 + q d, and a one-token draft is no longer
+    judged nearly free. Here (q0 = a whole target step) no draft length pays at this acceptance."""
+    c = DraftLengthController(k=4, costs={1: 0.1}, probe_every=1000)
+    c.alpha = 0.6
+    for _ in range(5):
+        for d in (1, 2, 3, 4):
+            c.observe(d, 1, d + 1, 0.1 + 0.1 + 0.01 * d, 0.1 + 0.01 * d)
+    q0, q = c._draft_cost()
+    assert abs(q0 - 0.1) < 0.01 and abs(q - 0.01) < 0.005
+    assert abs(c.cost(2) - (1.0 + 1.1)) < 0.05
+    assert c.best_len() == 0
