@@ -163,7 +163,7 @@ def bench(
 
     if levels:
         _bench_concurrency(loaded, configs, workloads, num_prompts, params, levels, seed, not fixed_k, json_out, err,
-                           max_num_batched_tokens)
+                           max_num_batched_tokens, kernels)
         return
     with Progress(TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), console=err, transient=True, disable=not err.is_terminal) as prog:
@@ -208,7 +208,7 @@ def bench(
 
 
 def _bench_concurrency(loaded, configs, workloads, num_prompts, params, levels, seed, adaptive, json_out, err,
-                       max_num_batched_tokens) -> None:
+                       max_num_batched_tokens, kernels) -> None:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from specctl.bench.concurrency import run_concurrency
@@ -225,8 +225,6 @@ def _bench_concurrency(loaded, configs, workloads, num_prompts, params, levels, 
         header, rows = run_concurrency(loaded, configs, workloads, num_prompts, params, levels, seed,
                                        adaptive=adaptive, progress=progress,
                                        max_num_batched_tokens=max_num_batched_tokens)
-    from specctl.runtime.model import _kernels as kernels
-
     header["kernels"] = kernels
     if json_out:
         typer.echo(json.dumps({"header": header, "results": rows}, indent=2))

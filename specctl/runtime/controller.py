@@ -173,25 +173,31 @@ class DraftLengthController:
             return min(self.probe_len, self.k)
         return 0
 
+    def observe_acceptance(self, num_draft: int, num_accepted: int) -> None:
+        """A verified draft of ``num_draft`` tokens, ``num_accepted`` of them kept: the pooled and
+        per-position acceptance counts (decayed)."""
+        if num_draft <= 0:
+            return
+        # positions tried: the accepted ones, plus the first rejected one if any
+        tried = num_accepted + (1 if num_accepted < num_draft else 0)
+        keep = 1 - self.decay
+        self._succ = keep * self._succ + num_accepted
+        self._tried = keep * self._tried + tried
+        # the prior stays in as a pseudo-observation: one bad step does not zero the rate
+        self.alpha = (self._succ + self.prior_weight * self._prior) / (self._tried + self.prior_weight)
+        while len(self._pos_tried) < tried:
+            self._pos_tried.append(0.0)
+            self._pos_succ.append(0.0)
+        for i in range(len(self._pos_tried)):
+            self._pos_tried[i] = keep * self._pos_tried[i] + (i < tried)
+            self._pos_succ[i] = keep * self._pos_succ[i] + (i < num_accepted)
+
     def observe(self, num_draft: int, num_accepted: int, tokens_forwarded: int, seconds: float,
                 draft_seconds: float | None = None) -> None:
         """After a step: drafts verified, drafts accepted, tokens in the forward (every request's,
         in a batch), its wall time, and of that the time spent drafting (None: not measured apart,
         the whole step counts as v(T))."""
-        if num_draft > 0:
-            # positions tried: the accepted ones, plus the first rejected one if any
-            tried = num_accepted + (1 if num_accepted < num_draft else 0)
-            keep = 1 - self.decay
-            self._succ = keep * self._succ + num_accepted
-            self._tried = keep * self._tried + tried
-            # the prior stays in as a pseudo-observation: one bad step does not zero the rate
-            self.alpha = (self._succ + self.prior_weight * self._prior) / (self._tried + self.prior_weight)
-            while len(self._pos_tried) < tried:
-                self._pos_tried.append(0.0)
-                self._pos_succ.append(0.0)
-            for i in range(len(self._pos_tried)):
-                self._pos_tried[i] = keep * self._pos_tried[i] + (i < tried)
-                self._pos_succ[i] = keep * self._pos_succ[i] + (i < num_accepted)
+        self.observe_acceptance(num_draft, num_accepted)
         if draft_seconds is not None and num_draft > 0:
             seconds = max(seconds - draft_seconds, 1e-9)
             per = draft_seconds / num_draft

@@ -155,8 +155,7 @@ class SpecDecoder:
         st = self.begin(prompt_ids, params, generator, runner, slot)
         while st.prefilling:
             n = self.next_chunk(st, prefill_chunk)
-            tokens = torch.tensor([prompt_ids[st.n_prefilled:st.n_prefilled + n]], dtype=torch.long)
-            self.prefilled(st, n, st.runner.forward(tokens, logits="last"))
+            self.prefilled(st, n, st.runner.forward(self.prefill_tokens(st, n), logits="last"))
         return st
 
     @staticmethod
@@ -333,8 +332,8 @@ class SpecDecoder:
             share = (time.perf_counter() - t0) / max(len(drafting), 1)
             for i, d in zip(drafting, ds):
                 plans[i] = self._plan_from(states[i], d, t0, t0 + share)
-        for i, k in ks.items():
-            if plans[i] is None and not (together and k > 0):
+        for i, k in ks.items():  # the rest draft on their own (or not at all)
+            if plans[i] is None:
                 try:
                     plans[i] = self._plan_k(states[i], k)
                 except Exception as e:  # noqa: BLE001

@@ -18,7 +18,7 @@ import logging
 import threading
 import time
 from collections import Counter, deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -41,6 +41,16 @@ class Event:
     stats: SpecStats  # a copy, as of these tokens
     finish: str | None = None  # "stop" | "length" | "abort"; None while running
     error: str | None = None
+
+
+@dataclass
+class _Seen:
+    """A running request as the metrics last counted it: its stats, a hybrid's parts', and when it
+    last emitted tokens (None: not yet)."""
+
+    stats: SpecStats = field(default_factory=SpecStats)
+    parts: dict[str, SpecStats] = field(default_factory=dict)
+    t_last: float | None = None
 
 
 class EngineRequest:
@@ -130,8 +140,7 @@ class Engine:
         self._cv = threading.Condition()
         self._waiting: deque[EngineRequest] = deque()  # submitted, not yet handed to the scheduler
         self._reqs: dict[str, EngineRequest] = {}  # every request not yet ended, by id
-        self._seen: dict[str, tuple] = {}  # id -> (drafts, accepted, last token time) already counted in metrics
-        self._seen_parts: dict[str, dict[str, SpecStats]] = {}  # id -> a hybrid's parts as last counted
+        self._seen: dict[str, _Seen] = {}  # id -> what the metrics have counted of it
         self._sched: Scheduler | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -257,33 +266,31 @@ class Engine:
         st = u.state
         if st is not None:
             now = time.perf_counter()
-            d0, a0, t_last = self._seen.get(u.request.id, (None, None, None))
-            with self.metrics.lock:
-                if d0 is None:  # admitted
-                    self.metrics.prompt_tokens += len(u.request.prompt_ids)
-                    d0, a0 = 0, 0
-                self.metrics.spec.observe(st.stats.num_draft_tokens - d0, st.stats.num_accepted_tokens - a0)
-                self.metrics.generation_tokens += len(u.tokens)
+            seen = self._seen.get(u.request.id)
+            m = self.metrics
+            with m.lock:
+                if seen is None:  # admitted
+                    m.prompt_tokens += len(u.request.prompt_ids)
+                    seen = self._seen[u.request.id] = _Seen()
+                # what the request's stats (and a hybrid's parts') counted since its last update
+                m.spec = m.spec.merge(st.stats.minus(seen.stats))
+                for name, s in st.by_proposer.items():
+                    m.by_proposer[name] = m.by_proposer.get(name, SpecStats()).merge(s.minus(seen.parts.get(name, SpecStats())))
+                m.generation_tokens += len(u.tokens)
                 if u.tokens:
-                    if t_last is None:
-                        self.metrics.ttft.observe(now - u.request.t_arrival)
+                    if seen.t_last is None:
+                        m.ttft.observe(now - u.request.t_arrival)
                     else:
-                        self.metrics.itl.observe(now - t_last)
-            self._seen[u.request.id] = (st.stats.num_draft_tokens, st.stats.num_accepted_tokens,
-                                        now if u.tokens else t_last)
-            if st.by_proposer:  # a hybrid's parts: what each counted since the last update
-                seen = self._seen_parts.setdefault(u.request.id, {})
-                with self.metrics.lock:
-                    for name, s in st.by_proposer.items():
-                        d = s.minus(seen.get(name, SpecStats()))
-                        self.metrics.by_proposer[name] = self.metrics.by_proposer.get(name, SpecStats()).merge(d)
-                        seen[name] = _copy_stats(s)
+                        m.itl.observe(now - seen.t_last)
+            seen.stats = _copy_stats(st.stats)
+            seen.parts = {name: _copy_stats(s) for name, s in st.by_proposer.items()}
+            if u.tokens:
+                seen.t_last = now
             if u.tokens:
                 self._post(req, Event(u.tokens, _copy_stats(st.stats)))
         if u.finish is None:
             return
         self._seen.pop(u.request.id, None)
-        self._seen_parts.pop(u.request.id, None)
         reason = u.finish
         if u.error is not None:
             log.warning("request %s failed: %s", u.request.id, u.error)

@@ -352,10 +352,13 @@ class Transformer(nn.Module):
         h = self.norm(x)
         if logits == "none":
             return None, h
-        hh = h[:, -1:] if logits == "last" else h
+        return self.head(h[:, -1:] if logits == "last" else h), h
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """The LM head over final-normed hidden states, through the exact path the linears take."""
         if self.head_packed is not None:
-            return amx_linear.linear(hh, self.head_packed), h
-        return skinny_linear.linear(hh, self.head_weight), h
+            return amx_linear.linear(h, self.head_packed)
+        return skinny_linear.linear(h, self.head_weight)
 
 
     def forward_ragged(self, tokens: torch.Tensor, segs: list[Segment]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -380,10 +383,7 @@ class Transformer(nn.Module):
         for s in segs:
             rows.extend([off + s.n - 1] if s.last_only else range(off, off + s.n))
             off += s.n
-        hh = h if len(rows) == h.shape[0] else h[torch.tensor(rows, device=h.device)]
-        if self.head_packed is not None:
-            return amx_linear.linear(hh, self.head_packed), h
-        return skinny_linear.linear(hh, self.head_weight), h
+        return self.head(h if len(rows) == h.shape[0] else h[torch.tensor(rows, device=h.device)]), h
 
     def decode_step(self, tokens: torch.Tensor, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         """One token per row in static shapes: tokens [B, 1] at cache slot ``pos`` ([1] int64 tensor).

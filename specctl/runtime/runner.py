@@ -104,31 +104,20 @@ class TargetRunner:
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, logits: str = "all") -> torch.Tensor:
         """tokens: [B, T] int64 -> logits [B, T, V] ("all") or [B, 1, V] ("last")."""
-        start, T = self.length, tokens.shape[1]
-        if start + T > self.max_len:
-            raise UsageError(
-                f"sequence of {start + T} tokens exceeds the runner's max length {self.max_len}",
-                "raise --max-model-len or lower --max-new-tokens",
-            )
-        if T == 1 and self._step is not None:
-            pos = torch.tensor([start], device=self.device)
+        seg = self.segment(tokens)
+        if seg.n == 1 and self._step is not None:
+            pos = torch.tensor([seg.start], device=self.device)
             out, hidden, aux = self._step(tokens.to(self.device), pos, self.cache.k, self.cache.v)
-            self.length = start + 1
-            self.last_hidden, self.last_aux = hidden, aux
+            self._advance(seg, hidden, aux)
             return out
-        mask = None
-        window = self.model.args.sliding_window
-        if T > 1 or (window is not None and start + T > window):
-            q_pos = torch.arange(start, start + T, device=self.device)[:, None]
-            k_pos = torch.arange(start + T, device=self.device)[None, :]
-            mask = k_pos <= q_pos  # [T, start+T] causal
-            if window is not None:
-                mask &= k_pos > q_pos - window
-        out, hidden = self.model(tokens.to(self.device), start, self.cache, mask, logits=logits)
-        self.length = start + T
-        self.last_hidden = hidden
-        self.last_aux = self.model.aux_out
+        out, hidden = self.model(tokens.to(self.device), seg.start, self.cache, seg.mask, logits=logits)
+        self._advance(seg, hidden, self.model.aux_out)
         return out
+
+    def _advance(self, seg: Segment, hidden: torch.Tensor, aux: torch.Tensor | None) -> None:
+        """After a forward of ``seg``: the cache holds its rows; their hidden states are the latest."""
+        self.length = seg.start + seg.n
+        self.last_hidden, self.last_aux = hidden, aux
 
     @torch.inference_mode()
     def greedy(self, logits: torch.Tensor, candidates: int = 4, margins: list | None = None) -> torch.Tensor:
@@ -162,25 +151,20 @@ class TargetRunner:
         """A draft tree: tokens [1, N+1], node 0 the last emitted token, node i's parent parents[i]
         (parents[0] = -1). Node i goes to cache slot length+i at position length+depth(i) and sees
         the prefix and its ancestors. Returns logits [1, N+1, V]; ``compact`` then keeps a path."""
-        start, T = self.length, tokens.shape[1]
-        if start + T > self.max_len:
-            raise UsageError(f"draft tree of {T} nodes does not fit in the cache ({self.max_len})",
-                             "raise --max-model-len or use a smaller speculative_token_tree")
-        depths = tree_depths(parents)
-        mask = torch.ones(T, start + T, dtype=torch.bool)
-        mask[:, start:] = tree_attention_mask(parents)
-        pos = start + torch.tensor(depths, dtype=torch.float32)
-        out, hidden = self.model(tokens.to(self.device), start, self.cache, mask.to(self.device), positions=pos)
-        self.length = start + T
-        self.last_hidden = hidden
-        self.last_aux = self.model.aux_out
+        seg = self.segment(tokens, parents)
+        out, hidden = self.model(tokens.to(self.device), seg.start, self.cache, seg.mask, positions=seg.positions)
+        self._advance(seg, hidden, self.model.aux_out)
         return out
 
     def segment(self, tokens: torch.Tensor, parents: list[int] | None = None, last_only: bool = False) -> Segment:
-        """This runner's part of a ragged forward (``forward_batch``): tokens [1, T] at its length,
-        a chain, or a draft tree as in ``forward_tree``; checks that they fit."""
+        """Where tokens [1, T] go in this runner's cache and what they attend to: a chain at its
+        length (causal, within the sliding window), or a draft tree as in ``forward_tree``; checks
+        that they fit. ``forward``, ``forward_tree`` and ``forward_batch`` all start here."""
         start, T = self.length, tokens.shape[1]
         if start + T > self.max_len:
+            if parents is not None:
+                raise UsageError(f"draft tree of {T} nodes does not fit in the cache ({self.max_len})",
+                                 "raise --max-model-len or use a smaller speculative_token_tree")
             raise UsageError(f"sequence of {start + T} tokens exceeds the runner's max length {self.max_len}",
                              "raise --max-model-len or lower --max-new-tokens")
         if parents is not None:
@@ -194,7 +178,7 @@ class TargetRunner:
         if T > 1 or (window is not None and start + T > window):
             q_pos = torch.arange(start, start + T, device=self.device)[:, None]
             k_pos = torch.arange(start + T, device=self.device)[None, :]
-            mask = k_pos <= q_pos
+            mask = k_pos <= q_pos  # [T, start+T] causal
             if window is not None:
                 mask &= k_pos > q_pos - window
         return Segment(self.cache, start, T, mask, last_only=last_only)
@@ -311,7 +295,7 @@ def forward_batch(runners: list[TargetRunner], tokens: list[torch.Tensor], paren
     # run them alone so that a request's cache does not depend on the batch it arrived in.
     together = [i for i in range(n) if tokens[i].shape[1] <= VERIFY_ROWS]
     for i in range(n):
-        if i not in together or len(together) == 1:
+        if tokens[i].shape[1] > VERIFY_ROWS or len(together) == 1:
             r = runners[i]
             out[i] = (r.forward_tree(tokens[i], parents[i]) if parents[i] is not None
                       else r.forward(tokens[i], logits="last" if last_only[i] else "all"))
@@ -324,10 +308,8 @@ def forward_batch(runners: list[TargetRunner], tokens: list[torch.Tensor], paren
     aux = model.aux_out
     lo = ho = 0
     for i, s in zip(together, segs):
-        r, m = runners[i], (1 if s.last_only else s.n)
+        m = 1 if s.last_only else s.n
         out[i] = logits[lo:lo + m][None]
-        r.last_hidden = hidden[ho:ho + s.n][None]
-        r.last_aux = None if aux is None else aux[ho:ho + s.n][None]
-        r.length = s.start + s.n
+        runners[i]._advance(s, hidden[ho:ho + s.n][None], None if aux is None else aux[ho:ho + s.n][None])
         lo, ho = lo + m, ho + s.n
     return out

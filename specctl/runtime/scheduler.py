@@ -85,12 +85,16 @@ class Scheduler:
         self.running: list[tuple[Request, DecodeState]] = []
         self._free = list(range(len(runners) - 1, -1, -1))  # pop() hands out slot 0 first
         self.steps = 0
-        self.batch_sizes: list[int] = []  # decoding requests per step (a trace for tests and stats)
         self.trace: list[tuple[int, int]] = []  # per step: (decoding requests, prompt tokens carried)
 
     @property
     def max_num_seqs(self) -> int:
         return len(self.runners)
+
+    @property
+    def batch_sizes(self) -> list[int]:
+        """Decoding requests per step that had any."""
+        return [n for n, _ in self.trace if n]
 
     @property
     def idle(self) -> bool:
@@ -137,8 +141,6 @@ class Scheduler:
             cap = None
             if self.disable_by_batch_size is not None and len(stepping) >= self.disable_by_batch_size:
                 cap = 0
-            if stepping:
-                self.batch_sizes.append(len(stepping))
             self.trace.append((len(stepping), sum(n for _, _, n in chunks)))
             emitted = self.decoder.step_batch([st for _, st in stepping], max_draft=cap,
                                               prefills=[(st, n) for _, st, n in chunks])

@@ -38,6 +38,7 @@ What it does not know: verification, the target's cache, stop handling beyond no
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -75,6 +76,23 @@ class _Slot:
         self.step_mode = "same"  # how the last propose drafted (same, tli or text)
         self.sampling: _Sampling | None = None
         self.active = False
+
+
+@dataclass
+class _Drafting:
+    """One request's draft in progress (``_propose_many``): where it came from, how it drafts, the
+    cache length before its drafts, what it drafted so far and what it feeds next [1, T]."""
+
+    index: int
+    slot: _Slot
+    k: int
+    mode: str
+    suppress: torch.Tensor | None
+    sampling: _Sampling
+    base: int
+    feed: torch.Tensor
+    draft_ids: list[int] = field(default_factory=list)
+    q_rows: list[torch.Tensor] = field(default_factory=list)
 
 
 class DraftModelProposer(Proposer):
@@ -229,10 +247,10 @@ class DraftModelProposer(Proposer):
         B = token_ids.shape[0]
         out = torch.full((B, k), -1, dtype=torch.long)
         num = torch.zeros(B, dtype=torch.long)
+        rows = [self._slot_for_row(token_ids[b], int(num_tokens[b]), None if slots is None else int(slots[b]))
+                for b in range(B)]
         qs: list[torch.Tensor | None] = [None] * B
-        for b in range(B):
-            s = self._slot_for_row(token_ids[b], int(num_tokens[b]), None if slots is None else int(slots[b]))
-            ids, q = self._propose_one(s, k)
+        for b, (ids, q) in enumerate(self._propose_many(rows, [k] * B)):  # every row's draft steps batched
             out[b, :len(ids)] = torch.tensor(ids, dtype=torch.long)
             num[b] = len(ids)
             qs[b] = q
@@ -271,10 +289,6 @@ class DraftModelProposer(Proposer):
             need -= d_lens[-1]
         return "tli" if span_agreement(t_lens, d_lens[::-1]) >= MIN_TLI_AGREEMENT else "text"
 
-    def _propose_one(self, s: _Slot, k: int) -> tuple[list[int], torch.Tensor | None]:
-        """k draft tokens for one request: (target ids, q [n, V_target] or None)."""
-        return self._propose_many([s], [k])[0]
-
     def propose_batch(self, rows: list[tuple[np.ndarray, int, int]], ks: list[int]) -> list[DraftOutput]:
         """Drafts for many requests at once, (token_ids [1, max_len], n, slot) each, with one draft
         forward per drafting step for all of them (``runner.forward_batch``: the draft's weights are
@@ -303,43 +317,43 @@ class DraftModelProposer(Proposer):
         from specctl.runtime.runner import forward_batch
 
         results: list[tuple[list[int], torch.Tensor | None]] = [([], None)] * len(slots)
-        live = []  # [index, slot, k, mode, suppress, sampling, base, draft ids, q rows]
+        live: list[_Drafting] = []
         for j, (s, k) in enumerate(zip(slots, ks)):
             want = self._context_ids(s)
             if len(want) == 0 or len(want) + k > s.runner.max_len:
                 s.base, s.num_fed_drafts = s.runner.length, 0  # on_verified then keeps the cache as it is
                 continue  # nothing to read, or no room left in the draft cache: no draft this step
             mode = s.step_mode = self._step_mode(s, want)
-            sp = s.sampling or _Sampling(self.temperature, self.top_k, self.top_p)
-            live.append([j, s, k, mode, self.suppress_text if mode == "text" else self.suppress_tli, sp, len(want),
-                         [], [], self._sync_tokens(s, want)])
+            live.append(_Drafting(j, s, k, mode, self.suppress_text if mode == "text" else self.suppress_tli,
+                                  s.sampling or _Sampling(self.temperature, self.top_k, self.top_p), len(want),
+                                  self._sync_tokens(s, want)))
         feeding = live
         while feeding:
-            logits = forward_batch([e[1].runner for e in feeding], [e[9] for e in feeding],
+            logits = forward_batch([e.slot.runner for e in feeding], [e.feed for e in feeding],
                                    last_only=[True] * len(feeding))
             nxt = []
             for e, lg in zip(feeding, logits):
-                j, s, k, mode, suppress, sp, base, draft_ids, q_rows, _ = e
                 lg = lg[0, -1]
-                if suppress is not None:
-                    lg = lg.masked_fill(suppress, float("-inf"))
+                if e.suppress is not None:
+                    lg = lg.masked_fill(e.suppress, float("-inf"))
+                sp = e.sampling
                 if sp.temperature > 0:
                     p = logits_to_probs(lg, sp.temperature, sp.top_k, sp.top_p)  # [Vd]
                     d = int(torch.multinomial(p, 1, generator=sp.generator or self._own_generator))
-                    q_rows.append(p)
+                    e.q_rows.append(p)
                 else:
                     d = int(torch.argmax(lg))
-                i = len(draft_ids)
-                draft_ids.append(d)
-                if i + 1 == k or (mode != "text" and int(self.d2t[d]) in self.stop_ids):
+                i = len(e.draft_ids)
+                e.draft_ids.append(d)
+                if i + 1 == e.k or (e.mode != "text" and int(self.d2t[d]) in self.stop_ids):
                     continue  # done: its last draft is not fed
-                s.fed[base + i] = d
-                e[9] = torch.tensor([[d]], device=self.device)
+                e.slot.fed[e.base + i] = d
+                e.feed = torch.tensor([[d]], device=self.device)
                 nxt.append(e)
             feeding = nxt
-        for j, s, k, mode, _, sp, base, draft_ids, q_rows, _ in live:
-            s.base, s.num_fed_drafts = base, s.runner.length - base
-            results[j] = self._finish(s, mode, sp.temperature > 0, draft_ids, q_rows, k)
+        for e in live:
+            e.slot.base, e.slot.num_fed_drafts = e.base, e.slot.runner.length - e.base
+            results[e.index] = self._finish(e.slot, e.mode, e.sampling.temperature > 0, e.draft_ids, e.q_rows, e.k)
         return results
 
     def _finish(self, s: _Slot, mode: str, sample: bool, draft_ids: list[int], q_rows: list, k: int):

@@ -32,6 +32,7 @@ import time
 import torch
 
 from specctl.config import SpecConfig
+from specctl.runtime.controller import DraftLengthController
 from specctl.runtime.proposers.base import DraftOutput, Proposer
 
 
@@ -73,35 +74,19 @@ def merge_tree(drafts: list[DraftOutput]) -> tuple[list[int], list[int]]:
 
 
 class _Part:
-    """A sub-proposer's measured record: decayed accepted / tried counts per draft position, and
-    its drafting seconds per call."""
+    """A sub-proposer's measured record: its acceptance per draft position (the draft-length
+    controller's model of it) and its drafting seconds per call."""
 
-    def __init__(self, prior: float = 0.6, decay: float = 0.1):
-        self.prior, self.decay = prior, decay
-        self.succ: list[float] = []
-        self.tried: list[float] = []
+    def __init__(self, k: int):
+        self.acceptance = DraftLengthController(k, decay=0.1)
         self.draft_s: float | None = None
 
     def observe(self, num_draft: int, num_accepted: int) -> None:
-        keep = 1 - self.decay
-        tried = num_accepted + (1 if num_accepted < num_draft else 0)
-        while len(self.tried) < tried:
-            self.tried.append(0.0)
-            self.succ.append(0.0)
-        for i in range(len(self.tried)):
-            self.tried[i] = keep * self.tried[i] + (i < tried)
-            self.succ[i] = keep * self.succ[i] + (i < num_accepted)
+        self.acceptance.observe_acceptance(num_draft, num_accepted)
 
     def expected_tokens(self, k: int) -> float:
         """1 + p_1 + p_1 p_2 + ...: tokens a k-token draft of this part emits on average."""
-        e = run = 1.0
-        p = self.prior
-        for i in range(k):
-            if i < len(self.tried):
-                p = (self.succ[i] + 2 * p) / (self.tried[i] + 2)  # shrunk toward the position before
-            run *= min(p, 0.999)
-            e += run
-        return e
+        return self.acceptance.expected_tokens(k)
 
 
 class HybridProposer(Proposer):
@@ -119,7 +104,7 @@ class HybridProposer(Proposer):
         self.needs_hidden_states = any(p.needs_hidden_states for p in self.subs)
         self.aux_layers = tuple(sorted({l for p in self.subs for l in p.aux_layers}))  # every part's, once
         self.learns_across_requests = any(p.learns_across_requests for p in self.subs)
-        self.parts = [_Part() for _ in self.subs]
+        self.parts = [_Part(k) for k in self.ks]
         self._greedy: dict[int, bool] = {}  # slot -> its request is greedy (trees are verified greedily)
         self._drafted: dict[int, list[tuple[int, list[list[int]]]]] = {}  # slot -> [(part, its paths)] this step
         self._last_propose: dict[int, float] = {}  # slot -> when it last drafted
