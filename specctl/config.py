@@ -23,13 +23,17 @@ from specctl.errors import ConfigError
 VLLM_METHODS = (
     "ngram", "suffix", "medusa", "eagle", "eagle3", "draft_model", "mtp", "deepseek_mtp",
 )
+# vLLM RFC #47351 (sparse-attention self-speculation; its reference is the platformxlab/vegas fork),
+# with the RFC's keys unchanged
+VLLM_RFC_METHODS = ("sparse_attn",)
+SPARSE_ATTN_ALGORITHMS = ("streamingllm", "vegas")
 # specctl's own: several vLLM-shaped configs behind one proposer (not a vLLM key)
 SPECCTL_METHODS = ("hybrid",)
 HYBRID_POLICIES = ("first", "score", "tree")
 # method -> module under specctl/runtime/proposers/ (one file per method; eagle and eagle3 share one)
 PROPOSER_MODULES = {
     "ngram": "ngram", "suffix": "suffix", "medusa": "medusa", "eagle": "eagle", "eagle3": "eagle",
-    "draft_model": "draft_model", "mtp": "mtp", "hybrid": "hybrid",
+    "draft_model": "draft_model", "mtp": "mtp", "hybrid": "hybrid", "sparse_attn": "sparse_attn",
 }
 
 
@@ -45,7 +49,7 @@ METHOD_ALIASES = {"deepseek_mtp": "mtp", "[ngram]": "ngram"}
 
 # Default number of draft tokens per method when the user does not give one. vLLM requires the
 # key; specctl picks a value measured on CPU (verifying k tokens costs about one decode step).
-DEFAULT_NUM_SPECULATIVE_TOKENS = {"ngram": 10, "suffix": 16}
+DEFAULT_NUM_SPECULATIVE_TOKENS = {"ngram": 10, "suffix": 16, "sparse_attn": 4}
 
 
 @dataclass
@@ -88,6 +92,17 @@ class SpecConfig:
     hybrid_min_match: int | None = None
     """hybrid, policy "first": the shortest draft that wins (default 2); the last sub-proposer's
     draft is taken at any length."""
+    sparse_attn_algorithm: str | None = None
+    """sparse_attn (vLLM RFC #47351): which cached positions the target drafts with: "streamingllm"
+    (the first 16 positions, attention sinks, and the most recent ones; the default) or "vegas" (the
+    positions the last verification attended to most, per layer, and the recent ones)."""
+    sparse_attn_ratio: float | None = None
+    """sparse_attn: the fraction of the request's cached positions a draft step attends to (default 0.05)."""
+    sparse_attn_min_tokens: int | None = None
+    """sparse_attn: the least positions a draft step attends to (default 256; all of them when fewer)."""
+    sparse_attn_skip_layers: Any = None
+    """sparse_attn, specctl's extension (not a vLLM key): target layers the draft forward skips, a list
+    of layer indices, or "auto" (chosen at the first request from measured agreement); none by default."""
     disable_by_batch_size: int | None = None
     """Batched engine (serve, bench --concurrency): no drafting in a step where at least this many
     requests run (vLLM's key and meaning: verification stops being free in large batches)."""
@@ -145,8 +160,8 @@ class SpecConfig:
         if not isinstance(method, str):
             raise ConfigError(f"method must be a string, got {method!r}", f"use one of: {available}")
         method = METHOD_ALIASES.get(method, method)
-        if method not in VLLM_METHODS + SPECCTL_METHODS:
-            close = difflib.get_close_matches(method, VLLM_METHODS + SPECCTL_METHODS, n=1)
+        if method not in VLLM_METHODS + VLLM_RFC_METHODS + SPECCTL_METHODS:
+            close = difflib.get_close_matches(method, VLLM_METHODS + VLLM_RFC_METHODS + SPECCTL_METHODS, n=1)
             hint = f"did you mean '{close[0]}'? " if close else ""
             raise ConfigError(f"unknown speculative method '{method}'", f"{hint}available: {available}")
         if method not in implemented_methods():
@@ -179,6 +194,11 @@ class SpecConfig:
                     f"prompt_lookup_min ({self.prompt_lookup_min}) > prompt_lookup_max ({self.prompt_lookup_max})",
                     "set prompt_lookup_min <= prompt_lookup_max",
                 )
+        if method == "sparse_attn":
+            self._validate_sparse_attn()
+        elif any(getattr(self, f) is not None for f in _SPARSE_ATTN_KEYS):
+            raise ConfigError(f"sparse_attn_* keys are options of the sparse_attn method, not of '{method}'",
+                              'drop them, or use {"method": "sparse_attn"}')
         if self.disable_by_batch_size is not None:
             _check_int("disable_by_batch_size", self.disable_by_batch_size, minimum=2)
         _check_int("suffix_decoding_max_tree_depth", self.suffix_decoding_max_tree_depth, minimum=1)
@@ -203,6 +223,30 @@ class SpecConfig:
             _check_int("speculative_eagle_topk", self.speculative_eagle_topk, minimum=1)
             _check_int("speculative_num_draft_tokens", self.speculative_num_draft_tokens, minimum=1)
         return self
+
+    def _validate_sparse_attn(self) -> None:
+        if self.model is not None:
+            raise ConfigError("sparse_attn drafts with the target itself and takes no 'model'", "drop 'model'")
+        self.sparse_attn_algorithm = self.sparse_attn_algorithm or "streamingllm"
+        if self.sparse_attn_algorithm not in SPARSE_ATTN_ALGORITHMS:
+            raise ConfigError(f"unknown sparse_attn_algorithm '{self.sparse_attn_algorithm}'",
+                              f"use one of: {', '.join(SPARSE_ATTN_ALGORITHMS)}")
+        if self.sparse_attn_ratio is None:
+            self.sparse_attn_ratio = 0.05
+        _check_number("sparse_attn_ratio", self.sparse_attn_ratio, minimum=0.0, maximum=1.0)
+        if self.sparse_attn_ratio <= 0:
+            raise ConfigError("sparse_attn_ratio must be > 0, got 0", "set sparse_attn_ratio in (0, 1], e.g. 0.05")
+        if self.sparse_attn_min_tokens is None:
+            self.sparse_attn_min_tokens = 256
+        _check_int("sparse_attn_min_tokens", self.sparse_attn_min_tokens, minimum=1)
+        skip = self.sparse_attn_skip_layers
+        if skip is None or skip == "auto":
+            return
+        if (not isinstance(skip, list) or any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in skip)
+                or len(set(skip)) != len(skip)):
+            raise ConfigError(f"sparse_attn_skip_layers must be a list of distinct layer indices or \"auto\", got {skip!r}",
+                              'e.g. "sparse_attn_skip_layers": [10, 11, 12] or "auto"')
+        self.sparse_attn_skip_layers = sorted(skip)
 
     def sub_configs(self) -> list["SpecConfig"]:
         """The hybrid's sub-proposers, each a validated SpecConfig (nested hybrids refused)."""
@@ -234,6 +278,9 @@ class SpecConfig:
         if self.num_speculative_tokens is None:
             self.num_speculative_tokens = max(s.num_speculative_tokens for s in subs)
         self.proposers = [s.to_dict() for s in subs]
+
+
+_SPARSE_ATTN_KEYS = ("sparse_attn_algorithm", "sparse_attn_ratio", "sparse_attn_min_tokens", "sparse_attn_skip_layers")
 
 
 def _check_int(name: str, value: Any, minimum: int) -> None:

@@ -215,6 +215,7 @@ class SpecDecoder:
         if self.proposer is not None:
             self.proposer.set_sampling(slot, params, generator)
             self.proposer.start_request(slot, ctx[0, :T])
+            self.proposer.bind_target(slot, runner)
         return st
 
     def step(self, st: DecodeState) -> list[int]:

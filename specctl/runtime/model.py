@@ -344,10 +344,16 @@ class Transformer(nn.Module):
         # a draft tree (positions [T], mask [T, start+T]): its own [T, T] part, for the exact kernels
         tree_mask = mask[:, start:].contiguous() if tree and positions.dim() == 1 and mask.dim() == 2 else None
         aux = []
+        scoring = cache.scores is not None and not tree and tokens.shape[0] == 1
         for i, layer in enumerate(self.layers):
             if i in self.aux_layers:
                 aux.append(x)
+            x_in = x
             x = layer(x, cos, sin, cache.k[i], cache.v[i], start, mask, tree, tree_mask)
+            if scoring:
+                cache.scores[i, :start + tokens.shape[1]] = attention_scores(layer, x_in, cos, sin, cache.k[i], start)
+        if scoring:
+            cache.scored = scored_upto(start, tokens.shape[1])
         self.aux_out = torch.cat(aux, dim=-1) if aux else None
         h = self.norm(x)
         if logits == "none":
@@ -373,10 +379,21 @@ class Transformer(nn.Module):
                          else torch.arange(s.start, s.start + s.n, dtype=torch.float32) for s in segs])
         cos, sin = self.rope(0, 0, x.dtype, pos)  # [R, hd]
         aux = []
+        scored, off = [], 0  # (segment, its first row) whose cache keeps attention scores
+        for s in segs:
+            if s.cache.scores is not None and s.positions is None:
+                scored.append((s, off))
+            off += s.n
         for i, layer in enumerate(self.layers):
             if i in self.aux_layers:
                 aux.append(x)
+            x_in = x
             x = layer.forward_ragged(x, cos, sin, i, segs)
+            for s, o in scored:
+                s.cache.scores[i, :s.start + s.n] = attention_scores(layer, x_in[:, o:o + s.n], cos[o:o + s.n],
+                                                                     sin[o:o + s.n], s.cache.k[i], s.start)
+        for s, _ in scored:
+            s.cache.scored = scored_upto(s.start, s.n)
         self.aux_out = torch.cat(aux, dim=-1)[0] if aux else None
         h = self.norm(x)[0]  # [R, H]
         rows, off = [], 0
@@ -413,6 +430,12 @@ class KVCache:
     """Preallocated keys and values: k, v [num_layers, B, n_kv, max_len, head_dim].
 
     The cache itself holds no length: the runner owns it, and rolling back is setting it.
+
+    ``scores`` (off unless a proposer asks: ``keep_scores``) [num_layers, max_len] fp32: after each
+    forward of batch 1 written to this cache, the attention weight every key position received from
+    the forward's first and last queries, summed over heads and those queries (what sparse-attention
+    drafting ranks positions by, Vegas). ``scored``: the positions the ranking covers (see
+    ``scored_upto``). It never changes what the forward computes.
     """
 
     def __init__(self, a: ModelArgs, batch: int, max_len: int, dtype, device):
@@ -420,6 +443,45 @@ class KVCache:
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.max_len = max_len
+        self.scores: torch.Tensor | None = None
+        self.scored = 0
+
+    def keep_scores(self) -> None:
+        if self.scores is None:
+            self.scores = torch.zeros(self.k.shape[0], self.max_len, dtype=torch.float32, device=self.k.device)
+        self.scored = 0
+
+
+def scored_upto(start: int, T: int) -> int:
+    """The positions a scoring forward of T rows at ``start`` ranks: for a verify block (T <=
+    VERIFY_ROWS: the last emitted token and its drafts), those before and at its first row, the
+    committed context (its drafts, once accepted, are recent positions); for a prompt, all of them."""
+    return start + 1 if T <= VERIFY_ROWS else start + T
+
+
+def attention_scores(block: "Block", x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                     start: int) -> torch.Tensor:
+    """The softmax weights that the first and last of ``x``'s rows (x [1, T, H], the block's input,
+    at cache slots start..start+T-1, whose keys are already in ``k_cache`` [1, n_kv, max_len, hd])
+    give every key, summed over heads and the two queries: [start+T] fp32. A side computation (the
+    query projection again for two rows, one read of the keys): the block's own output is untouched."""
+    a = block.a
+    T = x.shape[1]
+    rows = [0, T - 1] if T > 1 else [0]
+    xr = x[:, rows]
+    q = lin(block.input_norm(xr), block.qkv)[..., :a.num_heads * a.head_dim]
+    q = q.view(1, len(rows), a.num_heads, a.head_dim).transpose(1, 2)  # [1, nh, r, hd]
+    c, s = cos[rows], sin[rows]
+    q = (q * c + rotate_half(q) * s)[0]  # [nh, r, hd]
+    end = start + T
+    g = a.num_heads // a.num_kv_heads
+    keys = k_cache[0, :, :end]  # [nkv, end, hd]
+    logits = torch.matmul(q.reshape(a.num_kv_heads, g * len(rows), a.head_dim), keys.transpose(1, 2)).float()
+    logits = logits.view(a.num_kv_heads, g, len(rows), end) * (a.head_dim ** -0.5)
+    pos = torch.arange(end, device=x.device)
+    limit = torch.tensor([start + r for r in rows], device=x.device)
+    logits = logits.masked_fill(pos[None, :] > limit[:, None], float("-inf"))  # causal
+    return torch.softmax(logits, dim=-1).sum(dim=(0, 1, 2))
 
 
 # --------------------------------------------------------------------------- loading

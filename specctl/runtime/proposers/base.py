@@ -50,6 +50,11 @@ class Proposer:
     def set_sampling(self, slot: int, params, generator: torch.Generator | None = None) -> None:
         """The request in ``slot`` samples with ``params`` (SamplingParams); a drafting model may follow."""
 
+    def bind_target(self, slot: int, runner) -> None:
+        """The request in ``slot`` decodes with ``runner`` (a TargetRunner: the target's model and this
+        request's KV cache), told before its prefill; a proposer that drafts with the target itself
+        (sparse_attn) keeps it."""
+
     def propose(
         self,
         token_ids: np.ndarray,  # [batch, max_len] int32, row b valid up to num_tokens[b]

@@ -122,6 +122,10 @@ class HybridProposer(Proposer):
         for p in self.subs:
             p.set_sampling(slot, params, generator)
 
+    def bind_target(self, slot, runner) -> None:
+        for p in self.subs:
+            p.bind_target(slot, runner)
+
     def on_target_hidden(self, slot, hidden, aux) -> None:
         for p in self.subs:
             if p.needs_hidden_states:
