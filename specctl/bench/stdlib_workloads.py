@@ -276,3 +276,67 @@ def _summarize(num_prompts: int | None, seed: int) -> list[Request]:
     rng.shuffle(summaries)
     rng.shuffle(questions)
     return _round_robin([summaries, questions])[:num_prompts]
+
+
+# --- long-4k / long-16k / long-32k: a long document and a question from its beginning -----------------
+
+LONG_TOKENS = {"long-4k": 4096, "long-16k": 16384, "long-32k": 32768}
+# Python source in a Qwen2.5 / Llama-3-style BPE: about 4.3 characters a token (3.9 to 4.6 measured on
+# these documents with Qwen2.5-Coder's tokenizer); a document is cut to LONG_TOKENS * this many characters
+CHARS_PER_TOKEN = 4.3
+LONG_QUESTION = ("The files above are from the Python standard library. Explain what `{name}` in file `{file}` "
+                 "does, step by step, then quote its complete source code.")
+LONG_PROMPTS = 8
+
+
+def _long_documents(tokens: int, num_prompts: int | None, seed: int) -> list[Request]:
+    """Whole stdlib source files, in a seeded order, up to ``tokens`` tokens in all (the last file cut
+    at a line), then a question about a function of the first file: the answer lies a whole context
+    back, and quoting it copies from the prompt (long-context QA / RAG)."""
+    sources = [(mod, src, tree) for mod, src, tree in _stdlib_sources()]
+    if not sources:
+        raise DataError(f"no standard-library sources found at {sysconfig.get_paths()['stdlib']}",
+                        "use a Python with its standard library sources installed")
+    limit = int(tokens * CHARS_PER_TOKEN)
+    asked = [(m, t) for m, _, t in sources if _public_functions(t)]
+    out = []
+    for i in range(min(num_prompts or LONG_PROMPTS, len(asked))):
+        rng = random.Random(seed * 1000 + i)
+        first = asked[(seed + i * 7) % len(asked)]  # a different file for every prompt
+        order = sources[:]
+        rng.shuffle(order)
+        order.sort(key=lambda x: x[0] != first[0])  # the asked-about file first
+        parts, size = [], 0
+        for mod, src, _ in order * (1 + limit // max(sum(len(s) for _, s, _ in order), 1)):
+            block = f"# File: {mod.replace('/__init__', '')}.py\n{src}\n"
+            if size + len(block) > limit:
+                block = block[:limit - size]
+                block = block[:block.rfind("\n") + 1]
+            parts.append(block)
+            size += len(block)
+            if size >= limit - 200:
+                break
+        name = rng.choice(_public_functions(first[1]))
+        file = first[0].replace("/__init__", "") + ".py"
+        text = "".join(parts) + "\n" + LONG_QUESTION.format(name=name, file=file)
+        out.append(Request(id=f"long-{tokens // 1024}k/{file}:{name}#{i}", workload=f"long-{tokens // 1024}k",
+                           messages=[{"role": "user", "content": text}],
+                           meta={"task": "long-qa", "file": file, "function": name, "chars": len(text)}))
+    return out
+
+
+def _public_functions(tree: ast.Module) -> list[str]:
+    return [n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and not n.name.startswith("_")]
+
+
+def _long_4k(num_prompts: int | None, seed: int) -> list[Request]:
+    return _long_documents(LONG_TOKENS["long-4k"], num_prompts, seed)
+
+
+def _long_16k(num_prompts: int | None, seed: int) -> list[Request]:
+    return _long_documents(LONG_TOKENS["long-16k"], num_prompts, seed)
+
+
+def _long_32k(num_prompts: int | None, seed: int) -> list[Request]:
+    return _long_documents(LONG_TOKENS["long-32k"], num_prompts, seed)

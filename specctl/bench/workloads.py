@@ -15,6 +15,9 @@ data on the machine or in wheels (``specctl.bench.data`` fetches those once into
 - ``summarize``: a long real document in the prompt (Spec-Bench's summarisation and RAG kinds):
   sections of the Python reference manual (``pydoc_data.topics``) to summarise, alternating with
   standard-library source files and a question about one function in them, to answer from the file.
+- ``long-4k``, ``long-16k``, ``long-32k``: long-context question answering: whole standard-library
+  source files, about 4k, 16k or 32k tokens of them, then a question about a function in the first
+  file (explain it, quote it): the answer lies a whole context back (sparse_attn's case).
 - ``math``: the 270 CHAMP competition math problems (5 categories), solved step by step.
 - ``agentic``: one fixed tool-calling template (system prompt with the tool's JSON format and an
   example call) applied to different real standard-library functions, as an agent loop or a
@@ -56,6 +59,10 @@ WORKLOADS: dict[str, str] = {
     "math": "Math reasoning: the 270 CHAMP competition problems (5 categories), solved step by step.",
     "agentic": "One tool-calling template over real stdlib functions (agent loop / batch job); "
     "NAME@R repeats any workload for R rounds.",
+    "long-4k": "Long context: about 4k tokens of stdlib source files, then a question about a function "
+    "in the first one (answer: explain and quote it).",
+    "long-16k": "Long context: the same with about 16k tokens of documents.",
+    "long-32k": "Long context: the same with about 32k tokens of documents.",
 }
 
 
@@ -289,6 +296,7 @@ def _round_robin(groups: list[list]) -> list:
 _LOADERS = {
     "code-edit": "stdlib", "humaneval": _humaneval, "chat": _chat, "mt-bench": _mt_bench,
     "summarize": "stdlib", "math": _math, "agentic": "stdlib",
+    "long-4k": "stdlib", "long-16k": "stdlib", "long-32k": "stdlib",
 }
 assert set(_LOADERS) == set(WORKLOADS)
 _STDLIB_NAMES = ("CODE_MODULES", "MIN_LINES", "MAX_LINES", "AGENTIC_SYSTEM", "AGENTIC_USER", "SUMMARY_INSTRUCTION",

@@ -358,3 +358,18 @@ def test_render_prompt_without_chat_template(tokenizer):
     assert type(ids) is list and all(type(i) is int for i in ids)
     assert ids == tokenizer.encode("be brief\n\nhello world")
     assert ids == [6, 7, 4, 5]
+
+
+@pytest.mark.parametrize("name,tokens", [("long-4k", 4096), ("long-16k", 16384)])
+def test_long_documents_ask_about_their_first_file(name, tokens):
+    from specctl.bench.stdlib_workloads import CHARS_PER_TOKEN
+
+    reqs = load_workload(name, 3, seed=1)
+    assert len({r.meta["file"] for r in reqs}) == 3  # a different file each
+    for r in reqs:
+        text = r.messages[0]["content"]
+        assert text.startswith(f"# File: {r.meta['file']}\n")  # the question is about the first file
+        assert f"def {r.meta['function']}(" in text.split("# File: ")[1]
+        assert 0.9 * tokens * CHARS_PER_TOKEN < len(text) < 1.02 * tokens * CHARS_PER_TOKEN + 400
+        assert text.rstrip().endswith("quote its complete source code.")
+    assert [r.id for r in load_workload(name, 3, seed=1)] == [r.id for r in reqs]  # deterministic
