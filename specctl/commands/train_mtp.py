@@ -19,9 +19,14 @@ HELP = """Train MTP (multi-token prediction) modules on a frozen target, for sel
 Each module reads the target's hidden state and the next token's embedding and predicts one token
 further (DeepSeek-V3's MTP); depth d of the draft reuses module (d-1) % --num-layers. Training
 unrolls --depth steps with weights 0.6^(d-1), normalised, against the target's own greedy choices.
-The result is saved in the DeepSeek-V3 layout (num_nextn_predict_layers, model.layers.{N+i}.*) that
-vLLM and SGLang load: a separate draft folder, or with --stitch a copy of the target carrying its
-MTP modules. --self-distill PROMPTS (a file, or a workload name whose bench prompts are held out) has the
+The result is saved as a draft folder in the layout vLLM loads for the target (--layout auto): MiMo's
+dense MTP layout (architectures MiMoForCausalLM, model.mtp_layers.{i}.*), which vLLM runs as its
+MiMoMTPModel for a Qwen2/Llama-shaped target with {"method": "mtp", "model": DRAFT,
+"num_speculative_tokens": 1} (vLLM runs MTP module 0 for each draft step). Where vLLM has no MTP
+architecture for the target (o_proj/MLP biases, sliding windows), or with --stitch (a copy of the
+target carrying its MTP modules), the DeepSeek-V3 layout (num_nextn_predict_layers,
+model.layers.{N+i}.*) is written with a warning: vLLM loads that only for DeepSeek-V3 targets,
+specctl's runtime reads every layout. --layout mimo refuses up front what vLLM would not load. --self-distill PROMPTS (a file, or a workload name whose bench prompts are held out) has the
 target answer those prompts first and trains on its answers.
 
 Progress goes to stderr; the summary (eval acceptance, how to use the result) to stdout.
@@ -45,7 +50,8 @@ def train_mtp_cmd(
     distill_max_prompts: Annotated[Optional[int], typer.Option("--distill-max-prompts", help="Answer at most the first N prompts.")] = None,
     num_layers: Annotated[int, typer.Option("--num-layers", help="MTP modules to train (num_nextn_predict_layers).")] = 1,
     depth: Annotated[int, typer.Option("--depth", help="Draft steps unrolled in training (the k it is trained for).")] = 3,
-    stitch: Annotated[bool, typer.Option("--stitch", help="Write a copy of the target with the MTP modules inside.")] = False,
+    stitch: Annotated[bool, typer.Option("--stitch", help="Write a copy of the target with the MTP modules inside (DeepSeek-V3 layout: specctl's runtime).")] = False,
+    layout: Annotated[str, typer.Option("--layout", help="auto (mimo where vLLM can load it, else deepseek_v3 with a warning), mimo (vLLM's MiMoMTPModel; refused up front where it cannot be loaded), deepseek_v3.")] = "auto",
     epochs: Annotated[int, typer.Option("--epochs", help="Passes over the training windows (unless --steps).")] = 1,
     steps: Annotated[Optional[int], typer.Option("--steps", help="Optimizer steps (overrides --epochs).")] = None,
     lr: Annotated[float, typer.Option("--lr", help="AdamW learning rate.")] = 1e-3,
@@ -67,6 +73,8 @@ def train_mtp_cmd(
     for name, v in (("--num-layers", num_layers), ("--depth", depth), ("--batch-size", batch_size), ("--seq-len", seq_len)):
         if v < 1:
             raise UsageError(f"{name} must be >= 1, got {v}", f"pass e.g. {name} 1")
+    if layout not in ("auto", "mimo", "deepseek_v3"):
+        raise UsageError(f"unknown --layout '{layout}'", "use auto, mimo or deepseek_v3")
 
     from rich.console import Console
 
@@ -78,7 +86,7 @@ def train_mtp_cmd(
                          num_layers=num_layers, depth=depth, epochs=epochs, steps=steps, lr=lr, batch_size=batch_size,
                          seq_len=seq_len, seed=seed, eval_split=eval_split, stitch=stitch, resume=resume,
                          distill_max_new_tokens=max_new_tokens, dtype=dtype, hold_out=hold_out,
-                         distill_max_prompts=distill_max_prompts)
+                         distill_max_prompts=distill_max_prompts, layout=layout)
     summary = train_mtp(cfg, progress=err.log)
     if json_out:
         typer.echo(json.dumps(summary, indent=2))
@@ -102,6 +110,10 @@ def render(s: dict) -> None:
         t.add_row("eval mean acceptance length", f"{e['mean_acceptance_length']:.2f}")
     use = s["use"]
     t.add_row("use", f"specctl bench --model {use['--model']} --speculative-config '{json.dumps(use['--speculative-config'])}'")
+    if s.get("vllm"):
+        v = s["vllm"]
+        t.add_row("vLLM", f"LLM(model={v['model']!r}, speculative_config={json.dumps(v['speculative_config'])})")
+    t.add_row("layout", s.get("layout", "deepseek_v3"))
     Console().print(t)
 
 

@@ -77,6 +77,9 @@ class MtpTrainConfig:
     max_windows: int | None = None
     dtype: str = "float32"
     """Dtype of the target during training (the modules train in fp32)."""
+    layout: str = "auto"
+    """Export layout: "mimo" (vLLM's MiMoMTPModel loads it for a dense target), "deepseek_v3" (specctl's
+    runtime; vLLM only for DeepSeek-V3 targets), or "auto" (mimo where it fits, see ``resolve_layout``)."""
     extra: dict = field(default_factory=dict)
 
 
@@ -86,10 +89,51 @@ def step_weights(depth: int, beta: float = 0.6) -> torch.Tensor:
     return w / w.sum()
 
 
-def init_stack(target: Transformer, num_layers: int) -> MtpStack:
+LAYOUT_CHOICES = ("auto", "mimo", "deepseek_v3")
+
+
+def resolve_layout(layout: str, args, *, stitch: bool = False, num_layers: int = 1,
+                   warn: Callable[[str], None] = lambda s: None) -> str:
+    """The export layout for a target with ModelArgs ``args``: "mimo" where vLLM's MiMo MTP architecture can
+    hold the modules (a draft folder, dense target), else "deepseek_v3" with a warning that only specctl's
+    runtime will read it. An explicit "mimo" that cannot be written is a UsageError (before any training)."""
+    from specctl.training.mtp_export import mimo_unfit_reason
+
+    if layout not in LAYOUT_CHOICES:
+        raise UsageError(f"unknown MTP layout '{layout}'", f"use one of: {', '.join(LAYOUT_CHOICES)}")
+    reason = mimo_unfit_reason(args)
+    if layout == "mimo":
+        if stitch:
+            raise UsageError("--layout mimo is written as a draft folder, not stitched (vLLM would run the stitched "
+                             "target as MiMo, which feeds the MTP its pre-norm hidden state)",
+                             "drop --stitch, or use --layout deepseek_v3 for specctl's own runtime")
+        if reason:
+            raise UsageError(f"no vLLM MTP architecture loads MTP modules for this target: {reason}",
+                             "use --layout deepseek_v3 (read by specctl's own runtime only)")
+    if layout == "auto":
+        if stitch:
+            warn("warning: --stitch writes the DeepSeek-V3 layout, which vLLM loads only for DeepSeek-V3 targets; "
+                 "for vLLM write a draft folder (no --stitch: the MiMo layout)")
+            layout = "deepseek_v3"
+        elif reason:
+            warn(f"warning: no vLLM MTP architecture loads MTP modules for this target ({reason}): writing the "
+                 "DeepSeek-V3 layout, which specctl's own runtime reads")
+            layout = "deepseek_v3"
+        else:
+            layout = "mimo"
+    if layout == "deepseek_v3" and not stitch and not reason:
+        warn("note: vLLM loads the DeepSeek-V3 MTP layout only for DeepSeek-V3 targets; --layout mimo is the one "
+             "vLLM loads for this target")
+    if layout == "mimo" and num_layers > 1:
+        warn(f"warning: vLLM's MiMo MTP runs module 0 at every draft step; modules 1..{num_layers - 1} are used "
+             "by specctl's runtime only")
+    return layout
+
+
+def init_stack(target: Transformer, num_layers: int, layout: str = "deepseek_v3") -> MtpStack:
     """Fresh fp32 modules: the block from the target's last layer (residual branches zeroed), the target's head."""
     a = target.args
-    stack = MtpStack(a, num_layers, "deepseek_v3", own_head=False)
+    stack = MtpStack(a, num_layers, layout, own_head=False)
     H = a.hidden_size
     with torch.no_grad():
         for layer in stack.layers:
@@ -246,6 +290,10 @@ def train_mtp(cfg: MtpTrainConfig, progress: Callable[[str], None] = lambda s: N
     t0 = time.perf_counter()
     torch.manual_seed(cfg.seed)
     model_dir = resolve_model(cfg.model, dtype="float32" if cfg.dtype in ("float32", "fp32") else "bfloat16")
+    from specctl.runtime.model import ModelArgs
+
+    layout = resolve_layout(cfg.layout, ModelArgs.from_hf_config(json.loads((Path(model_dir) / "config.json").read_text())),
+                            stitch=cfg.stitch, num_layers=cfg.num_layers, warn=progress)
     out = Path(cfg.output).expanduser()
     ckpt_dir = out / "checkpoint"
     ckpt_dir.mkdir(parents=True, exist_ok=True)
@@ -279,7 +327,7 @@ def train_mtp(cfg: MtpTrainConfig, progress: Callable[[str], None] = lambda s: N
              "computing the target's states")
     h_all, y_all = target_states(target, w)
 
-    stack = init_stack(target, cfg.num_layers)
+    stack = init_stack(target, cfg.num_layers, layout)
     params = [p for p in stack.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     per_epoch = math.ceil(train_w.shape[0] / cfg.batch_size)
@@ -291,6 +339,9 @@ def train_mtp(cfg: MtpTrainConfig, progress: Callable[[str], None] = lambda s: N
     state_path = ckpt_dir / "state.pt"
     if cfg.resume and state_path.is_file():
         st = torch.load(state_path, weights_only=False)
+        if st.get("layout", "deepseek_v3") != layout:
+            raise UsageError(f"the checkpoint in {ckpt_dir} was trained for the {st.get('layout', 'deepseek_v3')} layout, "
+                             f"not {layout}", f"pass --layout {st.get('layout', 'deepseek_v3')}, or drop --resume")
         stack.load_state_dict(st["stack"])
         opt.load_state_dict(st["optim"])
         sched.load_state_dict(st["sched"])
@@ -316,19 +367,23 @@ def train_mtp(cfg: MtpTrainConfig, progress: Callable[[str], None] = lambda s: N
             progress(f"step {step}/{total} loss {sum(losses[-10:]) / len(losses[-10:]):.4f} lr {sched.get_last_lr()[0]:.2e}")
         if step % cfg.checkpoint_every == 0 or step == total:
             _atomic_torch_save({"stack": stack.state_dict(), "optim": opt.state_dict(), "sched": sched.state_dict(),
-                                "step": step, "losses": losses, "config": asdict(cfg)}, state_path)
+                                "step": step, "losses": losses, "config": asdict(cfg), "layout": layout}, state_path)
     stack.eval()
     ev = evaluate(stack, target, eval_w, h_all[:n_eval], y_all[:n_eval], cfg.depth, cfg.batch_size)
     if ev:
         progress(f"eval: top-1 per depth {ev['top1_per_depth']}, mean acceptance length {ev['mean_acceptance_length']}")
-    export_mtp(stack, model_dir, out, stitch=cfg.stitch, head_weight=target.head_weight.float())
+    export_mtp(stack, model_dir, out, stitch=cfg.stitch, head_weight=target.head_weight.float(), layout=layout,
+               embed_weight=target.embed.weight.float())
     summary = {"output": str(out), "form": "stitched" if cfg.stitch else "draft", "target": str(model_dir),
-               "num_layers": cfg.num_layers, "depth": cfg.depth, "steps": step, "windows": int(w.shape[0]),
+               "num_layers": cfg.num_layers, "depth": cfg.depth, "layout": layout, "steps": step, "windows": int(w.shape[0]),
                "train_tokens": int(train_w.numel()), "final_loss": round(sum(losses[-10:]) / max(1, len(losses[-10:])), 4),
                "eval": ev, "seconds": round(time.perf_counter() - t0, 1),
                "use": ({"--model": str(out), "--speculative-config": {"method": "mtp", "num_speculative_tokens": cfg.depth}}
                        if cfg.stitch else
                        {"--model": str(model_dir), "--speculative-config": {"method": "mtp", "model": str(out),
                                                                              "num_speculative_tokens": cfg.depth}})}
+    if layout == "mimo":  # vLLM: the target as is, this folder as its MTP draft (one token per step is what it runs)
+        summary["vllm"] = {"model": str(model_dir), "speculative_config": {"method": "mtp", "model": str(out.resolve()),
+                                                                            "num_speculative_tokens": 1}}
     (out / "train_summary.json").write_text(json.dumps(summary, indent=2))
     return summary

@@ -92,3 +92,96 @@ def test_stitch_round_trip(tiny_model_dir, tmp_path):
             assert f"model.layers.{i}.{name}.weight" in keys
     with pytest.raises(ValueError):
         export_mtp(stack, out, out, stitch=True)
+
+
+def _perturbed_stack(target, n, layout):
+    torch.manual_seed(0)
+    stack = init_stack(target, n, layout)
+    with torch.no_grad():
+        for p in stack.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    return stack
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_mimo_draft_folder_round_trip(arch, tiny_model_factory, tmp_path):
+    """The MiMo layout vLLM's MiMoMTPModel loads: names, config, biases, and back through specctl's loader."""
+    from safetensors import safe_open
+
+    model_dir = tiny_model_factory(arch=arch)
+    target = load_transformer(model_dir, torch.float32)
+    stack = _perturbed_stack(target, 1, "mimo")
+    out = export_mtp(stack, model_dir, tmp_path / "mimo", layout="mimo", head_weight=target.head_weight,
+                     embed_weight=target.embed.weight)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == ["MiMoForCausalLM"] and cfg["num_nextn_predict_layers"] == 1
+    assert cfg["model_type"] == arch and (out / "tokenizer.json").is_file()
+    a = target.args
+    H = a.hidden_size
+    with safe_open(str(out / MTP_FILE), framework="pt") as fh:
+        sd = {k: fh.get_tensor(k) for k in fh.keys()}
+    p = "model.mtp_layers.0."
+    expected = {p + n + ".weight" for n in ("token_layernorm", "hidden_layernorm", "input_proj", "final_layernorm",
+                                            "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                                            "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
+                                            "input_layernorm", "post_attention_layernorm")}
+    expected |= {p + f"self_attn.{n}_proj.bias" for n in "qkv"}  # vLLM's block is Qwen2's: always q/k/v biases
+    expected |= {"model.embed_tokens.weight", "lm_head.weight"}
+    assert set(sd) == expected
+    # input_proj reads cat[hidden, embedding]: the hidden half is our eh_proj's second half
+    assert torch.equal(sd[p + "input_proj.weight"][:, :H], stack.layers[0].eh_proj.weight[:, H:])
+    assert torch.equal(sd[p + "input_proj.weight"][:, H:], stack.layers[0].eh_proj.weight[:, :H])
+    if arch == "llama":
+        assert not sd[p + "self_attn.q_proj.bias"].any()
+    assert torch.equal(sd["lm_head.weight"], target.head_weight)
+    loaded = load_mtp(out, target)
+    assert loaded.layout == "mimo" and loaded.chain_normed and loaded.zero_pos0 and loaded.num_layers == 1
+    for (n, x), (_, y) in zip(stack.state_dict().items(), loaded.state_dict().items()):
+        assert torch.equal(x, y), n
+    with pytest.raises(ValueError, match="draft folder"):
+        export_mtp(stack, model_dir, tmp_path / "s", layout="mimo", stitch=True, head_weight=target.head_weight,
+                   embed_weight=target.embed.weight)
+
+
+def test_mimo_training_and_the_proposer_agree(tiny_model_dir, data_file, tmp_path):
+    """train -> MiMo draft folder -> MtpProposer drafts with it; the summary says how vLLM takes it."""
+    from specctl.config import SpecConfig
+    from specctl.runtime.decoder import SamplingParams, SpecDecoder
+    from specctl.runtime.proposers import build_proposer
+    from specctl.runtime.runner import TargetRunner, load_model
+
+    out = tmp_path / "mimo"
+    s = train_mtp(_cfg(tiny_model_dir, data_file, out, steps=6, layout="mimo"))
+    assert s["layout"] == "mimo" and s["vllm"]["speculative_config"]["method"] == "mtp"
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["MiMoForCausalLM"]
+    lm = load_model(tiny_model_dir, dtype="float32")
+    spec = SpecConfig.from_dict({"method": "mtp", "model": str(out), "num_speculative_tokens": 2})
+    prop = build_proposer(spec, 256, target=lm)
+    assert prop.stack.layout == "mimo"
+    plain = SpecDecoder(TargetRunner(lm.model, 256))
+    ids = lm.tokenizer.encode("def f1(x):", add_special_tokens=False)
+    want = plain.generate(ids, SamplingParams(max_new_tokens=24, ignore_eos=True)).token_ids
+    dec = SpecDecoder(TargetRunner(lm.model, 256), prop, 2)
+    got = dec.generate(ids, SamplingParams(max_new_tokens=24, ignore_eos=True))
+    assert got.token_ids == want and got.stats.num_draft_tokens > 0
+
+
+def test_layout_resolution(tiny_model_factory):
+    from specctl.errors import UsageError
+    from specctl.runtime.model import ModelArgs
+    from specctl.training.mtp import resolve_layout
+
+    base = json.loads((tiny_model_factory(arch="llama") / "config.json").read_text())
+    dense = ModelArgs.from_hf_config(base)
+    biased = ModelArgs.from_hf_config({**base, "attention_bias": True})
+    said: list[str] = []
+    assert resolve_layout("auto", dense, warn=said.append) == "mimo" and not said
+    assert resolve_layout("auto", biased, warn=said.append) == "deepseek_v3"
+    assert "no vLLM MTP architecture" in said[-1] and "o_proj bias" in said[-1]
+    assert resolve_layout("auto", dense, stitch=True, warn=said.append) == "deepseek_v3" and "--stitch" in said[-1]
+    with pytest.raises(UsageError, match="no vLLM MTP architecture"):
+        resolve_layout("mimo", biased)
+    with pytest.raises(UsageError, match="not stitched"):
+        resolve_layout("mimo", dense, stitch=True)
+    resolve_layout("mimo", dense, num_layers=2, warn=said.append)
+    assert "module 0" in said[-1]

@@ -18,6 +18,10 @@ Layouts read (from the target's own checkpoint, or from a separate draft folder,
                 shared_head.norm,shared_head.head}`` + the block's usual HF names (self_attn.*, mlp.*,
                 input_layernorm, post_attention_layernorm); optional ``embed_tokens`` (used if given).
                 The embedding of position 0 is zeroed (vLLM: "not needed by MTP").
+  mimo        : ``model.mtp_layers.{i}.{token_layernorm,hidden_layernorm,input_proj,final_layernorm}`` + the
+                block's HF names (MiMo-7B's, which vLLM's MiMoMTPModel loads); input_proj reads
+                cat[hidden, embedding] (hidden first); depths chain the final-normed output, position 0's
+                embedding is zeroed; the target's LM head.
   qwen3_next  : ``mtp.{fc,pre_fc_norm_embedding,pre_fc_norm_hidden,norm}`` shared by ``mtp.layers.{i}.*``;
                 the target's LM head. Norms follow the base architecture's convention (plain weight;
                 Qwen3-Next's own zero-centred norms belong to its architecture, which the runner lacks).
@@ -55,7 +59,7 @@ from specctl.runtime.proposers.base import DraftSampling as _Sampling
 from specctl.runtime.rejection import logits_to_probs
 
 log = logging.getLogger("specctl")
-LAYOUTS = ("deepseek_v3", "qwen3_next")
+LAYOUTS = ("deepseek_v3", "qwen3_next", "mimo")
 # vLLM's warning, in substance (vllm/config/speculative.py)
 RECURSIVE_WARNING = ("num_speculative_tokens (%d) > num_nextn_predict_layers (%d): the MTP layers will be run "
                      "recursively, which may result in lower acceptance rate")
@@ -95,8 +99,8 @@ class MtpStack(nn.Module):
             for layer in self.layers[1:]:
                 layer.enorm, layer.hnorm, layer.eh_proj, layer.norm = first.enorm, first.hnorm, first.eh_proj, first.norm
         self.embed = None if embed is None else nn.Parameter(embed, requires_grad=False)  # [V, H] own embed_tokens
-        self.zero_pos0 = layout == "deepseek_v3"
-        self.chain_normed = layout == "qwen3_next"
+        self.zero_pos0 = layout in ("deepseek_v3", "mimo")
+        self.chain_normed = layout in ("qwen3_next", "mimo")
 
     @property
     def num_layers(self) -> int:
@@ -176,13 +180,15 @@ def read_mtp_tensors(folder: str | Path) -> tuple[dict, dict[str, torch.Tensor]]
         with safe_open(str(f), framework="pt") as fh:
             for key in fh.keys():
                 m = re.match(r"model\.layers\.(\d+)\.", key)
-                if key.startswith("mtp.") or (m and int(m.group(1)) >= n_main):
+                if key.startswith(("mtp.", "model.mtp_layers.")) or (m and int(m.group(1)) >= n_main):
                     sd[key] = fh.get_tensor(key)
     return cfg, sd
 
 
 def stack_from_state_dict(cfg: dict, sd: dict[str, torch.Tensor], a: ModelArgs, where: str = "checkpoint") -> MtpStack:
-    """Build an MtpStack from MTP tensors in either layout (detected from the names)."""
+    """Build an MtpStack from MTP tensors in any of the layouts (detected from the names)."""
+    if any(k.startswith("model.mtp_layers.") for k in sd):
+        return _mimo_stack(cfg, sd, a, where)
     if any(k.startswith("mtp.") for k in sd):
         idx = sorted({int(k.split(".")[2]) for k in sd if k.startswith("mtp.layers.")})
         if not idx:
@@ -216,6 +222,34 @@ def stack_from_state_dict(cfg: dict, sd: dict[str, torch.Tensor], a: ModelArgs, 
                 raise ModelError(f"{where} lacks tensor '{p}{theirs}.weight'", "re-export it with specctl train-mtp") from None
         if own_head:
             layer.head.weight.data = sd[p + "shared_head.head.weight"]
+        layer.block.load_state_dict(_fuse_block(sd, p, a))
+    return stack
+
+
+def _mimo_stack(cfg: dict, sd: dict[str, torch.Tensor], a: ModelArgs, where: str) -> MtpStack:
+    """MiMo's layout: ``model.mtp_layers.{i}.{token_layernorm, hidden_layernorm, input_proj, final_layernorm}``
+    + the block's HF names; input_proj reads cat[hidden_layernorm(h), token_layernorm(emb)] (hidden first)."""
+    idx = sorted({int(k.split(".")[2]) for k in sd if k.startswith("model.mtp_layers.")})
+    expected = int(cfg.get("num_nextn_predict_layers") or len(idx))
+    if expected != len(idx):
+        raise ModelError(f"{where}: num_nextn_predict_layers is {expected} but {len(idx)} MTP module(s) found",
+                         "fix num_nextn_predict_layers in config.json")
+    stack = MtpStack(a, len(idx), "mimo", own_head=False)
+    H = a.hidden_size
+    for i, layer in zip(idx, stack.layers):
+        p = f"model.mtp_layers.{i}."
+
+        def take(n):
+            try:
+                return sd[p + n]
+            except KeyError:
+                raise ModelError(f"{where} lacks tensor '{p}{n}'", "re-export it with specctl train-mtp") from None
+
+        layer.enorm.weight.data = take("token_layernorm.weight")
+        layer.hnorm.weight.data = take("hidden_layernorm.weight")
+        w = take("input_proj.weight")  # [H, 2H]: columns [:H] read h, [H:] read emb
+        layer.eh_proj.weight.data = torch.cat([w[:, H:], w[:, :H]], dim=1).contiguous()  # ours: [emb | h]
+        layer.norm.weight.data = take("final_layernorm.weight")
         layer.block.load_state_dict(_fuse_block(sd, p, a))
     return stack
 
