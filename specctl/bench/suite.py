@@ -291,12 +291,15 @@ def run_bench(
     compile: bool = False,
     peer_gguf: str | None = None,
     warn=None,  # callable(message: str): a peer that failed (its rows say so; the bench goes on)
+    reuse_prefill: bool = False,
 ) -> BenchReport:
     """Every prompt by the baseline, each configuration and each peer; ``progress`` is told the total first.
 
     ``sweep_k``: run every configuration once per k in it (rows share the label, differ in k);
     ``BenchReport.best_k`` then picks the fastest k per method and workload. ``compile``: one-token
-    steps through torch.compile (``TargetRunner(compile=True)``).
+    steps through torch.compile (``TargetRunner(compile=True)``). ``reuse_prefill``: a prompt is
+    prefilled once (by the baseline); the methods after it take its keys/values over (SpecDecoder's
+    ``reuse_prefill``), so their TTFT counts no prefill.
     """
     say = progress or (lambda advance, description, total=None: None)
     tok = loaded.tokenizer
@@ -315,11 +318,11 @@ def run_bench(
     max_k = max([v.num_speculative_tokens for _, v in variants], default=0)
     runner = TargetRunner(loaded.model, max_len=longest + params.max_new_tokens + max_k + 8, compile=compile)
     proposers = _Proposers(loaded, runner.max_len)
-    entries = [Entry(BASELINE, None, SpecDecoder(runner))]
+    entries = [Entry(BASELINE, None, SpecDecoder(runner, reuse_prefill=reuse_prefill))]
     config_names = config_labels(configs)
     for i, v in variants:
         entries.append(Entry(config_names[i], v, SpecDecoder(runner, proposers.build(v), v.num_speculative_tokens,
-                                                           adaptive=adaptive)))
+                                                           adaptive=adaptive, reuse_prefill=reuse_prefill)))
 
     groups = []  # peer engines: each has .peers and .run(peer, ids, max_new_tokens, stop_ids)
     if peers:
@@ -374,7 +377,8 @@ def run_bench(
             # a proposer that learns across requests (suffix) starts each repetition fresh, so a
             # repetition does not find its own earlier answers in the cache
             decs = [e.decoder if rep == 0 or e.decoder.proposer is None or not e.decoder.proposer.learns_across_requests
-                    else SpecDecoder(runner, proposers.build(e.config), e.config.num_speculative_tokens, adaptive=adaptive)
+                    else SpecDecoder(runner, proposers.build(e.config), e.config.num_speculative_tokens, adaptive=adaptive,
+                                     reuse_prefill=reuse_prefill)
                     for e in entries]
             for req, first_ids in reqs:
                 answers: list[str] = []  # the baseline's answer to each turn so far

@@ -77,6 +77,7 @@ def bench(
     plot: Annotated[Optional[str], typer.Option("--plot", help="Also write speedup.png and acceptance.png into this folder.")] = None,
     fixed_k: Annotated[bool, typer.Option("--fixed-k", help="Always draft k tokens (default: adapt the draft length per request to what pays).")] = False,
     compile: Annotated[bool, typer.Option("--compile", help="Run one-token decode steps through torch.compile (float32, or a GPU with CUDA graphs; bf16 on CPU already runs a fused C++ step).")] = False,
+    reuse_prefill: Annotated[bool, typer.Option("--reuse-prefill", help="Prefill each prompt once, for the baseline, and let every method take its keys/values over (a 16k-token prompt takes minutes on a CPU); the methods' TTFT then counts no prefill. Methods that read the target's prompt states (Medusa, EAGLE, MTP) prefill as usual.")] = False,
     sweep_k: Annotated[Optional[str], typer.Option("--sweep-k", help="Comma-separated k values (e.g. 2,4,8): run every configuration at each k (overriding its own) and report the best k per method and workload (table; 'best_k' in --json).")] = None,
     concurrency: Annotated[Optional[list[int]], typer.Option("--concurrency", "-c", help="Measure aggregate throughput with N requests decoding together (repeatable, e.g. -c 1 -c 8): all prompts queued at once through the continuous-batching engine with N KV slots; reports total tok/s, speedup over plain at the same N, scaling over plain at N=1, TTFT and inter-token latency.")] = None,
     max_num_batched_tokens: Annotated[int, typer.Option("--max-num-batched-tokens", help="With --concurrency: prompt tokens one engine step may carry (chunked prefill, as serve).")] = 256,
@@ -131,7 +132,7 @@ def bench(
         if any(n < 1 for n in levels):
             raise UsageError(f"--concurrency must be >= 1, got {min(levels)}", "pass e.g. --concurrency 1 --concurrency 8")
         clash = [o for o, v in (("--peer", peers), ("--sweep-k", ks), ("--compile", compile), ("--plot", plot),
-                                ("--csv", csv_out)) if v] + (["--runs"] if runs > 1 else [])
+                                ("--csv", csv_out), ("--reuse-prefill", reuse_prefill)) if v] + (["--runs"] if runs > 1 else [])
         if clash:
             raise UsageError(f"{', '.join(clash)} cannot be combined with --concurrency yet",
                              "measure them in a run without --concurrency")
@@ -181,10 +182,11 @@ def bench(
         report = run_bench(loaded, configs, workloads, num_prompts, params, seed,
                            progress=progress,
                            adaptive=not fixed_k, peers=peers, runs=runs, sweep_k=ks,
-                           compile=compile, peer_gguf=peer_gguf,
+                           compile=compile, peer_gguf=peer_gguf, reuse_prefill=reuse_prefill,
                            warn=lambda m: err.log(f"[yellow]peer failed, its rows are left empty:[/] {m}"))
     report.header["draft_length"] = "fixed k" if fixed_k else "adaptive (up to k)"
     report.header["kernels"] = kernels
+    report.header["reuse_prefill"] = reuse_prefill
 
     rows = report.rows()
     if csv_out:

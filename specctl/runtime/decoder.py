@@ -134,8 +134,12 @@ class SpecDecoder:
     """
 
     def __init__(self, runner: TargetRunner, proposer: Proposer | None = None, num_speculative_tokens: int = 0,
-                 adaptive: bool = False):
+                 adaptive: bool = False, reuse_prefill: bool = False):
         self.runner = runner
+        # ``start``: a prompt whose keys/values the runner's cache still holds (the same prompt, run by
+        # another decoder on the same runner: bench's methods one after another) is not prefilled again,
+        # unless the proposer reads the target's states of the prompt
+        self.reuse_prefill = reuse_prefill and not (proposer is not None and proposer.needs_hidden_states)
         self.proposer = proposer
         self.k = num_speculative_tokens if proposer is not None else 0
         self.adaptive = adaptive and self.k > 0
@@ -153,9 +157,16 @@ class SpecDecoder:
         """Prefill the prompt (in one forward, or in chunks of ``prefill_chunk`` tokens as the batched
         scheduler cuts it) and emit the first token."""
         st = self.begin(prompt_ids, params, generator, runner, slot)
+        kept = st.runner.reuse_prompt(prompt_ids) if self.reuse_prefill else None
+        if kept is not None:
+            self.prefilled(st, st.n_ctx, kept)
+            return st
         while st.prefilling:
             n = self.next_chunk(st, prefill_chunk)
-            self.prefilled(st, n, st.runner.forward(self.prefill_tokens(st, n), logits="last"))
+            logits = st.runner.forward(self.prefill_tokens(st, n), logits="last")
+            if self.reuse_prefill and st.n_prefilled + n == st.n_ctx:
+                st.runner.keep_prompt(prompt_ids, logits)
+            self.prefilled(st, n, logits)
         return st
 
     @staticmethod

@@ -86,6 +86,7 @@ class TargetRunner:
         self.length = 0
         self.last_hidden: torch.Tensor | None = None  # [B, T, H] of the latest forward
         self.last_aux: torch.Tensor | None = None  # [B, T, len(model.aux_layers) * H], when asked
+        self._kept: tuple | None = None  # (ids, last logits, last hidden, aux) of a prompt kept (keep_prompt)
         # compile: one-token steps run Transformer.decode_step through torch.compile (static shapes;
         # CUDA graphs on a GPU). Needs torch's own linears: not the packed AMX/C++ bf16 CPU path.
         self._step = None
@@ -100,6 +101,21 @@ class TargetRunner:
 
     def reset(self) -> None:
         self.length = 0
+
+    def keep_prompt(self, ids: list[int], logits: torch.Tensor) -> None:
+        """The cache now holds prompt ``ids`` at [0, len(ids)) (``logits`` [1, 1, V]: its last row's); a
+        later request with the same prompt may take them back (``reuse_prompt``) until something is
+        written below len(ids)."""
+        self._kept = (list(ids), logits, self.last_hidden[:, -1:], self.last_aux)
+
+    def reuse_prompt(self, ids: list[int]) -> torch.Tensor | None:
+        """The kept prompt's last logits, the cache set to hold it, if ``ids`` is that prompt; else None."""
+        kept = self._kept
+        if kept is None or kept[0] != list(ids):
+            return None
+        self.length = len(ids)
+        self.last_hidden, self.last_aux = kept[2], kept[3]
+        return kept[1]
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, logits: str = "all") -> torch.Tensor:
@@ -161,6 +177,9 @@ class TargetRunner:
         length (causal, within the sliding window), or a draft tree as in ``forward_tree``; checks
         that they fit. ``forward``, ``forward_tree`` and ``forward_batch`` all start here."""
         start, T = self.length, tokens.shape[1]
+        kept = self._kept
+        if kept is not None and start < len(kept[0]):
+            self._kept = None  # this forward overwrites the kept prompt
         if start + T > self.max_len:
             if parents is not None:
                 raise UsageError(f"draft tree of {T} nodes does not fit in the cache ({self.max_len})",

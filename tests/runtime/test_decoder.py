@@ -287,3 +287,31 @@ def test_stochastic_speculation_keeps_the_target_distribution(loopy_model):
     assert drafted == 0
     assert tv(sec, m2) < null_tv_quantile(m2, N) + dropped
     assert tv(third, m3) < null_tv_quantile(m3, N) + dropped
+
+
+def test_reuse_prefill_takes_over_the_prompt(tiny_model):
+    """A second decoder on the same runner takes the prompt's keys/values over: no prompt forward, the
+    same tokens; a different prompt, or a forward that overwrote the prompt, is prefilled again."""
+    runner = TargetRunner(tiny_model, MAX_LEN)
+    ng = build_proposer(SpecConfig(method="ngram", num_speculative_tokens=3, prompt_lookup_min=1).validated(), MAX_LEN)
+    plain = SpecDecoder(runner, reuse_prefill=True)
+    spec = SpecDecoder(runner, ng, 3, reuse_prefill=True)
+    prompt, other = list(range(10, 40)), list(range(40, 70))
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    want = SpecDecoder(TargetRunner(tiny_model, MAX_LEN), ng, 3).generate(prompt, params).token_ids
+    widths = []
+    forward = runner.forward
+    runner.forward = lambda tokens, logits="all": (widths.append(tokens.shape[1]), forward(tokens, logits))[1]
+    plain.generate(prompt, params)
+    assert widths[0] == len(prompt)
+    widths.clear()
+    assert spec.generate(prompt, params).token_ids == want
+    assert max(widths) <= 4  # decode/verify forwards only: the prompt was taken over
+    widths.clear()
+    spec.generate(other, params)
+    assert widths[0] == len(other)  # another prompt: prefilled
+    runner.reset()
+    runner.forward(torch.tensor([[1, 2, 3]]))  # writes below the kept prompt
+    widths.clear()
+    spec.generate(other, params)
+    assert widths[0] == len(other)
