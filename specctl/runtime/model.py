@@ -353,7 +353,7 @@ class Transformer(nn.Module):
             if scoring:
                 cache.scores[i, :start + tokens.shape[1]] = attention_scores(layer, x_in, cos, sin, cache.k[i], start)
         if scoring:
-            cache.scored = scored_upto(start, tokens.shape[1])
+            cache.scored = scored_upto(start, tokens.shape[1], logits == "last")
         self.aux_out = torch.cat(aux, dim=-1) if aux else None
         h = self.norm(x)
         if logits == "none":
@@ -367,13 +367,15 @@ class Transformer(nn.Module):
         return skinny_linear.linear(h, self.head_weight)
 
 
-    def forward_ragged(self, tokens: torch.Tensor, segs: list[Segment]) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_ragged(self, tokens: torch.Tensor, segs: list[Segment],
+                       layers: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """One forward over many requests' rows: tokens [R] (the segments' tokens one after the
         other), each segment at its own cache and positions (a decode row, a verify block, a draft
         tree or a prompt). The linears read the weights once for all R rows; on the row-independent
         paths (AMX, AVX512-BF16: kernels/cpu.py) every row equals, bit for bit, what the request's
         own ``forward`` computes. Returns (logits [R', V]: every row, but only the last of a
-        ``last_only`` segment; hidden [R, H], final-normed); ``aux_out`` [R, len(aux_layers) * H]."""
+        ``last_only`` segment; hidden [R, H], final-normed); ``aux_out`` [R, len(aux_layers) * H].
+        ``layers``: run only these (a draft that skips layers; the others' caches are left as they are)."""
         x = self.embed(tokens)[None]  # [1, R, H]
         pos = torch.cat([s.positions.to(torch.float32) if s.positions is not None
                          else torch.arange(s.start, s.start + s.n, dtype=torch.float32) for s in segs])
@@ -385,6 +387,8 @@ class Transformer(nn.Module):
                 scored.append((s, off))
             off += s.n
         for i, layer in enumerate(self.layers):
+            if layers is not None and i not in layers:
+                continue
             if i in self.aux_layers:
                 aux.append(x)
             x_in = x
@@ -393,7 +397,7 @@ class Transformer(nn.Module):
                 s.cache.scores[i, :s.start + s.n] = attention_scores(layer, x_in[:, o:o + s.n], cos[o:o + s.n],
                                                                      sin[o:o + s.n], s.cache.k[i], s.start)
         for s, _ in scored:
-            s.cache.scored = scored_upto(s.start, s.n)
+            s.cache.scored = scored_upto(s.start, s.n, s.last_only)
         self.aux_out = torch.cat(aux, dim=-1)[0] if aux else None
         h = self.norm(x)[0]  # [R, H]
         rows, off = [], 0
@@ -452,11 +456,11 @@ class KVCache:
         self.scored = 0
 
 
-def scored_upto(start: int, T: int) -> int:
-    """The positions a scoring forward of T rows at ``start`` ranks: for a verify block (T <=
-    VERIFY_ROWS: the last emitted token and its drafts), those before and at its first row, the
-    committed context (its drafts, once accepted, are recent positions); for a prompt, all of them."""
-    return start + 1 if T <= VERIFY_ROWS else start + T
+def scored_upto(start: int, T: int, prompt: bool) -> int:
+    """The positions a scoring forward of T rows at ``start`` ranks: for a verify block (the last
+    emitted token and its drafts), those before and at its first row, the committed context (its
+    drafts, once accepted, are recent positions); for a prompt (chunk), all of them."""
+    return start + T if prompt else start + 1
 
 
 def attention_scores(block: "Block", x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,

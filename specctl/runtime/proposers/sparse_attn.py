@@ -100,6 +100,7 @@ class SparseAttnProposer(SlotProposer):
         if len(skip) >= a.num_layers:
             raise UsageError("sparse_attn_skip_layers skips every layer", "keep at least one layer")
         self.layers = [i for i in range(a.num_layers) if i not in set(skip)]
+        self.skipping = self.layers if skip else None  # the layers the draft runs, when not all
         self.max_model_len = int(max_model_len)
         # the most positions a draft attends to: the budget, the positions accepted since the last
         # verification (up to k + 1) and the draft's own k
@@ -131,79 +132,97 @@ class SparseAttnProposer(SlotProposer):
     # ------------------------------------------------------------------ drafting
     def propose(self, token_ids, num_tokens, k, hidden_states=None, slots=None) -> DraftOutput:
         B = token_ids.shape[0]
-        out = torch.full((B, k), -1, dtype=torch.long)
-        num = torch.zeros(B, dtype=torch.long)
-        qs: list[torch.Tensor | None] = []
-        V = self.model.args.vocab_size
-        for b in range(B):
-            n = int(num_tokens[b])
-            s = self._match_slot(token_ids[b], n, None if slots is None else int(slots[b]))
+        outs = self.propose_batch([(token_ids[b:b + 1], int(num_tokens[b]), None if slots is None else int(slots[b]))
+                                   for b in range(B)], [k] * B)
+        tok = torch.cat([d.token_ids for d in outs])
+        num = torch.cat([d.num_tokens for d in outs])
+        probs = None
+        if any(d.probs is not None for d in outs):
+            probs = torch.zeros(B, k, self.model.args.vocab_size, device=self.device)
+            for b, d in enumerate(outs):
+                nb = int(num[b])
+                if d.probs is not None:
+                    probs[b, :nb] = d.probs[0, :nb]
+                elif nb:
+                    probs[b, torch.arange(nb), tok[b, :nb].to(self.device)] = 1.0
+        return DraftOutput(tok, num, probs)
+
+    def propose_batch(self, rows: list[tuple[np.ndarray, int, int | None]], ks: list[int]) -> list[DraftOutput]:
+        """Drafts for many requests, (token_ids [1, max_len], n, slot) each: every drafting step is one
+        ragged forward of the target over all of them (one read of the weights), each request's row
+        attending to its own scratch cache."""
+        slots = []
+        for t, n, slot in rows:
+            s = self._match_slot(t[0], n, slot)
             if s is None:
                 raise UsageError("sparse_attn was asked to draft for a request whose KV cache it was not given",
                                  "drive it through SpecDecoder (it binds each request's runner)")
-            ids, q = self._propose_one(s, int(token_ids[b, n - 1]), k)
-            out[b, :len(ids)] = torch.tensor(ids, dtype=torch.long)
-            num[b] = len(ids)
-            qs.append(q)
-        probs = None
-        if any(q is not None for q in qs):
-            probs = torch.zeros(B, k, V, device=self.device)
-            for b, q in enumerate(qs):
-                nb = int(num[b])
-                if q is not None:
-                    probs[b, :nb] = q[:nb]
-                elif nb:
-                    probs[b, torch.arange(nb), out[b, :nb].to(self.device)] = 1.0
-        return DraftOutput(out, num, probs)
+            slots.append(s)
+        lasts = [int(t[0, n - 1]) for t, n, _ in rows]
+        out = []
+        for (ids, q), k in zip(self._draft(slots, lasts, ks), ks):
+            tok = torch.full((1, k), -1, dtype=torch.long)
+            tok[0, :len(ids)] = torch.tensor(ids, dtype=torch.long)
+            out.append(DraftOutput(tok, torch.tensor([len(ids)]), None if q is None else q[None]))
+        return out
 
     def select(self, s: _Slot) -> torch.Tensor:
         """The cached positions the next draft attends to: [m] (every layer) or [layers, m]."""
         cache, L = s.runner.cache, s.runner.length
         budget = draft_budget(L, self.ratio, self.min_tokens)
         if self.algorithm == "vegas" and cache.scores is not None and cache.scored > 0:
-            return vegas_positions(cache.scores, min(cache.scored, L), L, budget)
+            # the recent positions: those since the scoring forward (at most a verify block's k + 1)
+            return vegas_positions(cache.scores, max(min(cache.scored, L), L - self.k - 1), L, budget)
         return streamingllm_positions(L, budget).to(cache.k.device)
 
-    @torch.inference_mode()
-    def _propose_one(self, s: _Slot, last: int, k: int) -> tuple[list[int], torch.Tensor | None]:
-        L = s.runner.length
-        if k <= 0 or L == 0:
-            return [], None
+    def _gather(self, s: _Slot) -> int:
+        """The selected keys/values into the slot's scratch cache; returns how many (m)."""
         idx = self.select(s)
         m = idx.shape[-1]
-        if m + k > s.scratch.max_len:
-            return [], None
         rk, rv = s.runner.cache.k, s.runner.cache.v  # [layers, 1, nkv, max_len, hd]
-        sk, sv = s.scratch.k, s.scratch.v
         for i in self.layers:
             li = idx if idx.dim() == 1 else idx[i]
-            sk[i, :, :, :m] = rk[i, :, :, li]
-            sv[i, :, :, :m] = rv[i, :, :, li]
+            s.scratch.k[i, :, :, :m] = rk[i, :, :, li]
+            s.scratch.v[i, :, :, :m] = rv[i, :, :, li]
         s.selected = m
-        model = self.model
-        sp = s.sampling or DraftSampling()
-        sample = sp.temperature > 0
-        gen = sp.generator or self._own_generator
-        ids: list[int] = []
-        q_rows: list[torch.Tensor] = []
-        tok = torch.tensor([[last]], device=self.device)
-        for j in range(k):
-            x = model.embed(tok)
-            cos, sin = model.rope(L + j, 1, x.dtype)  # the query at its true position
-            for i in self.layers:
-                x = model.layers[i](x, cos, sin, sk[i], sv[i], m + j, None)
-            logits = model.head(model.norm(x)[:, -1])[0]  # [V]
-            if sample:
-                p = logits_to_probs(logits.float(), sp.temperature, sp.top_k, sp.top_p)
-                d = int(torch.multinomial(p, 1, generator=gen))
-                q_rows.append(p)
-            else:
-                d = int(torch.argmax(logits))
-            ids.append(d)
-            if j + 1 == k or d in self.stop_ids:
-                break
-            tok = torch.tensor([[d]], device=self.device)
-        return ids, (torch.stack(q_rows) if sample else None)
+        return m
+
+    @torch.inference_mode()
+    def _draft(self, slots: list[_Slot], lasts: list[int], ks: list[int]) -> list[tuple[list[int], torch.Tensor | None]]:
+        """(draft ids, q [n, V] or None) per request; drafting step j is one forward of every request
+        still drafting: its newest token at scratch slot m + j, rotated at its true position L + j."""
+        from specctl.runtime.model import Segment
+
+        results: list[tuple[list[int], torch.Tensor | None]] = [([], None)] * len(slots)
+        live = []  # [index, slot, k, m, L, next token, ids, q rows, sampling]
+        for i, (s, last, k) in enumerate(zip(slots, lasts, ks)):
+            L = s.runner.length
+            if k <= 0 or L == 0 or draft_budget(L, self.ratio, self.min_tokens) + 2 * k + 2 > s.scratch.max_len:
+                continue
+            live.append([i, s, k, self._gather(s), L, last, [], [], s.sampling or DraftSampling()])
+        model, j = self.model, 0
+        while live:
+            segs = [Segment(d[1].scratch, d[3] + j, 1, positions=torch.tensor([float(d[4] + j)], device=self.device))
+                    for d in live]
+            tokens = torch.tensor([d[5] for d in live], device=self.device)
+            logits, _ = model.forward_ragged(tokens, segs, layers=self.skipping)  # [len(live), V]
+            still = []
+            for d, lg in zip(live, logits):
+                sp = d[8]
+                if sp.temperature > 0:
+                    p = logits_to_probs(lg.float(), sp.temperature, sp.top_k, sp.top_p)
+                    tok = int(torch.multinomial(p, 1, generator=sp.generator or self._own_generator))
+                    d[7].append(p)
+                else:
+                    tok = int(torch.argmax(lg))
+                d[6].append(tok)
+                d[5] = tok
+                if len(d[6]) < d[2] and tok not in self.stop_ids:
+                    still.append(d)
+                else:
+                    results[d[0]] = (d[6], torch.stack(d[7]) if d[7] else None)
+            live, j = still, j + 1
+        return results
 
 
 PROPOSERS = {"sparse_attn": SparseAttnProposer}

@@ -124,7 +124,10 @@ def test_scores_are_attention_weights_and_change_nothing(target):
         runner = TargetRunner(model, MAX_LEN)
         if keep:
             runner.cache.keep_scores()
-        outs.append((runner.forward(ids[:, :64]), runner.forward(ids[:, 64:69])))
+        outs.append((runner.forward(ids[:, :64], logits="last"),))
+        if keep:
+            assert runner.cache.scored == 64  # a prompt: every position is ranked
+        outs[-1] += (runner.forward(ids[:, 64:69]),)
     assert all(torch.equal(x, y) for x, y in zip(outs[0], outs[1]))
     scores = runner.cache.scores
     assert runner.cache.scored == 65  # the verify-sized block's first row and what came before
@@ -163,7 +166,7 @@ def test_greedy_equals_plain_in_bf16(tiny_model_factory, bf16_path):
 
 def test_sampling_keeps_the_target_distribution(target):
     temperature, N = 0.4, 800
-    cfg = config("vegas", k=2, min_tokens=4, ratio=0.05)
+    cfg = config("vegas", k=2, min_tokens=12, ratio=0.05)
     spec = SpecDecoder(TargetRunner(target.model, MAX_LEN), build_proposer(cfg, MAX_LEN, target=target), 2)
     prompt = prompts(1, length=24, seed=4)[0]
     (_, m2, m3), dropped = exact_marginals(target.model, prompt, temperature, depth=3)

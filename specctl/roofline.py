@@ -1,0 +1,162 @@
+"""A roofline model of one decoding step: bytes and FLOPs from the model's shapes, time from the
+machine's measured bandwidth and compute, for plain decoding and for sparse-attention
+self-speculation (``sparse_attn``), at any context length, batch size and draft length.
+
+Why: sparse_attn trades KV-cache reads for extra compute (k sparse draft forwards, then a verify
+forward of k+1 rows whose attention over the whole context grows with rows x context). Whether that
+pays depends on how large the KV read is next to the weights read (context, batch, GQA) and on the
+machine: a 2-core CPU has ~10 bf16 FLOP per byte of bandwidth at best, an H100 ~300.
+
+The forward model, per forward of R rows (requests r, each ``rows_r`` rows at context ``c_r``):
+
+  t = max(f W / BW, f R F_lin_row / F_lin)                       weights and linear layers
+    + sum_r max(f KV(c_r) / BW, f rows_r c_r F_att_pos / F_att)  attention, per request
+
+W: bytes of the weights; F_lin_row: linear FLOPs per row; KV(c): bytes of c cached positions;
+F_att_pos: attention FLOPs per row and position; f: the share of layers run (1, or less when the
+draft skips layers). ``Machine`` holds BW, F_lin and F_att, measured on the model itself
+(``measure_machine``: a 1-row forward, a many-row forward, a 1-row forward at a long context).
+
+Torch-free except ``measure_machine``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+
+@dataclass(frozen=True)
+class Shapes:
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    bytes_per_param: int = 2  # bf16
+
+    @classmethod
+    def from_config(cls, cfg: dict, bytes_per_param: int = 2) -> "Shapes":
+        heads = cfg["num_attention_heads"]
+        return cls(cfg["num_hidden_layers"], cfg["hidden_size"], heads, cfg.get("num_key_value_heads") or heads,
+                   cfg.get("head_dim") or cfg["hidden_size"] // heads, cfg["intermediate_size"], cfg["vocab_size"],
+                   bytes_per_param)
+
+    @property
+    def layer_params(self) -> int:
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        return self.hidden * (q + 2 * kv) + q * self.hidden + 3 * self.hidden * self.intermediate
+
+    @property
+    def weight_bytes(self) -> float:
+        """Weights a forward reads: every layer and the LM head (the embedding row is negligible)."""
+        return (self.layers * self.layer_params + self.vocab * self.hidden) * self.bytes_per_param
+
+    @property
+    def linear_flops_per_row(self) -> float:
+        return 2.0 * (self.layers * self.layer_params + self.vocab * self.hidden)
+
+    @property
+    def kv_bytes_per_position(self) -> float:
+        return self.layers * 2 * self.kv_heads * self.head_dim * self.bytes_per_param
+
+    @property
+    def attention_flops_per_position(self) -> float:
+        """Per row and cached position: q.k and p.v over every query head of every layer."""
+        return self.layers * 4.0 * self.heads * self.head_dim
+
+    def kv_share(self, context: int, batch: int = 1) -> float:
+        """The KV cache read in one decode step over the weights read (batch requests at ``context``)."""
+        return batch * context * self.kv_bytes_per_position / self.weight_bytes
+
+
+@dataclass(frozen=True)
+class Machine:
+    bandwidth: float  # bytes/s the weights stream at (effective, measured)
+    linear_flops: float  # FLOP/s of the linear layers over many rows
+    attention_flops: float  # FLOP/s of the attention kernel (per-row, over a long context)
+    name: str = ""
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def forward_seconds(s: Shapes, m: Machine, requests: list[tuple[int, int]], layer_share: float = 1.0) -> float:
+    """One forward: ``requests`` = (rows, context) per request (rows attend over ~context positions)."""
+    rows = sum(r for r, _ in requests)
+    t = layer_share * max(s.weight_bytes / m.bandwidth, rows * s.linear_flops_per_row / m.linear_flops)
+    for r, c in requests:
+        t += layer_share * max(c * s.kv_bytes_per_position / m.bandwidth,
+                               r * c * s.attention_flops_per_position / m.attention_flops)
+    return t
+
+
+@dataclass(frozen=True)
+class SparseEstimate:
+    plain_step_s: float  # one decode step of the batch
+    sparse_step_s: float  # k draft forwards + the verify forward (+ Vegas' scoring)
+    tokens_per_step: float  # mean acceptance length tau (per request)
+    speedup: float
+    draft_positions: int
+    kv_share: float
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def budget(context: int, ratio: float, min_tokens: int) -> int:
+    return min(context, max(math.ceil(context * ratio), min_tokens))
+
+
+def sparse_attn_estimate(s: Shapes, m: Machine, *, context: int, batch: int, k: int, tau: float,
+                         ratio: float = 0.05, min_tokens: int = 256, layer_share: float = 1.0,
+                         algorithm: str = "streamingllm") -> SparseEstimate:
+    """Predicted speedup of sparse_attn over plain decoding for ``batch`` requests at ``context``,
+    drafting k tokens per step with mean acceptance length ``tau`` (1 + accepted per step)."""
+    plain = forward_seconds(s, m, [(1, context)] * batch)
+    pos = budget(context, ratio, min_tokens)
+    draft = sum(forward_seconds(s, m, [(1, pos + j)] * batch, layer_share) for j in range(k))
+    verify = forward_seconds(s, m, [(k + 1, context)] * batch)
+    if algorithm == "vegas":  # the verify forward also scores its first and last queries
+        verify += batch * max(context * s.kv_bytes_per_position / 2 / m.bandwidth,
+                              2 * context * s.attention_flops_per_position / 2 / m.attention_flops)
+    step = draft + verify
+    return SparseEstimate(plain, step, tau, tau * plain / step, pos, s.kv_share(context, batch))
+
+
+def measure_machine(model, context: int = 4096, rows: int = 32, repeats: int = 5) -> Machine:
+    """BW, F_lin and F_att, from forwards of ``model`` (a specctl Transformer) as decoding runs them:
+    one row at a short context (the weights' read), ``rows`` rows (the linears' compute) and one row at
+    ``context`` (the attention's cost). Each is the median of ``repeats`` timings."""
+    import statistics
+    import time
+
+    import torch
+
+    from specctl.runtime.runner import TargetRunner
+
+    s = Shapes(model.args.num_layers, model.args.hidden_size, model.args.num_heads, model.args.num_kv_heads,
+               model.args.head_dim, model.args.intermediate_size, model.args.vocab_size,
+               model.embed.weight.element_size())
+    runner = TargetRunner(model, context + rows + 8)
+    ids = torch.randint(0, model.args.vocab_size, (1, rows))
+
+    def timed(length: int, n: int) -> float:
+        out = []
+        for _ in range(repeats + 1):
+            runner.length = length
+            t = time.perf_counter()
+            runner.forward(ids[:, :n])
+            out.append(time.perf_counter() - t)
+        return statistics.median(out[1:])
+
+    runner.forward(ids[:, :8])  # something in the cache
+    t1 = timed(8, 1)
+    tr = timed(8, rows)
+    tc = timed(context, 1)
+    bw = s.weight_bytes / t1
+    lin = rows * s.linear_flops_per_row / max(tr, t1 * 1.0001)
+    att = context * s.attention_flops_per_position / max(tc - t1, 1e-9)
+    return Machine(bw, lin, att)
