@@ -45,7 +45,8 @@ from specctl.errors import ModelError, UsageError
 
 # ----------------------------------------------------------------------------- constants
 
-LAYERS = {"ngram": 1, "suffix": 1, "medusa": 2, "eagle": 2, "eagle3": 2, "draft_model": 3, "mtp": 4}
+# sparse_attn: the target drafts for itself over part of its KV cache: no weights, no training (layer 1's cost)
+LAYERS = {"ngram": 1, "suffix": 1, "sparse_attn": 1, "medusa": 2, "eagle": 2, "eagle3": 2, "draft_model": 3, "mtp": 4}
 DRAFT_PREFERENCE = ("eagle3", "eagle", "medusa")  # EAGLE usually accepts more than Medusa (seed §3.2)
 LAYER_OVERHEAD_PARAMS = 5e6
 """A decode step costs ~ (parameters read + this many per layer): fitted on this CPU from MODELS.md
@@ -66,6 +67,7 @@ class Workload:
     repeats: bool  # requests repeat across calls: suffix's case (its cache of earlier responses)
     alpha_prior: float  # assumed acceptance of a same-tokenizer draft model (a prior, not a measurement)
     prompts: str | None  # built-in bench workload --probe uses (None: chat, with a note)
+    context: int = 1024  # typical tokens in the KV cache while decoding (prompt + output)
 
 
 WORKLOADS: dict[str, Workload] = {w.name: w for w in (
@@ -77,8 +79,13 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in (
     Workload("rag", "answers grounded in retrieved passages", True, False, 0.7, None),
     Workload("summarization", "summaries of a given text", True, False, 0.7, None),
     Workload("translation", "translation", False, False, 0.75, None),
-    Workload("math", "reasoning and math", False, False, 0.65, None),
+    Workload("math", "reasoning and math", False, False, 0.65, None, 2048),
+    Workload("long-context", "questions over long documents (4k-32k tokens)", True, False, 0.7, "long-4k", 16384),
 )}
+
+# sparse_attn's prior acceptance per draft token on long contexts (Qwen2.5-Coder-0.5B, long-4k, Vegas
+# at k = 4: 0.7-1.0 per position, measured here; a prior, --probe measures it) and elsewhere
+SPARSE_ALPHA = {True: 0.8, False: 0.6}
 
 
 def get_workload(name: str) -> Workload:
@@ -935,10 +942,54 @@ def _command_exists(name: str) -> bool:
     return importlib.util.find_spec(f"specctl.commands.{name}") is not None
 
 
+def sparse_attn_choice(target: ModelInfo, w: Workload, tree: Node, choice: Choice, context: int | None,
+                       batch: int, machine=None) -> tuple[Choice | None, bool]:
+    """sparse_attn, judged by the roofline model (specctl/roofline.py) from the target's shapes, the
+    context and the batch: it pays when the KV cache read per step is a large share of the weights
+    read. ``machine``: the measured one (--probe), else bytes alone (an upper bound: compute is free).
+    Returns (the choice, or None where it does not pay; whether it replaces a layer-1 ``choice``)."""
+    from specctl.roofline import Machine, Shapes, sparse_attn_estimate
+
+    cfg = _text_config(target.config) if target.config else {}
+    try:
+        shapes = Shapes.from_config(cfg)
+    except KeyError:
+        tree.add(Node("note", "sparse_attn not judged", reason="the target's config.json is not at hand (pull it)"))
+        return None, False
+    context = context or w.context
+    alpha, k = SPARSE_ALPHA[w.copies_prompt and context >= 4096], 4
+    tau = (1 - alpha ** (k + 1)) / (1 - alpha)
+    m = machine or Machine(1.0, float("inf"), float("inf"), "bytes only")
+    est = sparse_attn_estimate(shapes, m, context=context, batch=batch, k=k, tau=tau, algorithm="vegas")
+    bound = "" if machine is not None else " (bytes only: an upper bound; --probe measures this machine)"
+    reason = (f"at {context} tokens of context and batch {batch}, the KV cache read per step is "
+              f"{100 * est.kv_share:.0f}% of the weights read ({shapes.kv_heads} KV heads of {shapes.head_dim}, "
+              f"{shapes.layers} layers); drafting over {est.draft_positions} positions with the target's own layers "
+              f"at k={k}, prior α={alpha}: predicted x{est.speedup:.2f}{bound}")
+    pays = est.speedup >= MIN_GAIN
+    q = tree.add(Node("question", "Is the KV cache a large share of each step's reads (sparse-attention self-speculation)?",
+                      "yes" if pays else "no", reason))
+    c = make_choice("sparse_attn", target, "sparse_attn (vegas: the target drafts over the positions it attended to most)",
+                    reason, k=k)
+    c.config["sparse_attn_algorithm"] = c.vllm_config["sparse_attn_algorithm"] = "vegas"
+    flags = f"--speculative-config {shlex.quote(json.dumps(c.config))}"
+    model = shlex.quote(target.spec)
+    c.commands.update(specctl_flags=flags, specctl_serve=f"specctl serve --model {model} {flags}",
+                      specctl_bench=f"specctl bench --model {model} {flags} -w long-4k --reuse-prefill")
+    c.note = "vLLM RFC #47351's keys: mainline vLLM has no sparse_attn yet (the platformxlab/vegas fork does)"
+    if not pays:
+        return None, False
+    replace_choice = choice.layer == 1 and choice.method in ("ngram", "suffix")
+    if replace_choice:
+        q.add(Node("choice", c.label, reason="no trained draft here, and self-speculation over the long context pays"))
+    return c, replace_choice
+
+
 def recommend(model: str, *, drafts: list[str] | None = None, candidates: list[str] | None = None,
               own_training: bool = False, workload: str = "chat", pull: bool = False,
-              dtype: str = "bfloat16") -> Recommendation:
-    """Inspect the target, its drafts and candidate draft models, and walk the flowchart."""
+              dtype: str = "bfloat16", context: int | None = None, batch: int = 1) -> Recommendation:
+    """Inspect the target, its drafts and candidate draft models, and walk the flowchart; ``context``
+    (default: the workload's) and ``batch`` judge sparse_attn."""
     w = get_workload(workload)
     target = inspect_model(model, pull=pull, dtype=dtype)
     mtp = detect_mtp(target)
@@ -948,6 +999,12 @@ def recommend(model: str, *, drafts: list[str] | None = None, candidates: list[s
     searched = ("--drafts " + ", ".join(drafts)) if drafts else ""
     searched += (("; " if searched else "") + f"no Medusa/EAGLE folder beside {target.path}") if target.path else ""
     tree, choice, alts = walk(target, mtp, found, cands, w, own_training, searched or "no --drafts given")
+    sparse, replaces = sparse_attn_choice(target, w, tree, choice, context, batch)
+    if sparse is not None:
+        if replaces:
+            choice, alts = sparse, [choice] + alts
+        else:
+            alts.append(sparse)
     if not target.path:
         notes.append(f"{target.name} is not pulled: described from the catalogue (`specctl models pull {target.name}` "
                      "to check drafts and tokenizers against it)")
@@ -1048,6 +1105,8 @@ def probe_plan(rec: Recommendation, k: int | None = None) -> tuple[list[tuple[st
                f"only the {MAX_PROBED_DRAFTS} most promising draft models are probed" if i >= MAX_PROBED_DRAFTS else None)
         add(f"draft_model:{c.name}", "draft_model",
             {"method": "draft_model", "model": c.path or c.spec, "num_speculative_tokens": c.best_k or 3}, why)
+    for a in [a for a in [rec.choice, *rec.alternatives] if a.method == "sparse_attn"]:
+        add("sparse_attn", "sparse_attn", dict(a.config))
     for h in [a for a in [rec.choice, *rec.alternatives] if a.method == "hybrid"]:
         parts = [dict(p, model=local) if (local := _local_model(p)) else p for p in h.config["proposers"]]
         add("hybrid:" + "+".join(p["method"] for p in parts), "hybrid", dict(h.config, proposers=parts),

@@ -159,6 +159,7 @@ def test_nothing_falls_through_to_ngram(target):
         ("Is there a Medusa head or EAGLE draft made for this model?", "no"),
         ("Is there a smaller model of the same family, with the same tokenizer?", "no"),
         ("Do requests repeat (agent loops, fixed-template batch jobs)?", "no"),
+        ("Is the KV cache a large share of each step's reads (sparse-attention self-speculation)?", "no"),
     ]
     assert rec.choice.method == "ngram" and rec.choice.layer == 1 and rec.choice.runnable
     assert rec.choice.config == {"method": "ngram", "num_speculative_tokens": 10, "prompt_lookup_min": 2,
@@ -426,3 +427,32 @@ def test_probe_uses_an_exported_eagle3_draft(tiny_model_factory, tmp_path):
     e = rows["eagle3"]
     assert e["identical_to_baseline"] == 1 and e["rho"] > 0 and e["config"]["model"] == str(out)
     assert rec.tree.children[-1].text.startswith("Measured")
+
+
+# --------------------------------------------------------------------------- sparse_attn and the roofline
+
+def qwen_like(folder: Path, layers: int = 4) -> Path:
+    """A folder whose config has Qwen2.5-0.5B's attention shapes (14 heads, 2 KV heads of 64)."""
+    return llama(folder, layers=layers, extra_config={"num_attention_heads": 14, "num_key_value_heads": 2,
+                                                     "head_dim": 64})
+
+
+def test_long_context_at_batch_gives_sparse_attn(tmp_path, tiny_model_dir):
+    target = qwen_like(tmp_path / "t")
+    rec = r.recommend(str(target), candidates=[], workload="long-context", context=32768, batch=8)
+    assert q(rec, "Is the KV cache a large share") == "yes"
+    assert rec.choice.method == "sparse_attn" and rec.choice.config["sparse_attn_algorithm"] == "vegas"
+    assert [a.method for a in rec.alternatives][:1] == ["ngram"]  # what it replaced
+    assert "--reuse-prefill" in rec.choice.commands["specctl_bench"]
+    from specctl.config import SpecConfig
+
+    SpecConfig.from_dict(rec.choice.config)  # a valid config as it is
+    run, _ = r.probe_plan(rec)
+    assert "sparse_attn" in [label for label, _ in run]
+
+
+def test_short_context_does_not_pay_for_sparse_attn(tmp_path):
+    target = qwen_like(tmp_path / "t")
+    rec = r.recommend(str(target), candidates=[], workload="long-context", context=512, batch=1)
+    assert q(rec, "Is the KV cache a large share") == "no"
+    assert rec.choice.method == "ngram" and "sparse_attn" not in [a.method for a in rec.alternatives]

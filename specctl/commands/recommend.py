@@ -16,7 +16,7 @@ from specctl.commands._options import DeviceOpt, DtypeOpt, JsonOpt, KernelsOpt, 
 
 HELP = """Recommend a speculative decoding method for MODEL, walking the seed's layered flowchart.
 
-The layers, by adoption cost: 1 ngram/suffix (no model), 2 Medusa/EAGLE (a small add-on trained for the target), 3 draft_model (a whole smaller model), 4 MTP (trained in). The walk: own training -> MTP; built-in MTP layers -> mtp; a Medusa/EAGLE draft made for this target (--drafts, or folders beside the model; checked for hidden size, vocabulary and recorded base model) -> use it; a smaller model with the same tokenizer (--candidates, or the offline catalogue) whose cost ratio ρ leaves a gain -> draft_model; otherwise suffix where requests repeat, else ngram.
+The layers, by adoption cost: 1 ngram/suffix (no model), 2 Medusa/EAGLE (a small add-on trained for the target), 3 draft_model (a whole smaller model), 4 MTP (trained in). The walk: own training -> MTP; built-in MTP layers -> mtp; a Medusa/EAGLE draft made for this target (--drafts, or folders beside the model; checked for hidden size, vocabulary and recorded base model) -> use it; a smaller model with the same tokenizer (--candidates, or the offline catalogue) whose cost ratio ρ leaves a gain -> draft_model; otherwise suffix where requests repeat, else ngram. Beside the walk, sparse_attn (the target drafts for itself over part of its KV cache, vLLM RFC #47351) is judged by a roofline model of one step from the model's shapes, --context-len and --batch: it pays when the KV cache read per step is a large share of the weights read, and replaces ngram/suffix when it does.
 
 Prints the path as a tree with the reason at each step, then ready configs: specctl flags and vLLM's --speculative-config JSON. Says when a recommended method is not runnable in this installation yet.
 
@@ -29,6 +29,8 @@ Examples:
   specctl recommend ./my-model --drafts ./my-model-eagle3 --json
 
   specctl recommend smollm2-135m --probe -n 2 --max-new-tokens 32
+
+  specctl recommend qwen2.5-coder-0.5b --workload long-context --context-len 32768 --batch 8
 """
 
 
@@ -37,7 +39,9 @@ def recommend_cmd(
     drafts: Annotated[Optional[list[str]], typer.Option("--drafts", "-d", help="A Medusa/EAGLE draft folder, or a folder of them (repeatable). Folders beside MODEL are searched too.")] = None,
     candidates: Annotated[Optional[list[str]], typer.Option("--candidates", "-c", help="A smaller model to consider for draft_model (repeatable). Default: the offline catalogue.")] = None,
     own_training: Annotated[bool, typer.Option("--own-training", help="You train this model yourself (MTP can be trained in).")] = False,
-    workload: Annotated[str, typer.Option("--workload", "-w", help="chat, code, code-edit, agentic, batch, rag, summarization, translation, math.")] = "chat",
+    workload: Annotated[str, typer.Option("--workload", "-w", help="chat, code, code-edit, agentic, batch, rag, summarization, translation, math, long-context.")] = "chat",
+    context_len: Annotated[Optional[int], typer.Option("--context-len", help="Tokens in the KV cache while decoding (default: the workload's typical: 1024, 2048 for math, 16384 for long-context); judges sparse_attn.")] = None,
+    batch: Annotated[int, typer.Option("--batch", help="Requests decoding together (judges sparse_attn: the KV read grows with it).")] = 1,
     probe: Annotated[bool, typer.Option("--probe", help="Run each applicable, implemented method briefly and rank them by measured speedup.")] = False,
     prompts: Annotated[Optional[Path], typer.Option("--prompts", help="--probe: a .jsonl file of prompts ({\"prompt\": ...} or {\"messages\": [...]}) instead of the built-in workload.")] = None,
     num_prompts: Annotated[int, typer.Option("--num-prompts", "-n", help="--probe: prompts to run.")] = 2,
@@ -70,8 +74,12 @@ def recommend_cmd(
     err = Console(stderr=True, log_path=False)
     from specctl import recommend as r
 
+    if context_len is not None and context_len < 1:
+        raise UsageError(f"--context-len must be positive, got {context_len}", "pass e.g. --context-len 16384")
+    if batch < 1:
+        raise UsageError(f"--batch must be positive, got {batch}", "pass e.g. --batch 8")
     rec = r.recommend(model, drafts=drafts, candidates=candidates, own_training=own_training, workload=workload,
-                      pull=probe, dtype=dtype)
+                      pull=probe, dtype=dtype, context=context_len, batch=batch)
     if probe:
         if prompts is not None:
             from specctl.bench.workloads import load_workload
