@@ -90,3 +90,26 @@ def dropped_keys(full: dict[str, Any], sent: dict[str, Any]) -> list[str]:
     defaults = {k: getattr(SpecConfig(), k) for k in SUFFIX_KEYS}
     return sorted(k for k, v in full.items()
                   if v is not None and k not in sent and not (k in defaults and v == defaults[k]))
+
+
+def vllm_hf_overrides(sent: dict[str, Any]) -> dict[str, Any]:
+    """The target-config overrides vLLM needs for the draft of ``sent`` (a ``vllm_speculative_config`` dict).
+
+    A MiMo-layout MTP draft folder (``architectures: ["MiMoForCausalLM"]``, written by ``train-mtp``): vLLM
+    0.32's MiMo MTP model reads ``num_nextn_predict_layers`` from the *target's* config (a MiMo checkpoint
+    carries both in one folder), so a Qwen2/Llama target needs it added: ``LLM(..., hf_overrides=...)`` or
+    ``vllm serve --hf-overrides JSON``. Empty for every other config.
+    """
+    import json
+    from pathlib import Path
+
+    if sent.get("method") != "mtp" or not sent.get("model"):
+        return {}
+    cfg_path = Path(str(sent["model"])).expanduser() / "config.json"
+    try:
+        cfg = json.loads(cfg_path.read_text())
+    except (OSError, ValueError):
+        return {}
+    if (cfg.get("architectures") or [None])[0] != "MiMoForCausalLM":
+        return {}
+    return {"num_nextn_predict_layers": int(cfg.get("num_nextn_predict_layers") or 1)}

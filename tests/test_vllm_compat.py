@@ -83,3 +83,16 @@ def test_recorded_schema_is_sane():
     assert {"method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
             "max_model_len"} <= VLLM_SPECULATIVE_CONFIG_FIELDS
     assert not VLLM_SPECULATIVE_CONFIG_FIELDS & SPECCTL_ONLY_KEYS
+
+
+def test_hf_overrides_for_a_mimo_mtp_draft(tmp_path):
+    import json
+
+    from specctl.vllm_compat import vllm_hf_overrides
+
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["MiMoForCausalLM"], "num_nextn_predict_layers": 1}))
+    assert vllm_hf_overrides({"method": "mtp", "model": str(tmp_path)}) == {"num_nextn_predict_layers": 1}
+    assert vllm_hf_overrides({"method": "mtp"}) == {}
+    assert vllm_hf_overrides({"method": "eagle3", "model": str(tmp_path)}) == {}
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "num_nextn_predict_layers": 1}))
+    assert vllm_hf_overrides({"method": "mtp", "model": str(tmp_path)}) == {}

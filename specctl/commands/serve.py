@@ -228,7 +228,7 @@ def _exec_vllm(model: str | None, spec, served_model_name, host, port, api_key, 
     import os
 
     from specctl.errors import ModelError, SpecctlError
-    from specctl.vllm_compat import dropped_keys, vllm_speculative_config
+    from specctl.vllm_compat import dropped_keys, vllm_hf_overrides, vllm_speculative_config
 
     python, exe = vllm_launcher()
     if python is None and exe is None:
@@ -256,6 +256,10 @@ def _exec_vllm(model: str | None, spec, served_model_name, host, port, api_key, 
         gone = dropped_keys(full, sent)
         if gone:
             err.log(f"not sent to vLLM (specctl-only or defaults vLLM does not take): {', '.join(gone)}")
+        overrides = vllm_hf_overrides(sent)
+        if overrides and not any(a == "--hf-overrides" or a.startswith("--hf-overrides=") for a in extra_args):
+            # a MiMo-layout MTP draft: vLLM reads num_nextn_predict_layers from the target's config
+            extra_args = ["--hf-overrides", json.dumps(overrides), *extra_args]
     argv = vllm_serve_argv(path, spec=sent, served_model_name=name, host=host, port=port,
                            max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                            max_num_batched_tokens=max_num_batched_tokens, dtype=dtype, extra_args=extra_args,

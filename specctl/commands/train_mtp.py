@@ -22,7 +22,9 @@ unrolls --depth steps with weights 0.6^(d-1), normalised, against the target's o
 The result is saved as a draft folder in the layout vLLM loads for the target (--layout auto): MiMo's
 dense MTP layout (architectures MiMoForCausalLM, model.mtp_layers.{i}.*), which vLLM runs as its
 MiMoMTPModel for a Qwen2/Llama-shaped target with {"method": "mtp", "model": DRAFT,
-"num_speculative_tokens": 1} (vLLM runs MTP module 0 for each draft step). Where vLLM has no MTP
+"num_speculative_tokens": 1} and hf_overrides {"num_nextn_predict_layers": 1} on the target (vLLM's MiMo
+MTP reads that from the target's config; serve --engine vllm adds it; vLLM runs MTP module 0 for each
+draft step). Where vLLM has no MTP
 architecture for the target (o_proj/MLP biases, sliding windows), or with --stitch (a copy of the
 target carrying its MTP modules), the DeepSeek-V3 layout (num_nextn_predict_layers,
 model.layers.{N+i}.*) is written with a warning: vLLM loads that only for DeepSeek-V3 targets,
@@ -112,7 +114,9 @@ def render(s: dict) -> None:
     t.add_row("use", f"specctl bench --model {use['--model']} --speculative-config '{json.dumps(use['--speculative-config'])}'")
     if s.get("vllm"):
         v = s["vllm"]
-        t.add_row("vLLM", f"LLM(model={v['model']!r}, speculative_config={json.dumps(v['speculative_config'])})")
+        t.add_row("vLLM", f"LLM(model={v['model']!r}, hf_overrides={json.dumps(v['hf_overrides'])}, "
+                          f"speculative_config={json.dumps(v['speculative_config'])})  (specctl serve --engine vllm adds "
+                          "the hf_overrides itself)")
     t.add_row("layout", s.get("layout", "deepseek_v3"))
     Console().print(t)
 

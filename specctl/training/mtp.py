@@ -383,7 +383,7 @@ def train_mtp(cfg: MtpTrainConfig, progress: Callable[[str], None] = lambda s: N
                        {"--model": str(model_dir), "--speculative-config": {"method": "mtp", "model": str(out),
                                                                              "num_speculative_tokens": cfg.depth}})}
     if layout == "mimo":  # vLLM: the target as is, this folder as its MTP draft (one token per step is what it runs)
-        summary["vllm"] = {"model": str(model_dir), "speculative_config": {"method": "mtp", "model": str(out.resolve()),
-                                                                            "num_speculative_tokens": 1}}
+        summary["vllm"] = {"model": str(model_dir), "hf_overrides": {"num_nextn_predict_layers": cfg.num_layers},
+                           "speculative_config": {"method": "mtp", "model": str(out.resolve()), "num_speculative_tokens": 1}}
     (out / "train_summary.json").write_text(json.dumps(summary, indent=2))
     return summary

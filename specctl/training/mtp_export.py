@@ -10,7 +10,10 @@ Layouts:
                 target's ``model.embed_tokens.weight`` and ``lm_head.weight`` (vLLM shares the target's, but its
                 loader wants every parameter of the draft in the file). input_proj reads
                 cat[hidden_layernorm(h), token_layernorm(emb)] -- the hidden state first, the reverse of
-                DeepSeek's eh_proj. Only a draft folder: vLLM runs a stitched ``MiMoForCausalLM`` target as
+                DeepSeek's eh_proj. vLLM 0.32's MiMo MTP reads num_nextn_predict_layers (and where its
+                layers start, num_hidden_layers) from the *target's* config, so the target is run with
+                ``hf_overrides={"num_nextn_predict_layers": m}`` (``specctl.vllm_compat.vllm_hf_overrides``;
+                ``serve --engine vllm`` adds it). Only a draft folder: vLLM runs a stitched ``MiMoForCausalLM`` target as
                 MiMo, which hands the MTP its pre-norm hidden state (specctl trains on the final-normed one) and
                 needs Qwen2's biases. vLLM runs module 0 for every draft step (one module is what it uses).
   deepseek_v3 : what follows; vLLM's deepseek_mtp loads it only for DeepSeek-V3-architecture targets, so

@@ -257,3 +257,20 @@ def test_a_hybrid_is_not_handed_to_vllm(tmp_path):
 def test_arguments_after_dashdash_need_engine_vllm(tiny_model_dir):
     r = run_cli("serve", "--model", str(tiny_model_dir), "--", "--tensor-parallel-size", "2")
     assert r.returncode == 2 and "--engine vllm" in r.stderr
+
+
+def test_engine_vllm_adds_hf_overrides_for_a_mimo_mtp_draft(tiny_model_dir, tmp_path):
+    draft = tmp_path / "mtp"
+    draft.mkdir()
+    (draft / "config.json").write_text(json.dumps({"architectures": ["MiMoForCausalLM"], "num_nextn_predict_layers": 1}))
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    _, record = _fake_vllm(bindir)
+    cfg = json.dumps({"method": "mtp", "model": str(draft), "num_speculative_tokens": 1})
+    r = run_cli("serve", "--engine", "vllm", "--model", str(tiny_model_dir), "--speculative-config", cfg,
+                env_extra={"PATH": f"{bindir}{os.pathsep}{os.environ['PATH']}", "SPECCTL_VLLM_PYTHON": ""})
+    assert r.returncode == 0, r.stderr
+    argv = json.loads(record.read_text())["argv"]
+    assert json.loads(argv[argv.index("--hf-overrides") + 1]) == {"num_nextn_predict_layers": 1}
+    sent = json.loads(argv[argv.index("--speculative-config") + 1])
+    assert sent == {"method": "mtp", "model": str(draft), "num_speculative_tokens": 1}

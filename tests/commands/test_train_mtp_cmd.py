@@ -41,3 +41,22 @@ def test_train_stitch_and_bench(tmp_path, tiny_model_dir):
                             '{"method": "deepseek_mtp", "num_speculative_tokens": 2}', "-w", "chat", "-n", "1",
                             "--max-new-tokens", "8", "--json"])
     assert r.exit_code == 0, r.output
+
+
+def test_layout_mimo_is_refused_up_front_where_vllm_cannot_load_it(tmp_path, tiny_model_factory):
+    """A target whose attention has an o_proj bias: no vLLM MTP architecture fits; one line, before training."""
+    model = tiny_model_factory(arch="llama", attention_bias=True)
+    data = tmp_path / "d.txt"
+    data.write_text("abc " * 200)
+    out = tmp_path / "o"
+    r = runner.invoke(app, ["train-mtp", "--model", str(model), "--data", str(data), "--output", str(out),
+                            "--layout", "mimo", "--steps", "1", "--seq-len", "16"])
+    assert getattr(r.exception, "exit_code", None) == 2, r.output  # UsageError: the CLI prints one line, exits 2
+    assert "no vLLM MTP architecture" in str(r.exception) and "o_proj bias" in str(r.exception)
+    assert not (out / "checkpoint").exists()  # refused before anything was written
+
+
+def test_unknown_layout(tmp_path, tiny_model_dir):
+    r = runner.invoke(app, ["train-mtp", "--model", str(tiny_model_dir), "--data", "x.txt", "--output", str(tmp_path / "o"),
+                            "--layout", "eagle"])
+    assert getattr(r.exception, "exit_code", None) == 2 and "unknown --layout" in str(r.exception)
