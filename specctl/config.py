@@ -102,7 +102,8 @@ class SpecConfig:
     """sparse_attn: the least positions a draft step attends to (default 256; all of them when fewer)."""
     sparse_attn_skip_layers: Any = None
     """sparse_attn, specctl's extension (not a vLLM key): target layers the draft forward skips, a list
-    of layer indices, or "auto" (chosen at the first request from measured agreement); none by default."""
+    of layer indices, or "auto" (a few blocks of later layers tried on the live requests, the one with the
+    most accepted tokens per second kept); none by default."""
     disable_by_batch_size: int | None = None
     """Batched engine (serve, bench --concurrency): no drafting in a step where at least this many
     requests run (vLLM's key and meaning: verification stops being free in large batches)."""

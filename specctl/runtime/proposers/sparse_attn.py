@@ -12,7 +12,8 @@ No extra weights, no training. Each step, for a request whose cache holds L posi
                       position since (the accepted tokens): "verification-guided" (Vegas).
   2. gather those keys/values into the slot's scratch cache (they were rotated at their true
      positions, so relative positions stay right in any order);
-  3. run the target's own layers (all, or all but ``sparse_attn_skip_layers``) one token at a time on
+  3. run the target's own layers (all, or all but ``sparse_attn_skip_layers``: a list, or "auto",
+     chosen among a few blocks of later layers by measured accepted tokens per second) one token at a time on
      the scratch cache, the queries rotated at their true positions: the last emitted token, then each
      draft token, k forwards for k drafts. The drafts' keys/values go to the scratch cache only.
 
@@ -26,6 +27,7 @@ What it does not know: verification, rollback (it reads the runner's length anew
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -66,6 +68,60 @@ def vegas_positions(scores: torch.Tensor, valid: int, length: int, budget: int) 
     return torch.cat([top, recent], dim=1)
 
 
+def skip_candidates(num_layers: int) -> list[list[int]]:
+    """The skip sets "auto" chooses among: none, then blocks of a quarter, a third and half of the
+    layers ending two before the last (the first and last layers are kept: they carry the most)."""
+    out: list[list[int]] = [[]]
+    end = num_layers - 2
+    for frac in (4, 3, 2):
+        n = num_layers // frac
+        if n >= 1 and end - n >= 1:
+            block = list(range(end - n, end))
+            if block not in out:
+                out.append(block)
+    return out
+
+
+class _SkipChooser:
+    """Chooses the draft's skipped layers from measured acceptance: each candidate (``skip_candidates``)
+    drafts ``TRIES`` steps in turn, then the one with the most tokens per second (1 + accepted per
+    step, over its drafting seconds plus a verify's, estimated as a full draft step) drafts, with one
+    step in ``EXPLORE`` given to another in turn so the figures follow the workload."""
+
+    TRIES, EXPLORE = 6, 20
+
+    def __init__(self, num_layers: int):
+        self.candidates = skip_candidates(num_layers)
+        self.steps = [0] * len(self.candidates)
+        self.accepted = [0] * len(self.candidates)
+        self.seconds = [0.0] * len(self.candidates)
+        self.drafted = [0] * len(self.candidates)
+        self.calls = 0
+
+    def pick(self) -> int:
+        self.calls += 1
+        fewest = min(range(len(self.candidates)), key=lambda c: self.steps[c])
+        if self.steps[fewest] < self.TRIES or self.calls % self.EXPLORE == 0:
+            return fewest
+        return self.best()
+
+    def best(self) -> int:
+        per_token = self.seconds[0] / max(self.drafted[0], 1)  # a full-layer draft step ~ a verify forward
+
+        def rate(c: int) -> float:
+            n = max(self.steps[c], 1)
+            return (1 + self.accepted[c] / n) / (self.seconds[c] / n + per_token)
+        return max((c for c in range(len(self.candidates)) if self.steps[c]), key=rate, default=0)
+
+    def observe(self, c: int, drafted: int, seconds: float) -> None:
+        self.drafted[c] += drafted
+        self.seconds[c] += seconds
+
+    def verified(self, c: int, accepted: int) -> None:
+        self.steps[c] += 1
+        self.accepted[c] += accepted
+
+
 @dataclass
 class _Slot:
     runner: object | None = None  # the request's TargetRunner (its model and KV cache)
@@ -74,6 +130,7 @@ class _Slot:
     sampling: DraftSampling | None = None
     active: bool = False
     selected: int = 0  # positions the last draft attended to (for stats)
+    skip_choice: int | None = None  # "auto": the candidate its last draft used
 
 
 class SparseAttnProposer(SlotProposer):
@@ -90,9 +147,10 @@ class SparseAttnProposer(SlotProposer):
         self.ratio = float(config.sparse_attn_ratio if config.sparse_attn_ratio is not None else 0.05)
         self.min_tokens = int(config.sparse_attn_min_tokens or 256)
         skip = config.sparse_attn_skip_layers or []
-        if skip == "auto":
-            raise UsageError('sparse_attn_skip_layers "auto" is not available yet',
-                             "give a list of layer indices, e.g. [8, 9, 10]")
+        # "auto": a few skip sets tried on the live requests, the one with the most accepted tokens per
+        # second of drafting and verifying kept (``_SkipChooser``); a list: those layers, always
+        self.chooser = _SkipChooser(a.num_layers) if skip == "auto" else None
+        skip = [] if skip == "auto" else skip
         bad = [i for i in skip if i >= a.num_layers]
         if bad:
             raise UsageError(f"sparse_attn_skip_layers names layer {bad[0]}, but the target has {a.num_layers} "
@@ -159,8 +217,19 @@ class SparseAttnProposer(SlotProposer):
                                  "drive it through SpecDecoder (it binds each request's runner)")
             slots.append(s)
         lasts = [int(t[0, n - 1]) for t, n, _ in rows]
+        layers, choice = self.skipping, None
+        if self.chooser is not None:
+            choice = self.chooser.pick()
+            skip = self.chooser.candidates[choice]
+            layers = [i for i in range(self.model.args.num_layers) if i not in skip] if skip else None
+        t0 = time.perf_counter()
+        drafts = self._draft(slots, lasts, ks, layers)
+        if choice is not None:
+            self.chooser.observe(choice, sum(len(d[0]) for d in drafts), time.perf_counter() - t0)
+            for s in slots:
+                s.skip_choice = choice
         out = []
-        for (ids, q), k in zip(self._draft(slots, lasts, ks), ks):
+        for (ids, q), k in zip(drafts, ks):
             tok = torch.full((1, k), -1, dtype=torch.long)
             tok[0, :len(ids)] = torch.tensor(ids, dtype=torch.long)
             out.append(DraftOutput(tok, torch.tensor([len(ids)]), None if q is None else q[None]))
@@ -175,12 +244,18 @@ class SparseAttnProposer(SlotProposer):
             return vegas_positions(cache.scores, max(min(cache.scored, L), L - self.k - 1), L, budget)
         return streamingllm_positions(L, budget).to(cache.k.device)
 
+    def on_verified(self, slot: int, num_accepted: int, emitted: list[int]) -> None:
+        s = self.slots.get(slot)
+        if self.chooser is not None and s is not None and s.skip_choice is not None:
+            self.chooser.verified(s.skip_choice, num_accepted)
+            s.skip_choice = None
+
     def _gather(self, s: _Slot) -> int:
         """The selected keys/values into the slot's scratch cache; returns how many (m)."""
         idx = self.select(s)
         m = idx.shape[-1]
         rk, rv = s.runner.cache.k, s.runner.cache.v  # [layers, 1, nkv, max_len, hd]
-        for i in self.layers:
+        for i in range(self.model.args.num_layers) if self.chooser is not None else self.layers:
             li = idx if idx.dim() == 1 else idx[i]
             s.scratch.k[i, :, :, :m] = rk[i, :, :, li]
             s.scratch.v[i, :, :, :m] = rv[i, :, :, li]
@@ -188,7 +263,8 @@ class SparseAttnProposer(SlotProposer):
         return m
 
     @torch.inference_mode()
-    def _draft(self, slots: list[_Slot], lasts: list[int], ks: list[int]) -> list[tuple[list[int], torch.Tensor | None]]:
+    def _draft(self, slots: list[_Slot], lasts: list[int], ks: list[int],
+               layers: list[int] | None) -> list[tuple[list[int], torch.Tensor | None]]:
         """(draft ids, q [n, V] or None) per request; drafting step j is one forward of every request
         still drafting: its newest token at scratch slot m + j, rotated at its true position L + j."""
         from specctl.runtime.model import Segment
@@ -205,7 +281,7 @@ class SparseAttnProposer(SlotProposer):
             segs = [Segment(d[1].scratch, d[3] + j, 1, positions=torch.tensor([float(d[4] + j)], device=self.device))
                     for d in live]
             tokens = torch.tensor([d[5] for d in live], device=self.device)
-            logits, _ = model.forward_ragged(tokens, segs, layers=self.skipping)  # [len(live), V]
+            logits, _ = model.forward_ragged(tokens, segs, layers=layers)  # [len(live), V]
             still = []
             for d, lg in zip(live, logits):
                 sp = d[8]

@@ -217,3 +217,24 @@ def test_a_layer_the_target_lacks_is_refused(target):
     with pytest.raises(UsageError) as e:
         build_proposer(config("streamingllm", sparse_attn_skip_layers=[7]), MAX_LEN, target=target)
     assert "layer 7" in e.value.problem
+
+
+def test_auto_skip_tries_each_candidate_then_keeps_the_fastest(target):
+    from specctl.runtime.proposers.sparse_attn import _SkipChooser, skip_candidates
+
+    assert skip_candidates(24) == [[], list(range(16, 22)), list(range(14, 22)), list(range(10, 22))]
+    ch = _SkipChooser(24)
+    picks = []
+    for _ in range(4 * ch.TRIES):  # each drafts in turn; skipping 8 layers accepts as much, for less time
+        c = ch.pick()
+        picks.append(c)
+        ch.observe(c, 4, {0: 1.0, 1: 0.8, 2: 0.6, 3: 0.4}[c])
+        ch.verified(c, {0: 3, 1: 3, 2: 3, 3: 0}[c])
+    assert sorted(set(picks)) == [0, 1, 2, 3]
+    assert ch.best() == 2  # half the layers skipped is cheapest but accepts nothing
+    assert [ch.pick() for _ in range(5)].count(2) >= 4
+    plain, spec, prop = decoders(target, config("streamingllm", sparse_attn_skip_layers="auto"))
+    for p in prompts(4, seed=6):  # lossless whatever it picks
+        params = SamplingParams(max_new_tokens=30, ignore_eos=True)
+        assert spec.generate(p, params).token_ids == plain.generate(p, params).token_ids
+    assert sum(prop.chooser.steps) > 0
