@@ -28,11 +28,14 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Te
   const uint16_t* kp = reinterpret_cast<const uint16_t*>(k_cache.data_ptr());
   const uint16_t* vp = reinterpret_cast<const uint16_t*>(v_cache.data_ptr());
   uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
-  const int64_t items = B * nkv * T;
+  // items: (batch row, kv head, a run of rows): a chain's rows share one read of the keys and values
+  const int64_t per = W ? 1 : std::max<int64_t>(1, MAX_Q / G), runs = (T + per - 1) / per;
+  const int64_t items = B * nkv * runs;
   at::parallel_for(0, items, 1, [&](int64_t i0, int64_t i1) {
     std::vector<float> s;
     for (int64_t it = i0; it < i1; ++it) {
-      const int64_t b = it / (nkv * T), kvh = (it / T) % nkv, i = it % T;
+      const int64_t b = it / (nkv * runs), kvh = (it / runs) % nkv, i = (it % runs) * per;
+      const int64_t rows = std::min(per, T - i);
       const int64_t cache_off = (b * nkv + kvh) * S * hd;
       const int64_t row_off = ((b * T + i) * nh + kvh * G) * hd;
       if (W)
@@ -40,7 +43,7 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Te
              static_cast<float>(scale), op + row_off, s, TreeRows{P, anc.data() + i * W});
       else
         item(qp + row_off, hd, kp + cache_off, vp + cache_off, start + i + 1, static_cast<int>(hd), G,
-             static_cast<float>(scale), op + row_off, s);
+             static_cast<float>(scale), op + row_off, s, Contiguous(), static_cast<int>(rows), nh * hd, nh * hd);
     }
   });
   return out;

@@ -42,7 +42,6 @@ using specctl::load_bf16x16;
 constexpr int MAX_G = 16;    // query heads per kv head
 constexpr int MAX_HD = 256;  // head dim
 
-// GB heads x CW chunks: out[g][16 (c0 + c) ...] = inv[g] * sum_t p[g][t] v[t][16 (c0 + c) ...]
 // Which cache row holds key/value j of an item: j itself (a chain: the prefix and the rows before),
 // or, for a draft tree, the prefix [0, P) and then the node's ancestors and itself (tail[j - P] slots
 // after P). Either way the keys are visited in the order a one-row decode of that path visits them.
@@ -55,18 +54,24 @@ struct TreeRows {
   inline int64_t operator()(int64_t j) const { return j < P ? j : P + tail[j - P]; }
 };
 
+// GB (row, head) pairs x CW chunks: out_g[16 (c0 + c) ...] = inv[g] * sum_{t < L[g]} p_g[t] v[t][16 (c0 + c) ...]
+// Every pair accumulates over t in order from 0, as a pair alone would; the pairs share each V row's
+// load (rows of a chain see L, L + 1, ...: the keys all see are summed together, the few more one by one).
 template <int GB, int CW, class Row>
-inline void pv(const float* p, int64_t L, const uint16_t* vc, int hd, int c0, const float* inv, uint16_t* out,
-               Row row) {
+inline void pv(const float* const* p, const int64_t* L, const uint16_t* vc, int hd, int c0, const float* inv,
+               uint16_t* const* out, Row row) {
   __m512 acc[GB][CW];
   for (int g = 0; g < GB; ++g)
     for (int c = 0; c < CW; ++c) acc[g][c] = _mm512_setzero_ps();
-  for (int64_t t = 0; t < L; ++t) {
+  int64_t lo = L[0], hi = L[0];
+  for (int g = 1; g < GB; ++g) { lo = L[g] < lo ? L[g] : lo; hi = L[g] > hi ? L[g] : hi; }
+  for (int64_t t = 0; t < hi; ++t) {
     __m512 v[CW];
     const uint16_t* vt = vc + row(t) * hd;
     for (int c = 0; c < CW; ++c) v[c] = load_bf16x16(vt + 16 * (c0 + c));
     for (int g = 0; g < GB; ++g) {
-      const __m512 pt = _mm512_set1_ps(p[g * L + t]);
+      if (t >= lo && t >= L[g]) continue;
+      const __m512 pt = _mm512_set1_ps(p[g][t]);
       for (int c = 0; c < CW; ++c) acc[g][c] = _mm512_fmadd_ps(pt, v[c], acc[g][c]);
     }
   }
@@ -74,14 +79,14 @@ inline void pv(const float* p, int64_t L, const uint16_t* vc, int hd, int c0, co
     const __m512 iv = _mm512_set1_ps(inv[g]);
     for (int c = 0; c < CW; c += 2) {
       const __m512bh pair = _mm512_cvtne2ps_pbh(_mm512_mul_ps(acc[g][c + 1], iv), _mm512_mul_ps(acc[g][c], iv));
-      _mm512_storeu_si512(out + g * hd + 16 * (c0 + c), (__m512i)pair);
+      _mm512_storeu_si512(out[g] + 16 * (c0 + c), (__m512i)pair);
     }
   }
 }
 
 template <int CW, class Row>
-inline void pv_dispatch(int gb, const float* p, int64_t L, const uint16_t* vc, int hd, int c0, const float* inv,
-                 uint16_t* out, Row row) {
+inline void pv_dispatch(int gb, const float* const* p, const int64_t* L, const uint16_t* vc, int hd, int c0,
+                        const float* inv, uint16_t* const* out, Row row) {
   switch (gb) {
     case 1: pv<1, CW>(p, L, vc, hd, c0, inv, out, row); break;
     case 2: pv<2, CW>(p, L, vc, hd, c0, inv, out, row); break;
@@ -92,61 +97,126 @@ inline void pv_dispatch(int gb, const float* p, int64_t L, const uint16_t* vc, i
   }
 }
 
+// The 16 horizontal sums of a[0..15], in key order: r[t] = sum of a[t]'s lanes. Halving with block
+// and lane shuffles (25 shuffles and 15 adds for 16 sums, where 16 separate reductions cost ~8x more).
+// Each key's 16 products are summed in one fixed tree, whichever of the 16 places it takes: a key's
+// score does not depend on L, T, its neighbours or the batch.
+inline __m512 hsum16(const __m512* a) {
+  __m512 s8[8], s4[4], s2[2];
+  for (int i = 0; i < 8; ++i)  // blocks 0-1: key 2i's 8 partial sums, blocks 2-3: key 2i+1's
+    s8[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44),
+                          _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xEE));
+  for (int i = 0; i < 4; ++i)  // block b: key 4i + b's 4 partial sums
+    s4[i] = _mm512_add_ps(_mm512_shuffle_f32x4(s8[2 * i], s8[2 * i + 1], 0x88),
+                          _mm512_shuffle_f32x4(s8[2 * i], s8[2 * i + 1], 0xDD));
+  for (int i = 0; i < 2; ++i)  // block b: keys 8i + b and 8i + 4 + b, 2 partial sums each, interleaved
+    s2[i] = _mm512_add_ps(_mm512_unpacklo_ps(s4[2 * i], s4[2 * i + 1]), _mm512_unpackhi_ps(s4[2 * i], s4[2 * i + 1]));
+  const __m512 r = _mm512_add_ps(  // lane 4b + e: key b + 4e
+      _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(s2[0]), _mm512_castps_pd(s2[1]))),
+      _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(s2[0]), _mm512_castps_pd(s2[1]))));
+  const __m512i key_order = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
+  return _mm512_permutexvar_ps(key_order, r);
+}
+
+constexpr int MAX_Q = 64;  // query vectors (rows x heads) of one item
+
+// One kv head's G query heads for T rows of a chain: row i (its heads at q + i q_rstride + g q_hstride)
+// attends to keys [0, L + i) and writes out + i out_rstride + g hd. Keys and values are read once for
+// all T x G queries (T * G <= MAX_Q); each row's scores, softmax and weighted sum are computed exactly
+// as for that row alone (T = 1), bit for bit. A draft tree's rows (``row`` a TreeRows) go one at a time.
 template <class Row = Contiguous>
 inline void item(const uint16_t* q, int64_t q_hstride, const uint16_t* kc, const uint16_t* vc, int64_t L, int hd,
-          int G, float scale, uint16_t* out, std::vector<float>& s, Row row = Row()) {
-  // q: G query rows (stride q_hstride); kc/vc: [L, hd]; out: G rows of hd (contiguous heads)
-  s.resize(static_cast<size_t>(G) * L);
+          int G, float scale, uint16_t* out, std::vector<float>& s, Row row = Row(), int T = 1,
+          int64_t q_rstride = 0, int64_t out_rstride = 0) {
+  const int n = T * G;
+  const int64_t Lmax = L + T - 1;
+  s.resize(static_cast<size_t>(n) * Lmax);
   const int chunks = hd / 32;
-  __m512bh qv[MAX_G][MAX_HD / 32];
-  for (int g = 0; g < G; ++g)
-    for (int c = 0; c < chunks; ++c)
-      qv[g][c] = (__m512bh)_mm512_loadu_si512(q + g * q_hstride + 32 * c);
-  float mx[MAX_G];
-  for (int g = 0; g < G; ++g) mx[g] = -INFINITY;
-  for (int64_t j = 0; j < L; ++j) {
+  __m512bh qv[MAX_Q][MAX_HD / 32];
+  int64_t len[MAX_Q];
+  for (int i = 0; i < T; ++i)
+    for (int g = 0; g < G; ++g) {
+      len[i * G + g] = L + i;
+      for (int c = 0; c < chunks; ++c)
+        qv[i * G + g][c] = (__m512bh)_mm512_loadu_si512(q + i * q_rstride + g * q_hstride + 32 * c);
+    }
+  float mx[MAX_Q];
+  for (int u = 0; u < n; ++u) mx[u] = -INFINITY;
+  int64_t j0 = 0;
+  if (chunks <= 4) {  // keys 16 at a time (those every row sees): 16 accumulators per query, one reduction
+    __m512 mxv[MAX_Q];
+    for (int u = 0; u < n; ++u) mxv[u] = _mm512_set1_ps(-INFINITY);
+    const __m512 sc = _mm512_set1_ps(scale);
+    for (; j0 + 16 <= L; j0 += 16) {
+      const uint16_t* kj[16];
+      for (int t = 0; t < 16; ++t) kj[t] = kc + row(j0 + t) * hd;
+      for (int u = 0; u < n; ++u) {
+        __m512 acc[16];
+        for (int t = 0; t < 16; ++t) {
+          __m512 a = _mm512_setzero_ps();
+          for (int c = 0; c < chunks; ++c) a = _mm512_dpbf16_ps(a, qv[u][c], (__m512bh)_mm512_loadu_si512(kj[t] + 32 * c));
+          acc[t] = a;
+        }
+        const __m512 v = _mm512_mul_ps(hsum16(acc), sc);
+        _mm512_storeu_ps(s.data() + u * Lmax + j0, v);
+        mxv[u] = _mm512_max_ps(mxv[u], v);
+      }
+    }
+    for (int u = 0; u < n; ++u) mx[u] = _mm512_reduce_max_ps(mxv[u]);
+  }
+  for (int64_t j = j0; j < Lmax; ++j) {  // the rest, key by key, in the same summation tree
     __m512bh kv[MAX_HD / 32];
     const uint16_t* kj = kc + row(j) * hd;
     for (int c = 0; c < chunks; ++c) kv[c] = (__m512bh)_mm512_loadu_si512(kj + 32 * c);
-    for (int g = 0; g < G; ++g) {
-      __m512 acc = _mm512_setzero_ps();
-      for (int c = 0; c < chunks; ++c) acc = _mm512_dpbf16_ps(acc, qv[g][c], kv[c]);
-      const float v = _mm512_reduce_add_ps(acc) * scale;
-      s[g * L + j] = v;
-      mx[g] = v > mx[g] ? v : mx[g];
+    for (int u = 0; u < n; ++u) {
+      if (j >= len[u]) continue;
+      __m512 one[16];
+      one[0] = _mm512_setzero_ps();
+      for (int c = 0; c < chunks; ++c) one[0] = _mm512_dpbf16_ps(one[0], qv[u][c], kv[c]);
+      for (int t = 1; t < 16; ++t) one[t] = _mm512_setzero_ps();
+      const float v = _mm512_cvtss_f32(hsum16(one)) * scale;
+      s[u * Lmax + j] = v;
+      mx[u] = v > mx[u] ? v : mx[u];
     }
   }
-  float inv[MAX_G];
-  for (int g = 0; g < G; ++g) {
-    float* sg = s.data() + g * L;
-    const __m512 m = _mm512_set1_ps(mx[g]);
+  float inv[MAX_Q];
+  for (int u = 0; u < n; ++u) {
+    float* sg = s.data() + u * Lmax;
+    const int64_t Lu = len[u];
+    const __m512 m = _mm512_set1_ps(mx[u]);
     __m512 sum = _mm512_setzero_ps();
     int64_t j = 0;
-    for (; j + 16 <= L; j += 16) {
+    for (; j + 16 <= Lu; j += 16) {
       const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(sg + j), m));
       _mm512_storeu_ps(sg + j, e);
       sum = _mm512_add_ps(sum, e);
     }
-    if (j < L) {
-      const __mmask16 mk = static_cast<__mmask16>((1u << (L - j)) - 1);
+    if (j < Lu) {
+      const __mmask16 mk = static_cast<__mmask16>((1u << (Lu - j)) - 1);
       const __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, sg + j), m));
       _mm512_mask_storeu_ps(sg + j, mk, e);
       sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(mk, e));
     }
-    inv[g] = 1.0f / _mm512_reduce_add_ps(sum);
+    inv[u] = 1.0f / _mm512_reduce_add_ps(sum);
   }
-  // out = P V: heads in groups of at most 6, head dim in passes of CW 16-float chunks, so the
-  // 6 x CW accumulators stay in registers and each V row is converted once per group and pass.
+  // out = P V: (row, head) pairs in groups of at most 6, head dim in passes of CW 16-float chunks, so
+  // the 6 x CW accumulators stay in registers and each V row is converted once per group and pass.
   const int cw = hd % 64 == 0 ? 4 : 2;
-  for (int g0 = 0; g0 < G; g0 += 6) {
-    const int gb = G - g0 < 6 ? G - g0 : 6;
+  const float* pp[MAX_Q];
+  uint16_t* op[MAX_Q];
+  for (int i = 0; i < T; ++i)
+    for (int g = 0; g < G; ++g) {
+      pp[i * G + g] = s.data() + (i * G + g) * Lmax;
+      op[i * G + g] = out + i * out_rstride + g * hd;
+    }
+  for (int u0 = 0; u0 < n; u0 += 6) {
+    const int gb = n - u0 < 6 ? n - u0 : 6;
     for (int c0 = 0; c0 < hd / 16; c0 += cw) {
-      if (cw == 4) pv_dispatch<4>(gb, s.data() + g0 * L, L, vc, hd, c0, inv + g0, out + g0 * hd, row);
-      else pv_dispatch<2>(gb, s.data() + g0 * L, L, vc, hd, c0, inv + g0, out + g0 * hd, row);
+      if (cw == 4) pv_dispatch<4>(gb, pp + u0, len + u0, vc, hd, c0, inv + u0, op + u0, row);
+      else pv_dispatch<2>(gb, pp + u0, len + u0, vc, hd, c0, inv + u0, op + u0, row);
     }
   }
 }
-
 
 // A draft tree's rows: from its [T, W] attention mask (W >= T; column c is cache slot
 // start + T - W + c, so the last T columns are the call's own rows and the W - T before them earlier

@@ -14,6 +14,7 @@
 // decode rows bit for bit, as in amx_gemm.h and decode_attention.h.
 #include <torch/extension.h>
 #include <omp.h>
+#include <algorithm>
 #include <atomic>
 #include <thread>
 #include <vector>
@@ -99,6 +100,10 @@ struct Seg {
   std::vector<int64_t> cnt;
 };
 
+struct AttItem {
+  int32_t seg, i0, rows, head0, g;  // rows i0 .. i0 + rows - 1 of segment seg, heads head0 .. head0 + g - 1
+};
+
 struct Weights {
   const uint16_t *n1, *n2, *wq, *bq, *wo, *bo, *wgu, *wd, *ne;
   float eps;
@@ -121,9 +126,34 @@ void run_block(const Weights& w, std::vector<Seg>& segs, const uint16_t* xp, con
     for (int64_t i = 0; i < segs[s].T; ++i, ++m) { seg_of[m] = static_cast<int32_t>(s); row_of[m] = static_cast<int32_t>(i); }
   const int G = static_cast<int>(nh / nkv);
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  const int want = std::max(1, at::get_num_threads());
+  // attention work items: a chain's rows together (keys and values read once for all of them) for the
+  // G heads of a kv head; or single heads, when that balances the threads better and the keys are
+  // short enough that the G heads of a kv head re-read them from cache; a draft tree's rows one by one
+  std::vector<int64_t> first_row(segs.size() + 1, 0);
+  int64_t longest = 0;
+  for (size_t s = 0; s < segs.size(); ++s) {
+    first_row[s + 1] = first_row[s] + segs[s].T;
+    longest = std::max(longest, segs[s].start + segs[s].T);
+  }
+  std::vector<AttItem> att_items;
+  auto list_items = [&](int g) {
+    att_items.clear();
+    const int64_t per = std::max(1, specctl::attn::MAX_Q / g);
+    for (size_t s = 0; s < segs.size(); ++s) {
+      const int64_t T = segs[s].T, step = segs[s].W ? 1 : per;
+      for (int64_t i0 = 0; i0 < T; i0 += step)
+        for (int64_t h0 = 0; h0 < nh; h0 += g)
+          att_items.push_back({static_cast<int32_t>(s), static_cast<int32_t>(i0),
+                               static_cast<int32_t>(std::min(step, T - i0)), static_cast<int32_t>(h0), g});
+    }
+  };
+  list_items(G);
+  const int64_t grouped = static_cast<int64_t>(att_items.size());
+  const bool short_keys = longest * hd * 4 <= (512 << 10);  // a kv head's keys and values fit in L2
+  if (grouped < want || (grouped < 2 * want && short_keys)) list_items(1);
   SpinBarrier bar;
   std::atomic<int64_t> next_qkv{0}, next_att{0}, next_o{0}, next_gu{0}, next_down{0};
-  const int want = std::max(1, at::get_num_threads());
 #pragma omp parallel num_threads(want)
   {
     const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
@@ -157,24 +187,19 @@ void run_block(const Weights& w, std::vector<Seg>& segs, const uint16_t* xp, con
       }
     }
     bar.wait(nt, sense);
-    // 4. attention: items of G heads sharing a kv head, or single heads when that balances better
-    const bool per_head = M * nkv < 2 * nt;
-    const int64_t items = per_head ? M * nh : M * nkv;
-    for (int64_t it = next_att.fetch_add(1); it < items; it = next_att.fetch_add(1)) {
-      int64_t m, head0;
-      int g;
-      if (per_head) { m = it / nh; head0 = it % nh; g = 1; }
-      else { m = it / nkv; head0 = (it % nkv) * G; g = G; }
-      const Seg& sg = segs[seg_of[m]];
-      const int64_t i = row_of[m], kvh = head0 / G;
-      const int64_t cache_off = kvh * sg.S * hd;
+    // 4. attention (the items are listed before the region)
+    for (int64_t it = next_att.fetch_add(1); it < static_cast<int64_t>(att_items.size()); it = next_att.fetch_add(1)) {
+      const AttItem& a = att_items[it];
+      const Seg& sg = segs[a.seg];
+      const int64_t m = first_row[a.seg] + a.i0, cache_off = (a.head0 / G) * sg.S * hd;
+      const u16* q0 = qp + m * Nqkv + a.head0 * hd;
+      u16* o0 = ap + m * nh * hd + a.head0 * hd;
       if (sg.W)
-        specctl::attn::item(qp + m * Nqkv + head0 * hd, hd, sg.kc + cache_off, sg.vc + cache_off, sg.P0 + sg.cnt[i],
-                            static_cast<int>(hd), g, scale, ap + m * nh * hd + head0 * hd, scores,
-                            specctl::attn::TreeRows{sg.P0, sg.anc.data() + i * sg.W});
+        specctl::attn::item(q0, hd, sg.kc + cache_off, sg.vc + cache_off, sg.P0 + sg.cnt[a.i0], static_cast<int>(hd),
+                            a.g, scale, o0, scores, specctl::attn::TreeRows{sg.P0, sg.anc.data() + a.i0 * sg.W});
       else
-        specctl::attn::item(qp + m * Nqkv + head0 * hd, hd, sg.kc + cache_off, sg.vc + cache_off, sg.start + i + 1,
-                            static_cast<int>(hd), g, scale, ap + m * nh * hd + head0 * hd, scores);
+        specctl::attn::item(q0, hd, sg.kc + cache_off, sg.vc + cache_off, sg.start + a.i0 + 1, static_cast<int>(hd),
+                            a.g, scale, o0, scores, specctl::attn::Contiguous(), a.rows, Nqkv, nh * hd);
     }
     bar.wait(nt, sense);
     // 5. output projection + residual

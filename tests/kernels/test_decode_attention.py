@@ -94,3 +94,22 @@ def test_a_tree_mask_with_a_later_ancestor_is_refused():
     bad[0, 2] = True
     with pytest.raises(RuntimeError, match="earlier nodes"):
         decode_attention.attention(q, kc, kc, 4, tree=bad)
+
+
+@pytest.mark.parametrize("nh,nkv,hd,T", [(14, 2, 64, 5), (14, 2, 64, 20), (16, 1, 128, 33), (4, 4, 32, 64)])
+def test_rows_sharing_a_read_of_the_keys_equal_rows_alone(nh, nkv, hd, T):
+    """A chain's rows share one read of the keys and values (several runs of rows where rows x heads
+    per kv head exceed the kernel's 64 queries); each still equals its one-row call bit for bit, with
+    keys on both sides of 16-key block boundaries."""
+    g = torch.Generator().manual_seed(T)
+    S, start = 200, 45
+    kc = torch.randn(1, nkv, S, hd, generator=g).bfloat16()
+    vc = torch.randn(1, nkv, S, hd, generator=g).bfloat16()
+    q = torch.randn(1, nh, T, hd, generator=g).bfloat16()
+    out = decode_attention.attention(q, kc, vc, start)
+    alone = torch.cat([decode_attention.attention(q[:, :, i:i + 1], kc, vc, start + i) for i in range(T)], 1)
+    assert torch.equal(out, alone)
+    ref = torch.cat([F.scaled_dot_product_attention(q[:, :, i:i + 1].float(), kc[:, :, :start + i + 1].float(),
+                                                    vc[:, :, :start + i + 1].float(), enable_gqa=True)
+                     for i in range(T)], 2).transpose(1, 2).reshape(1, T, nh * hd)
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)

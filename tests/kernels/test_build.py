@@ -1,0 +1,22 @@
+"""Every C++ kernel builds where the CPU can run it and a compiler is at hand: a kernel that fails to
+build falls back to torch's path at run time, which would otherwise turn its tests into skips."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from kernels import amx_linear, cpu, decode_attention, decode_layer, skinny_linear
+
+
+@pytest.mark.parametrize("mod,needs", [(decode_attention, cpu.AVX512_BF16), (skinny_linear, cpu.AVX512_BF16),
+                                       (amx_linear, cpu.AMX), (decode_layer, cpu.AMX)],
+                         ids=["decode_attention", "skinny_linear", "amx_linear", "decode_layer"])
+def test_kernel_builds_where_the_cpu_runs_it(mod, needs):
+    missing = [f for f in needs if not cpu.has(f)]
+    if missing:
+        pytest.skip(cpu.why_not(needs, built=False))
+    if shutil.which("c++") is None and shutil.which("g++") is None:
+        pytest.skip("no C++ compiler here")
+    assert mod.load() is not None
