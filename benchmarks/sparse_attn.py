@@ -42,6 +42,14 @@ def per_pos(stats, k: int) -> list[float]:
     return [round(a / stats.num_drafts, 3) if stats.num_drafts else 0.0 for a in stats.num_accepted_tokens_per_pos[:k]]
 
 
+def layer_share(proposer, shapes) -> float:
+    """The share of the target's layers the draft ran: all but the skipped ones (for "auto", the
+    candidate it settled on)."""
+    if proposer.chooser is not None:
+        return 1 - len(proposer.chooser.candidates[proposer.chooser.best()]) / shapes.layers
+    return len(proposer.layers) / shapes.layers
+
+
 def configs(args) -> list[tuple[str, SpecConfig, bool]]:
     out = []
     skips = [None] + ([args.skip_layers] if args.skip_layers else [])
@@ -51,7 +59,7 @@ def configs(args) -> list[tuple[str, SpecConfig, bool]]:
                 c = SpecConfig(method="sparse_attn", num_speculative_tokens=k, sparse_attn_algorithm=algo,
                                sparse_attn_ratio=args.ratio, sparse_attn_min_tokens=args.min_tokens,
                                sparse_attn_skip_layers=skip).validated()
-                label = f"{algo} k={k}" + (f" skip={len(skip)}" if skip else "")
+                label = f"{algo} k={k}" + ("" if not skip else " skip=auto" if skip == "auto" else f" skip={len(skip)}")
                 out.append((label, c, False))
                 if args.adaptive:
                     out.append((label + " adaptive", c, True))
@@ -73,12 +81,11 @@ def batch1(loaded, shapes, machine, args, params) -> list[dict]:
             for label, c, adaptive in configs(args):
                 dec = SpecDecoder(runner, build_proposer(c, runner.max_len, target=loaded), c.num_speculative_tokens,
                                   adaptive=adaptive, reuse_prefill=True)
-                results.append((label, c, adaptive, dec.generate(ids, params)))
+                results.append((label, c, adaptive, dec.generate(ids, params), layer_share(dec.proposer, shapes)))
             again = plain.generate(ids, params)
             plain_tps = statistics.mean([base.decode_tokens_per_s, again.decode_tokens_per_s])
             ctx = len(ids) + params.max_new_tokens // 2
-            for label, c, adaptive, r in results:
-                share = len([i for i in range(shapes.layers) if i not in (c.sparse_attn_skip_layers or [])]) / shapes.layers
+            for label, c, adaptive, r, share in results:
                 est = sparse_attn_estimate(shapes, machine, context=ctx, batch=1, k=c.num_speculative_tokens, tau=tau(r.stats),
                                            ratio=c.sparse_attn_ratio, min_tokens=c.sparse_attn_min_tokens,
                                            layer_share=share, algorithm=c.sparse_attn_algorithm)
@@ -125,15 +132,14 @@ def concurrent(loaded, shapes, machine, args, params, n: int) -> list[dict]:
     for label, c, adaptive in configs(args):
         dec = SpecDecoder(runners[0], build_proposer(c, runners[0].max_len, target=loaded), c.num_speculative_tokens,
                           adaptive=adaptive, reuse_prefill=True)
-        measured.append((label, c, adaptive, *run(dec)[:2]))
+        measured.append((label, c, adaptive, *run(dec)[:2], layer_share(dec.proposer, shapes)))
     again, _, _ = run(plain)
     plain_tps = statistics.mean([base_tps, again])
     ctx = int(statistics.mean(map(len, prompts))) + params.max_new_tokens // 2
-    for label, c, adaptive, tps, res in measured:
+    for label, c, adaptive, tps, res, share in measured:
         st = res[0].stats
         for r in res[1:]:
             st = st.merge(r.stats)
-        share = len([i for i in range(shapes.layers) if i not in (c.sparse_attn_skip_layers or [])]) / shapes.layers
         est = sparse_attn_estimate(shapes, machine, context=ctx, batch=n, k=c.num_speculative_tokens, tau=tau(st),
                                    ratio=c.sparse_attn_ratio, min_tokens=c.sparse_attn_min_tokens, layer_share=share,
                                    algorithm=c.sparse_attn_algorithm)
@@ -158,8 +164,8 @@ def main() -> None:
     ap.add_argument("--algorithm", action="append", help="streamingllm and/or vegas (default both)")
     ap.add_argument("--ratio", type=float, default=0.05)
     ap.add_argument("--min-tokens", type=int, default=256)
-    ap.add_argument("--skip-layers", type=lambda s: [int(x) for x in s.split(",")], default=None,
-                    help="also run with these layers skipped in the draft, e.g. 12,13,14,15")
+    ap.add_argument("--skip-layers", type=lambda s: s if s == "auto" else [int(x) for x in s.split(",")], default=None,
+                    help="also run with these layers skipped in the draft, e.g. 12,13,14,15, or auto")
     ap.add_argument("--adaptive", action="store_true", help="also run each with the draft-length controller")
     ap.add_argument("--concurrency", type=int, default=0, help="also measure N requests decoding together")
     ap.add_argument("--no-batch1", action="store_true")
@@ -180,7 +186,8 @@ def main() -> None:
     machine = measure_machine(loaded.model)
     header["roofline_machine"] = {"bandwidth_GBps": round(machine.bandwidth / 1e9, 1),
                                   "linear_GFLOPs": round(machine.linear_flops / 1e9, 1),
-                                  "attention_GFLOPs": round(machine.attention_flops / 1e9, 2)}
+                                  "attention_GFLOPs": round(machine.attention_flops / 1e9, 2),
+                                  "kv_GBps": round(machine.kv_bw / 1e9, 1)}
     print(f"# {header['machine']}, {header['threads']} threads, kernels {header['cpu_kernels']}; measured: "
           f"{header['roofline_machine']}", file=sys.stderr)
     rows = [] if args.no_batch1 else batch1(loaded, shapes, machine, args, params)

@@ -76,8 +76,13 @@ class Shapes:
 class Machine:
     bandwidth: float  # bytes/s the weights stream at (effective, measured)
     linear_flops: float  # FLOP/s of the linear layers over many rows
-    attention_flops: float  # FLOP/s of the attention kernel (per-row, over a long context)
+    attention_flops: float  # FLOP/s of the attention kernel over a long context (several rows)
     name: str = ""
+    kv_bandwidth: float | None = None  # bytes/s the attention reads the KV cache at (default: bandwidth)
+
+    @property
+    def kv_bw(self) -> float:
+        return self.kv_bandwidth or self.bandwidth
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -88,7 +93,7 @@ def forward_seconds(s: Shapes, m: Machine, requests: list[tuple[int, int]], laye
     rows = sum(r for r, _ in requests)
     t = layer_share * max(s.weight_bytes / m.bandwidth, rows * s.linear_flops_per_row / m.linear_flops)
     for r, c in requests:
-        t += layer_share * max(c * s.kv_bytes_per_position / m.bandwidth,
+        t += layer_share * max(c * s.kv_bytes_per_position / m.kv_bw,
                                r * c * s.attention_flops_per_position / m.attention_flops)
     return t
 
@@ -120,16 +125,18 @@ def sparse_attn_estimate(s: Shapes, m: Machine, *, context: int, batch: int, k: 
     draft = sum(forward_seconds(s, m, [(1, pos + j)] * batch, layer_share) for j in range(k))
     verify = forward_seconds(s, m, [(k + 1, context)] * batch)
     if algorithm == "vegas":  # the verify forward also scores its first and last queries
-        verify += batch * max(context * s.kv_bytes_per_position / 2 / m.bandwidth,
+        verify += batch * max(context * s.kv_bytes_per_position / 2 / m.kv_bw,
                               2 * context * s.attention_flops_per_position / 2 / m.attention_flops)
     step = draft + verify
     return SparseEstimate(plain, step, tau, tau * plain / step, pos, s.kv_share(context, batch))
 
 
 def measure_machine(model, context: int = 4096, rows: int = 32, repeats: int = 5) -> Machine:
-    """BW, F_lin and F_att, from forwards of ``model`` (a specctl Transformer) as decoding runs them:
-    one row at a short context (the weights' read), ``rows`` rows (the linears' compute) and one row at
-    ``context`` (the attention's cost). Each is the median of ``repeats`` timings."""
+    """BW, F_lin, F_att and the KV read's bandwidth, from forwards of ``model`` (a specctl
+    Transformer) as decoding runs them: one row at a short context (the weights' read), ``rows`` rows
+    (the linears' compute), and one row and a verify block of 5 rows at ``context`` over the same at a
+    short context (the attention: one row is bound by reading the KV cache, several by computing over
+    it; the two points fit both rates). Each is the median of ``repeats`` timings."""
     import statistics
     import time
 
@@ -153,10 +160,11 @@ def measure_machine(model, context: int = 4096, rows: int = 32, repeats: int = 5
         return statistics.median(out[1:])
 
     runner.forward(ids[:, :8])  # something in the cache
-    t1 = timed(8, 1)
+    t1, t5 = timed(8, 1), timed(8, 5)
     tr = timed(8, rows)
-    tc = timed(context, 1)
+    tc1, tc5 = timed(context, 1), timed(context, 5)
     bw = s.weight_bytes / t1
     lin = rows * s.linear_flops_per_row / max(tr, t1 * 1.0001)
-    att = context * s.attention_flops_per_position / max(tc - t1, 1e-9)
-    return Machine(bw, lin, att)
+    kv_bw = context * s.kv_bytes_per_position / max(tc1 - t1, 1e-9)
+    att = 5 * context * s.attention_flops_per_position / max(tc5 - t5, 1e-9)
+    return Machine(bw, lin, att, kv_bandwidth=kv_bw)
