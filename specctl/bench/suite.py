@@ -189,6 +189,7 @@ def machine_header(loaded: LoadedModel, max_new_tokens: int, temperature: float)
 
 MODEL_METHODS = ("draft_model", "medusa", "eagle", "eagle3", "mtp")  # methods whose 'model' names a draft
 _SHORT_KEYS = {"num_speculative_tokens": "k"}
+_VALUE_ONLY_KEYS = ("sparse_attn_algorithm",)  # labelled by the value alone: sparse_attn:vegas
 
 
 def draft_name(spec: str) -> str:
@@ -231,7 +232,8 @@ def config_labels(configs: list[SpecConfig]) -> list[str]:
         if len(varying) == 1 and len(set(values[varying[0]])) == len(idx):
             key = varying[0]
             for i, d in zip(idx, dicts):
-                labels[i] = f"{lab}:{_SHORT_KEYS.get(key, key)}={d.get(key)}"
+                labels[i] = (f"{lab}:{d.get(key)}" if key in _VALUE_ONLY_KEYS
+                             else f"{lab}:{_SHORT_KEYS.get(key, key)}={d.get(key)}")
         else:
             for n, i in enumerate(idx[1:], 2):
                 labels[i] = f"{lab}#{n}"

@@ -75,6 +75,11 @@ def test_labels_name_the_draft():
     assert config_labels(cfgs) == ["draft_model:qwen2.5-coder-0.5b", "draft_model:smollm2-135m", "ngram"]
 
 
+def test_sparse_attn_labels_name_the_algorithm():
+    cfgs = [SpecConfig(method="sparse_attn", sparse_attn_algorithm=a).validated() for a in ("streamingllm", "vegas")]
+    assert config_labels(cfgs) == ["sparse_attn:streamingllm", "sparse_attn:vegas"]
+
+
 def test_labels_from_paths(tmp_path):
     folder = tmp_path / "my-draft"
     folder.mkdir()
