@@ -13,7 +13,9 @@ For a target (default: SmolLM2-135M from specctl's model cache) this script
   3. reads vLLM's spec-decode counters (``llm.get_metrics()``: vllm:spec_decode_num_drafts,
      ..._num_draft_tokens, ..._num_accepted_tokens, ..._per_pos);
   4. runs ``specctl bench --fixed-k --csv`` on the same prompts with the same config, and prints per draft:
-     loaded, greedy-equal, acceptance rate and mean acceptance length, vLLM vs specctl.
+     loaded, greedy-equal, acceptance rate and mean acceptance length, vLLM vs specctl;
+  5. starts ``specctl serve --engine vllm`` (n-gram, the API key in the environment, ``-- --enforce-eager``)
+     and drives it with the ``openai`` client (skip with --no-serve).
 
 It also checks that every key specctl emits is a field of the installed vLLM's SpeculativeConfig, and
 whether the recorded schema (``specctl.vllm_compat.VLLM_SPECULATIVE_CONFIG_FIELDS``) still matches it.
@@ -98,9 +100,11 @@ def _worker(job_path: str) -> None:
 
         res["error"] = f"{type(e).__name__}: {e}"[:2000]
         res["traceback"] = traceback.format_exc()[-4000:]
-    print("INTEROP-RESULT " + json.dumps(res), flush=True)
+    tmp = Path(job_path + ".result.tmp")
+    tmp.write_text(json.dumps(res))
+    os.replace(tmp, job_path + ".result")
     sys.stdout.flush()
-    os._exit(0)  # vLLM's engine processes are torn down with the process group by the driver
+    os._exit(0)  # vLLM's engine processes (same process group) are killed by the driver once the result is there
 
 
 # --------------------------------------------------------------------------- driver (specctl side)
@@ -134,22 +138,25 @@ def run_vllm(job: dict, work: Path, name: str, log) -> dict:
     job_path = work / f"job-{name}.json"
     job_path.write_text(json.dumps(job))
     log_path = work / f"vllm-{name}.log"
+    result = Path(str(job_path) + ".result")
+    result.unlink(missing_ok=True)
+    t0 = time.perf_counter()
     with open(log_path, "w") as lf:
-        proc = subprocess.Popen([python, os.path.abspath(__file__), "--worker", str(job_path)], stdout=subprocess.PIPE,
-                                stderr=lf, text=True, env=vllm_env(python), start_new_session=True)
+        # stdout too goes to the log: vLLM's engine processes inherit it and may outlive the worker
+        proc = subprocess.Popen([python, os.path.abspath(__file__), "--worker", str(job_path)], stdout=lf,
+                                stderr=subprocess.STDOUT, env=vllm_env(python), start_new_session=True)
         try:
-            out, _ = proc.communicate(timeout=job.get("timeout", 1200))
-        except subprocess.TimeoutExpired:
-            out = ""
+            while not result.is_file() and proc.poll() is None and time.perf_counter() - t0 < job.get("timeout", 1200):
+                time.sleep(1)
+            time.sleep(0.5)
         finally:
             try:
-                os.killpg(proc.pid, signal.SIGKILL)  # the engine's helper processes, if any are left
+                os.killpg(proc.pid, signal.SIGKILL)  # the worker and vLLM's engine core and workers
             except (ProcessLookupError, PermissionError):
                 pass
             proc.wait()
-    for line in out.splitlines():
-        if line.startswith("INTEROP-RESULT "):
-            return json.loads(line[len("INTEROP-RESULT "):])
+    if result.is_file():
+        return json.loads(result.read_text())
     tail = log_path.read_text(errors="replace").strip().splitlines()[-5:]
     return {"loaded": False, "error": "the vLLM worker gave no result: " + " | ".join(tail)[-1500:]}
 
@@ -192,9 +199,11 @@ def train_drafts(target: str, data: Path, out: Path, drafts: list[str], steps: i
     return made
 
 
-def specctl_bench(target: str, cfg: dict, prompts_file: Path, n: int, max_new: int, csv_path: Path, log) -> dict:
+def specctl_bench(target: str, cfg: dict, prompts_file: Path, n: int, max_new: int, csv_path: Path, log,
+                  dtype: str = "bfloat16") -> dict:
     specctl_cli("bench", "--model", target, "--speculative-config", json.dumps(cfg), "-w", str(prompts_file),
-                "-n", str(n), "--max-new-tokens", str(max_new), "--fixed-k", "--csv", str(csv_path), "--json", log=log)
+                "-n", str(n), "--max-new-tokens", str(max_new), "--fixed-k", "--dtype", dtype, "--csv", str(csv_path),
+                "--json", log=log)
     import csv
 
     rows = [r for r in csv.DictReader(csv_path.open()) if r["method"] != "baseline" and not r.get("error")]
@@ -206,6 +215,73 @@ def specctl_bench(target: str, cfg: dict, prompts_file: Path, n: int, max_new: i
     return {"num_drafts": drafts, "num_draft_tokens": dt, "num_accepted_tokens": acc,
             "acceptance_rate": acc / dt if dt else 0.0, "mean_acceptance_length": 1 + acc / drafts if drafts else 1.0,
             "identical_to_baseline": r.get("identical_to_baseline")}
+
+
+def serve_check(target: str, out: Path, log, timeout: float = 600.0) -> dict:
+    """``specctl serve --engine vllm`` for real: vLLM's OpenAI server on CPU with an n-gram config, driven by
+    the ``openai`` client; the API key travels in VLLM_API_KEY (a request without it must get 401)."""
+    import signal
+    import socket
+    import urllib.error
+    import urllib.request
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    key = "interop-secret"
+    python = vllm_python()
+    env = {**vllm_env(python), "SPECCTL_VLLM_PYTHON": python, "SPECCTL_API_KEY": key}
+    cmd = [sys.executable, "-m", "specctl.cli", "serve", "--engine", "vllm", "--model", target, "--method", "ngram",
+           "-k", "3", "--port", str(port), "--served-model-name", "tiny", "--max-model-len", "1024", "--fixed-k",
+           "--", "--enforce-eager"]
+    log("$ " + " ".join(cmd[2:]) + "   (SPECCTL_API_KEY in the environment)")
+    res: dict = {"command": "specctl " + " ".join(cmd[3:])}
+    log_path = out / "serve.log"
+    with open(log_path, "w") as lf:
+        proc = subprocess.Popen(cmd, stdout=lf, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            t0 = time.perf_counter()
+            while time.perf_counter() - t0 < timeout:
+                if proc.poll() is not None:
+                    break
+                try:
+                    with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
+                        res["ready_s"] = round(time.perf_counter() - t0, 1)
+                        break
+                except (urllib.error.URLError, OSError):
+                    time.sleep(2)
+            if "ready_s" not in res:
+                res["error"] = "the server did not come up: " + " | ".join(log_path.read_text(errors="replace").splitlines()[-4:])[-800:]
+                return res
+            import openai
+
+            client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key, max_retries=0, timeout=120)
+            r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Count: 1, 2, 3, 4,"}],
+                                               max_tokens=16, temperature=0)
+            res["completion"] = r.choices[0].message.content
+            res["completion_tokens"] = r.usage.completion_tokens
+            try:
+                openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="wrong", max_retries=0).models.list()
+                res["unauthorized_refused"] = False
+            except openai.AuthenticationError:
+                res["unauthorized_refused"] = True
+            ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+            res["key_on_a_command_line"] = key in ps
+            text = log_path.read_text(errors="replace")
+            res["warned_fixed_k"] = "--fixed-k has no vLLM equivalent" in text
+            res["ok"] = bool(res["completion_tokens"]) and res["unauthorized_refused"] and not res["key_on_a_command_line"]
+        except Exception as e:
+            res["error"] = f"{type(e).__name__}: {e}"[:800]
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)
+                proc.wait(30)
+            except (ProcessLookupError, PermissionError, subprocess.TimeoutExpired):
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+    return res
 
 
 def vllm_acceptance(metrics: dict) -> dict:
@@ -231,6 +307,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="vllm-interop", help="folder for drafts, logs and results.json")
     ap.add_argument("--reuse", action="store_true", help="keep drafts already in --out")
     ap.add_argument("--json", action="store_true", help="print results as JSON")
+    ap.add_argument("--no-serve", action="store_true", help="skip the `specctl serve --engine vllm` check")
+    ap.add_argument("--dtype", default="bfloat16", help="bfloat16 (default) or float32, for vLLM and specctl bench alike")
     args = ap.parse_args(argv)
     if args.worker:
         _worker(args.worker)
@@ -239,8 +317,8 @@ def main(argv: list[str] | None = None) -> int:
     from specctl.bench.workloads import load_workload, render_prompt
     from specctl.config import SpecConfig
     from specctl.models import resolve_model
-    from specctl.vllm_compat import (VLLM_SPECULATIVE_CONFIG_FIELDS, VLLM_VERSION_RECORDED, vllm_hf_overrides,
-                                      vllm_speculative_config)
+    from specctl.vllm_compat import (VLLM_INTERNAL_FIELDS, VLLM_SPECULATIVE_CONFIG_FIELDS, VLLM_VERSION_RECORDED,
+                                      vllm_hf_overrides, vllm_speculative_config)
 
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -265,15 +343,16 @@ def main(argv: list[str] | None = None) -> int:
     prompt_ids = [render_prompt(tok, r) for r in reqs]
     stops = sorted(stop_token_ids(Path(target), tok))
     job = {"model": target, "prompts": prompt_ids, "max_new_tokens": args.max_new_tokens, "stop_token_ids": stops,
-           "max_model_len": 1024}
+           "max_model_len": 1024, "dtype": args.dtype}
 
     log("vLLM: plain greedy")
     plain = run_vllm({**job, "spec": None}, out, "plain", log)
     if not plain.get("loaded") or "outputs" not in plain:
         log(f"vLLM could not run the target itself: {plain.get('error')}")
         return 1
-    installed = set(plain.get("spec_fields", []))
-    results = {"target": target, "vllm_version": plain.get("vllm_version"), "cpu": _cpu_name(), "cores": os.cpu_count(),
+    installed = set(plain.get("spec_fields", [])) - VLLM_INTERNAL_FIELDS  # config objects vLLM fills itself
+    results = {"target": target, "dtype": args.dtype, "vllm_version": plain.get("vllm_version"), "cpu": _cpu_name(),
+               "cores": os.cpu_count(),
                "prompts": len(prompt_ids), "max_new_tokens": args.max_new_tokens, "steps": args.steps,
                "schema": {"recorded_for": VLLM_VERSION_RECORDED,
                           "missing_from_installed": sorted(VLLM_SPECULATIVE_CONFIG_FIELDS - installed),
@@ -294,22 +373,29 @@ def main(argv: list[str] | None = None) -> int:
         if "outputs" in r:
             eq = [a == b for a, b in zip(r["outputs"], plain["outputs"])]
             row["greedy_equal"] = f"{sum(eq)}/{len(eq)}"
+            # where a prompt differs: the first differing token (a bf16 near-tie flips there)
+            row["first_difference"] = [None if e else next((i for i, (x, y) in enumerate(zip(a, b)) if x != y),
+                                                           min(len(a), len(b)))
+                                       for e, a, b in zip(eq, r["outputs"], plain["outputs"])]
             row["vllm"] = vllm_acceptance(r.get("metrics", {}))
             row["vllm_load_s"], row["vllm_generate_s"] = r.get("load_s"), r.get("generate_s")
         log(f"specctl bench: {kind}")
         try:
             row["specctl"] = specctl_bench(target, cfg, prompts_file, len(prompt_ids), args.max_new_tokens,
-                                           out / f"bench-{kind}.csv", log)
+                                           out / f"bench-{kind}-{args.dtype}.csv", log, args.dtype)
         except SystemExit as e:
             row["specctl"] = {"error": str(e)[-500:]}
         results["drafts"][kind] = row
+    if not args.no_serve:
+        log("specctl serve --engine vllm")
+        results["serve"] = serve_check(target, out, log)
     (out / "results.json").write_text(json.dumps(results, indent=2))
     if args.json:
         print(json.dumps(results, indent=2))
     else:
         print(render(results))
     ok = all(d.get("loaded") and d.get("greedy_equal", "0/1").split("/")[0] == d.get("greedy_equal", "0/1").split("/")[1]
-             for d in results["drafts"].values())
+             for d in results["drafts"].values()) and results.get("serve", {"ok": True}).get("ok", False)
     return 0 if ok else 1
 
 
@@ -324,7 +410,7 @@ def _cpu_name() -> str:
 
 
 def render(res: dict) -> str:
-    lines = [f"target {res['target']}  vLLM {res['vllm_version']}  CPU {res['cpu']} ({res['cores']} cores)  "
+    lines = [f"target {res['target']} ({res.get('dtype')})  vLLM {res['vllm_version']}  CPU {res['cpu']} ({res['cores']} cores)  "
              f"{res['prompts']} prompts x {res['max_new_tokens']} tokens, drafts trained {res['steps']} steps",
              f"schema: recorded for vLLM {res['schema']['recorded_for']}; missing from the installed vLLM: "
              f"{res['schema']['missing_from_installed'] or 'none'}; new there: {res['schema']['new_in_installed'] or 'none'}",
@@ -340,10 +426,21 @@ def render(res: dict) -> str:
                      f"{'':>14}{s.get('num_accepted_tokens', '-')}/{s.get('num_draft_tokens', '-')}")
         if d.get("error"):
             lines.append(f"         error: {d['error'][:400]}")
+        if any(x is not None for x in d.get("first_difference") or []):
+            lines.append(f"         first differing token per prompt (None: equal): {d['first_difference']}")
+        if s.get("identical_to_baseline") not in (None, ""):
+            lines.append(f"         specctl bench: identical to its own plain greedy output in {s['identical_to_baseline']} "
+                         f"of {res['prompts']} prompts")
         if d.get("keys_not_in_installed_vllm"):
             lines.append(f"         keys the installed vLLM does not know: {d['keys_not_in_installed_vllm']}")
         if isinstance(s, dict) and s.get("error"):
             lines.append(f"         specctl bench error: {s['error'][:300]}")
+    sv = res.get("serve")
+    if sv:
+        lines.append(f"serve --engine vllm: {'ok' if sv.get('ok') else 'FAILED'}; ready in {sv.get('ready_s', '-')} s; "
+                     f"completion {sv.get('completion')!r}; wrong key refused: {sv.get('unauthorized_refused')}; "
+                     f"key on a command line: {sv.get('key_on_a_command_line')}; --fixed-k warned: {sv.get('warned_fixed_k')}"
+                     + (f"; error: {sv['error']}" if sv.get("error") else ""))
     return "\n".join(lines)
 
 

@@ -267,7 +267,7 @@ def _exec_vllm(model: str | None, spec, served_model_name, host, port, api_key, 
     env = vllm_serve_env(dict(os.environ), api_key, python)
     err.log("exec: " + " ".join(argv) + (" (API key in VLLM_API_KEY)" if api_key else ""))
     sys.stderr.flush()
-    os.execve(python or exe, argv if python else argv, env)
+    os.execve(python or exe, argv, env)
 
 
 def serve(
