@@ -66,12 +66,13 @@ def configs(args) -> list[tuple[str, SpecConfig, bool]]:
     return out
 
 
-def batch1(loaded, shapes, machine, args, params) -> list[dict]:
+def batch1(loaded, shapes, machines, args, params) -> list[dict]:
     rows = []
     for w in args.workload:
         reqs = load_workload(w, args.num_prompts, args.seed)
         for req in reqs:
             ids = render_prompt(loaded.tokenizer, req)
+            machine = machines(len(ids))
             runner = TargetRunner(loaded.model, len(ids) + params.max_new_tokens + 2 * max(args.k) + 8)
             plain = SpecDecoder(runner, reuse_prefill=True)
             t = time.perf_counter()
@@ -102,7 +103,7 @@ def batch1(loaded, shapes, machine, args, params) -> list[dict]:
     return rows
 
 
-def concurrent(loaded, shapes, machine, args, params, n: int) -> list[dict]:
+def concurrent(loaded, shapes, machines, args, params, n: int) -> list[dict]:
     """n requests decoding together (one target forward per step; sparse_attn drafts all in one ragged
     forward per drafting step); decode throughput after every prompt is prefilled."""
     w = args.workload[0]
@@ -136,6 +137,7 @@ def concurrent(loaded, shapes, machine, args, params, n: int) -> list[dict]:
     again, _, _ = run(plain)
     plain_tps = statistics.mean([base_tps, again])
     ctx = int(statistics.mean(map(len, prompts))) + params.max_new_tokens // 2
+    machine = machines(ctx)
     for label, c, adaptive, tps, res, share in measured:
         st = res[0].stats
         for r in res[1:]:
@@ -183,21 +185,30 @@ def main() -> None:
     cfg = loaded.model.args
     shapes = Shapes(cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                     cfg.intermediate_size, cfg.vocab_size, 2)
-    machine = measure_machine(loaded.model)
-    header["roofline_machine"] = {"bandwidth_GBps": round(machine.bandwidth / 1e9, 1),
-                                  "linear_GFLOPs": round(machine.linear_flops / 1e9, 1),
-                                  "attention_GFLOPs": round(machine.attention_flops / 1e9, 2),
-                                  "kv_GBps": round(machine.kv_bw / 1e9, 1)}
-    print(f"# {header['machine']}, {header['threads']} threads, kernels {header['cpu_kernels']}; measured: "
-          f"{header['roofline_machine']}", file=sys.stderr)
-    rows = [] if args.no_batch1 else batch1(loaded, shapes, machine, args, params)
+    header["roofline_machine"] = {}
+    measured: dict[int, object] = {}
+
+    def machines(context: int):
+        """The machine's rates measured at this context (to the nearest 1024 tokens), once."""
+        c = max(1024, round(context / 1024) * 1024)
+        if c not in measured:
+            m = measured[c] = measure_machine(loaded.model, context=c)
+            header["roofline_machine"][c] = {"bandwidth_GBps": round(m.bandwidth / 1e9, 1),
+                                             "linear_GFLOPs": round(m.linear_flops / 1e9, 1),
+                                             "attention_GFLOPs": round(m.attention_flops / 1e9, 2),
+                                             "kv_GBps": round(m.kv_bw / 1e9, 1)}
+            print(f"# {header['machine']}, {header['threads']} threads, kernels {header['cpu_kernels']}; measured at "
+                  f"{c} tokens of context: {header['roofline_machine'][c]}", file=sys.stderr)
+        return measured[c]
+
+    rows = [] if args.no_batch1 else batch1(loaded, shapes, machines, args, params)
     if args.concurrency:
-        rows += concurrent(loaded, shapes, machine, args, replace(params), args.concurrency)
+        rows += concurrent(loaded, shapes, machines, args, replace(params), args.concurrency)
     if args.json:
         print(json.dumps({"header": header, "rows": rows}, indent=1))
         return
     print(f"model {header['model']} ({header['dtype']}), {header['machine']}, {header['threads']} threads; "
-          f"roofline machine {header['roofline_machine']}")
+          f"roofline machine by context {header['roofline_machine']}")
     print(f"{'workload':9} {'batch':>5} {'method':28} {'ctx':>6} {'equal':>5} {'tau':>5} {'per-position':32} "
           f"{'plain':>7} {'tok/s':>7} {'speedup':>7} {'pred':>6} {'err':>6}")
     for r in rows:

@@ -43,17 +43,20 @@ def layer(block, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache:
                              a.num_heads, a.num_kv_heads, tree)
 
 
-def layer_ragged(block, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, index: int, segs) -> torch.Tensor:
+def layer_ragged(block, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, index: int, segs,
+                 weights_out: list | None = None) -> torch.Tensor:
     """Many requests' rows through ``block`` (layer ``index``) in one call: x [1, M, H], cos/sin [M, hd],
     ``segs`` the requests' specctl.runtime.model.Segment (own caches, starts, lengths, trees). Each
-    row is computed exactly as ``layer`` computes it for its request alone."""
+    row is computed exactly as ``layer`` computes it for its request alone. ``weights_out``: per
+    segment None or a [2, nkv, S] fp32 tensor that receives the attention weights of its first and
+    last row, summed over each kv head's query heads (a by-product: the outputs do not change)."""
     a = block.a
     return _ext.decode_layer_ragged(x.contiguous(), block.input_norm.weight, block.post_norm.weight, a.rms_norm_eps,
                                     block.qkv.weight, block.qkv.bias, block.o.weight, block.o.bias,
                                     block.gate_up.weight, block.down.weight, cos, sin,
                                     [s.cache.k[index] for s in segs], [s.cache.v[index] for s in segs],
                                     [s.start for s in segs], [s.n for s in segs], [s.tree for s in segs],
-                                    a.num_heads, a.num_kv_heads)
+                                    a.num_heads, a.num_kv_heads, weights_out or [])
 
 
 def eagle3_layer(w, x: torch.Tensor, emb: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,

@@ -124,10 +124,13 @@ constexpr int MAX_Q = 64;  // query vectors (rows x heads) of one item
 // attends to keys [0, L + i) and writes out + i out_rstride + g hd. Keys and values are read once for
 // all T x G queries (T * G <= MAX_Q); each row's scores, softmax and weighted sum are computed exactly
 // as for that row alone (T = 1), bit for bit. A draft tree's rows (``row`` a TreeRows) go one at a time.
+// By-product, for sparse-attention drafting (Vegas): with ``w_first``/``w_last``, the softmax weights of
+// local rows ``i_first``/``i_last`` summed over the G heads, written for every key that row sees.
 template <class Row = Contiguous>
 inline void item(const uint16_t* q, int64_t q_hstride, const uint16_t* kc, const uint16_t* vc, int64_t L, int hd,
           int G, float scale, uint16_t* out, std::vector<float>& s, Row row = Row(), int T = 1,
-          int64_t q_rstride = 0, int64_t out_rstride = 0) {
+          int64_t q_rstride = 0, int64_t out_rstride = 0, float* w_first = nullptr, int i_first = -1,
+          float* w_last = nullptr, int i_last = -1) {
   const int n = T * G;
   const int64_t Lmax = L + T - 1;
   s.resize(static_cast<size_t>(n) * Lmax);
@@ -198,6 +201,19 @@ inline void item(const uint16_t* q, int64_t q_hstride, const uint16_t* kc, const
       sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(mk, e));
     }
     inv[u] = 1.0f / _mm512_reduce_add_ps(sum);
+  }
+  for (int pass = 0; pass < 2; ++pass) {  // the attention weights of the rows asked for
+    float* dst = pass ? w_last : w_first;
+    const int i = pass ? i_last : i_first;
+    if (dst == nullptr || i < 0 || i >= T) continue;
+    const int64_t Li = L + i;
+    for (int64_t j = 0; j < Li; j += 16) {
+      const __mmask16 mk = Li - j >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (Li - j)) - 1);
+      __m512 acc = _mm512_setzero_ps();
+      for (int g = 0; g < G; ++g)
+        acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mk, s.data() + (i * G + g) * Lmax + j), _mm512_set1_ps(inv[i * G + g]), acc);
+      _mm512_mask_storeu_ps(dst + j, mk, acc);
+    }
   }
   // out = P V: (row, head) pairs in groups of at most 6, head dim in passes of CW 16-float chunks, so
   // the 6 x CW accumulators stay in registers and each V row is converted once per group and pass.

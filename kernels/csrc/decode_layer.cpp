@@ -98,6 +98,7 @@ struct Seg {
   int64_t W, P0;  // tree mask width (0: a chain) and the prefix it sees
   std::vector<int32_t> anc;
   std::vector<int64_t> cnt;
+  float* w = nullptr;  // [2, nkv, S]: the attention weights of the first and last row (a chain's), or none
 };
 
 struct AttItem {
@@ -151,7 +152,9 @@ void run_block(const Weights& w, std::vector<Seg>& segs, const uint16_t* xp, con
   list_items(G);
   const int64_t grouped = static_cast<int64_t>(att_items.size());
   const bool short_keys = longest * hd * 4 <= (512 << 10);  // a kv head's keys and values fit in L2
-  if (grouped < want || (grouped < 2 * want && short_keys)) list_items(1);
+  bool weights_out = false;  // the attention weights are written per kv head: grouped items only
+  for (const Seg& sg : segs) weights_out = weights_out || sg.w != nullptr;
+  if (!weights_out && (grouped < want || (grouped < 2 * want && short_keys))) list_items(1);
   SpinBarrier bar;
   std::atomic<int64_t> next_qkv{0}, next_att{0}, next_o{0}, next_gu{0}, next_down{0};
 #pragma omp parallel num_threads(want)
@@ -197,9 +200,18 @@ void run_block(const Weights& w, std::vector<Seg>& segs, const uint16_t* xp, con
       if (sg.W)
         specctl::attn::item(q0, hd, sg.kc + cache_off, sg.vc + cache_off, sg.P0 + sg.cnt[a.i0], static_cast<int>(hd),
                             a.g, scale, o0, scores, specctl::attn::TreeRows{sg.P0, sg.anc.data() + a.i0 * sg.W});
-      else
+      else {
+        float *wf = nullptr, *wl = nullptr;
+        int i_first = -1, i_last = -1;
+        if (sg.w != nullptr) {
+          const int64_t kvh = a.head0 / G, last = sg.T - 1 - a.i0;
+          if (a.i0 == 0) { i_first = 0; wf = sg.w + kvh * sg.S; }
+          if (last < a.rows) { i_last = static_cast<int>(last); wl = sg.w + (nkv + kvh) * sg.S; }
+        }
         specctl::attn::item(q0, hd, sg.kc + cache_off, sg.vc + cache_off, sg.start + a.i0 + 1, static_cast<int>(hd),
-                            a.g, scale, o0, scores, specctl::attn::Contiguous(), a.rows, Nqkv, nh * hd);
+                            a.g, scale, o0, scores, specctl::attn::Contiguous(), a.rows, Nqkv, nh * hd, wf, i_first,
+                            wl, i_last);
+      }
     }
     bar.wait(nt, sense);
     // 5. output projection + residual
@@ -301,7 +313,8 @@ torch::Tensor decode_layer_ragged(torch::Tensor x, torch::Tensor in_norm, torch:
                                   torch::Tensor cos, torch::Tensor sin, std::vector<torch::Tensor> k_caches,
                                   std::vector<torch::Tensor> v_caches, std::vector<int64_t> starts,
                                   std::vector<int64_t> lens, std::vector<c10::optional<torch::Tensor>> trees,
-                                  int64_t num_heads, int64_t num_kv_heads) {
+                                  int64_t num_heads, int64_t num_kv_heads,
+                                  std::vector<c10::optional<torch::Tensor>> weights_out) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 3 && x.size(0) == 1 && x.is_contiguous(),
               "x [1, M, H] bf16 contiguous");
   const int64_t M = x.size(1), H = x.size(2), n = static_cast<int64_t>(k_caches.size());
@@ -317,6 +330,13 @@ torch::Tensor decode_layer_ragged(torch::Tensor x, torch::Tensor in_norm, torch:
     TORCH_CHECK(k_caches[s].size(0) == 1 && k_caches[s].size(1) == num_kv_heads && k_caches[s].size(3) == w.hd,
                 "each cache [1, nkv, S, hd]");
     segs.push_back(make_seg(k_caches[s], v_caches[s], 0, starts[s], lens[s], rows, trees[s]));
+    if (s < static_cast<int64_t>(weights_out.size()) && weights_out[s].has_value() && weights_out[s]->defined()) {
+      const torch::Tensor& wo = *weights_out[s];  // [2, nkv, S] fp32: the segment's rows' attention weights
+      TORCH_CHECK(wo.scalar_type() == at::kFloat && wo.is_contiguous() && wo.dim() == 3 && wo.size(0) == 2 &&
+                  wo.size(1) == num_kv_heads && wo.size(2) == segs.back().S && segs.back().W == 0,
+                  "weights_out [2, nkv, S] fp32 contiguous, for a chain");
+      segs.back().w = wo.data_ptr<float>();
+    }
     rows += lens[s];
   }
   TORCH_CHECK(rows == M, "the segments' lengths must add up to x's rows");
@@ -336,5 +356,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("in_norm"), py::arg("post_norm"), py::arg("eps"), py::arg("qkv_w"), py::arg("qkv_b"),
         py::arg("o_w"), py::arg("o_b"), py::arg("gate_up_w"), py::arg("down_w"), py::arg("cos"), py::arg("sin"),
         py::arg("k_caches"), py::arg("v_caches"), py::arg("starts"), py::arg("lens"), py::arg("trees"),
-        py::arg("num_heads"), py::arg("num_kv_heads"));
+        py::arg("num_heads"), py::arg("num_kv_heads"),
+        py::arg("weights_out") = std::vector<c10::optional<torch::Tensor>>());
 }

@@ -254,14 +254,14 @@ class Block(nn.Module):
         gate, up = lin(self.post_norm(x), self.gate_up).chunk(2, dim=-1)
         return x + lin(F.silu(gate) * up, self.down)
 
-    def forward_ragged(self, x, cos, sin, layer: int, segs: list["Segment"]):
+    def forward_ragged(self, x, cos, sin, layer: int, segs: list["Segment"], weights_out: list | None = None):
         """Many requests' rows in one block: x [1, R, H] (segment after segment), cos/sin [R, hd].
         The projections and the MLP run over all R rows at once (one read of the weights); each
         segment writes its keys/values into its own cache and attends there, exactly as its own
         forward would (segments of at most VERIFY_ROWS rows: longer ones are prefill, which their
         own forward computes differently)."""
         if self.fused:
-            return decode_layer.layer_ragged(self, x, cos, sin, layer, segs)
+            return decode_layer.layer_ragged(self, x, cos, sin, layer, segs, weights_out)
         q, k, v = self._qkv(x, cos, sin)
         atts, off = [], 0
         for s in segs:
@@ -344,14 +344,14 @@ class Transformer(nn.Module):
         # a draft tree (positions [T], mask [T, start+T]): its own [T, T] part, for the exact kernels
         tree_mask = mask[:, start:].contiguous() if tree and positions.dim() == 1 and mask.dim() == 2 else None
         aux = []
-        scoring = cache.scores is not None and not tree and tokens.shape[0] == 1
+        scoring = not tree and tokens.shape[0] == 1 and cache.scoring(start, tokens.shape[1], logits == "last")
         for i, layer in enumerate(self.layers):
             if i in self.aux_layers:
                 aux.append(x)
             x_in = x
             x = layer(x, cos, sin, cache.k[i], cache.v[i], start, mask, tree, tree_mask)
             if scoring:
-                cache.scores[i, :start + tokens.shape[1]] = attention_scores(layer, x_in, cos, sin, cache.k[i], start)
+                cache.scores[i, :, :, :start + tokens.shape[1]] = attention_scores(layer, x_in, cos, sin, cache.k[i], start)
         if scoring:
             cache.scored = scored_upto(start, tokens.shape[1], logits == "last")
         self.aux_out = torch.cat(aux, dim=-1) if aux else None
@@ -383,7 +383,7 @@ class Transformer(nn.Module):
         aux = []
         scored, off = [], 0  # (segment, its first row) whose cache keeps attention scores
         for s in segs:
-            if s.cache.scores is not None and s.positions is None:
+            if s.positions is None and s.cache.scoring(s.start, s.n, s.last_only):
                 scored.append((s, off))
             off += s.n
         for i, layer in enumerate(self.layers):
@@ -392,10 +392,14 @@ class Transformer(nn.Module):
             if i in self.aux_layers:
                 aux.append(x)
             x_in = x
+            if layer.fused and scored:  # the fused kernel writes the weights as it attends
+                by = {id(s) for s, _ in scored}
+                x = layer.forward_ragged(x, cos, sin, i, segs, [s.cache.scores[i] if id(s) in by else None for s in segs])
+                continue
             x = layer.forward_ragged(x, cos, sin, i, segs)
             for s, o in scored:
-                s.cache.scores[i, :s.start + s.n] = attention_scores(layer, x_in[:, o:o + s.n], cos[o:o + s.n],
-                                                                     sin[o:o + s.n], s.cache.k[i], s.start)
+                s.cache.scores[i, :, :, :s.start + s.n] = attention_scores(layer, x_in[:, o:o + s.n], cos[o:o + s.n],
+                                                                           sin[o:o + s.n], s.cache.k[i], s.start)
         for s, _ in scored:
             s.cache.scored = scored_upto(s.start, s.n, s.last_only)
         self.aux_out = torch.cat(aux, dim=-1)[0] if aux else None
@@ -435,11 +439,13 @@ class KVCache:
 
     The cache itself holds no length: the runner owns it, and rolling back is setting it.
 
-    ``scores`` (off unless a proposer asks: ``keep_scores``) [num_layers, max_len] fp32: after each
-    forward of batch 1 written to this cache, the attention weight every key position received from
-    the forward's first and last queries, summed over heads and those queries (what sparse-attention
-    drafting ranks positions by, Vegas). ``scored``: the positions the ranking covers (see
-    ``scored_upto``). It never changes what the forward computes.
+    ``scores`` (off unless a proposer asks: ``keep_scores``) [num_layers, 2, n_kv, max_len] fp32: after
+    each verify block or prompt written to this cache (not after one-row decode steps), the attention
+    weights its first and last query rows gave every key, each summed over the query heads of a kv head
+    (what sparse-attention drafting ranks positions by, Vegas; ``ranking()`` sums them). On the fused
+    CPU path the attention kernel writes them as it goes; elsewhere ``attention_scores`` recomputes
+    them. ``scored``: the positions the ranking covers (see ``scored_upto``). It never changes what the
+    forward computes.
     """
 
     def __init__(self, a: ModelArgs, batch: int, max_len: int, dtype, device):
@@ -452,8 +458,21 @@ class KVCache:
 
     def keep_scores(self) -> None:
         if self.scores is None:
-            self.scores = torch.zeros(self.k.shape[0], self.max_len, dtype=torch.float32, device=self.k.device)
+            L, _, nkv = self.k.shape[:3]
+            self.scores = torch.zeros(L, 2, nkv, self.max_len, dtype=torch.float32, device=self.k.device)
         self.scored = 0
+
+    def ranking(self, n: int) -> torch.Tensor:
+        """[num_layers, n]: the recorded weights of positions < n, summed over rows and heads."""
+        return self.scores[:, :, :, :n].sum(dim=(1, 2))
+
+    def scoring(self, start: int, T: int, prompt: bool) -> bool:
+        """Whether a forward of T rows at ``start`` records scores here (verify blocks and prompts; a
+        one-row decode step does not); clears the first row's weights past where it sees."""
+        if self.scores is None or (T == 1 and not prompt):
+            return False
+        self.scores[:, 0, :, start + 1:start + T] = 0
+        return True
 
 
 def scored_upto(start: int, T: int, prompt: bool) -> int:
@@ -467,8 +486,10 @@ def attention_scores(block: "Block", x: torch.Tensor, cos: torch.Tensor, sin: to
                      start: int) -> torch.Tensor:
     """The softmax weights that the first and last of ``x``'s rows (x [1, T, H], the block's input,
     at cache slots start..start+T-1, whose keys are already in ``k_cache`` [1, n_kv, max_len, hd])
-    give every key, summed over heads and the two queries: [start+T] fp32. A side computation (the
-    query projection again for two rows, one read of the keys): the block's own output is untouched."""
+    give every key, summed over the query heads of each kv head: [2, n_kv, start+T] fp32 (a row's
+    weights are 0 past its own position). A side computation (the query projection again for two
+    rows, one read of the keys) where the attention kernel does not write them itself: the block's
+    own output is untouched."""
     a = block.a
     T = x.shape[1]
     rows = [0, T - 1] if T > 1 else [0]
@@ -485,7 +506,8 @@ def attention_scores(block: "Block", x: torch.Tensor, cos: torch.Tensor, sin: to
     pos = torch.arange(end, device=x.device)
     limit = torch.tensor([start + r for r in rows], device=x.device)
     logits = logits.masked_fill(pos[None, :] > limit[:, None], float("-inf"))  # causal
-    return torch.softmax(logits, dim=-1).sum(dim=(0, 1, 2))
+    w = torch.softmax(logits, dim=-1).sum(dim=1)  # [nkv, rows, end]
+    return w.transpose(0, 1) if len(rows) == 2 else w.transpose(0, 1).expand(2, -1, -1)
 
 
 # --------------------------------------------------------------------------- loading

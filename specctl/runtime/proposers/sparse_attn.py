@@ -241,7 +241,8 @@ class SparseAttnProposer(SlotProposer):
         budget = draft_budget(L, self.ratio, self.min_tokens)
         if self.algorithm == "vegas" and cache.scores is not None and cache.scored > 0:
             # the recent positions: those since the scoring forward (at most a verify block's k + 1)
-            return vegas_positions(cache.scores, max(min(cache.scored, L), L - self.k - 1), L, budget)
+            valid = max(min(cache.scored, L), L - self.k - 1)
+            return vegas_positions(cache.ranking(valid), valid, L, budget)
         return streamingllm_positions(L, budget).to(cache.k.device)
 
     def on_verified(self, slot: int, num_accepted: int, emitted: list[int]) -> None:

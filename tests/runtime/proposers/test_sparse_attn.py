@@ -115,10 +115,10 @@ def test_vegas_takes_the_top_scored_positions_and_the_recent_ones():
 
 
 def test_scores_are_attention_weights_and_change_nothing(target):
-    """Recording scores leaves every output bit for bit as it was; each recorded query's weights sum
-    to one per head (the sum over heads and the two queries is 2 * heads)."""
+    """Recording scores leaves every output bit for bit as it was; each recorded row's weights sum to
+    one per query head (over rows and heads: 2 * heads); a one-row decode step records nothing."""
     model, a = target.model, target.model.args
-    ids = torch.tensor([prompts(1, length=70)[0]])
+    ids = torch.tensor([prompts(1, length=72)[0]])
     outs = []
     for keep in (False, True):
         runner = TargetRunner(model, MAX_LEN)
@@ -128,15 +128,52 @@ def test_scores_are_attention_weights_and_change_nothing(target):
         if keep:
             assert runner.cache.scored == 64  # a prompt: every position is ranked
         outs[-1] += (runner.forward(ids[:, 64:69]),)
+        if keep:
+            before = runner.cache.scores.clone()
+        outs[-1] += (runner.forward(ids[:, 69:70]),)  # a plain decode step
     assert all(torch.equal(x, y) for x, y in zip(outs[0], outs[1]))
-    scores = runner.cache.scores
-    assert runner.cache.scored == 65  # the verify-sized block's first row and what came before
-    torch.testing.assert_close(scores[:, :69].sum(-1), torch.full((a.num_layers,), 2.0 * a.num_heads))
+    cache = runner.cache
+    assert torch.equal(cache.scores, before) and cache.scored == 65  # the verify block's first row and before
+    torch.testing.assert_close(cache.ranking(69).sum(-1), torch.full((a.num_layers,), 2.0 * a.num_heads))
     # one layer's scores against attention computed directly from the cached keys
     x = model.embed(ids[:, 64:69])
     cos, sin = model.rope(64, 5, x.dtype)
-    ref = attention_scores(model.layers[0], x, cos, sin, runner.cache.k[0], 64)
-    torch.testing.assert_close(scores[0, :69], ref)
+    ref = attention_scores(model.layers[0], x, cos, sin, cache.k[0], 64)
+    torch.testing.assert_close(cache.scores[0, :, :, :69], ref)
+
+
+def test_fused_kernel_writes_the_same_scores(tiny_model_factory):
+    """On the fused CPU path the attention kernel writes the weights while it attends (no second pass):
+    the same as the recomputed ones to bf16 rounding, and the outputs unchanged bit for bit."""
+    from kernels import cpu, decode_layer
+    from specctl.runtime.model import Segment
+
+    if decode_layer.load() is None:
+        pytest.skip(cpu.why_not(cpu.AMX, built=False))
+    loaded = load_model(tiny_model_factory("qwen2", seed=3, initializer_range=0.3, hidden_size=128,
+                                           intermediate_size=256, num_attention_heads=4, num_key_value_heads=2),
+                        dtype="bfloat16")
+    model = loaded.model
+    assert all(b.fused for b in model.layers)
+    ids = torch.tensor(prompts(1, length=100)[0])
+    out = []
+    for keep in (False, True):
+        runner = TargetRunner(model, MAX_LEN)
+        runner.forward(ids[None, :90], logits="last")
+        if keep:
+            runner.cache.keep_scores()
+        seg = Segment(runner.cache, 90, 6, runner.segment(ids[None, 90:96]).mask)
+        out.append(model.forward_ragged(ids[90:96], [seg])[0])
+    assert torch.equal(out[0], out[1])
+    cache = runner.cache
+    assert cache.scored == 91
+    torch.testing.assert_close(cache.ranking(96).sum(-1), torch.full((model.args.num_layers,), 2.0 * model.args.num_heads),
+                               rtol=1e-3, atol=1e-3)
+    # the recomputed weights of layer 0 (its input: the embeddings)
+    x = model.embed(ids[None, 90:96])
+    cos, sin = model.rope(90, 6, x.dtype)
+    ref = attention_scores(model.layers[0], x, cos, sin, cache.k[0], 90)
+    torch.testing.assert_close(cache.scores[0, :, :, :96], ref, rtol=0.1, atol=0.02)  # q rounds differently
 
 
 def test_batched_equals_alone(target, run_batched):
