@@ -338,9 +338,17 @@ class Transformer(nn.Module):
         Returns (logits [B, T', V] with T' = T for "all", 1 for "last", None for "none";
         hidden [B, T, H], the final-normed hidden states the LM head reads).
         """
+        tree = positions is not None
+        T = tokens.shape[1]
+        if (not tree and tokens.shape[0] == 1 and T <= VERIFY_ROWS and all(b.fused for b in self.layers)
+                and cache.scoring(start, T, logits == "last")):
+            # scores to record: the fused kernel writes them while it attends, as in a batch of one
+            lg, h = self.forward_ragged(tokens[0], [Segment(cache, start, T, mask, last_only=logits == "last")])
+            if self.aux_out is not None:
+                self.aux_out = self.aux_out[None]
+            return (None if logits == "none" else lg[None]), h[None]
         x = self.embed(tokens)
         cos, sin = self.rope(start, tokens.shape[1], x.dtype, positions)
-        tree = positions is not None
         # a draft tree (positions [T], mask [T, start+T]): its own [T, T] part, for the exact kernels
         tree_mask = mask[:, start:].contiguous() if tree and positions.dim() == 1 and mask.dim() == 2 else None
         aux = []

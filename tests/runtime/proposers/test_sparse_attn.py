@@ -174,6 +174,15 @@ def test_fused_kernel_writes_the_same_scores(tiny_model_factory):
     cos, sin = model.rope(90, 6, x.dtype)
     ref = attention_scores(model.layers[0], x, cos, sin, cache.k[0], 90)
     torch.testing.assert_close(cache.scores[0, :, :, :96], ref, rtol=0.1, atol=0.02)  # q rounds differently
+    # a request alone (runner.forward) takes the same kernel path
+    got = []
+    for keep in (False, True):
+        runner = TargetRunner(model, MAX_LEN)
+        if keep:
+            runner.cache.keep_scores()
+        got.append((runner.forward(ids[None, :90], logits="last"), runner.forward(ids[None, 90:96])))
+    assert all(torch.equal(x, y) for x, y in zip(*got))
+    torch.testing.assert_close(runner.cache.scores[:, :, :, :96], cache.scores[:, :, :, :96])
 
 
 def test_batched_equals_alone(target, run_batched):
