@@ -26,7 +26,8 @@ this step".
 When drafting is off it probes again after ``probe_every`` steps (a short draft), so acceptance
 that rises later (a repetitive stretch of output) is noticed; each probe that does not turn drafting
 back on doubles the wait before the next (up to ``max_probe_every``), so a draft that never pays
-costs a few probes, not one every few steps. Greedy output does not depend on any of this: the
+costs a few probes, not one every few steps. In a batch the probes fall on multiples of the wait of
+a clock the requests share, so they probe in the same steps and share one drafting forward. Greedy output does not depend on any of this: the
 verifier keeps it lossless whatever d is chosen.
 
 Pure bookkeeping: no torch; the decode loop calls ``draft_len()`` before and ``observe()`` after
@@ -156,9 +157,12 @@ class DraftLengthController:
         # verification) long drafts cost nothing and win big on the runs that match
         return best_d if best_v > 1.02 else 0
 
-    def draft_len(self, batch: int = 1) -> int:
+    def draft_len(self, batch: int = 1, clock: int | None = None) -> int:
         """The number of draft tokens to ask for this step (0: plain decoding step), for a request
-        that steps among ``batch`` requests (one target forward for all)."""
+        that steps among ``batch`` requests (one target forward for all). ``clock``: a step count
+        shared by the batch's requests; in a batch, a request whose drafting is off probes only on a
+        multiple of its wait, so requests probe together: a draft that costs a forward of its own
+        (a draft model, sparse_attn) is then run once for all of them, not once per request."""
         if self._slope() is None or (batch == 1 and 1 not in self.costs):
             return 0  # measure a plain step first: every cost is relative to it
         d = self.best_len(batch)
@@ -167,7 +171,9 @@ class DraftLengthController:
             return d
         self._off_steps += 1
         gap = self._gap or self.probe_every
-        if self._off_steps >= gap:
+        # alone: after ``gap`` steps off; in a batch: on the shared clock's multiples of ``gap``
+        due = clock % gap == 0 if clock is not None and batch > 1 else self._off_steps >= gap
+        if due:
             self._off_steps = 0
             self._gap = min(2 * gap, self.max_probe_every)  # kept if this probe does not turn drafting on
             return min(self.probe_len, self.k)

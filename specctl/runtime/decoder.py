@@ -144,6 +144,7 @@ class SpecDecoder:
         self.k = num_speculative_tokens if proposer is not None else 0
         self.adaptive = adaptive and self.k > 0
         self._costs: dict[int, float] = {}  # forward time by token count, shared by this decoder's requests
+        self._clock = 0  # batched steps so far: the requests' controllers probe on its multiples together
 
     def generate(self, prompt_ids: list[int], params: SamplingParams,
                  generator: torch.Generator | None = None) -> GenerationResult:
@@ -290,7 +291,7 @@ class SpecDecoder:
         if max_draft is not None:
             k = min(k, max_draft)
         if st.controller is not None:
-            k = min(k, st.controller.draft_len(batch))
+            k = min(k, st.controller.draft_len(batch, self._clock if batch > 1 else None))
         return k
 
     def _plan_k(self, st: DecodeState, k: int) -> "_Plan":
@@ -321,6 +322,7 @@ class SpecDecoder:
         forward per drafting step for all) does so, and each request is charged its share of the time."""
         plans: list[_Plan | None] = [None] * len(states)
         ks: dict[int, int] = {}
+        self._clock += 1
         for i, st in enumerate(states):
             try:
                 k = self._draft_len(st, max_draft, len(states))

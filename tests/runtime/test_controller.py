@@ -204,3 +204,29 @@ def test_a_fixed_drafting_cost_per_step_is_seen():
     assert abs(q0 - 0.1) < 0.01 and abs(q - 0.01) < 0.005
     assert abs(c.cost(2) - (1.0 + 1.1)) < 0.05
     assert c.best_len() == 0
+
+
+def test_requests_of_a_batch_probe_together_on_a_shared_clock():
+    """Drafting off for two requests of a batch that started at different times: with the shared
+    clock they probe in the same steps (one drafting forward for both), on multiples of their wait;
+    without it each probes on its own count."""
+    costs = {1: 0.1, 2: 0.3, 3: 0.3, 4: 0.3, 5: 0.3}
+
+    def probes(clocked: bool) -> list[list[int]]:
+        cs = [DraftLengthController(k=4, costs=dict(costs), alpha=0.0, probe_every=8) for _ in range(2)]
+        at: list[list[int]] = [[], []]
+        for clock in range(1, 200):
+            for i, c in enumerate(cs):
+                if i == 1 and clock < 5:  # the second request joins 4 steps later
+                    continue
+                d = c.draft_len(batch=2, clock=clock if clocked else None)
+                if d:
+                    at[i].append(clock)
+                c.observe(d, 0, d + 1, costs[d + 1])
+        return at
+
+    together = probes(True)
+    assert together[0] and together[0] == together[1]
+    assert all(t % 8 == 0 for t in together[0])
+    apart = probes(False)
+    assert apart[0] != apart[1]
