@@ -799,6 +799,8 @@ class Recommendation:
     alternatives: list[Choice]
     notes: list[str] = field(default_factory=list)
     probe: dict | None = None
+    context: int = 1024  # tokens in the KV cache while decoding, and requests decoding together,
+    batch: int = 1  # as recommend judged sparse_attn (and --probe predicts it on this machine)
 
     def to_dict(self) -> dict:
         return {
@@ -807,6 +809,7 @@ class Recommendation:
             "candidates": [c.to_dict() for c in self.candidates], "tree": self.tree.to_dict(),
             "recommendation": self.choice.to_dict(), "alternatives": [a.to_dict() for a in self.alternatives],
             "implemented_methods": list(_implemented()), "notes": self.notes, "probe": self.probe,
+            "context": self.context, "batch": self.batch,
         }
 
 
@@ -1008,7 +1011,8 @@ def recommend(model: str, *, drafts: list[str] | None = None, candidates: list[s
     if not target.path:
         notes.append(f"{target.name} is not pulled: described from the catalogue (`specctl models pull {target.name}` "
                      "to check drafts and tokenizers against it)")
-    return Recommendation(target, w, own_training, mtp, found, cands, tree, choice, alts, notes)
+    return Recommendation(target, w, own_training, mtp, found, cands, tree, choice, alts, notes,
+                          context=context or w.context, batch=batch)
 
 
 # ----------------------------------------------------------------------------- probing
@@ -1209,6 +1213,9 @@ def probe(rec: Recommendation, *, prompts: str | None = None, num_prompts: int =
             "draft_rate": len(t.steps) / s["steps"] if s["steps"] else 0.0,
             "verify_cost": verify, "identical_to_baseline": s["identical"], "requests": len(ids),
         })
+    for r in rows:
+        if r["method"] == "sparse_attn":
+            r["roofline"] = _sparse_roofline(rec, loaded, SpecConfig.from_dict(r["config"]), r["mean_acceptance_length"])
     rows.sort(key=lambda r: -(r["measured_speedup"] or 0))
     for i, r in enumerate(rows, 1):
         r["rank"] = i
@@ -1219,6 +1226,24 @@ def probe(rec: Recommendation, *, prompts: str | None = None, num_prompts: int =
     if note:
         out["note"] = note
     return out
+
+
+def _sparse_roofline(rec: Recommendation, loaded, c, tau: float) -> dict:
+    """sparse_attn's predicted speedup at the recommendation's context and batch on this machine: the
+    roofline model (specctl/roofline.py) with the bandwidth and compute measured on the loaded target
+    at that context, and the acceptance length the probe measured."""
+    from specctl.roofline import Shapes, measure_machine, sparse_attn_estimate
+
+    a = loaded.model.args
+    shapes = Shapes(a.num_layers, a.hidden_size, a.num_heads, a.num_kv_heads, a.head_dim, a.intermediate_size,
+                    a.vocab_size, loaded.model.embed.weight.element_size())
+    m = measure_machine(loaded.model, context=rec.context, repeats=3)
+    skip = c.sparse_attn_skip_layers if isinstance(c.sparse_attn_skip_layers, list) else []
+    est = sparse_attn_estimate(shapes, m, context=rec.context, batch=rec.batch, k=c.num_speculative_tokens, tau=tau,
+                               ratio=c.sparse_attn_ratio, min_tokens=c.sparse_attn_min_tokens,
+                               layer_share=1 - len(skip) / a.num_layers, algorithm=c.sparse_attn_algorithm)
+    return {"context": rec.context, "batch": rec.batch, "predicted_speedup": est.speedup, "kv_share": est.kv_share,
+            "draft_positions": est.draft_positions, "machine": m.to_dict()}
 
 
 def apply_probe(rec: Recommendation, result: dict) -> None:
@@ -1235,6 +1260,15 @@ def apply_probe(rec: Recommendation, result: dict) -> None:
                              f"at k={r['predicted_k']}; drafted at {r['draft_rate']:.0%} of steps; a verify forward "
                              f"cost {_f(r['verify_cost'])} decode steps (the formula assumes 1)",
                       ok=(r["measured_speedup"] or 0) > 1.0))
+        if "roofline" in r:
+            rf = r["roofline"]
+            node.add(Node("evidence", f"{r['label']} at {rf['context']} tokens of context, batch {rf['batch']}: "
+                                      f"predicted x{rf['predicted_speedup']:.2f} on this machine",
+                          reason=f"roofline with this machine's measured bandwidth "
+                                 f"({rf['machine']['bandwidth'] / 1e9:.1f} GB/s) and attention compute, and the "
+                                 f"acceptance length measured here ({r['mean_acceptance_length']:.2f}); the KV read is "
+                                 f"{100 * rf['kv_share']:.0f}% of the weights'",
+                          ok=rf["predicted_speedup"] > 1.0))
     for s in result["skipped"]:
         node.add(Node("evidence", f"{s['label']}: not probed", reason=s["reason"], ok=False))
     if rows and (rows[0]["measured_speedup"] or 0) > 1.0:

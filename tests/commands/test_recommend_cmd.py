@@ -143,3 +143,21 @@ def test_usage_errors_exit_2(tiny_model_dir):
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "unknown workload" in r.stderr
     r = run_main("recommend", str(tiny_model_dir), "--prompts", "x.jsonl")
     assert r.returncode == 2 and "--probe" in r.stderr
+
+
+def test_probe_predicts_sparse_attn_at_the_asked_context_on_this_machine(tiny_model_factory, tmp_path):
+    """Where sparse_attn is judged to pay (a long context at a large batch), --probe runs it and
+    predicts its speedup at that context and batch from this machine's measured rates."""
+    tgt = tiny_model_factory(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "abc abc abc abc abc abc abc abc abc abc"}) + "\n")
+    r = runner.invoke(app, ["recommend", str(tgt), "--candidates", str(tgt), "-w", "long-context", "--context-len",
+                            "2048", "--batch", "64", "--probe", "--prompts", str(prompts), "-n", "1",
+                            "--max-new-tokens", "8", "--dtype", "float32", "--json"])
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.stdout)
+    assert (data["context"], data["batch"]) == (2048, 64)
+    row = next(x for x in data["probe"]["methods"] if x["method"] == "sparse_attn")
+    rf = row["roofline"]
+    assert (rf["context"], rf["batch"]) == (2048, 64) and rf["predicted_speedup"] > 0
+    assert rf["machine"]["bandwidth"] > 0 and rf["machine"]["attention_flops"] > 0
