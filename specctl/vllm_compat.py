@@ -14,7 +14,8 @@ vLLM (``serve --engine vllm``, the interop check) is filtered here:
      ``*_parallel_config`` objects, which a user cannot give as JSON). ``benchmarks/vllm_interop.py``
      re-reads the installed vLLM's fields and constructs its ``SpeculativeConfig`` from our output.
 
-A hybrid has no vLLM form (vLLM runs one proposer at a time): ``vllm_speculative_config`` raises.
+A hybrid has no vLLM form (vLLM runs one proposer at a time), nor has a method vLLM lacks (e.g. specctl's
+``sparse_attn``, from a vLLM RFC): ``vllm_speculative_config`` raises ValueError for them.
 
 This module imports neither torch nor vLLM.
 """
@@ -67,6 +68,9 @@ def vllm_speculative_config(spec: Any, fields: frozenset[str] | set[str] | None 
         raise ValueError("'hybrid' is specctl's own method: vLLM runs one proposer at a time")
     if method == "deepseek_mtp":
         d["method"] = "mtp"
+    if d.get("method") not in VLLM_METHODS:
+        raise ValueError(f"'{d.get('method')}' is not a speculative method of vLLM {VLLM_VERSION_RECORDED} "
+                         f"(it has: {', '.join(sorted(VLLM_METHODS))})")
     accepted = VLLM_SPECULATIVE_CONFIG_FIELDS if fields is None else frozenset(fields)
     out: dict[str, Any] = {}
     for key, value in d.items():

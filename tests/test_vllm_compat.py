@@ -96,3 +96,8 @@ def test_hf_overrides_for_a_mimo_mtp_draft(tmp_path):
     assert vllm_hf_overrides({"method": "eagle3", "model": str(tmp_path)}) == {}
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "num_nextn_predict_layers": 1}))
     assert vllm_hf_overrides({"method": "mtp", "model": str(tmp_path)}) == {}
+
+
+def test_a_method_vllm_lacks_has_no_vllm_form():
+    with pytest.raises(ValueError, match="not a speculative method of vLLM"):
+        vllm_speculative_config({"method": "sparse_attn", "num_speculative_tokens": 4})

@@ -230,6 +230,12 @@ def _exec_vllm(model: str | None, spec, served_model_name, host, port, api_key, 
     from specctl.errors import ModelError, SpecctlError
     from specctl.vllm_compat import dropped_keys, vllm_hf_overrides, vllm_speculative_config
 
+    from specctl.errors import UsageError
+
+    try:
+        reduced = vllm_speculative_config(spec) if spec is not None else None
+    except ValueError as e:
+        raise UsageError(str(e), "serve it with --engine own, or pick a method vLLM has") from None
     python, exe = vllm_launcher()
     if python is None and exe is None:
         raise SpecctlError("--engine vllm needs vLLM, which is not installed here (no `vllm` command on PATH, "
@@ -252,7 +258,7 @@ def _exec_vllm(model: str | None, spec, served_model_name, host, port, api_key, 
     sent = None
     if spec is not None:
         full = spec.to_dict()
-        sent = _resolve_draft(vllm_speculative_config(spec), dtype, err)
+        sent = _resolve_draft(reduced, dtype, err)
         gone = dropped_keys(full, sent)
         if gone:
             err.log(f"not sent to vLLM (specctl-only or defaults vLLM does not take): {', '.join(gone)}")

@@ -274,3 +274,11 @@ def test_engine_vllm_adds_hf_overrides_for_a_mimo_mtp_draft(tiny_model_dir, tmp_
     assert json.loads(argv[argv.index("--hf-overrides") + 1]) == {"num_nextn_predict_layers": 1}
     sent = json.loads(argv[argv.index("--speculative-config") + 1])
     assert sent == {"method": "mtp", "model": str(draft), "num_speculative_tokens": 1}
+
+
+def test_a_method_vllm_lacks_is_refused_before_vllm_starts(tiny_model_dir, tmp_path):
+    _, record = _fake_vllm(tmp_path)
+    r = run_cli("serve", "--engine", "vllm", "--model", str(tiny_model_dir), "--method", "sparse_attn",
+                env_extra={"PATH": f"{tmp_path}{os.pathsep}{os.environ['PATH']}", "SPECCTL_VLLM_PYTHON": ""})
+    assert r.returncode == 2 and "not a speculative method of vLLM" in r.stderr and "--engine own" in r.stderr
+    assert not record.exists()
