@@ -24,6 +24,27 @@ class DraftOutput:
     parents: list[int] | None = None
 
 
+def batch_draft(drafts: list[tuple[list[int], torch.Tensor | None]], k: int, vocab: int, device) -> DraftOutput:
+    """A batch's DraftOutput from each request's (draft ids, q [n, vocab] or None): ids padded with -1
+    to k; q where any request sampled, with one-hot rows for the deterministic drafts among them."""
+    B = len(drafts)
+    out = torch.full((B, k), -1, dtype=torch.long)
+    num = torch.zeros(B, dtype=torch.long)
+    for b, (ids, _) in enumerate(drafts):
+        out[b, :len(ids)] = torch.tensor(ids, dtype=torch.long)
+        num[b] = len(ids)
+    probs = None
+    if any(q is not None for _, q in drafts):
+        probs = torch.zeros(B, k, vocab, dtype=torch.float32, device=device)  # [B, k, V]
+        for b, (ids, q) in enumerate(drafts):
+            n = len(ids)
+            if q is not None:
+                probs[b, :n] = q[:n]
+            elif n:  # a deterministic row among sampled ones: q one-hot at its tokens
+                probs[b, torch.arange(n), out[b, :n].to(device)] = 1.0
+    return DraftOutput(out, num, probs)
+
+
 @dataclass
 class DraftSampling:
     """How a request samples (from SamplingParams), kept per slot by proposers that draft from a model."""

@@ -45,7 +45,7 @@ import torch
 
 from specctl.config import SpecConfig
 from specctl.errors import UsageError
-from specctl.runtime.proposers.base import DraftOutput, Proposer
+from specctl.runtime.proposers.base import DraftOutput, Proposer, batch_draft
 from specctl.runtime.proposers.base import DraftSampling as _Sampling
 from specctl.runtime.rejection import logits_to_probs
 from specctl.runtime.vocab_map import VocabMap, build_vocab_map, span_agreement, token_bytes, tokenizer_fingerprint
@@ -245,25 +245,10 @@ class DraftModelProposer(Proposer):
         """``slots`` [batch] (optional): the slot of each row; without it a row is matched to the slot
         whose known context it extends (always correct: the draft cache is checked token by token)."""
         B = token_ids.shape[0]
-        out = torch.full((B, k), -1, dtype=torch.long)
-        num = torch.zeros(B, dtype=torch.long)
         rows = [self._slot_for_row(token_ids[b], int(num_tokens[b]), None if slots is None else int(slots[b]))
                 for b in range(B)]
-        qs: list[torch.Tensor | None] = [None] * B
-        for b, (ids, q) in enumerate(self._propose_many(rows, [k] * B)):  # every row's draft steps batched
-            out[b, :len(ids)] = torch.tensor(ids, dtype=torch.long)
-            num[b] = len(ids)
-            qs[b] = q
-        probs = None
-        if any(q is not None for q in qs):
-            probs = torch.zeros(B, k, self.Vt, dtype=torch.float32, device=self.device)  # [B, k, V_target]
-            for b, q in enumerate(qs):
-                n = int(num[b])
-                if q is not None:
-                    probs[b, :n] = q[:n]
-                elif n:  # a deterministic row among sampled ones: q one-hot at its tokens
-                    probs[b, torch.arange(n), out[b, :n].to(self.device)] = 1.0
-        return DraftOutput(out, num, probs)
+        # every row's draft steps batched
+        return batch_draft(self._propose_many(rows, [k] * B), k, self.Vt, self.device)
 
     def _context_ids(self, s: _Slot) -> np.ndarray:
         """[n_draft] the draft-side ids of the slot's target context."""
@@ -294,12 +279,7 @@ class DraftModelProposer(Proposer):
         forward per drafting step for all of them (``runner.forward_batch``: the draft's weights are
         read once per step, not once per request). Each request's draft is the one ``propose`` gives."""
         slots = [self._slot_for_row(t[0], n, slot) for t, n, slot in rows]
-        out = []
-        for (ids, q), k in zip(self._propose_many(slots, ks), ks):
-            tok = torch.full((1, k), -1, dtype=torch.long)
-            tok[0, :len(ids)] = torch.tensor(ids, dtype=torch.long)
-            out.append(DraftOutput(tok, torch.tensor([len(ids)]), None if q is None else q[None]))
-        return out
+        return [batch_draft([d], k, self.Vt, self.device) for d, k in zip(self._propose_many(slots, ks), ks)]
 
     def _sync_tokens(self, s: _Slot, want: np.ndarray) -> torch.Tensor:
         """Roll the draft cache back to its longest prefix of ``want`` and return what is left to feed

@@ -48,7 +48,7 @@ from torch import nn
 from specctl.config import SpecConfig
 from specctl.errors import ModelError, UsageError
 from specctl.runtime.model import ModelArgs, RMSNorm, rope_inv_freq, rotate_half
-from specctl.runtime.proposers.base import DraftOutput, SlotProposer
+from specctl.runtime.proposers.base import DraftOutput, SlotProposer, batch_draft
 from specctl.runtime.proposers.base import DraftSampling as _Sampling
 from specctl.runtime.rejection import logits_to_probs
 
@@ -484,25 +484,9 @@ class EagleProposer(SlotProposer):
             s = self._slot_for_row(token_ids[0], int(num_tokens[0]), slot_of(0))
             if (s.sampling or _Sampling()).temperature <= 0:
                 return self._propose_tree(s, token_ids[0], int(num_tokens[0]), k)
-        out = torch.full((B, k), -1, dtype=torch.long)
-        num = torch.zeros(B, dtype=torch.long)
-        qs = []
-        for b in range(B):
-            n = int(num_tokens[b])
-            ids, q = self._propose_one(self._slot_for_row(token_ids[b], n, slot_of(b)), token_ids[b], n, k)
-            out[b, :len(ids)] = torch.tensor(ids, dtype=torch.long)
-            num[b] = len(ids)
-            qs.append(q)
-        probs = None
-        if any(q is not None for q in qs):
-            probs = torch.zeros(B, k, self.Vt, device=self.device)  # [B, k, V_target]
-            for b, q in enumerate(qs):
-                nb = int(num[b])
-                if q is not None:
-                    probs[b, :nb] = q[:nb]
-                elif nb:
-                    probs[b, torch.arange(nb), out[b, :nb].to(self.device)] = 1.0
-        return DraftOutput(out, num, probs)
+        drafts = [self._propose_one(self._slot_for_row(token_ids[b], int(num_tokens[b]), slot_of(b)), token_ids[b],
+                                    int(num_tokens[b]), k) for b in range(B)]
+        return batch_draft(drafts, k, self.Vt, self.device)
 
     @torch.inference_mode()
     def _propose_one(self, s: _Slot, row: np.ndarray, n: int, k: int) -> tuple[list[int], torch.Tensor | None]:

@@ -54,7 +54,7 @@ from kernels import skinny_linear
 from specctl.config import SpecConfig
 from specctl.errors import ModelError, UsageError
 from specctl.runtime.model import Block, ModelArgs, RMSNorm, Transformer
-from specctl.runtime.proposers.base import DraftOutput, SlotProposer
+from specctl.runtime.proposers.base import DraftOutput, SlotProposer, batch_draft
 from specctl.runtime.proposers.base import DraftSampling as _Sampling
 from specctl.runtime.rejection import logits_to_probs
 
@@ -348,29 +348,14 @@ class MtpProposer(SlotProposer):
     @torch.inference_mode()
     def propose(self, token_ids, num_tokens, k, hidden_states=None, slots=None) -> DraftOutput:
         B = token_ids.shape[0]
-        V = self.target.model.args.vocab_size
-        out = torch.full((B, k), -1, dtype=torch.long)
-        num = torch.zeros(B, dtype=torch.long)
-        qs: list[torch.Tensor | None] = [None] * B
+        drafts: list[tuple[list[int], torch.Tensor | None]] = [([], None)] * B
         for b in range(B):
             n = int(num_tokens[b])
             s = self._match_slot(token_ids[b], n, None if slots is None else int(slots[b]))
             if s is None or n < 2 or n + k > s.max_len:
                 continue  # no target states for this row (or no room): no draft this step
-            ids, q = self._propose_one(s, torch.from_numpy(np.asarray(token_ids[b, :n], dtype=np.int64)), k)
-            out[b, :len(ids)] = torch.tensor(ids, dtype=torch.long)
-            num[b] = len(ids)
-            qs[b] = q
-        probs = None
-        if any(q is not None for q in qs):
-            probs = torch.zeros(B, k, V, dtype=torch.float32, device=self.device)  # [B, k, V]
-            for b, q in enumerate(qs):
-                nb = int(num[b])
-                if q is not None:
-                    probs[b, :nb] = q[:nb]
-                elif nb:
-                    probs[b, torch.arange(nb), out[b, :nb].to(self.device)] = 1.0
-        return DraftOutput(out, num, probs)
+            drafts[b] = self._propose_one(s, torch.from_numpy(np.asarray(token_ids[b, :n], dtype=np.int64)), k)
+        return batch_draft(drafts, k, self.target.model.args.vocab_size, self.device)
 
     def _propose_one(self, s: _Slot, seq: torch.Tensor, k: int) -> tuple[list[int], torch.Tensor | None]:
         """seq: [n] the context. Returns (draft ids, q [n_draft, V] or None)."""

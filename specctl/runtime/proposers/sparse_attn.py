@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -36,7 +36,7 @@ import torch
 from specctl.config import SpecConfig
 from specctl.errors import UsageError
 from specctl.runtime.model import KVCache
-from specctl.runtime.proposers.base import DraftOutput, DraftSampling, SlotProposer
+from specctl.runtime.proposers.base import DraftOutput, DraftSampling, SlotProposer, batch_draft
 from specctl.runtime.rejection import logits_to_probs
 
 # StreamingLLM's attention sinks: vLLM's reference keeps the first KV block (16 positions)
@@ -190,25 +190,19 @@ class SparseAttnProposer(SlotProposer):
     # ------------------------------------------------------------------ drafting
     def propose(self, token_ids, num_tokens, k, hidden_states=None, slots=None) -> DraftOutput:
         B = token_ids.shape[0]
-        outs = self.propose_batch([(token_ids[b:b + 1], int(num_tokens[b]), None if slots is None else int(slots[b]))
-                                   for b in range(B)], [k] * B)
-        tok = torch.cat([d.token_ids for d in outs])
-        num = torch.cat([d.num_tokens for d in outs])
-        probs = None
-        if any(d.probs is not None for d in outs):
-            probs = torch.zeros(B, k, self.model.args.vocab_size, device=self.device)
-            for b, d in enumerate(outs):
-                nb = int(num[b])
-                if d.probs is not None:
-                    probs[b, :nb] = d.probs[0, :nb]
-                elif nb:
-                    probs[b, torch.arange(nb), tok[b, :nb].to(self.device)] = 1.0
-        return DraftOutput(tok, num, probs)
+        rows = [(token_ids[b:b + 1], int(num_tokens[b]), None if slots is None else int(slots[b])) for b in range(B)]
+        return batch_draft(self._drafts(rows, [k] * B), k, self.model.args.vocab_size, self.device)
 
     def propose_batch(self, rows: list[tuple[np.ndarray, int, int | None]], ks: list[int]) -> list[DraftOutput]:
         """Drafts for many requests, (token_ids [1, max_len], n, slot) each: every drafting step is one
         ragged forward of the target over all of them (one read of the weights), each request's row
         attending to its own scratch cache."""
+        V = self.model.args.vocab_size
+        return [batch_draft([d], k, V, self.device) for d, k in zip(self._drafts(rows, ks), ks)]
+
+    def _drafts(self, rows: list[tuple[np.ndarray, int, int | None]],
+                ks: list[int]) -> list[tuple[list[int], torch.Tensor | None]]:
+        """(draft ids, q or None) per request of ``rows``, with the layers "auto" picks this step."""
         slots = []
         for t, n, slot in rows:
             s = self._match_slot(t[0], n, slot)
@@ -217,23 +211,17 @@ class SparseAttnProposer(SlotProposer):
                                  "drive it through SpecDecoder (it binds each request's runner)")
             slots.append(s)
         lasts = [int(t[0, n - 1]) for t, n, _ in rows]
-        layers, choice = self.skipping, None
-        if self.chooser is not None:
-            choice = self.chooser.pick()
-            skip = self.chooser.candidates[choice]
-            layers = [i for i in range(self.model.args.num_layers) if i not in skip] if skip else None
+        if self.chooser is None:
+            return self._draft(slots, lasts, ks, self.skipping)
+        choice = self.chooser.pick()
+        skip = self.chooser.candidates[choice]
+        layers = [i for i in range(self.model.args.num_layers) if i not in skip] if skip else None
         t0 = time.perf_counter()
         drafts = self._draft(slots, lasts, ks, layers)
-        if choice is not None:
-            self.chooser.observe(choice, sum(len(d[0]) for d in drafts), time.perf_counter() - t0)
-            for s in slots:
-                s.skip_choice = choice
-        out = []
-        for (ids, q), k in zip(drafts, ks):
-            tok = torch.full((1, k), -1, dtype=torch.long)
-            tok[0, :len(ids)] = torch.tensor(ids, dtype=torch.long)
-            out.append(DraftOutput(tok, torch.tensor([len(ids)]), None if q is None else q[None]))
-        return out
+        self.chooser.observe(choice, sum(len(ids) for ids, _ in drafts), time.perf_counter() - t0)
+        for s in slots:
+            s.skip_choice = choice
+        return drafts
 
     def select(self, s: _Slot) -> torch.Tensor:
         """The cached positions the next draft attends to: [m] (every layer) or [layers, m]."""
@@ -271,35 +259,50 @@ class SparseAttnProposer(SlotProposer):
         from specctl.runtime.model import Segment
 
         results: list[tuple[list[int], torch.Tensor | None]] = [([], None)] * len(slots)
-        live = []  # [index, slot, k, m, L, next token, ids, q rows, sampling]
+        live = []
         for i, (s, last, k) in enumerate(zip(slots, lasts, ks)):
             L = s.runner.length
             if k <= 0 or L == 0 or draft_budget(L, self.ratio, self.min_tokens) + 2 * k + 2 > s.scratch.max_len:
                 continue
-            live.append([i, s, k, self._gather(s), L, last, [], [], s.sampling or DraftSampling()])
-        model, j = self.model, 0
+            live.append(_Drafting(i, s, k, self._gather(s), L, last, s.sampling or DraftSampling()))
+        j = 0
         while live:
-            segs = [Segment(d[1].scratch, d[3] + j, 1, positions=torch.tensor([float(d[4] + j)], device=self.device))
+            segs = [Segment(d.slot.scratch, d.m + j, 1, positions=torch.tensor([float(d.L + j)], device=self.device))
                     for d in live]
-            tokens = torch.tensor([d[5] for d in live], device=self.device)
-            logits, _ = model.forward_ragged(tokens, segs, layers=layers)  # [len(live), V]
+            tokens = torch.tensor([d.feed for d in live], device=self.device)
+            logits, _ = self.model.forward_ragged(tokens, segs, layers=layers)  # [len(live), V]
             still = []
             for d, lg in zip(live, logits):
-                sp = d[8]
+                sp = d.sampling
                 if sp.temperature > 0:
                     p = logits_to_probs(lg.float(), sp.temperature, sp.top_k, sp.top_p)
-                    tok = int(torch.multinomial(p, 1, generator=sp.generator or self._own_generator))
-                    d[7].append(p)
+                    d.feed = int(torch.multinomial(p, 1, generator=sp.generator or self._own_generator))
+                    d.q_rows.append(p)
                 else:
-                    tok = int(torch.argmax(lg))
-                d[6].append(tok)
-                d[5] = tok
-                if len(d[6]) < d[2] and tok not in self.stop_ids:
+                    d.feed = int(torch.argmax(lg))
+                d.ids.append(d.feed)
+                if len(d.ids) < d.k and d.feed not in self.stop_ids:
                     still.append(d)
                 else:
-                    results[d[0]] = (d[6], torch.stack(d[7]) if d[7] else None)
+                    results[d.index] = (d.ids, torch.stack(d.q_rows) if d.q_rows else None)
             live, j = still, j + 1
         return results
+
+
+@dataclass
+class _Drafting:
+    """One request's draft in progress (``_draft``): where it came from, its slot and draft length, the
+    positions in its scratch cache (m) and real cache (L), the token it feeds next, what it drafted."""
+
+    index: int
+    slot: _Slot
+    k: int
+    m: int
+    L: int
+    feed: int
+    sampling: DraftSampling
+    ids: list[int] = field(default_factory=list)
+    q_rows: list[torch.Tensor] = field(default_factory=list)
 
 
 PROPOSERS = {"sparse_attn": SparseAttnProposer}
