@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -92,7 +93,9 @@ def test_json(target_with_medusa):
 
 
 def test_probe_ranks_methods_with_alpha_rho_and_speedups(tiny_model_factory, tmp_path):
-    tgt = tiny_model_factory(num_hidden_layers=4)
+    # a folder of its own: drafts beside the target are searched, and the session's temp root holds
+    # other tests' drafts (an MTP export would join the probe)
+    tgt = shutil.copytree(tiny_model_factory(num_hidden_layers=4), tmp_path / "models" / "target")
     small = tiny_model_factory(num_hidden_layers=1, seed=1)
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in (
