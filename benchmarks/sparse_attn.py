@@ -182,9 +182,7 @@ def main() -> None:
     loaded = load_model(resolve_model(args.model, dtype="bfloat16"), dtype="bfloat16")
     params = SamplingParams(max_new_tokens=args.max_new_tokens, stop_token_ids=loaded.stop_token_ids)
     header = machine_header(loaded, args.max_new_tokens, 0.0)
-    cfg = loaded.model.args
-    shapes = Shapes(cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                    cfg.intermediate_size, cfg.vocab_size, 2)
+    shapes = Shapes.of(loaded.model)
     header["roofline_machine"] = {}
     measured: dict[int, object] = {}
 

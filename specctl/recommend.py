@@ -725,7 +725,8 @@ def _implemented() -> tuple[str, ...]:
 
 
 def make_choice(method: str, target: ModelInfo, label: str, reason: str, *, draft: str | None = None,
-                draft_path: str | None = None, k: int | None = None) -> Choice:
+                draft_path: str | None = None, k: int | None = None, extra: dict | None = None) -> Choice:
+    """A ready choice: its config (``extra``: more of the method's keys), vLLM's, and the commands."""
     from specctl.config import DEFAULT_NUM_SPECULATIVE_TOKENS
 
     k = k or DEFAULT_NUM_SPECULATIVE_TOKENS.get(method, 3)
@@ -735,6 +736,7 @@ def make_choice(method: str, target: ModelInfo, label: str, reason: str, *, draf
     cfg["num_speculative_tokens"] = int(k)
     if method == "ngram":
         cfg.update(prompt_lookup_min=2, prompt_lookup_max=5)
+    cfg.update(extra or {})
     vcfg = dict(cfg, model=draft_path or draft) if draft is not None else dict(cfg)
     runnable = method in _implemented()
     note = "" if runnable else (f"recommended, but '{method}' is not runnable in this installation yet "
@@ -972,16 +974,12 @@ def sparse_attn_choice(target: ModelInfo, w: Workload, tree: Node, choice: Choic
     pays = est.speedup >= MIN_GAIN
     q = tree.add(Node("question", "Is the KV cache a large share of each step's reads (sparse-attention self-speculation)?",
                       "yes" if pays else "no", reason))
-    c = make_choice("sparse_attn", target, "sparse_attn (vegas: the target drafts over the positions it attended to most)",
-                    reason, k=k)
-    c.config["sparse_attn_algorithm"] = c.vllm_config["sparse_attn_algorithm"] = "vegas"
-    flags = f"--speculative-config {shlex.quote(json.dumps(c.config))}"
-    model = shlex.quote(target.spec)
-    c.commands.update(specctl_flags=flags, specctl_serve=f"specctl serve --model {model} {flags}",
-                      specctl_bench=f"specctl bench --model {model} {flags} -w long-4k --reuse-prefill")
-    c.note = "vLLM RFC #47351's keys: mainline vLLM has no sparse_attn yet (the platformxlab/vegas fork does)"
     if not pays:
         return None, False
+    c = make_choice("sparse_attn", target, "sparse_attn (vegas: the target drafts over the positions it attended to most)",
+                    reason, k=k, extra={"sparse_attn_algorithm": "vegas"})
+    c.commands["specctl_bench"] += " -w long-4k --reuse-prefill"
+    c.note = "vLLM RFC #47351's keys: mainline vLLM has no sparse_attn yet (the platformxlab/vegas fork does)"
     replace_choice = choice.layer == 1 and choice.method in ("ngram", "suffix")
     if replace_choice:
         q.add(Node("choice", c.label, reason="no trained draft here, and self-speculation over the long context pays"))
@@ -1235,8 +1233,7 @@ def _sparse_roofline(rec: Recommendation, loaded, c, tau: float) -> dict:
     from specctl.roofline import Shapes, measure_machine, sparse_attn_estimate
 
     a = loaded.model.args
-    shapes = Shapes(a.num_layers, a.hidden_size, a.num_heads, a.num_kv_heads, a.head_dim, a.intermediate_size,
-                    a.vocab_size, loaded.model.embed.weight.element_size())
+    shapes = Shapes.of(loaded.model)
     m = measure_machine(loaded.model, context=rec.context, repeats=3)
     skip = c.sparse_attn_skip_layers if isinstance(c.sparse_attn_skip_layers, list) else []
     est = sparse_attn_estimate(shapes, m, context=rec.context, batch=rec.batch, k=c.num_speculative_tokens, tau=tau,

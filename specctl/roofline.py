@@ -44,6 +44,13 @@ class Shapes:
                    cfg.get("head_dim") or cfg["hidden_size"] // heads, cfg["intermediate_size"], cfg["vocab_size"],
                    bytes_per_param)
 
+    @classmethod
+    def of(cls, model) -> "Shapes":
+        """The shapes of a loaded specctl Transformer, at the width of its weights."""
+        a = model.args
+        return cls(a.num_layers, a.hidden_size, a.num_heads, a.num_kv_heads, a.head_dim, a.intermediate_size,
+                   a.vocab_size, model.embed.weight.element_size())
+
     @property
     def layer_params(self) -> int:
         q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
@@ -112,6 +119,7 @@ class SparseEstimate:
 
 
 def budget(context: int, ratio: float, min_tokens: int) -> int:
+    """Positions a sparse_attn draft step attends to in a cache of ``context`` (all of them when fewer)."""
     return min(context, max(math.ceil(context * ratio), min_tokens))
 
 
@@ -144,9 +152,7 @@ def measure_machine(model, context: int = 4096, rows: int = 32, repeats: int = 5
 
     from specctl.runtime.runner import TargetRunner
 
-    s = Shapes(model.args.num_layers, model.args.hidden_size, model.args.num_heads, model.args.num_kv_heads,
-               model.args.head_dim, model.args.intermediate_size, model.args.vocab_size,
-               model.embed.weight.element_size())
+    s = Shapes.of(model)
     runner = TargetRunner(model, context + rows + 8)
     ids = torch.randint(0, model.args.vocab_size, (1, rows))
 

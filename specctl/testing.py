@@ -2,7 +2,8 @@
 
 ``exact_marginals``: the distributions of the 1st..depth-th emitted token under plain sampling,
 computed exactly by enumerating prefixes (those below ``prune`` are dropped and their mass
-returned); ``tv``: total variation distance; ``null_tv_quantile``: how far the empirical histogram
+returned); ``emitted_histograms``: the empirical side, over seeded runs of a decoder; ``tv``: total
+variation distance; ``null_tv_quantile``: how far the empirical histogram
 of n samples from the exact distribution itself lands (its q-quantile over many trials), the
 threshold a correct sampler stays under (arXiv 2211.17192's claim, checked).
 """
@@ -47,3 +48,17 @@ def null_tv_quantile(exact: torch.Tensor, n: int, q: float = 0.999, trials: int 
     draws = torch.multinomial(exact.float().expand(trials, -1), n, replacement=True, generator=g)
     hist = torch.zeros(trials, exact.numel()).scatter_add_(1, draws, torch.ones(draws.shape)) / n
     return float(torch.quantile(0.5 * (hist - exact.float()).abs().sum(1), q))
+
+
+def emitted_histograms(decoder, prompt: list[int], params, n: int, vocab: int):
+    """(histogram of the 2nd emitted token [V], of the 3rd [V], draft tokens, accepted tokens) over n
+    runs of ``decoder`` (a SpecDecoder) on ``prompt``, run i seeded with i."""
+    seconds, thirds = torch.zeros(vocab), torch.zeros(vocab)
+    drafted = accepted = 0
+    for i in range(n):
+        res = decoder.generate(prompt, params, torch.Generator().manual_seed(i))
+        seconds[res.token_ids[1]] += 1
+        thirds[res.token_ids[2]] += 1
+        drafted += res.stats.num_draft_tokens
+        accepted += res.stats.num_accepted_tokens
+    return seconds / n, thirds / n, drafted, accepted

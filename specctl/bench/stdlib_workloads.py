@@ -330,13 +330,6 @@ def _public_functions(tree: ast.Module) -> list[str]:
             and not n.name.startswith("_")]
 
 
-def _long_4k(num_prompts: int | None, seed: int) -> list[Request]:
-    return _long_documents(LONG_TOKENS["long-4k"], num_prompts, seed)
-
-
-def _long_16k(num_prompts: int | None, seed: int) -> list[Request]:
-    return _long_documents(LONG_TOKENS["long-16k"], num_prompts, seed)
-
-
-def _long_32k(num_prompts: int | None, seed: int) -> list[Request]:
-    return _long_documents(LONG_TOKENS["long-32k"], num_prompts, seed)
+_long_4k = functools.partial(_long_documents, LONG_TOKENS["long-4k"])
+_long_16k = functools.partial(_long_documents, LONG_TOKENS["long-16k"])
+_long_32k = functools.partial(_long_documents, LONG_TOKENS["long-32k"])

@@ -291,7 +291,7 @@ class SpecDecoder:
         if max_draft is not None:
             k = min(k, max_draft)
         if st.controller is not None:
-            k = min(k, st.controller.draft_len(batch, self._clock if batch > 1 else None))
+            k = min(k, st.controller.draft_len(batch, self._clock))
         return k
 
     def _plan_k(self, st: DecodeState, k: int) -> "_Plan":

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -202,7 +201,6 @@ class Block(nn.Module):
         # tree: the rows have positions of their own and attend as ``mask`` says, not as a chain;
         # tree_mask [T, T]: they are a draft tree (each node its ancestors), which the C++ kernels
         # compute as exactly as a chain
-        a = self.a
         B, T, _ = x.shape
         exact_tree = tree_mask is not None
         if self.fused and (not tree or exact_tree) and B * T <= decode_layer.MAX_ROWS:
@@ -341,7 +339,7 @@ class Transformer(nn.Module):
         tree = positions is not None
         T = tokens.shape[1]
         if (not tree and tokens.shape[0] == 1 and T <= VERIFY_ROWS and all(b.fused for b in self.layers)
-                and cache.scoring(start, T, logits == "last")):
+                and cache.records(T, logits == "last")):
             # scores to record: the fused kernel writes them while it attends, as in a batch of one
             lg, h = self.forward_ragged(tokens[0], [Segment(cache, start, T, mask, last_only=logits == "last")])
             if self.aux_out is not None:
@@ -394,6 +392,7 @@ class Transformer(nn.Module):
             if s.positions is None and s.cache.scoring(s.start, s.n, s.last_only):
                 scored.append((s, off))
             off += s.n
+        kept = [s.cache.scores if any(s is t for t, _ in scored) else None for s in segs]
         for i, layer in enumerate(self.layers):
             if layers is not None and i not in layers:
                 continue
@@ -401,8 +400,7 @@ class Transformer(nn.Module):
                 aux.append(x)
             x_in = x
             if layer.fused and scored:  # the fused kernel writes the weights as it attends
-                by = {id(s) for s, _ in scored}
-                x = layer.forward_ragged(x, cos, sin, i, segs, [s.cache.scores[i] if id(s) in by else None for s in segs])
+                x = layer.forward_ragged(x, cos, sin, i, segs, [None if w is None else w[i] for w in kept])
                 continue
             x = layer.forward_ragged(x, cos, sin, i, segs)
             for s, o in scored:
@@ -474,10 +472,15 @@ class KVCache:
         """[num_layers, n]: the recorded weights of positions < n, summed over rows and heads."""
         return self.scores[:, :, :, :n].sum(dim=(1, 2))
 
+    def records(self, T: int, prompt: bool) -> bool:
+        """Whether a forward of T rows records scores here: verify blocks and prompts, not one-row
+        decode steps."""
+        return self.scores is not None and (T > 1 or prompt)
+
     def scoring(self, start: int, T: int, prompt: bool) -> bool:
-        """Whether a forward of T rows at ``start`` records scores here (verify blocks and prompts; a
-        one-row decode step does not); clears the first row's weights past where it sees."""
-        if self.scores is None or (T == 1 and not prompt):
+        """``records``, and if so, clears the first row's weights past where it sees (the forward at
+        ``start`` writes the rest)."""
+        if not self.records(T, prompt):
             return False
         self.scores[:, 0, :, start + 1:start + T] = 0
         return True

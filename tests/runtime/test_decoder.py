@@ -20,7 +20,7 @@ from specctl.runtime.decoder import SamplingParams, SpecDecoder
 from specctl.runtime.model import load_transformer
 from specctl.runtime.proposers import DraftOutput, Proposer, build_proposer
 from specctl.runtime.runner import TargetRunner
-from specctl.testing import exact_marginals, null_tv_quantile, tv
+from specctl.testing import emitted_histograms, exact_marginals, null_tv_quantile, tv
 
 MAX_LEN = 160
 NEW = 40
@@ -235,19 +235,6 @@ def test_sampling_is_deterministic_given_a_seed(loopy_model, greedy_cases, specu
     assert any(run(s) != a for s in (1, 2, 3))
 
 
-def _emitted_histograms(dec: SpecDecoder, prompt, params: SamplingParams, n: int, V: int):
-    """Histograms of the 2nd and 3rd emitted tokens over n seeded runs, and the summed SpecStats."""
-    seconds, thirds = torch.zeros(V), torch.zeros(V)
-    drafted = accepted = 0
-    for i in range(n):
-        res = dec.generate(prompt, params, torch.Generator().manual_seed(i))
-        seconds[res.token_ids[1]] += 1
-        thirds[res.token_ids[2]] += 1
-        drafted += res.stats.num_draft_tokens
-        accepted += res.stats.num_accepted_tokens
-    return seconds / n, thirds / n, drafted, accepted
-
-
 def test_stochastic_speculation_keeps_the_target_distribution(loopy_model):
     """Sampling with ngram drafts emits tokens distributed exactly as plain sampling (arXiv 2211.17192).
 
@@ -277,13 +264,13 @@ def test_stochastic_speculation_keeps_the_target_distribution(loopy_model):
     (_, m2, m3), dropped = exact_marginals(loopy_model, prompt, temperature, depth=3)
     assert dropped < 0.01
 
-    sec, third, drafted, accepted = _emitted_histograms(spec, prompt, params, N, V)
+    sec, third, drafted, accepted = emitted_histograms(spec, prompt, params, N, V)
     assert 0.2 < accepted / drafted < 0.95, accepted / drafted  # both accepts and rejections happen
     assert tv(sec, m2) < null_tv_quantile(m2, N) + dropped, tv(sec, m2)
     assert tv(third, m3) < null_tv_quantile(m3, N) + dropped, tv(third, m3)
 
     # the same check on plain sampling: the reference itself is what plain decoding samples
-    sec, third, drafted, _ = _emitted_histograms(plain, prompt, SamplingParams(max_new_tokens=3, temperature=temperature), N, V)
+    sec, third, drafted, _ = emitted_histograms(plain, prompt, SamplingParams(max_new_tokens=3, temperature=temperature), N, V)
     assert drafted == 0
     assert tv(sec, m2) < null_tv_quantile(m2, N) + dropped
     assert tv(third, m3) < null_tv_quantile(m3, N) + dropped

@@ -36,7 +36,6 @@ What it does not know: verification, the target's cache, training (``specctl.tra
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 

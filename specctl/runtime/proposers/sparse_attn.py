@@ -26,7 +26,6 @@ What it does not know: verification, rollback (it reads the runner's length anew
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 
@@ -37,15 +36,11 @@ from specctl.config import SpecConfig
 from specctl.errors import UsageError
 from specctl.runtime.model import KVCache
 from specctl.runtime.proposers.base import DraftOutput, DraftSampling, SlotProposer, batch_draft
+from specctl.roofline import budget as draft_budget
 from specctl.runtime.rejection import logits_to_probs
 
 # StreamingLLM's attention sinks: vLLM's reference keeps the first KV block (16 positions)
 SINK_TOKENS = 16
-
-
-def draft_budget(length: int, ratio: float, min_tokens: int) -> int:
-    """Positions a draft step attends to in a cache of ``length`` (all of them when fewer)."""
-    return min(length, max(math.ceil(length * ratio), min_tokens))
 
 
 def streamingllm_positions(length: int, budget: int, sinks: int = SINK_TOKENS) -> torch.Tensor:
