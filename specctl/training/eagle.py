@@ -22,7 +22,7 @@ Evaluation (greedy, teacher-forced): step i at row t is accepted when steps 0..i
 target's argmax; per-position acceptance = P(accepted at i), simulated acceptance length =
 1 + sum_i P(accepted at i). Exact for chain drafting when the data is the target's greedy output.
 
-What it does not know: the CLI, the export layout (``eagle_export``), verification.
+What it does not know: the CLI, the network and its files (``specctl.drafts.eagle``), verification.
 """
 
 from __future__ import annotations
@@ -42,9 +42,9 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from specctl.drafts.eagle import EagleDraft, export_eagle, rope_cos_sin, spec_from_target
 from specctl.errors import DataError, UsageError
 from specctl.runtime.model import rotate_half
-from specctl.runtime.proposers.eagle import EagleDraft, rope_cos_sin, spec_from_target
 
 CKPT = "checkpoint"
 
@@ -545,7 +545,6 @@ def export_dir(cfg: EagleTrainConfig) -> Path:
 def train(cfg: EagleTrainConfig, loaded=None, log: Callable[[str], None] = lambda m: print(m, file=sys.stderr)) -> dict:
     """Run a whole training; returns the summary (metrics, export folder, timings)."""
     from specctl.runtime.runner import load_model
-    from specctl.training.eagle_export import export_eagle
 
     cfg.validated()
     t_start = time.perf_counter()

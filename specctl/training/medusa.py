@@ -20,7 +20,7 @@ greedy chain drafting with k = K accepts when the data is the target's own greed
 
 Training runs the same code in one process or under ``accelerate launch`` (Accelerator: device,
 DDP, bf16 autocast); each process trains on its shard of the sequences, all take the same steps.
-What it does not know: the CLI, the file layouts (``specctl.training.export``), the data formats
+What it does not know: the CLI, the network and its file layouts (``specctl.drafts.medusa``), the data formats
 (``specctl.training.data``), verification.
 """
 
@@ -39,90 +39,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specctl.drafts.medusa import MedusaHeads
+
 HEAD_DECAY = 0.8  # weight of head k's loss: HEAD_DECAY ** k
 JOINT_HEADS_WEIGHT = 0.2  # Medusa-2: loss = CE_base + 0.2 * heads' loss
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
-# --------------------------------------------------------------------------- the heads
-
-class ResidualBlock(nn.Module):
-    """x -> x + SiLU(W x [+ b]), ``num_layers`` times; W and b start at zero (the identity)."""
-
-    def __init__(self, hidden_size: int, num_layers: int, bias: bool):
-        super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(hidden_size, hidden_size, bias=bias) for _ in range(num_layers))
-        for lin in self.layers:
-            nn.init.zeros_(lin.weight)
-            if lin.bias is not None:
-                nn.init.zeros_(lin.bias)
-
-    def forward(self, x: torch.Tensor, linear=F.linear) -> torch.Tensor:  # x: [..., H]
-        for lin in self.layers:
-            x = x + F.silu(linear(x, lin.weight, lin.bias))
-        return x
-
-
-class MedusaHeads(nn.Module):
-    """K Medusa heads. Parameter names are vLLM's: blocks.{h}.layers.{l}.weight, lm_heads.{h}.weight.
-
-    ``shared_lm_head``: one LM head for all (vLLM's ``original_lm_head``), kept as a frozen copy of
-    the target's. ``token_map`` [V'] (vLLM's truncated vocabulary): LM-head row i scores vocabulary
-    id token_map[i]; the other ids are never drafted.
-    """
-
-    def __init__(self, hidden_size: int, vocab_size: int, num_heads: int, num_layers: int = 1, bias: bool = False,
-                 shared_lm_head: bool = False, token_map: torch.Tensor | None = None):
-        super().__init__()
-        self.hidden_size, self.vocab_size, self.num_heads, self.num_layers = hidden_size, vocab_size, num_heads, num_layers
-        self.bias, self.shared_lm_head = bias, shared_lm_head
-        self.layout = "vllm"  # where it was read from (export.load_medusa sets it)
-        self.blocks = nn.ModuleList(ResidualBlock(hidden_size, num_layers, bias) for _ in range(num_heads))
-        rows = vocab_size if token_map is None else int(token_map.numel())
-        self.lm_heads = nn.ModuleList(nn.Linear(hidden_size, rows, bias=False)
-                                      for _ in range(1 if shared_lm_head else num_heads))
-        self.register_buffer("token_map", None if token_map is None else token_map.long())  # [V'] vocab ids
-
-    def lm_head(self, h: int) -> nn.Linear:
-        return self.lm_heads[0 if self.shared_lm_head else h]
-
-    @torch.no_grad()
-    def init_lm_heads(self, head_weight: torch.Tensor) -> None:
-        """Copy the target's LM head [V, H] (its token_map rows) into every LM head."""
-        w = head_weight if self.token_map is None else head_weight[self.token_map.to(head_weight.device)]
-        for lm in self.lm_heads:
-            lm.weight.copy_(w.to(lm.weight.dtype))
-        if self.shared_lm_head:
-            self.lm_heads.requires_grad_(False)
-
-    def forward(self, hidden: torch.Tensor, num: int | None = None, linear=F.linear) -> torch.Tensor:
-        """hidden [..., H] -> logits [..., n, V'] of the first n = num (default K) heads."""
-        n = self.num_heads if num is None else min(num, self.num_heads)
-        xs = [self.blocks[h](hidden, linear) for h in range(n)]  # n x [..., H]
-        if self.shared_lm_head:
-            lm = self.lm_heads[0]
-            return linear(torch.stack(xs, -2), lm.weight, None)  # one read of the LM head for all heads
-        return torch.stack([linear(x, self.lm_heads[h].weight, None) for h, x in enumerate(xs)], -2)
-
-    def vocab_ids(self, rows: torch.Tensor) -> torch.Tensor:
-        """LM-head row indices -> vocabulary ids."""
-        return rows if self.token_map is None else self.token_map[rows]
-
-    def rows_of(self, vocab_ids: torch.Tensor) -> torch.Tensor:
-        """Vocabulary ids -> LM-head rows, -1 for ids outside the token map (and for -1)."""
-        if self.token_map is None:
-            return vocab_ids
-        lut = torch.full((self.vocab_size + 1,), -1, dtype=torch.long, device=vocab_ids.device)
-        lut[self.token_map.to(vocab_ids.device)] = torch.arange(self.token_map.numel(), device=vocab_ids.device)
-        return lut[vocab_ids.clamp(min=-1)]  # index -1 is the extra slot, always -1
-
-    def full_vocab(self, logits: torch.Tensor) -> torch.Tensor:
-        """[..., V'] -> [..., V] with -inf at the ids outside the token map."""
-        if self.token_map is None:
-            return logits
-        out = logits.new_full((*logits.shape[:-1], self.vocab_size), float("-inf"))
-        out[..., self.token_map] = logits
-        return out
 
 
 # --------------------------------------------------------------------------- losses and metrics
@@ -357,7 +278,8 @@ def train(cfg: MedusaTrainConfig, log: Callable[[str], None] = _noop, progress: 
     from specctl.models import resolve_model
     from specctl.runtime.runner import load_model, parse_dtype
     from specctl.training import data as D
-    from specctl.training import export as X
+    from specctl.drafts import medusa as M
+    from specctl.training import checkpoints as C
 
     cfg.validated()
     t0 = time.perf_counter()
@@ -368,7 +290,7 @@ def train(cfg: MedusaTrainConfig, log: Callable[[str], None] = _noop, progress: 
     progress = progress if main else _noop
     set_seed(cfg.seed)
     out = Path(cfg.output)
-    ckpts = X.checkpoint_dirs(out)
+    ckpts = C.checkpoint_dirs(out)
     resume_from = ckpts[-1] if (cfg.resume and ckpts) else None
     if ckpts and not cfg.resume:
         raise UsageError(f"{out} already holds checkpoints (latest {ckpts[-1].name})",
@@ -376,14 +298,14 @@ def train(cfg: MedusaTrainConfig, log: Callable[[str], None] = _noop, progress: 
     state = {}
     if resume_from is not None:
         state = json.loads((resume_from / "trainer_state.json").read_text())
-        old = json.loads((resume_from / X.TRAINING_CONFIG).read_text())
+        old = json.loads((resume_from / C.TRAINING_CONFIG).read_text())
         for key in cfg.RESUME_KEYS:
             if old.get(key) != getattr(cfg, key):
                 raise UsageError(f"--resume: {key} was {old.get(key)!r} in {resume_from.name}, now {getattr(cfg, key)!r}",
                                  f"resume with the same --{key.replace('_', '-')}, or start a new --output")
         log(f"resuming from {resume_from} (step {state['step']})")
     elif cfg.resume:
-        log(f"--resume: no checkpoint in {out / X.CHECKPOINTS}; starting a new run")
+        log(f"--resume: no checkpoint in {out / C.CHECKPOINTS}; starting a new run")
 
     records = [r for p in cfg.data for r in D.read_records(p)]  # bad data fails before the model loads
     path = resolve_model(cfg.model, dtype=cfg.dtype)
@@ -400,7 +322,7 @@ def train(cfg: MedusaTrainConfig, log: Callable[[str], None] = _noop, progress: 
 
     head_w = loaded.model.head_weight
     if resume_from is not None:
-        heads = X.load_medusa(resume_from, dtype=torch.float32)
+        heads = M.load_medusa(resume_from, dtype=torch.float32)
         heads.requires_grad_(True)
         if heads.shared_lm_head:
             heads.lm_heads.requires_grad_(False)
@@ -428,8 +350,8 @@ def train(cfg: MedusaTrainConfig, log: Callable[[str], None] = _noop, progress: 
         if cfg.joint:
             notes["base_dir"] = "base"  # the fine-tuned target these heads belong to
             run.export_base(out / "base")
-        X.save_medusa(run.heads, out, export_dtype, notes)
-        X.write_training_config(out, cfg.to_dict())
+        M.save_medusa(run.heads, out, export_dtype, notes)
+        C.write_training_config(out, cfg.to_dict())
         summary["wall_s"] = round(time.perf_counter() - t0, 1)
         (out / "train_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         log(f"exported {cfg.num_heads} heads to {out}")
@@ -448,8 +370,6 @@ class _Run:
 
     # subclasses: setup() -> (module to optimize, param groups, steps per epoch); step(step) -> loss; evaluate() -> dict
     def fit(self, state: dict, resume_from: Path | None) -> dict:
-        from specctl.training import export as X
-
         cfg, acc = self.cfg, self.acc
         module, groups, spe = self.setup()
         spe = int(acc.gather(torch.tensor([spe], device=acc.device)).min())  # every process takes the same steps
@@ -492,7 +412,7 @@ class _Run:
                     self.log(f"eval @ {step}: loss {ev['loss']:.4f}, top-1 per head {ev['top1_per_head']}, "
                              f"acceptance length {ev['acceptance_length']:.3f}")
             if ckpt:
-                self._checkpoint(X, step, history, opt, sched)
+                self._checkpoint(step, history, opt, sched)
         self.heads = acc.unwrap_model(self.module) if not self.cfg.joint else self.joint_heads()
         ev = history[-1] if history else {}
         return {"output": str(self.cfg.output), "steps": step, "epochs": round(step / spe, 3),
@@ -501,22 +421,25 @@ class _Run:
                 "eval": {k.removeprefix("eval_"): v for k, v in ev.items() if k.startswith("eval_")},
                 "history": history, "mode": "medusa-2" if cfg.joint else "medusa-1"}
 
-    def _checkpoint(self, X, step, history, opt, sched) -> None:
+    def _checkpoint(self, step, history, opt, sched) -> None:
+        from specctl.drafts import medusa as M
+        from specctl.training import checkpoints as C
+
         acc = self.acc
         acc.wait_for_everyone()
         if acc.is_main_process:
             heads = acc.unwrap_model(self.module) if not self.cfg.joint else self.joint_heads()
 
             def write(d: Path):
-                X.save_medusa(heads, d, torch.float32)  # fp32 master weights: resume is exact
+                M.save_medusa(heads, d, torch.float32)  # fp32 master weights: resume is exact
                 torch.save({"optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
                             "torch_rng": torch.get_rng_state()}, d / "optimizer.pt")
                 self.save_extra(d)
-                X.write_training_config(d, self.cfg.to_dict())
+                C.write_training_config(d, self.cfg.to_dict())
                 (d / "trainer_state.json").write_text(json.dumps({"step": step, "history": history,
                                                                   "first_loss": self.first_loss}, indent=2))
 
-            path = X.save_checkpoint(self.cfg.output, step, write, self.cfg.keep_checkpoints)
+            path = C.save_checkpoint(self.cfg.output, step, write, self.cfg.keep_checkpoints)
             self.log(f"checkpoint {path}")
         acc.wait_for_everyone()
 

@@ -3,7 +3,7 @@
 The target runs once over each window of text (no grad) and gives h^0 [B, T, H] (its final-normed
 hidden state, what the mtp proposer receives at inference) and its greedy labels y_j = argmax p_j.
 Depth d (1..depth; module (d-1) % num_layers, as the proposer recurses) is unrolled over the whole
-window exactly as ``specctl.runtime.proposers.mtp.mtp_step`` runs it at inference:
+window exactly as ``specctl.drafts.mtp.mtp_step`` runs it at inference:
 
     h^d_j = MTP_d(h^{d-1}_j, emb(t_{j+d}))    for j in [0, T-d)
     loss  = sum_d w_d * CE(head(norm(h^d_j)), y_{j+d}),   w_d = beta^(d-1) / sum_d' beta^(d'-1), beta = 0.6
@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 from specctl.errors import DataError, UsageError
 from specctl.runtime.model import KVCache, Transformer
-from specctl.runtime.proposers.mtp import MtpStack, mtp_logits, mtp_step
+from specctl.drafts.mtp import MtpStack, export_mtp, mimo_unfit_reason, mtp_logits, mtp_step
 
 
 @dataclass
@@ -97,7 +97,6 @@ def resolve_layout(layout: str, args, *, stitch: bool = False, num_layers: int =
     """The export layout for a target with ModelArgs ``args``: "mimo" where vLLM's MiMo MTP architecture can
     hold the modules (a draft folder, dense target), else "deepseek_v3" with a warning that only specctl's
     runtime will read it. An explicit "mimo" that cannot be written is a UsageError (before any training)."""
-    from specctl.training.mtp_export import mimo_unfit_reason
 
     if layout not in LAYOUT_CHOICES:
         raise UsageError(f"unknown MTP layout '{layout}'", f"use one of: {', '.join(LAYOUT_CHOICES)}")
@@ -281,7 +280,6 @@ def train_mtp(cfg: MtpTrainConfig, progress: Callable[[str], None] = lambda s: N
     from specctl.models import resolve_model
     from specctl.runtime.model import load_transformer
     from specctl.runtime.runner import parse_dtype
-    from specctl.training.mtp_export import export_mtp
 
     if cfg.data is None and cfg.self_distill is None:
         raise UsageError("no training data", "give --data FILE_OR_DIR and/or --self-distill PROMPTS")

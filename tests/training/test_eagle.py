@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 import specctl.training.eagle as E
-from specctl.runtime.proposers.eagle import EagleDraft, spec_from_target
+from specctl.drafts.eagle import EagleDraft, spec_from_target
 from specctl.runtime.runner import load_model
 
 

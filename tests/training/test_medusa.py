@@ -12,11 +12,11 @@ import shutil
 import pytest
 import torch
 
+from specctl.drafts.medusa import MedusaHeads, detect_layout, load_medusa, save_fasterdecoding, save_medusa
 from specctl.errors import UsageError
 from specctl.training import data as D
-from specctl.training.export import (checkpoint_dirs, detect_layout, load_medusa, save_fasterdecoding, save_medusa)
-from specctl.training.medusa import (MedusaHeads, MedusaTrainConfig, chain_acceptance, extract_features,
-                                     head_targets, lr_lambda, train)
+from specctl.training.checkpoints import checkpoint_dirs
+from specctl.training.medusa import MedusaTrainConfig, chain_acceptance, extract_features, head_targets, lr_lambda, train
 
 
 def test_fresh_heads_are_the_targets_lm_head(tiny_model):

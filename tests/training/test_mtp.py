@@ -10,9 +10,8 @@ import pytest
 import torch
 
 from specctl.runtime.model import load_transformer
-from specctl.runtime.proposers.mtp import load_mtp
 from specctl.training.mtp import MtpTrainConfig, init_stack, step_weights, train_mtp
-from specctl.training.mtp_export import MTP_FILE, export_mtp
+from specctl.drafts.mtp import MTP_FILE, export_mtp, load_mtp
 
 
 def test_step_weights():

@@ -20,7 +20,7 @@ forward with a tree mask (``TargetRunner.forward_tree``) and keeps the accepted 
     parents [-1, 0, 0, 1], depths [0, 1, 1, 2], mask rows (who each node sees, root..3):
         0: 1 0 0 0      1: 1 1 0 0      2: 1 0 1 0      3: 1 1 0 1
 
-What it does not know: training (``specctl.training.medusa``), file layouts (``specctl.training.export``).
+What it does not know: training (``specctl.training.medusa``), the heads and their file layouts (``specctl.drafts.medusa``).
 """
 
 from __future__ import annotations
@@ -35,8 +35,7 @@ from specctl.config import SpecConfig
 from specctl.errors import ConfigError, ModelError
 from specctl.runtime.proposers.base import DraftOutput, Proposer
 from specctl.runtime.proposers.base import DraftSampling as _Sampling
-from specctl.runtime.rejection import greedy_tree_verify, logits_to_probs  # noqa: F401 (re-exported)
-from specctl.runtime.runner import tree_attention_mask  # noqa: F401 (re-exported)
+from specctl.runtime.rejection import logits_to_probs
 
 # A 10-node tree for 3 heads (Medusa's sparse trees put the widest fan-out on the first head).
 DEFAULT_TREE = ((0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (2, 0), (0, 0, 0), (0, 0, 1), (0, 1, 0))
@@ -69,7 +68,7 @@ class MedusaProposer(Proposer):
 
     def __init__(self, config: SpecConfig, *, target=None, max_model_len: int, heads=None):
         """``config.model``: the heads folder (vLLM or FasterDecoding layout); ``heads`` overrides it."""
-        from specctl.training.export import load_medusa
+        from specctl.drafts.medusa import load_medusa
 
         if heads is None:
             heads = load_medusa(Path(str(config.model)).expanduser())

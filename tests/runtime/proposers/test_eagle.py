@@ -12,14 +12,13 @@ from safetensors.torch import load_file, save_file
 
 from kernels import cpu
 from specctl.config import SpecConfig
+from specctl.drafts.eagle import EagleDraft, FusedEagle3, export_eagle, load_eagle_draft, spec_from_target
 from specctl.errors import UsageError
 from specctl.runtime.decoder import SamplingParams, SpecDecoder
 from specctl.runtime.proposers import build_proposer
-from specctl.runtime.proposers.eagle import EagleDraft, load_eagle_draft, spec_from_target
 from specctl.runtime.runner import TargetRunner, load_model
 from specctl.training.data import chat_ids
 from specctl.training.eagle import EagleTrainConfig, train, ttt_forward
-from specctl.training.eagle_export import export_eagle
 
 WORDS = ["def", "return", "print", "hello", "world", "x", "y", "=", "(", ")", "for", "in", "if", "else"]
 
@@ -304,7 +303,6 @@ def wide(tiny_model_factory, tmp_path_factory):
 
 @pytest.mark.skipif(not _fused_ok(), reason=cpu.why_not(cpu.AMX, built=False))
 def test_fused_draft_matches_the_fp32_draft(wide):
-    from specctl.runtime.proposers.eagle import FusedEagle3
 
     folder, export, _ = wide
     target = load_model(folder, dtype="bfloat16").model
@@ -340,7 +338,7 @@ def test_fused_draft_matches_the_fp32_draft(wide):
 
 @pytest.mark.skipif(not _fused_ok(), reason=cpu.why_not(cpu.AMX, built=False))
 def test_fused_greedy_equality_chain_and_tree(wide):
-    from specctl.runtime.proposers.eagle import Eagle3Proposer, FusedEagle3
+    from specctl.runtime.proposers.eagle import Eagle3Proposer
 
     folder, export, prompts = wide
     loaded = load_model(folder, dtype="bfloat16")

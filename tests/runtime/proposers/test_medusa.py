@@ -12,15 +12,15 @@ import pytest
 import torch
 
 from specctl.config import SpecConfig
+from specctl.drafts.medusa import MedusaHeads, load_medusa, save_fasterdecoding
 from specctl.errors import ConfigError, ModelError
 from specctl.runtime.decoder import SamplingParams, SpecDecoder
 from specctl.runtime.proposers import build_proposer
-from specctl.runtime.proposers.medusa import (MedusaProposer, auto_tree, greedy_tree_verify, parse_token_tree,
-                                              tree_attention_mask, tree_from_choices, tree_tokens)
-from specctl.runtime.runner import TargetRunner, load_model
+from specctl.runtime.proposers.medusa import MedusaProposer, auto_tree, parse_token_tree, tree_from_choices, tree_tokens
+from specctl.runtime.rejection import greedy_tree_verify
+from specctl.runtime.runner import TargetRunner, load_model, tree_attention_mask
 from specctl.training import data as D
-from specctl.training.export import load_medusa, save_fasterdecoding
-from specctl.training.medusa import MedusaHeads, MedusaTrainConfig, train
+from specctl.training.medusa import MedusaTrainConfig, train
 
 NEW = 40
 NEAR_TIE = 1e-4  # prompts whose greedy path has a top-2 gap below this are skipped (fp32 rounding)

@@ -14,12 +14,12 @@ import pytest
 import torch
 
 from specctl.config import SpecConfig
+from specctl.drafts.mtp import MTP_FILE, export_mtp, load_mtp, mtp_logits, mtp_state_dict, mtp_step
 from specctl.runtime.decoder import SamplingParams, SpecDecoder
 from specctl.runtime.proposers import build_proposer
-from specctl.runtime.proposers.mtp import MtpProposer, load_mtp, mtp_logits, mtp_step
+from specctl.runtime.proposers.mtp import MtpProposer
 from specctl.runtime.runner import TargetRunner, load_model
 from specctl.training.mtp import init_stack, mtp_loss, step_weights, target_states, unroll
-from specctl.training.mtp_export import MTP_FILE, export_mtp, mtp_state_dict
 
 K = 3
 

@@ -1,5 +1,10 @@
-"""Medusa heads on disk: vLLM's layout (written and read), FasterDecoding's original layout (read and
-written), and training checkpoints (atomic folders with the training config beside them).
+"""Medusa heads (Cai et al., arXiv 2401.10774): the network and its files. vLLM's layout (written and
+read) and FasterDecoding's original layout (read and written).
+
+Head k: a residual block x + SiLU(W x) (``num_layers`` of them; W zero-initialised, so a fresh head
+is the identity) followed by an LM head; head k reads the target's final-normed hidden state h_t and
+predicts x[t+k+2] (losses and the trainer: ``specctl.training.medusa``; drafting:
+``specctl.runtime.proposers.medusa``).
 
 vLLM layout (``vllm/model_executor/models/medusa.py``, ``vllm/transformers_utils/configs/medusa.py``):
 
@@ -22,26 +27,105 @@ FasterDecoding/Medusa layout (``medusa/model/medusa_model.py``): config ``medusa
 for the residual blocks, which always have a bias there, and ``[medusa_head.]{h}.{L}.weight`` for
 the LM head, L = num_layers).
 
-What it does not know: training, the decode loop. Imports only torch and safetensors.
+What it does not know: training, the decode loop, checkpoints. Imports only torch and safetensors.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 from specctl.errors import ModelError, UsageError
-from specctl.training.medusa import MedusaHeads
+from specctl.files import write_atomic, write_json_atomic
 
 WEIGHTS = "model.safetensors"
-TRAINING_CONFIG = "training_config.json"
-CHECKPOINTS = "checkpoints"
 _FD_FILES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")
+
+
+# --------------------------------------------------------------------------- the heads
+
+class ResidualBlock(nn.Module):
+    """x -> x + SiLU(W x [+ b]), ``num_layers`` times; W and b start at zero (the identity)."""
+
+    def __init__(self, hidden_size: int, num_layers: int, bias: bool):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(hidden_size, hidden_size, bias=bias) for _ in range(num_layers))
+        for lin in self.layers:
+            nn.init.zeros_(lin.weight)
+            if lin.bias is not None:
+                nn.init.zeros_(lin.bias)
+
+    def forward(self, x: torch.Tensor, linear=F.linear) -> torch.Tensor:  # x: [..., H]
+        for lin in self.layers:
+            x = x + F.silu(linear(x, lin.weight, lin.bias))
+        return x
+
+
+class MedusaHeads(nn.Module):
+    """K Medusa heads. Parameter names are vLLM's: blocks.{h}.layers.{l}.weight, lm_heads.{h}.weight.
+
+    ``shared_lm_head``: one LM head for all (vLLM's ``original_lm_head``), kept as a frozen copy of
+    the target's. ``token_map`` [V'] (vLLM's truncated vocabulary): LM-head row i scores vocabulary
+    id token_map[i]; the other ids are never drafted.
+    """
+
+    def __init__(self, hidden_size: int, vocab_size: int, num_heads: int, num_layers: int = 1, bias: bool = False,
+                 shared_lm_head: bool = False, token_map: torch.Tensor | None = None):
+        super().__init__()
+        self.hidden_size, self.vocab_size, self.num_heads, self.num_layers = hidden_size, vocab_size, num_heads, num_layers
+        self.bias, self.shared_lm_head = bias, shared_lm_head
+        self.layout = "vllm"  # where it was read from (load_medusa sets it)
+        self.blocks = nn.ModuleList(ResidualBlock(hidden_size, num_layers, bias) for _ in range(num_heads))
+        rows = vocab_size if token_map is None else int(token_map.numel())
+        self.lm_heads = nn.ModuleList(nn.Linear(hidden_size, rows, bias=False)
+                                      for _ in range(1 if shared_lm_head else num_heads))
+        self.register_buffer("token_map", None if token_map is None else token_map.long())  # [V'] vocab ids
+
+    def lm_head(self, h: int) -> nn.Linear:
+        return self.lm_heads[0 if self.shared_lm_head else h]
+
+    @torch.no_grad()
+    def init_lm_heads(self, head_weight: torch.Tensor) -> None:
+        """Copy the target's LM head [V, H] (its token_map rows) into every LM head."""
+        w = head_weight if self.token_map is None else head_weight[self.token_map.to(head_weight.device)]
+        for lm in self.lm_heads:
+            lm.weight.copy_(w.to(lm.weight.dtype))
+        if self.shared_lm_head:
+            self.lm_heads.requires_grad_(False)
+
+    def forward(self, hidden: torch.Tensor, num: int | None = None, linear=F.linear) -> torch.Tensor:
+        """hidden [..., H] -> logits [..., n, V'] of the first n = num (default K) heads."""
+        n = self.num_heads if num is None else min(num, self.num_heads)
+        xs = [self.blocks[h](hidden, linear) for h in range(n)]  # n x [..., H]
+        if self.shared_lm_head:
+            lm = self.lm_heads[0]
+            return linear(torch.stack(xs, -2), lm.weight, None)  # one read of the LM head for all heads
+        return torch.stack([linear(x, self.lm_heads[h].weight, None) for h, x in enumerate(xs)], -2)
+
+    def vocab_ids(self, rows: torch.Tensor) -> torch.Tensor:
+        """LM-head row indices -> vocabulary ids."""
+        return rows if self.token_map is None else self.token_map[rows]
+
+    def rows_of(self, vocab_ids: torch.Tensor) -> torch.Tensor:
+        """Vocabulary ids -> LM-head rows, -1 for ids outside the token map (and for -1)."""
+        if self.token_map is None:
+            return vocab_ids
+        lut = torch.full((self.vocab_size + 1,), -1, dtype=torch.long, device=vocab_ids.device)
+        lut[self.token_map.to(vocab_ids.device)] = torch.arange(self.token_map.numel(), device=vocab_ids.device)
+        return lut[vocab_ids.clamp(min=-1)]  # index -1 is the extra slot, always -1
+
+    def full_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        """[..., V'] -> [..., V] with -inf at the ids outside the token map."""
+        if self.token_map is None:
+            return logits
+        out = logits.new_full((*logits.shape[:-1], self.vocab_size), float("-inf"))
+        out[..., self.token_map] = logits
+        return out
 
 
 # --------------------------------------------------------------------------- writing
@@ -66,16 +150,6 @@ def medusa_config(heads: MedusaHeads, dtype: torch.dtype, notes: dict | None = N
     return cfg
 
 
-def _write_atomic(path: Path, write) -> None:
-    """write(tmp_path) then rename over ``path``: a reader sees the old file or the new one, whole."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
 def save_medusa(heads: MedusaHeads, folder: str | Path, dtype: torch.dtype | None = None,
                 notes: dict | None = None) -> Path:
     """Write ``heads`` in vLLM's layout into ``folder`` (created; other files there are left alone).
@@ -92,9 +166,9 @@ def save_medusa(heads: MedusaHeads, folder: str | Path, dtype: torch.dtype | Non
                if name != "token_map"}
     if heads.token_map is not None:
         tensors["token_map"] = heads.token_map.detach().to("cpu", torch.int64).contiguous()
-    _write_atomic(folder / WEIGHTS, lambda p: save_file(tensors, str(p), metadata={"format": "pt"}))
+    write_atomic(folder / WEIGHTS, lambda p: save_file(tensors, str(p), metadata={"format": "pt"}))
     cfg = medusa_config(heads, dtype, notes)
-    _write_atomic(folder / "config.json", lambda p: p.write_text(json.dumps(cfg, indent=2) + "\n"))
+    write_json_atomic(folder / "config.json", cfg)
     return folder
 
 
@@ -237,35 +311,3 @@ def _load_checked(heads: MedusaHeads, sd: dict[str, torch.Tensor], folder: Path)
                              "check hidden_size / vocab_size in config.json, or re-export")
     heads.to(next((v.dtype for v in sd.values() if v.is_floating_point()), torch.float32))
     heads.load_state_dict(sd, strict=True)
-
-
-# --------------------------------------------------------------------------- checkpoints
-
-def checkpoint_dirs(output: str | Path) -> list[Path]:
-    """Complete checkpoints under output/checkpoints/, oldest first (a folder is complete once renamed)."""
-    root = Path(output) / CHECKPOINTS
-    if not root.is_dir():
-        return []
-    found = [p for p in root.iterdir() if p.is_dir() and re.fullmatch(r"step-\d+", p.name)
-             and (p / "trainer_state.json").is_file()]
-    return sorted(found, key=lambda p: int(p.name.split("-")[1]))
-
-
-def save_checkpoint(output: str | Path, step: int, write, keep: int = 2) -> Path:
-    """Write checkpoint ``step`` atomically: ``write(tmp_folder)`` fills a temp folder, which is then
-    renamed to output/checkpoints/step-NNNNNNN; older checkpoints beyond ``keep`` are removed."""
-    from specctl.fetch import atomic_dir
-
-    final = Path(output) / CHECKPOINTS / f"step-{step:07d}"
-    with atomic_dir(final) as tmp:
-        write(tmp)
-    if keep > 0:
-        for old in checkpoint_dirs(output)[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
-    return final
-
-
-def write_training_config(folder: str | Path, config: dict) -> None:
-    """The training config as JSON, beside every checkpoint and every export."""
-    path = Path(folder) / TRAINING_CONFIG
-    _write_atomic(path, lambda p: p.write_text(json.dumps(config, indent=2, default=str) + "\n"))

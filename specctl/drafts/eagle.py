@@ -1,0 +1,442 @@
+"""EAGLE-1 and EAGLE-3 drafts (arXiv 2401.15077, 2503.01840): the network, its fused CPU form, and its files.
+
+The draft is one decoder layer that reads the target's hidden states ("features") as well as the
+tokens. Index convention (vLLM's, the proposer's in ``specctl.runtime.proposers.eagle`` and the
+trainer's in ``specctl.training.eagle``): the draft row at position p reads token x[p+1] and the
+target's feature at p, and predicts x[p+2].
+
+  EAGLE-3: feature f_p = fc(aux_p), aux_p = the inputs of the target's layers (2, L//2, L-3)
+           concatenated [3H]. Layer: residual = h; attention input cat(input_layernorm(emb),
+           hidden_norm(h)) [2H]; out = residual + attn + mlp (the "prenorm" state); logits =
+           lm_head(norm(out)) over the reduced draft vocabulary (target id = i + d2t[i]).
+  EAGLE-1: feature f_p = the target's final-normed hidden state (what its LM head reads). Layer
+           input fc(cat(emb, h)) [2H -> H], no input norm; out = the regressed next feature;
+           logits = the target's LM head on out.
+
+Files (``load_eagle_draft`` reads them, ``export_eagle`` writes them):
+
+EAGLE-3 (vLLM ``llama_eagle3.py``, SGLang ``llama_eagle3.py``): config.json with
+``architectures: ["LlamaForCausalLMEagle3"]``, ``num_hidden_layers: 1``, ``vocab_size`` (the
+target's), ``draft_vocab_size``, ``target_hidden_size``, ``eagle_aux_hidden_state_layer_ids`` (top
+level and in ``eagle_config``); tensors ``midlayer.{self_attn.{q,k,v,o}_proj, mlp.{gate,up,down}_proj,
+input_layernorm, hidden_norm, post_attention_layernorm}.weight``, ``fc.weight`` [H, 3H],
+``norm.weight``, ``lm_head.weight`` [N, H], ``d2t`` int64 [N] (target id = i + d2t[i]), ``t2d`` bool [V].
+The folder name must contain ``eagle3``: that is how vLLM tells an EAGLE-3 draft apart.
+
+EAGLE-1 (vLLM ``llama_eagle.py``, the SafeAILab checkpoints): a Llama config with one layer and
+tensors ``fc.weight`` [H, 2H] (input cat(embedding, feature)), ``layers.0.*`` without
+``input_layernorm`` (layer 0 has none); the LM head and the embedding are the target's.
+
+Neither layout carries the token embedding: both engines share the target's.
+
+What it does not know: drafting (chains, trees, slots), verification, training.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specctl.errors import ModelError
+from specctl.files import write_atomic, write_json_atomic
+from specctl.runtime.model import ModelArgs, RMSNorm, rope_inv_freq, rotate_half
+
+
+def default_aux_layers(num_layers: int) -> tuple[int, ...]:
+    """EAGLE-3's default target layers (2, L//2, L-3); a target under 8 layers gets fewer, distinct ones.
+
+    The target concatenates the aux states in layer order (as vLLM does), so ids are sorted and unique.
+    """
+    return tuple(sorted({min(max(i, 0), num_layers - 1) for i in (2, num_layers // 2, num_layers - 3)}))
+
+
+def rope_cos_sin(inv_freq: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """pos: [..., T] float positions -> cos, sin [..., T, head_dim] (fp32)."""
+    freqs = pos[..., None].float() * inv_freq  # [..., T, hd/2]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+class _Attn(nn.Module):
+    def __init__(self, in_dim: int, a: ModelArgs):
+        super().__init__()
+        self.q_proj = nn.Linear(in_dim, a.num_heads * a.head_dim, bias=False)
+        self.k_proj = nn.Linear(in_dim, a.num_kv_heads * a.head_dim, bias=False)
+        self.v_proj = nn.Linear(in_dim, a.num_kv_heads * a.head_dim, bias=False)
+        self.o_proj = nn.Linear(a.num_heads * a.head_dim, a.hidden_size, bias=False)
+
+
+class _MLP(nn.Module):
+    def __init__(self, a: ModelArgs):
+        super().__init__()
+        self.gate_proj = nn.Linear(a.hidden_size, a.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(a.hidden_size, a.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(a.intermediate_size, a.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class EagleLayer(nn.Module):
+    """The draft's one decoder layer, with transformers' tensor names (``self_attn.q_proj`` ...)."""
+
+    def __init__(self, a: ModelArgs, version: int):
+        super().__init__()
+        self.a, self.version = a, version
+        H = a.hidden_size
+        self.self_attn = _Attn(2 * H if version == 3 else H, a)
+        self.mlp = _MLP(a)
+        if version == 3:
+            self.input_layernorm = RMSNorm(H, a.rms_norm_eps)  # on the embedding
+            self.hidden_norm = RMSNorm(H, a.rms_norm_eps)  # on the hidden state
+        self.post_attention_layernorm = RMSNorm(H, a.rms_norm_eps)
+
+    def attn_input(self, emb: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """emb, h: [B, T, H] -> the attention input [B, T, 2H] (EAGLE-3) or [B, T, H] (EAGLE-1: h)."""
+        if self.version == 3:
+            return torch.cat([self.input_layernorm(emb), self.hidden_norm(h)], dim=-1)
+        return h
+
+    def qkv(self, x, cos, sin):
+        """x: [B, T, in]; cos/sin: [T, hd] -> q [B, nh, T, hd], k/v [B, nkv, T, hd] (rope applied)."""
+        a = self.a
+        B, T, _ = x.shape
+        q = self.self_attn.q_proj(x).view(B, T, a.num_heads, a.head_dim).transpose(1, 2)
+        k = self.self_attn.k_proj(x).view(B, T, a.num_kv_heads, a.head_dim).transpose(1, 2)
+        v = self.self_attn.v_proj(x).view(B, T, a.num_kv_heads, a.head_dim).transpose(1, 2)
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, v
+
+    def finish(self, att: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """att: [B, nh, T, hd] attention output; residual [B, T, H] -> out (prenorm) [B, T, H]."""
+        B, _, T, _ = att.shape
+        h = residual + self.self_attn.o_proj(att.transpose(1, 2).reshape(B, T, -1))
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+@dataclass
+class EagleSpec:
+    """What a draft is: version, draft vocabulary, target shape, aux layers (saved as config.json)."""
+
+    version: int  # 1 or 3
+    args: ModelArgs  # the draft layer's shape (hidden_size = the target's)
+    vocab_size: int  # the target's vocabulary
+    draft_vocab_size: int  # EAGLE-3: N; EAGLE-1: = vocab_size
+    target_hidden_size: int
+    aux_layers: tuple[int, ...] = ()  # EAGLE-3: the target layers whose inputs feed fc
+    extra: dict = field(default_factory=dict)
+
+
+def spec_from_target(target_args: ModelArgs, version: int, draft_vocab_size: int | None = None,
+                     aux_layers: tuple[int, ...] | None = None) -> EagleSpec:
+    """The draft shape the trainer builds for a target: one layer of the target's own width."""
+    a = dataclasses.replace(target_args, arch="llama", num_layers=1, qkv_bias=False, o_bias=False, mlp_bias=False,
+                            tie_word_embeddings=False, sliding_window=None)
+    V = target_args.vocab_size
+    n = V if version == 1 else int(draft_vocab_size or V)
+    aux = tuple(sorted(set(aux_layers))) if aux_layers else (default_aux_layers(target_args.num_layers) if version == 3 else ())
+    return EagleSpec(version, a, V, n, target_args.hidden_size, aux)
+
+
+class EagleDraft(nn.Module):
+    """fc + one EagleLayer (+ EAGLE-3's norm and lm_head over the draft vocabulary).
+
+    The token embedding and (EAGLE-1) the LM head are the target's, passed in, never copied.
+    """
+
+    def __init__(self, spec: EagleSpec):
+        super().__init__()
+        self.spec = spec
+        a, H = spec.args, spec.args.hidden_size
+        self.version = spec.version
+        fc_in = len(spec.aux_layers) * spec.target_hidden_size if spec.version == 3 else 2 * H
+        self.fc = nn.Linear(fc_in, H, bias=bool(spec.extra.get("fc_bias", False)))
+        self.midlayer = EagleLayer(a, spec.version)
+        if spec.version == 3:
+            self.norm = RMSNorm(H, a.rms_norm_eps)
+            self.lm_head = nn.Linear(H, spec.draft_vocab_size, bias=False)
+            ids = torch.arange(spec.draft_vocab_size, dtype=torch.int64)
+            self.register_buffer("d2t", torch.zeros_like(ids))  # [N] target id = i + d2t[i]
+            self.register_buffer("t2d", torch.zeros(spec.vocab_size, dtype=torch.bool))  # [V]
+        self.register_buffer("inv_freq", rope_inv_freq(a), persistent=False)
+
+    @property
+    def target_ids(self) -> torch.Tensor:
+        """[N] target id of each draft id (EAGLE-1: the identity)."""
+        if self.version == 3:
+            return self.d2t + torch.arange(self.d2t.numel(), device=self.d2t.device)
+        return torch.arange(self.spec.vocab_size, device=self.fc.weight.device)
+
+    def feature(self, target_hidden: torch.Tensor | None, target_aux: torch.Tensor | None) -> torch.Tensor:
+        """The target's feature [B, T, H]: fc(aux [B, T, 3H]) (EAGLE-3) or hidden [B, T, H] (EAGLE-1)."""
+        if self.version == 3:
+            return self.fc(target_aux.to(self.fc.weight.dtype))
+        return target_hidden.to(self.fc.weight.dtype)
+
+    def layer_input(self, emb: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """(emb, feature or previous out) [B, T, H] -> the residual stream entering the layer."""
+        if self.version == 1:
+            return self.fc(torch.cat([emb, h], dim=-1))
+        return h
+
+    def logits(self, out: torch.Tensor, head_weight: torch.Tensor | None = None) -> torch.Tensor:
+        """out: [..., H] -> draft logits [..., N] (EAGLE-3) or [..., V] via the target's head (EAGLE-1)."""
+        if self.version == 3:
+            return self.lm_head(self.norm(out))
+        return F.linear(out.to(head_weight.dtype), head_weight).float()
+
+    def forward_cached(self, emb, h, start: int, k_cache, v_cache, positions: torch.Tensor | None = None,
+                       mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows in cache slots [start, start+T): emb/h [1, T, H]; caches [1, nkv, max_len, hd] -> out [1, T, H].
+        Rows sit at positions start.. and attend causally, unless ``positions`` [T] and ``mask``
+        [T, start+T] (a draft tree: each node its prefix and ancestors) say otherwise."""
+        lay, a = self.midlayer, self.spec.args
+        x = self.layer_input(emb, h)
+        T = x.shape[1]
+        pos = torch.arange(start, start + T, device=x.device) if positions is None else positions
+        cos, sin = rope_cos_sin(self.inv_freq, pos)
+        q, k, v = lay.qkv(lay.attn_input(emb, x), cos.to(x.dtype), sin.to(x.dtype))
+        end = start + T
+        k_cache[:, :, start:end] = k
+        v_cache[:, :, start:end] = v
+        if mask is None and T > 1:
+            mask = torch.arange(end, device=x.device)[None, :] <= torch.arange(start, end, device=x.device)[:, None]
+        att = F.scaled_dot_product_attention(q, k_cache[:, :, :end], v_cache[:, :, :end], attn_mask=mask,
+                                             enable_gqa=a.num_kv_heads != a.num_heads)
+        return lay.finish(att, x)
+
+
+class FusedEagle3:
+    """An EAGLE-3 draft for a bf16 target on an AMX CPU: its layer is one C++ call (kernels/decode_layer's
+    ``eagle3_layer``), fc and the draft head are AMX linears on weights packed once, all in bf16.
+
+    At batch 1 the fp32 per-op layer cost ~1.3 ms per call for SmolLM2-135M's width, mostly torch
+    dispatch; this path reads 8 MB of bf16 weights in one parallel region. The same methods as
+    ``EagleDraft`` (``feature``, ``layer_input``, ``forward_cached``, ``logits``), bf16 in and out.
+    The draft's numerics differ from fp32 in rounding only, and verification keeps the output exact.
+    ``build(draft)`` returns None where the kernels or the shapes do not fit (callers keep EagleDraft).
+    """
+
+    dtype = torch.bfloat16
+
+    def __init__(self, draft: EagleDraft):
+        from kernels import amx_linear
+
+        pk = lambda w: amx_linear.pack(w.detach().to(torch.bfloat16).contiguous())  # noqa: E731
+        bf = lambda w: w.detach().to(torch.bfloat16).contiguous()  # noqa: E731
+        lay, a = draft.midlayer, draft.spec.args
+        at = lay.self_attn
+        self.spec, self.version, self.a = draft.spec, 3, a
+        self.inv_freq = draft.inv_freq
+        self.fc = pk(draft.fc.weight)
+        self.fc_bias = None if draft.fc.bias is None else bf(draft.fc.bias)
+        self.qkv = pk(torch.cat([at.q_proj.weight, at.k_proj.weight, at.v_proj.weight]))
+        self.o = pk(at.o_proj.weight)
+        self.gate_up = pk(torch.cat([lay.mlp.gate_proj.weight, lay.mlp.up_proj.weight]))
+        self.down = pk(lay.mlp.down_proj.weight)
+        self.hidden_norm, self.input_norm = bf(lay.hidden_norm.weight), bf(lay.input_layernorm.weight)
+        self.post_norm = bf(lay.post_attention_layernorm.weight)
+        self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps).requires_grad_(False)  # the final norm, in bf16
+        self.norm.weight.data = bf(draft.norm.weight)
+        self.head = pk(draft.lm_head.weight)
+        self.eps = float(a.rms_norm_eps)
+        self.num_heads, self.num_kv_heads = a.num_heads, a.num_kv_heads
+
+    @classmethod
+    def build(cls, draft: EagleDraft, target_dtype: torch.dtype, device) -> "FusedEagle3 | None":
+        from kernels import amx_linear, decode_layer
+
+        a, H = draft.spec.args, draft.spec.args.hidden_size
+        fits = (draft.version == 3 and target_dtype == torch.bfloat16 and torch.device(device).type == "cpu"
+                and H % 32 == 0 and a.head_dim % 32 == 0 and a.num_heads % a.num_kv_heads == 0
+                and a.num_heads // a.num_kv_heads <= 16 and (a.num_heads + 2 * a.num_kv_heads) * a.head_dim % 16 == 0
+                and a.intermediate_size % 32 == 0 and draft.spec.draft_vocab_size % 16 == 0
+                and draft.fc.weight.shape[1] % 32 == 0 and a.num_heads * a.head_dim % 32 == 0)
+        if not fits or decode_layer.load() is None or amx_linear.load() is None:
+            return None
+        return cls(draft)
+
+    def feature(self, target_hidden, target_aux: torch.Tensor) -> torch.Tensor:
+        from kernels import amx_linear
+
+        return amx_linear.linear(target_aux.to(torch.bfloat16).contiguous(), self.fc, self.fc_bias)
+
+    def layer_input(self, emb, h):
+        return h
+
+    def forward_cached(self, emb, h, start: int, k_cache, v_cache, positions=None, mask=None) -> torch.Tensor:
+        """As EagleDraft.forward_cached; a tree ``mask`` [T, start+T] must see the whole prefix before
+        the tree's first slot (as the proposer's masks do)."""
+        from kernels import decode_layer
+
+        T, R = h.shape[1], decode_layer.MAX_ROWS
+        if T > R:  # a prompt's feature rows: causal chunks of what one call takes
+            return torch.cat([self.forward_cached(emb[:, i:i + R], h[:, i:i + R], start + i, k_cache, v_cache)
+                              for i in range(0, T, R)], dim=1)
+        pos = torch.arange(start, start + T) if positions is None else positions
+        cos, sin = rope_cos_sin(self.inv_freq, pos)
+        tree = None
+        if mask is not None:  # the kernel's mask starts where the fully visible prefix ends
+            first = int(mask.all(0).logical_not().nonzero()[0]) if not bool(mask.all()) else start
+            tree = mask[:, first:]
+        return decode_layer.eagle3_layer(self, h.to(torch.bfloat16), emb.to(torch.bfloat16), cos.to(torch.bfloat16),
+                                         sin.to(torch.bfloat16), k_cache, v_cache, start, tree)
+
+    def logits(self, out: torch.Tensor, head_weight=None) -> torch.Tensor:
+        from kernels import amx_linear
+
+        return amx_linear.linear(self.norm(out.to(torch.bfloat16)).contiguous(), self.head).float()
+
+
+# --------------------------------------------------------------------------- loading (vLLM / SGLang layouts)
+
+def _read_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors import safe_open
+
+    sd: dict[str, torch.Tensor] = {}
+    files = sorted(folder.glob("*.safetensors"))
+    for f in files:
+        with safe_open(str(f), framework="pt") as fh:
+            for key in fh.keys():
+                sd[key] = fh.get_tensor(key)
+    if not files:
+        bins = sorted(folder.glob("pytorch_model*.bin"))
+        for f in bins:
+            sd.update(torch.load(f, map_location="cpu", weights_only=True))
+    if not sd:
+        raise ModelError(f"{folder} has no EAGLE weights (*.safetensors or pytorch_model.bin)",
+                         "pass the folder `specctl train-eagle` wrote, or an EAGLE checkpoint folder")
+    return sd
+
+
+def load_eagle_draft(folder: str | Path, target_args: ModelArgs, version: int | None = None) -> tuple[EagleDraft, torch.Tensor | None]:
+    """An EAGLE-1/-3 draft in vLLM's layout -> (EagleDraft fp32 eval, its own embedding [V, H] or None).
+
+    Accepts ``midlayer.*`` or ``layers.0.*`` names, with or without a ``model.`` prefix; EAGLE-3
+    without d2t means a full draft vocabulary.
+    """
+    folder = Path(folder)
+    try:
+        cfg = json.loads((folder / "config.json").read_text())
+    except (FileNotFoundError, json.JSONDecodeError) as e:
+        raise ModelError(f"{folder} has no readable config.json ({type(e).__name__})",
+                         "pass the EAGLE draft folder (config.json + weights)") from None
+    sd = {k.removeprefix("model."): v for k, v in _read_tensors(folder).items()}
+    archs = " ".join(cfg.get("architectures") or [])
+    is3 = "Eagle3" in archs or "d2t" in sd or any(k.startswith("midlayer.") for k in sd) or "hidden_norm" in " ".join(sd)
+    v = version or (3 if is3 else 1)
+    sd = {("midlayer." + k[len("layers.0."):] if k.startswith("layers.0.") else k): t for k, t in sd.items()}
+    c = dict(cfg, model_type="llama", num_hidden_layers=1)
+    c.setdefault("vocab_size", target_args.vocab_size)
+    c.setdefault("hidden_size", target_args.hidden_size)
+    args = ModelArgs.from_hf_config(c)
+    if args.hidden_size != target_args.hidden_size and v == 1:
+        raise ModelError(f"EAGLE-1 draft width {args.hidden_size} != the target's {target_args.hidden_size}",
+                         "use a draft trained for this target")
+    if args.vocab_size != target_args.vocab_size:
+        raise ModelError(f"the draft was made for a vocabulary of {args.vocab_size}, the target has {target_args.vocab_size}",
+                         "use a draft trained for this target")
+    eagle_cfg = cfg.get("eagle_config") or {}
+    aux = tuple(sorted(set(cfg.get("eagle_aux_hidden_state_layer_ids") or eagle_cfg.get("eagle_aux_hidden_state_layer_ids")
+                           or (default_aux_layers(target_args.num_layers) if v == 3 else ()))))
+    n = int(cfg.get("draft_vocab_size") or args.vocab_size) if v == 3 else args.vocab_size
+    spec = EagleSpec(v, args, args.vocab_size, n, int(cfg.get("target_hidden_size") or target_args.hidden_size), aux,
+                     extra={"fc_bias": "fc.bias" in sd})
+    fc_in = sd["fc.weight"].shape[1] if "fc.weight" in sd else None
+    if v == 3 and fc_in is not None and fc_in != len(aux) * spec.target_hidden_size:
+        raise ModelError(f"fc.weight reads {sd['fc.weight'].shape[1]} features, not {len(aux)} aux layers x {spec.target_hidden_size}",
+                         "set eagle_aux_hidden_state_layer_ids in the draft's config.json")
+    draft = EagleDraft(spec)
+    embed = sd.pop("embed_tokens.weight", None)
+    if v == 3:
+        if "d2t" not in sd:
+            sd["d2t"] = torch.zeros(n, dtype=torch.int64)
+        if "t2d" not in sd:
+            t2d = torch.zeros(args.vocab_size, dtype=torch.bool)
+            t2d[sd["d2t"].long() + torch.arange(n)] = True
+            sd["t2d"] = t2d
+        sd["d2t"], sd["t2d"] = sd["d2t"].long(), sd["t2d"].bool()
+    if v == 1:  # layer 0 of EAGLE-1 has no input norm (vLLM replaces it by the identity)
+        sd.pop("midlayer.input_layernorm.weight", None)
+    sd = {k: t for k, t in sd.items() if not k.endswith("rotary_emb.inv_freq")}
+    missing, unexpected = draft.load_state_dict({k: t.float() if t.is_floating_point() else t for k, t in sd.items()},
+                                                strict=False)
+    if missing or unexpected:
+        raise ModelError(f"EAGLE-{v} checkpoint in {folder} does not fit: missing {missing[:3]}, unexpected {unexpected[:3]}",
+                         "pass a draft in vLLM's EAGLE layout (see `specctl train-eagle --help`)")
+    if embed is not None and embed.shape[0] != target_args.vocab_size:
+        embed = None
+    return draft.float().eval().requires_grad_(False), None if embed is None else embed.float()
+
+
+# --------------------------------------------------------------------------- writing (vLLM / SGLang layouts)
+
+def draft_config(draft: EagleDraft, target_config: dict | None = None, dtype: str = "float32") -> dict:
+    """The config.json of a draft (target_config: the target's config.json, for ids and rope keys)."""
+    s, a = draft.spec, draft.spec.args
+    tc = target_config or {}
+    cfg = {
+        "architectures": ["LlamaForCausalLMEagle3"] if s.version == 3 else ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": a.hidden_size,
+        "intermediate_size": a.intermediate_size,
+        "num_hidden_layers": 1,
+        "num_attention_heads": a.num_heads,
+        "num_key_value_heads": a.num_kv_heads,
+        "head_dim": a.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": a.rms_norm_eps,
+        "rope_theta": a.rope_theta,
+        "max_position_embeddings": a.max_position_embeddings,
+        "vocab_size": s.vocab_size,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "torch_dtype": dtype,
+    }
+    if a.rope_scaling:
+        cfg["rope_scaling"] = a.rope_scaling
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        if tc.get(key) is not None:
+            cfg[key] = tc[key]
+    if s.version == 3:
+        cfg.update(draft_vocab_size=s.draft_vocab_size, target_hidden_size=s.target_hidden_size,
+                   eagle_aux_hidden_state_layer_ids=list(s.aux_layers),
+                   eagle_config={"eagle_aux_hidden_state_layer_ids": list(s.aux_layers), "use_aux_hidden_state": True})
+    return cfg
+
+
+def draft_tensors(draft: EagleDraft, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """The draft's tensors under the engines' names."""
+    out = {}
+    for name, t in draft.state_dict().items():
+        if name == "inv_freq":
+            continue
+        if name in ("d2t", "t2d"):
+            out[name] = t.detach().cpu().contiguous()
+            continue
+        if draft.version == 1 and name.startswith("midlayer."):
+            name = "layers.0." + name[len("midlayer."):]
+        out[name] = t.detach().to(dtype).cpu().contiguous()
+    return out
+
+
+def export_eagle(draft: EagleDraft, folder: str | Path, target=None, dtype: torch.dtype = torch.float32) -> Path:
+    """Write config.json + model.safetensors into ``folder`` (atomically per file). ``target``: a LoadedModel."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tcfg = {}
+    if target is not None and (Path(target.path) / "config.json").exists():
+        tcfg = json.loads((Path(target.path) / "config.json").read_text())
+    cfg = draft_config(draft, tcfg, str(dtype).removeprefix("torch."))
+    tensors = draft_tensors(draft, dtype)
+    write_atomic(folder / "model.safetensors", lambda p: save_file(tensors, str(p), metadata={"format": "pt"}))
+    write_json_atomic(folder / "config.json", cfg)
+    return folder
