@@ -242,11 +242,11 @@ def save_tiny(conftest, folder: Path, **kw) -> Path:
 
 def chat_prompts(tokenizer, n: int, seed: int) -> list[list[int]]:
     """As tests/runtime/proposers/test_eagle.py: a few words as a user turn, through the chat template."""
-    from specctl.training.data import chat_ids
+    from specctl.chat import template_ids
 
     r = random.Random(seed)
     texts = [" ".join(r.choice(WORDS) for _ in range(r.randint(3, 8))) for _ in range(n)]
-    return [chat_ids(tokenizer, [{"role": "user", "content": t}], True) for t in texts]
+    return [template_ids(tokenizer, [{"role": "user", "content": t}], True) for t in texts]
 
 
 @dataclass

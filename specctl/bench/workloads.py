@@ -31,8 +31,7 @@ job resends them; a workload name may carry it as ``NAME@R`` (``agentic@10``), s
 
 Any other argument is read as a path to a ``.jsonl`` file of the user's own prompts, one object a
 line: ``{"prompt": "..."}`` or ``{"messages": [{"role": ..., "content": ...}, ...]}``, with an
-optional ``"id"``. ``render_prompt`` turns a request into token ids with the tokenizer's chat
-template. No torch import here: loading a workload stays cheap.
+optional ``"id"``. ``render_prompt`` turns a request into token ids (``specctl.chat``). No torch import here: loading a workload stays cheap.
 """
 
 from __future__ import annotations
@@ -41,11 +40,11 @@ import difflib
 import json
 import os
 import random
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from specctl import chat
 from specctl.errors import DataError, UsageError
 
 WORKLOADS: dict[str, str] = {
@@ -144,18 +143,8 @@ def _load_once(name_or_path: str, num_prompts: int | None, seed: int) -> list[Re
 
 
 def render_prompt(tokenizer, request: Request) -> list[int]:
-    """Token ids of ``request``: the chat template with a generation prompt, else plain text."""
-    if getattr(tokenizer, "chat_template", None):
-        out = tokenizer.apply_chat_template(request.messages, add_generation_prompt=True, tokenize=True)
-        if isinstance(out, Mapping) or hasattr(out, "keys"):  # transformers 5: a BatchEncoding
-            out = out["input_ids"]
-        if hasattr(out, "tolist"):
-            out = out.tolist()
-        if out and isinstance(out[0], (list, tuple)):
-            out = out[0]
-        return [int(t) for t in out]
-    text = "\n\n".join(str(m.get("content", "")) for m in request.messages)
-    return [int(t) for t in tokenizer.encode(text)]
+    """Token ids of ``request``'s messages (``specctl.chat.render``)."""
+    return chat.render(tokenizer, request.messages)
 
 
 # --- user prompts from a .jsonl file -----------------------------------------------------------

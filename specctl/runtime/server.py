@@ -39,8 +39,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import StreamingResponse
 
-from specctl.bench.workloads import Request as ChatPrompt
-from specctl.bench.workloads import render_prompt
+from specctl import chat
 from specctl.errors import UsageError
 from specctl.runtime.decoder import SamplingParams
 from specctl.runtime.metrics import SpecStats
@@ -270,7 +269,7 @@ class _Ctx:
                 content = "\n".join(parts)
             msgs.append({"role": m.role, "content": content or ""})
         try:
-            return render_prompt(self.tok, ChatPrompt("chat", msgs, "serve"))
+            return chat.render(self.tok, msgs)
         except Exception as e:  # noqa: BLE001 - a template that refuses these messages (role order, ...)
             raise ApiError(400, f"the chat template rejected the messages: {e}", param="messages") from None
 

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from specctl import chat
 from specctl.errors import DataError
 
 TEXT_SUFFIXES = (".txt", ".py", ".md", ".rst")
@@ -199,7 +200,6 @@ def self_distill(loaded, requests: list, *, max_new_tokens: int, temperature: fl
 
         raise UsageError("several answers per prompt need sampling", "set --distill-temperature > 0 (e.g. 0.7)")
 
-    from specctl.bench.workloads import render_prompt
     from specctl.runtime.runner import generate_batch
 
     settings = {"model": str(loaded.path), "dtype": str(loaded.dtype).removeprefix("torch."),
@@ -209,7 +209,7 @@ def self_distill(loaded, requests: list, *, max_new_tokens: int, temperature: fl
     done = _read_cache(cache, settings) if cache is not None else {}
     prompts, skipped = [], 0
     for req in requests:
-        ids = render_prompt(loaded.tokenizer, req)
+        ids = chat.render(loaded.tokenizer, req.messages)
         room = max_new_tokens if seq_len is None else min(max_new_tokens, seq_len - len(ids))
         if room < min(8, max_new_tokens):  # no room left for a useful answer
             skipped += 1
@@ -278,18 +278,6 @@ def _read_cache(path: Path, settings: dict) -> dict[str, dict]:
 
 # --------------------------------------------------------------------------- tokenisation
 
-def chat_ids(tokenizer, messages: list[dict], add_generation_prompt: bool) -> list[int]:
-    """Token ids of ``messages`` through the chat template (list[int] whatever transformers returns)."""
-    out = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
-    if hasattr(out, "keys"):
-        out = out["input_ids"]
-    if hasattr(out, "tolist"):
-        out = out.tolist()
-    if out and isinstance(out[0], (list, tuple)):
-        out = out[0]
-    return [int(t) for t in out]
-
-
 def encode(tokenizer, record: Record, seq_len: int, stop_ids=()) -> list[Example]:
     """A record -> examples of at most ``seq_len`` tokens (a long text is cut into several).
 
@@ -309,15 +297,15 @@ def encode(tokenizer, record: Record, seq_len: int, stop_ids=()) -> list[Example
             if len(chunk) >= 4:
                 out.append(Example(chunk, [1] * len(chunk), record.source))
         return out
-    elif getattr(tokenizer, "chat_template", None):
+    elif chat.has_template(tokenizer):
         msgs = record.messages
-        ids = chat_ids(tokenizer, msgs, False)
+        ids = chat.template_ids(tokenizer, msgs, False)
         mask = [0] * len(ids)
         for i, m in enumerate(msgs):
             if m["role"] != "assistant":
                 continue
-            start = len(chat_ids(tokenizer, msgs[:i], True)) if i else 0
-            end = len(chat_ids(tokenizer, msgs[:i + 1], False))
+            start = len(chat.template_ids(tokenizer, msgs[:i], True)) if i else 0
+            end = len(chat.template_ids(tokenizer, msgs[:i + 1], False))
             for j in range(start, min(end, len(ids))):
                 mask[j] = 1
                 if ids[j] in stop:

@@ -24,8 +24,7 @@ import openai
 import pytest
 import uvicorn
 
-from specctl.bench.workloads import Request as ChatPrompt
-from specctl.bench.workloads import render_prompt
+from specctl import chat
 from specctl.config import SpecConfig
 from specctl.runtime.decoder import SamplingParams, SpecDecoder
 from specctl.runtime.proposers import build_proposer
@@ -126,7 +125,7 @@ def completion_ids(loaded, prompt: str) -> list[int]:
 
 
 def chat_ids(loaded, content: str) -> list[int]:
-    return render_prompt(loaded.tokenizer, ChatPrompt("t", [{"role": "user", "content": content}], "t"))
+    return chat.render(loaded.tokenizer, [{"role": "user", "content": content}])
 
 
 def text_of(loaded, ids: list[int]) -> str:

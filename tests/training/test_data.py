@@ -8,6 +8,7 @@ import json
 
 import pytest
 
+from specctl import chat
 from specctl.errors import DataError
 from specctl.training import data as D
 
@@ -83,7 +84,7 @@ def test_loss_mask_is_the_assistant_turns(tok):
     # each answer and its end-of-turn token; not the "\n" the template puts after it, not the prompts
     assert learnt == tok.encode("yo", add_special_tokens=False) + [TINY_EOS_ID] + \
         tok.encode("ab", add_special_tokens=False) + [TINY_EOS_ID]
-    full = D.chat_ids(tok, rec.messages, False)
+    full = chat.template_ids(tok, rec.messages, False)
     assert ex.input_ids == full
     # truncation keeps the start; a record with nothing left to learn gives no example
     assert D.encode(tok, rec, seq_len=8, stop_ids=(TINY_EOS_ID,)) == []
@@ -134,7 +135,7 @@ def test_self_distill_is_the_targets_greedy_output_and_is_cached(tiny_model_dir,
     recs = D.self_distill(lm, reqs, max_new_tokens=20, cache=cache)
     plain = SpecDecoder(TargetRunner(lm.model, 128))
     for req, rec in zip(reqs, recs):
-        ids = D.chat_ids(lm.tokenizer, req.messages, True)
+        ids = chat.template_ids(lm.tokenizer, req.messages, True)
         res = plain.generate(ids, SamplingParams(max_new_tokens=20, stop_token_ids=lm.stop_token_ids))
         assert rec.prompt_ids == ids and rec.response_ids == res.token_ids
     assert len(cache.read_text().splitlines()) == 3

@@ -11,13 +11,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from kernels import cpu
+from specctl.chat import template_ids
 from specctl.config import SpecConfig
 from specctl.drafts.eagle import EagleDraft, FusedEagle3, export_eagle, load_eagle_draft, spec_from_target
 from specctl.errors import UsageError
 from specctl.runtime.decoder import SamplingParams, SpecDecoder
 from specctl.runtime.proposers import build_proposer
 from specctl.runtime.runner import TargetRunner, load_model
-from specctl.training.data import chat_ids
 from specctl.training.eagle import EagleTrainConfig, train, ttt_forward
 
 WORDS = ["def", "return", "print", "hello", "world", "x", "y", "=", "(", ")", "for", "in", "if", "else"]
@@ -164,7 +164,7 @@ def test_greedy_equality_with_accepted_drafts(trained, tiny_model_dir, version):
     plain = SpecDecoder(TargetRunner(loaded.model, 256))
     accepted = 0
     for text in trained["prompts"]:
-        ids = chat_ids(loaded.tokenizer, [{"role": "user", "content": text}], True)  # as the draft was trained
+        ids = template_ids(loaded.tokenizer, [{"role": "user", "content": text}], True)  # as the draft was trained
         params = SamplingParams(max_new_tokens=24)
         a, b = spec.generate(ids, params), plain.generate(ids, params)
         assert a.token_ids == b.token_ids, text
@@ -210,7 +210,7 @@ def test_tree_greedy_equality_and_accepts_at_least_as_much_as_the_chain(trained,
     plain = SpecDecoder(TargetRunner(loaded.model, 256))
     steps = {"tree": 0, "chain": 0}
     for text in trained["prompts"]:
-        ids = chat_ids(loaded.tokenizer, [{"role": "user", "content": text}], True)
+        ids = template_ids(loaded.tokenizer, [{"role": "user", "content": text}], True)
         params = SamplingParams(max_new_tokens=24)
         want = plain.generate(ids, params).token_ids
         t, c = tree_dec.generate(ids, params), chain_dec.generate(ids, params)
@@ -224,7 +224,7 @@ def test_tree_with_topk_1_is_the_chain(trained, tiny_model_dir):
     loaded, tree = _tree_proposer(trained, tiny_model_dir, topk=1, tokens=4)
     chain = build_proposer(SpecConfig.from_dict({"method": "eagle3", "model": trained[3]["export"],
                                                  "num_speculative_tokens": 4}), 256, target=loaded)
-    ids = chat_ids(loaded.tokenizer, [{"role": "user", "content": trained["prompts"][0]}], True)
+    ids = template_ids(loaded.tokenizer, [{"role": "user", "content": trained["prompts"][0]}], True)
     outs = []
     for prop in (tree, chain):
         dec = SpecDecoder(TargetRunner(loaded.model, 256), prop, 4)
@@ -242,7 +242,7 @@ def test_every_tree_node_is_a_top_k_child_of_its_path_run_as_a_chain(trained, ti
     K = 3
     loaded, prop = _tree_proposer(trained, tiny_model_dir, topk=K, tokens=14)
     dec = SpecDecoder(TargetRunner(loaded.model, 256), prop, 4)
-    ids = chat_ids(loaded.tokenizer, [{"role": "user", "content": trained["prompts"][3]}], True)
+    ids = template_ids(loaded.tokenizer, [{"role": "user", "content": trained["prompts"][3]}], True)
     st = dec.start(ids, SamplingParams(max_new_tokens=8))
     s = prop._slot_for_row(st.ctx[0], st.n_ctx)
     d = prop.propose(st.ctx, [st.n_ctx], 4)
@@ -358,7 +358,7 @@ def test_fused_greedy_equality_chain_and_tree(wide):
             dec = SpecDecoder(runner, prop, 4)
             n = 0
             for text in prompts:
-                ids = chat_ids(loaded.tokenizer, [{"role": "user", "content": text}], True)
+                ids = template_ids(loaded.tokenizer, [{"role": "user", "content": text}], True)
                 params = SamplingParams(max_new_tokens=24)
                 got = dec.generate(ids, params)
                 assert got.token_ids == plain.generate(ids, params).token_ids, (name, fused, text)
@@ -380,7 +380,7 @@ def test_batched_greedy_equals_plain(trained, tiny_model_dir, run_batched, metho
         cfg.update(speculative_eagle_topk=3, speculative_num_draft_tokens=12)
     prop = build_proposer(SpecConfig.from_dict(cfg), 256, target=loaded)
     plain = SpecDecoder(TargetRunner(loaded.model, 256))
-    prompts = [chat_ids(loaded.tokenizer, [{"role": "user", "content": t}], True) for t in trained["prompts"][:10]]
+    prompts = [template_ids(loaded.tokenizer, [{"role": "user", "content": t}], True) for t in trained["prompts"][:10]]
     params = SamplingParams(max_new_tokens=24)
     got = run_batched(SpecDecoder(TargetRunner(loaded.model, 256), prop, 4), prompts, [params] * len(prompts))
     assert [r.token_ids for r in got] == [plain.generate(p, params).token_ids for p in prompts]
