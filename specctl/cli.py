@@ -6,12 +6,13 @@ inside the command functions so that ``specctl --help`` answers fast.
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import os
 import sys
 
 import typer
+
+from specctl.commands import (bench, build_vocab_map, models, recommend, serve, train_eagle, train_medusa,
+                              train_mtp)
 
 app = typer.Typer(
     name="specctl",
@@ -22,11 +23,9 @@ app = typer.Typer(
     add_completion=False,
     context_settings={"help_option_names": ["-h", "--help"]},
 )
-# Each command module defines register(app). A command is listed only once its module exists.
-COMMAND_MODULES = ("recommend", "train_medusa", "train_eagle", "train_mtp", "build_vocab_map", "bench", "serve", "models")
-for _name in COMMAND_MODULES:
-    if importlib.util.find_spec(f"specctl.commands.{_name}") is not None:
-        importlib.import_module(f"specctl.commands.{_name}").register(app)
+# Each command module defines register(app), in the order ``specctl --help`` lists them.
+for _module in (recommend, train_medusa, train_eagle, train_mtp, build_vocab_map, bench, serve, models):
+    _module.register(app)
 
 
 def _print_version(value: bool) -> None:

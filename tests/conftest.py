@@ -30,11 +30,8 @@ Fixtures (all offline, seeded, CPU, fp32):
     ``make_runner(max_len=256, batch=1, model=None)`` -> a fresh ``TargetRunner`` over ``tiny_model``
     (or the given model); ``target_runner`` is ``make_runner()``.
 
-Import note: pytest's default ("prepend") import mode puts ``tests/`` on ``sys.path``, where the
-folder ``tests/kernels/`` would be picked up as a namespace package named ``kernels`` before the
-editable install's finder (which runs after Python's PathFinder) offers the repository's own
-``kernels`` package. This conftest therefore imports the real ``kernels`` first (see
-``_import_repo_kernels``); ``--import-mode=importlib`` in pytest's options would make that unneeded.
+Import note: pytest runs with ``--import-mode=importlib`` (pyproject.toml), so ``tests/kernels/`` is never
+mistaken for the repository's ``kernels`` package.
 
 torch runs single-threaded in the test session (``torch.set_num_threads(1)``, see below).
 
@@ -47,9 +44,7 @@ model can emit decodes. The weights are initialised with ``initializer_range=0.2
 
 from __future__ import annotations
 
-import importlib
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -62,22 +57,6 @@ _TESTS = Path(__file__).resolve().parent
 # one thread per core, a busy neighbour makes every forward wait on the slowest thread (~40x slower).
 torch.set_num_threads(1)
 
-
-def _import_repo_kernels() -> None:
-    """Import the repository's ``kernels`` package with ``tests/`` off sys.path (see the docstring)."""
-    mod = sys.modules.get("kernels")
-    if mod is not None and getattr(mod, "__file__", None):
-        return
-    sys.modules.pop("kernels", None)
-    saved = list(sys.path)
-    sys.path[:] = [p for p in saved if not Path(p or ".").resolve().is_relative_to(_TESTS)]
-    try:
-        importlib.import_module("kernels")
-    finally:
-        sys.path[:] = saved
-
-
-_import_repo_kernels()
 
 TINY_VOCAB_SIZE = 128
 TINY_SPECIAL_TOKENS = ("<pad>", "<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>")
