@@ -332,7 +332,7 @@ class SpecDecoder:
             if k is not None:
                 ks[i] = k
         drafting = [i for i, k in ks.items() if k > 0]
-        together = len(drafting) > 1 and hasattr(self.proposer, "propose_batch")
+        together = len(drafting) > 1 and self.proposer.drafts_in_batch
         if together:
             t0 = time.perf_counter()
             try:
@@ -395,7 +395,6 @@ class SpecDecoder:
         while one exists; keep that path's keys/values. Lossless: every emitted token is the
         target's greedy choice given the tokens before it."""
         runner, parents, tokens = st.runner, plan.parents, plan.tokens
-        n = len(parents) - 1
         path, emitted = greedy_tree_verify(tokens[0].tolist(), parents, runner.greedy(logits)[0].tolist())
         depth = max(tree_depths(parents))
         if st.controller is not None:

@@ -29,7 +29,7 @@ def _check(model, path):
     # this step's work per request: decode rows, verify blocks (one over 16 rows), a draft tree, a prompt
     steps = [torch.randint(0, 128, (1, t), generator=g) for t in (1, 5, 1, 17, 4, 7, 2)]
     parents = [None, None, None, None, None, [-1, 0, 0, 1, 1, 2, 5], None]
-    alone, together = [], []
+    alone = []
     for i in range(len(lens)):
         r = TargetRunner(model, 128)
         r.forward(prompts[i])

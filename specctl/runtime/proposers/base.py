@@ -64,6 +64,8 @@ class Proposer:
     # states, ascending): the decoder has the target return them, in ``on_target_hidden``'s aux
     aux_layers: tuple[int, ...] = ()
     learns_across_requests: bool = False  # e.g. suffix's global cache of earlier responses
+    # drafts every running request in one call (``propose_batch``): one batched draft forward
+    drafts_in_batch: bool = False
 
     def start_request(self, slot: int, prompt_ids: np.ndarray) -> None:
         """A new request enters batch slot ``slot`` with its prompt (int32 [T])."""
@@ -84,6 +86,11 @@ class Proposer:
         hidden_states: torch.Tensor | None = None,  # [batch, H] target's last hidden state, if asked
         slots=None,  # [batch] the slot of each row's request (the decoder passes it); None: matched by context
     ) -> DraftOutput:
+        raise NotImplementedError
+
+    def propose_batch(self, rows: list[tuple[np.ndarray, int, int | None]], ks: list[int]) -> list[DraftOutput]:
+        """Only with ``drafts_in_batch``: each (context ids, context length, slot) gets up to its k
+        tokens, one DraftOutput of batch 1 per row, in order."""
         raise NotImplementedError
 
     def on_target_hidden(self, slot: int, hidden: torch.Tensor, aux: torch.Tensor | None) -> None:

@@ -97,6 +97,7 @@ class _Drafting:
 
 class DraftModelProposer(Proposer):
     method = "draft_model"
+    drafts_in_batch = True
 
     def __init__(self, config: SpecConfig, *, target, max_model_len: int, draft=None, mode: str | None = None,
                  vocab_map: VocabMap | str | None = None):

@@ -130,6 +130,7 @@ class _Slot:
 
 class SparseAttnProposer(SlotProposer):
     method = "sparse_attn"
+    drafts_in_batch = True
 
     def __init__(self, config: SpecConfig, *, target, max_model_len: int):
         if target is None:
