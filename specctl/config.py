@@ -124,10 +124,13 @@ class SpecConfig:
         for key, value in data.items():
             if key in own:
                 kwargs[key] = value
-            elif key in VLLM_PASSTHROUGH_KEYS:
+            elif key in VLLM_PASSTHROUGH_KEYS or key in OLDER_VLLM_KEYS:
                 passthrough[key] = value
+            elif key in ENGINE_FLAGS:
+                raise ConfigError(f"'{key}' is a vLLM engine flag, not a speculative config key",
+                                  f"drop it here; with --engine vllm pass {ENGINE_FLAGS[key]} after --")
             else:
-                close = difflib.get_close_matches(key, sorted(own | VLLM_PASSTHROUGH_KEYS), n=1)
+                close = difflib.get_close_matches(key, sorted(own | VLLM_PASSTHROUGH_KEYS | OLDER_VLLM_KEYS), n=1)
                 hint = f"did you mean '{close[0]}'?" if close else "see `specctl bench --help`"
                 raise ConfigError(f"unknown speculative config key '{key}'", hint)
         return cls(**kwargs, vllm_only=passthrough).validated()
@@ -144,8 +147,16 @@ class SpecConfig:
         return cls.from_dict(data)
 
     def to_dict(self) -> dict[str, Any]:
-        """The config as vLLM's JSON keys (own keys that are set, plus passthrough keys)."""
+        """The config as vLLM's JSON keys (own keys that are set, plus passthrough keys).
+
+        The ``suffix_decoding_*`` defaults are left out for other methods (they mean nothing there). What
+        of this a vLLM accepts (no specctl-only keys): ``specctl.vllm_compat.vllm_speculative_config``.
+        """
         out = {k: v for k, v in dataclasses.asdict(self).items() if k != "vllm_only" and v is not None}
+        if self.method != "suffix":
+            for f in dataclasses.fields(self):
+                if f.name.startswith("suffix_decoding_") and out.get(f.name) == f.default:
+                    del out[f.name]
         out.update(self.vllm_only)
         return out
 
@@ -299,11 +310,20 @@ def _check_number(name: str, value: Any, minimum: float, maximum: float | None =
         raise ConfigError(f"{name} must be {rng}, got {value}", f"set {name} {rng}")
 
 
-# Keys of vLLM's SpeculativeConfig that only its engine uses; accepted and passed through.
-VLLM_PASSTHROUGH_KEYS = frozenset({
-    "draft_tensor_parallel_size", "quantization", "revision", "code_revision",
-    "disable_padded_drafter_batch", "speculative_token_tree",
-    "enforce_eager", "disable_log_stats", "draft_model_config", "target_model_config",
-    "parallel_drafting", "use_local_argmax_reduction", "tensor_parallel_size",
-    "rejection_sample_method", "draft_load_config", "moe_backend",
-})
+def _vllm_passthrough_keys() -> frozenset[str]:
+    from specctl.vllm_compat import VLLM_SPECULATIVE_CONFIG_FIELDS
+
+    own = {f.name for f in dataclasses.fields(SpecConfig)}
+    return frozenset(VLLM_SPECULATIVE_CONFIG_FIELDS - own)
+
+
+# Keys of vLLM's SpeculativeConfig (as recorded in specctl.vllm_compat, from the vLLM it was checked
+# against) that SpecConfig has no field for: only vLLM's engine uses them; accepted, kept in
+# ``vllm_only`` and passed through. Nothing vLLM would refuse is in here (tests/test_config.py).
+VLLM_PASSTHROUGH_KEYS = _vllm_passthrough_keys()
+# Keys of older vLLMs that the own runtime still reads, kept in ``vllm_only`` but never sent to vLLM
+# (vLLM 0.32 refuses them): ``speculative_token_tree`` (vLLM <= 0.11's token tree; specctl's Medusa
+# drafts trees from it, and "auto" builds one from the heads' accuracies).
+OLDER_VLLM_KEYS = frozenset({"speculative_token_tree"})
+# vLLM engine flags users put in a speculative config by mistake: refused with where they belong
+ENGINE_FLAGS = {"disable_log_stats": "--disable-log-stats"}

@@ -2,8 +2,8 @@
 
 ``SpecConfig.to_dict()`` holds vLLM's key names, but also what only specctl reads: the four
 ``suffix_decoding_*`` defaults it fills for every method, SGLang's EAGLE tree keys
-(``speculative_eagle_topk``, ``speculative_num_draft_tokens``), Medusa's ``"speculative_token_tree":
-"auto"``, the hybrid's ``proposers``/``policy``/``hybrid_min_match``, and keys that older or newer
+(``speculative_eagle_topk``, ``speculative_num_draft_tokens``), Medusa's ``speculative_token_tree`` (a key of
+vLLM <= 0.11 that vLLM 0.32 refuses; specctl's own Medusa trees read it), the hybrid's ``proposers``/``policy``/``hybrid_min_match``, and keys that older or newer
 vLLMs name differently. vLLM's ``SpeculativeConfig`` refuses keys it does not know, so what goes to
 vLLM (``serve --engine vllm``, the interop check) is filtered here:
 

@@ -102,3 +102,57 @@ def test_config_error_is_a_usage_error_with_exit_code_2():
     assert e.value.exit_code == 2
     assert "\n" not in str(e.value)  # one line: the problem, then the fix
     assert e.value.fix
+
+
+# --------------------------------------------------------------------------- keys vLLM accepts
+
+def test_passthrough_keys_are_all_keys_vllm_accepts():
+    import dataclasses
+
+    from specctl.config import OLDER_VLLM_KEYS, VLLM_PASSTHROUGH_KEYS
+    from specctl.vllm_compat import VLLM_INTERNAL_FIELDS, VLLM_SPECULATIVE_CONFIG_FIELDS
+
+    own = {f.name for f in dataclasses.fields(SpecConfig)}
+    assert VLLM_PASSTHROUGH_KEYS <= VLLM_SPECULATIVE_CONFIG_FIELDS  # nothing vLLM refuses
+    assert not VLLM_PASSTHROUGH_KEYS & VLLM_INTERNAL_FIELDS  # nor its computed config objects
+    assert VLLM_PASSTHROUGH_KEYS | own >= VLLM_SPECULATIVE_CONFIG_FIELDS  # and every key it has is taken
+    assert not OLDER_VLLM_KEYS & VLLM_SPECULATIVE_CONFIG_FIELDS
+
+
+def test_a_vllm_config_with_every_engine_key_is_taken_unchanged():
+    from specctl.config import VLLM_PASSTHROUGH_KEYS
+
+    extra = {k: f"value-of-{k}" for k in VLLM_PASSTHROUGH_KEYS}
+    cfg = SpecConfig.from_dict({"method": "eagle3", "model": "/d", "num_speculative_tokens": 3, **extra})
+    assert cfg.vllm_only == extra and extra.items() <= cfg.to_dict().items()
+
+
+@pytest.mark.parametrize("key", ["disable_log_stats", "draft_model_config", "target_model_config"])
+def test_keys_vllm_refuses_in_a_speculative_config_are_refused_here(key):
+    with pytest.raises(ConfigError) as e:
+        SpecConfig.from_dict({"method": "ngram", key: True})
+    assert f"'{key}'" in str(e.value) and "\n" not in str(e.value)
+    if key == "disable_log_stats":
+        assert "engine flag" in str(e.value) and "--disable-log-stats after --" in str(e.value)
+
+
+def test_older_vllm_token_tree_key_is_kept_for_the_own_runtime():
+    cfg = SpecConfig.from_dict({"method": "medusa", "model": "/d", "speculative_token_tree": "[(0,), (1,)]"})
+    assert cfg.vllm_only == {"speculative_token_tree": "[(0,), (1,)]"}
+
+
+@pytest.mark.parametrize("method,extra", [("ngram", {}), ("medusa", {"model": "/d"}), ("eagle3", {"model": "/d"}),
+                                          ("draft_model", {"model": "/d"}), ("mtp", {})])
+def test_to_dict_leaves_out_suffix_defaults_of_other_methods(method, extra):
+    d = SpecConfig.from_dict({"method": method, **extra}).to_dict()
+    assert not [k for k in d if k.startswith("suffix_decoding_")]
+    assert SpecConfig.from_dict(d).to_dict() == d  # and round-trips
+    set_by_user = SpecConfig.from_dict({"method": method, **extra, "suffix_decoding_max_tree_depth": 8}).to_dict()
+    assert set_by_user["suffix_decoding_max_tree_depth"] == 8  # what a user set is kept (vllm_compat drops it)
+
+
+def test_suffix_to_dict_has_its_four_keys():
+    d = SpecConfig.from_dict({"method": "suffix"}).to_dict()
+    assert {k for k in d if k.startswith("suffix_decoding_")} == {
+        "suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests",
+        "suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob"}

@@ -101,3 +101,84 @@ def test_hf_overrides_for_a_mimo_mtp_draft(tmp_path):
 def test_a_method_vllm_lacks_has_no_vllm_form():
     with pytest.raises(ValueError, match="not a speculative method of vLLM"):
         vllm_speculative_config({"method": "sparse_attn", "num_speculative_tokens": 4})
+
+
+# --------------------------------------------------------------------------- every method, every engine key
+
+ENGINE_KEYS_SET = {"draft_tensor_parallel_size": 1, "quantization": "fp8", "revision": "main", "enforce_eager": True,
+                   "kv_cache_dtype": "auto", "parallel_drafting": False, "rejection_sample_method": "standard"}
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_engine_keys_pass_through_for_every_method(name):
+    from specctl.config import VLLM_PASSTHROUGH_KEYS
+
+    assert set(ENGINE_KEYS_SET) <= VLLM_PASSTHROUGH_KEYS
+    spec = SpecConfig.from_dict({**CONFIGS[name], **ENGINE_KEYS_SET})
+    sent = vllm_speculative_config(spec)
+    assert set(sent) <= VLLM_SPECULATIVE_CONFIG_FIELDS
+    assert ENGINE_KEYS_SET.items() <= sent.items()
+
+
+def test_every_recorded_field_a_user_can_give_is_sent():
+    from specctl.config import VLLM_PASSTHROUGH_KEYS
+
+    given = {k: f"v-{k}" for k in VLLM_PASSTHROUGH_KEYS}
+    sent = vllm_speculative_config(SpecConfig.from_dict({"method": "eagle3", "model": "/d", **given}))
+    assert given.items() <= sent.items()
+
+
+def test_an_older_vllm_token_tree_is_not_sent_and_is_named():
+    spec = SpecConfig.from_dict({"method": "medusa", "model": "/d/medusa", "speculative_token_tree": "[(0,), (1,)]"})
+    sent = vllm_speculative_config(spec)
+    assert "speculative_token_tree" not in sent
+    assert dropped_keys(spec.to_dict(), sent) == ["speculative_token_tree"]
+
+
+def _vllm_python() -> str | None:
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    for cand in (os.environ.get("SPECCTL_VLLM_PYTHON"), sys.executable):
+        if cand and Path(cand).is_file() and subprocess.run(
+                [cand, "-c", "import importlib.util as u, sys; sys.exit(u.find_spec('vllm') is None)"]).returncode == 0:
+            return cand
+    return None
+
+
+@pytest.mark.vllm
+def test_recorded_schema_matches_the_installed_vllm_and_its_speculative_config_accepts_ours():
+    """Against a real vLLM (``pytest -m vllm``): the recorded fields are the installed vLLM's, and vLLM's own
+    SpeculativeConfig takes an emitted ngram config with every engine key at vLLM's default value."""
+    import json
+    import subprocess
+
+    python = _vllm_python()
+    if python is None:
+        pytest.skip("no vLLM: set SPECCTL_VLLM_PYTHON to a python that imports it")
+    from specctl.config import VLLM_PASSTHROUGH_KEYS
+    from specctl.vllm_compat import VLLM_INTERNAL_FIELDS, VLLM_VERSION_RECORDED
+
+    code = r"""
+import dataclasses, json, sys
+import vllm
+from vllm.config import SpeculativeConfig
+fields = SpeculativeConfig.__dataclass_fields__
+defaults = {k: f.default for k, f in fields.items()
+            if f.default is not dataclasses.MISSING and isinstance(f.default, (bool, int, float, str, type(None)))}
+print(json.dumps({"version": vllm.__version__, "fields": sorted(fields), "defaults": defaults}))
+"""
+    out = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    info = json.loads(out.stdout.strip().splitlines()[-1])
+    if info["version"] != VLLM_VERSION_RECORDED:
+        pytest.skip(f"vLLM {info['version']} installed, schema recorded from {VLLM_VERSION_RECORDED}")
+    assert set(info["fields"]) - VLLM_INTERNAL_FIELDS == VLLM_SPECULATIVE_CONFIG_FIELDS
+    engine = {k: v for k, v in info["defaults"].items() if k in VLLM_PASSTHROUGH_KEYS}
+    assert len(engine) >= 10  # most engine keys have a plain default
+    sent = vllm_speculative_config(SpecConfig.from_dict({**CONFIGS["ngram"], **engine}))
+    check = "import json, sys; from vllm.config import SpeculativeConfig; SpeculativeConfig(**json.loads(sys.argv[1]))"
+    r = subprocess.run([python, "-c", check, json.dumps(sent)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
