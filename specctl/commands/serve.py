@@ -336,7 +336,8 @@ def serve(
 
     from specctl.models import DEFAULT_MODEL, resolve_model
     from specctl.runtime.runner import load_model
-    from specctl.runtime.server import Engine, create_app, resolve_max_model_len
+    from specctl.runtime.engine import Engine
+    from specctl.runtime.server import create_app, resolve_max_model_len
 
     use_kernels(kernels)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s", stream=sys.stderr)

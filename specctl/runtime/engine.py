@@ -251,7 +251,7 @@ class Engine:
         why = "the server is shutting down" if self.failure is None else f"engine failure: {self.failure}"
         for r, st in sched.running + sched.prefilling:
             self._decoder.finish(st)
-            self._close(self._reqs.get(r.id), Event([], _copy_stats(st.stats), finish="abort",
+            self._close(self._reqs.get(r.id), Event([], st.stats.copy(), finish="abort",
                                                     error=None if self.failure is None else why))
         with self._cv:
             left = list(self._waiting) + [self._reqs.get(r.id) for r in sched.waiting]
@@ -282,19 +282,19 @@ class Engine:
                         m.ttft.observe(now - u.request.t_arrival)
                     else:
                         m.itl.observe(now - seen.t_last)
-            seen.stats = _copy_stats(st.stats)
-            seen.parts = {name: _copy_stats(s) for name, s in st.by_proposer.items()}
+            seen.stats = st.stats.copy()
+            seen.parts = {name: s.copy() for name, s in st.by_proposer.items()}
             if u.tokens:
                 seen.t_last = now
             if u.tokens:
-                self._post(req, Event(u.tokens, _copy_stats(st.stats)))
+                self._post(req, Event(u.tokens, st.stats.copy()))
         if u.finish is None:
             return
         self._seen.pop(u.request.id, None)
         reason = u.finish
         if u.error is not None:
             log.warning("request %s failed: %s", u.request.id, u.error)
-        self._close(req, Event([], _copy_stats(st.stats) if st is not None else SpecStats(),
+        self._close(req, Event([], st.stats.copy() if st is not None else SpecStats(),
                                finish="abort" if u.error is not None else reason, error=u.error))
         if u.result is not None and st is not None:
             s = u.result.stats
@@ -325,10 +325,3 @@ class Engine:
             req.loop.call_soon_threadsafe(req.queue.put_nowait, ev)
         except RuntimeError:  # the event loop is closed: nobody is listening any more
             pass
-
-
-def _copy_stats(s: SpecStats) -> SpecStats:
-    return SpecStats(s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens, list(s.num_accepted_tokens_per_pos))
-
-
-# =========================================================================== text out

@@ -35,6 +35,10 @@ class SpecStats:
         for i in range(num_accepted):
             per_pos[i] += 1
 
+    def copy(self) -> "SpecStats":
+        return SpecStats(self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens,
+                         list(self.num_accepted_tokens_per_pos))
+
     def merge(self, other: "SpecStats") -> "SpecStats":
         """Sum of two stats (e.g. over requests); returns a new SpecStats."""
         n = max(len(self.num_accepted_tokens_per_pos), len(other.num_accepted_tokens_per_pos))

@@ -2,18 +2,16 @@
 
 Two threads, one owner each:
 
-* **Engine** (one background thread, the only one that touches torch): a pool of ``max_num_seqs``
-  TargetRunners whose KV caches are allocated once at start, one SpecDecoder and its proposer
-  (pool slot i = proposer slot i). Each round it admits waiting requests in FIFO order into free
-  slots (prefill + first token), then gives every active request one propose -> verify -> rollback
-  step, round robin. Requests are interleaved, not batched: n active requests share one request's
-  throughput (each gets ~1/n of it, every stream advances every round); requests beyond the pool
-  wait in the queue. A prompt's prefill runs whole, between two rounds.
-* **HTTP** (FastAPI on uvicorn's event loop): validation, tokenizer and chat template, incremental
-  detokenization, stop strings, server-sent events, errors, ``/metrics``. It never calls torch.
-  Tokens reach a handler through its request's asyncio queue (``call_soon_threadsafe``); a handler
-  stops a request (client gone, stop string) by setting a flag the engine reads before each step,
-  and the slot is free for the next request one round later.
+* **Engine** (``specctl.runtime.engine``, one background thread, the only one that touches torch):
+  a pool of ``max_num_seqs`` KV caches allocated once, one SpecDecoder and its proposer, and the
+  continuous-batching scheduler: each round admits waiting requests in FIFO order into free slots
+  (prefill in chunks of ``max_num_batched_tokens``), then every running request drafts and one target
+  forward verifies them all. A full pool queues requests or answers 429, as configured.
+* **HTTP** (FastAPI on uvicorn's event loop): validation (``specctl.runtime.openai_api``), the chat
+  template (``specctl.chat``), incremental detokenization, stop strings, server-sent events, errors,
+  ``/metrics``. It never calls torch. Tokens reach a handler through its request's asyncio queue
+  (``call_soon_threadsafe``); a handler stops a request (client gone, stop string) with
+  ``engine.abort``, and the slot is free for the next request one round later.
 
 Responses carry an extra ``spec_decode`` field: the request's SpecStats (acceptance rate, mean
 acceptance length, per-position counts). ``/metrics`` serves the same counters summed over requests,
@@ -31,20 +29,20 @@ import secrets
 import time
 import uuid
 from contextlib import asynccontextmanager
-from typing import Any, Optional, Union
 
 from fastapi import Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from fastapi.responses import PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import StreamingResponse
 
-from specctl import chat
+from specctl.chat import render as render_messages
 from specctl.errors import UsageError
 from specctl.runtime.decoder import SamplingParams
+from specctl.runtime.engine import Engine, EngineRequest, QueueFull
 from specctl.runtime.metrics import SpecStats
+from specctl.runtime.openai_api import (ApiError, ChatMessage, ChatRequest, CompletionRequest, SamplingFields, TextStream,
+                                        parse_body, usage_of)
 from specctl.runtime.runner import LoadedModel
-from specctl.runtime.engine import Engine, EngineRequest, QueueFull, _copy_stats
 
 log = logging.getLogger("specctl.serve")
 
@@ -62,168 +60,6 @@ def resolve_max_model_len(loaded: LoadedModel, requested: int | None) -> int:
         raise UsageError(f"--max-model-len {requested} exceeds the model's max_position_embeddings ({model_max})",
                          f"pass --max-model-len {model_max} or less")
     return requested
-
-
-# =========================================================================== engine
-
-
-class TextStream:
-    """Incremental detokenization of one request's tokens, with OpenAI ``stop`` strings.
-
-    Text is decoded over a short window of tokens (vLLM's prefix/read offsets) so that each token
-    costs O(1) decode work, and held back while it ends in an incomplete UTF-8 character. With stop
-    strings, the last ``len(longest stop) - 1`` characters are held back until they cannot start
-    one; once a stop string appears the text is cut before it, and ``ids`` is cut after the token
-    that completed it (found by bisection: whether the decoded prefix holds it is monotonic).
-    """
-
-    def __init__(self, tokenizer, stop: list[str]):
-        self.tok = tokenizer
-        self.stop = [s for s in stop if s]
-        self.hold = max((len(s) for s in self.stop), default=1) - 1
-        self.ids: list[int] = []
-        self.text = ""
-        self.sent = 0  # characters of text already handed out
-        self.stopped = False
-        self._po = self._ro = 0  # prefix offset, read offset (token indices)
-        self._checked = 0  # tokens whose text is known not to hold a stop string
-
-    def _decode(self, ids: list[int]) -> str:
-        return self.tok.decode(ids, skip_special_tokens=True)
-
-    def add(self, tokens: list[int]) -> None:
-        if self.stopped or not tokens:
-            return
-        self.ids.extend(tokens)
-        self._advance(final=False)
-
-    def _advance(self, final: bool) -> None:
-        prefix = self._decode(self.ids[self._po:self._ro])
-        full = self._decode(self.ids[self._po:])
-        if not final and (len(full) <= len(prefix) or full.endswith("\ufffd")):
-            return  # nothing printable yet, or a character still missing its other bytes
-        before = len(self.text)
-        self.text += full[len(prefix):]
-        self._po, self._ro = self._ro, len(self.ids)
-        if self.stop:
-            self._find_stop(max(0, before - self.hold))
-
-    def _find_stop(self, start: int) -> None:
-        hits = [i for s in self.stop if (i := self.text.find(s, start)) >= 0]
-        if not hits:
-            self._checked = len(self.ids)
-            return
-        self.text, self.stopped = self.text[:min(hits)], True
-        lo, hi = self._checked, len(self.ids)  # decode(ids[:lo]) holds no stop; decode(ids[:hi]) does
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            t = self._decode(self.ids[:mid])
-            lo, hi = (lo, mid) if any(s in t for s in self.stop) else (mid, hi)
-        del self.ids[hi:]
-
-    def take(self, final: bool = False) -> str:
-        """The text not handed out yet that is safe to send (everything when ``final``)."""
-        if final and not self.stopped:
-            self._advance(final=True)
-        end = len(self.text) if (final or self.stopped) else max(self.sent, len(self.text) - self.hold)
-        out, self.sent = self.text[self.sent:end], end
-        return out
-
-
-# =========================================================================== protocol
-
-
-class ApiError(Exception):
-    """An OpenAI-style error: ``{"error": {"message", "type", "param", "code"}}`` with an HTTP status."""
-
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 code: str | None = None, param: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.code, self.param = status, message, type_, code, param
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
-
-
-class StreamOptions(BaseModel):
-    include_usage: Optional[bool] = False
-
-
-class _Sampling(BaseModel):
-    """Fields shared by /v1/completions and /v1/chat/completions (unknown fields are ignored)."""
-
-    model_config = ConfigDict(extra="allow")
-    model: Optional[str] = None
-    max_tokens: Optional[int] = Field(None, ge=1)
-    temperature: Optional[float] = Field(None, ge=0.0, le=2.0)
-    top_p: Optional[float] = Field(None, gt=0.0, le=1.0)
-    top_k: Optional[int] = None  # vLLM extension; <= 0 disables it
-    seed: Optional[int] = None
-    stop: Union[str, list[str], None] = None
-    n: Optional[int] = Field(None, ge=1)
-    stream: Optional[bool] = False
-    stream_options: Optional[StreamOptions] = None
-    ignore_eos: Optional[bool] = False  # vLLM extension
-
-
-class CompletionRequest(_Sampling):
-    prompt: Union[str, list[int], list[str], list[list[int]]]
-
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    role: str
-    content: Union[str, list[dict[str, Any]], None] = None
-
-
-class ChatRequest(_Sampling):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: Optional[int] = Field(None, ge=1)
-
-
-# field -> (is it asking for something unsupported?, what to say)
-_UNSUPPORTED = {
-    "logprobs": (lambda v: v not in (None, False), "logprobs are not supported"),
-    "top_logprobs": (lambda v: v not in (None, 0), "logprobs are not supported"),
-    "echo": (lambda v: bool(v), "echo is not supported"),
-    "suffix": (lambda v: bool(v), "suffix (insertion) is not supported"),
-    "best_of": (lambda v: v not in (None, 1), "best_of > 1 is not supported"),
-    "logit_bias": (lambda v: bool(v), "logit_bias is not supported"),
-    "presence_penalty": (lambda v: v not in (None, 0, 0.0), "presence_penalty is not supported (use 0)"),
-    "frequency_penalty": (lambda v: v not in (None, 0, 0.0), "frequency_penalty is not supported (use 0)"),
-    "tools": (lambda v: bool(v), "tools are not supported"),
-    "functions": (lambda v: bool(v), "functions are not supported"),
-    "response_format": (lambda v: isinstance(v, dict) and v.get("type", "text") != "text",
-                        "response_format other than text is not supported"),
-}
-
-
-def parse_body(raw: bytes, cls: type[_Sampling]) -> _Sampling:
-    try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        msg = f"malformed JSON body ({e.msg} at line {e.lineno} column {e.colno})" if isinstance(e, json.JSONDecodeError) \
-            else "the body is not UTF-8 JSON"
-        raise ApiError(400, f"{msg}; send a JSON object with Content-Type: application/json", code="invalid_json") from None
-    if not isinstance(data, dict):
-        raise ApiError(400, f"the body must be a JSON object, got {type(data).__name__}", code="invalid_json")
-    try:
-        body = cls.model_validate(data)
-    except ValidationError as e:
-        err = e.errors()[0]
-        where = ".".join(str(p) for p in err["loc"]) or "body"
-        raise ApiError(400, f"invalid '{where}': {err['msg']}", code="invalid_value",
-                       param=str(err["loc"][0]) if err["loc"] else None) from None
-    for key, (bad, why) in _UNSUPPORTED.items():
-        if key in data and bad(data[key]):
-            raise ApiError(400, f"'{key}': {why} by this server", code="unsupported_parameter", param=key)
-    if (body.n or 1) > 1:
-        raise ApiError(400, f"n={body.n} is not supported: this server returns one choice per request (n=1); "
-                       "send several requests instead", code="unsupported_parameter", param="n")
-    return body
 
 
 class _Ctx:
@@ -269,11 +105,11 @@ class _Ctx:
                 content = "\n".join(parts)
             msgs.append({"role": m.role, "content": content or ""})
         try:
-            return chat.render(self.tok, msgs)
+            return render_messages(self.tok, msgs)
         except Exception as e:  # noqa: BLE001 - a template that refuses these messages (role order, ...)
             raise ApiError(400, f"the chat template rejected the messages: {e}", param="messages") from None
 
-    def sampling(self, body: _Sampling, prompt_ids: list[int], max_tokens: int | None) -> SamplingParams:
+    def sampling(self, body: SamplingFields, prompt_ids: list[int], max_tokens: int | None) -> SamplingParams:
         P, L = len(prompt_ids), self.engine.max_model_len
         if P == 0:
             raise ApiError(400, "the prompt is empty", param="prompt")
@@ -371,7 +207,7 @@ def create_app(engine: Engine, served_model_names: list[str], api_key: str | Non
     return app
 
 
-async def _serve(request: Request, ctx: _Ctx, body: _Sampling, model: str, ids: list[int],
+async def _serve(request: Request, ctx: _Ctx, body: SamplingFields, model: str, ids: list[int],
                  params: SamplingParams, chat: bool):
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
@@ -392,7 +228,7 @@ async def _serve(request: Request, ctx: _Ctx, body: _Sampling, model: str, ids: 
     text, finish, stats = [], None, SpecStats()
     async for delta, finish, stats in events:
         text.append(delta)
-    usage = _usage(len(ids), len(out.ids))
+    usage = usage_of(len(ids), len(out.ids))
     choice = ({"index": 0, "message": {"role": "assistant", "content": "".join(text)}} if chat
               else {"index": 0, "text": "".join(text)})
     choice.update({"logprobs": None, "finish_reason": finish})
@@ -431,10 +267,6 @@ async def _abort_on_disconnect(request: Request, engine: Engine, req: EngineRequ
             return
 
 
-def _usage(n_prompt: int, n_out: int) -> dict:
-    return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}
-
-
 async def _sse(ctx: _Ctx, events, head: dict, chat: bool, out: TextStream, n_prompt: int, include_usage: bool):
     head = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
 
@@ -456,7 +288,7 @@ async def _sse(ctx: _Ctx, events, head: dict, chat: bool, out: TextStream, n_pro
                 continue
             yield sse({**chunk(delta, finish), "spec_decode": ctx.spec_field(stats)})
             if include_usage:
-                yield sse({**head, "choices": [], "usage": _usage(n_prompt, len(out.ids))})
+                yield sse({**head, "choices": [], "usage": usage_of(n_prompt, len(out.ids))})
     except ApiError as e:
         yield sse(e.body())
     finally:
@@ -496,9 +328,9 @@ def render_metrics(engine: Engine, model_name: str) -> str:
     labels = f'engine="0",model_name="{esc}"'
     m = engine.metrics
     with m.lock:
-        spec = _copy_stats(m.spec)
+        spec = m.spec.copy()
         prompt, gen, finished = m.prompt_tokens, m.generation_tokens, dict(m.finished)
-        parts = {name: _copy_stats(s) for name, s in m.by_proposer.items()}
+        parts = {name: s.copy() for name, s in m.by_proposer.items()}
         hists = [(name, doc, h.cumulative(), h.sum) for name, doc, h in (
             ("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", m.ttft),
             ("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", m.itl))]

@@ -27,9 +27,11 @@ import uvicorn
 from specctl import chat
 from specctl.config import SpecConfig
 from specctl.runtime.decoder import SamplingParams, SpecDecoder
+from specctl.runtime.engine import Engine
 from specctl.runtime.proposers import build_proposer
 from specctl.runtime.runner import TargetRunner, load_model
-from specctl.runtime.server import Engine, TextStream, create_app
+from specctl.runtime.openai_api import TextStream
+from specctl.runtime.server import create_app
 
 MAX_LEN = 192
 NEW = 24
