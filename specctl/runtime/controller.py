@@ -30,8 +30,16 @@ costs a few probes, not one every few steps. In a batch the probes fall on multi
 a clock the requests share, so they probe in the same steps and share one drafting forward. Greedy output does not depend on any of this: the
 verifier keeps it lossless whatever d is chosen.
 
+In a batch the per-request model can be wrong in ways it cannot see (a shared draft forward
+whose cost grows with the batch, attention over long contexts in the verify rows): ``BatchGuard``
+watches the outcome instead. Per batch size it keeps the measured throughput (tokens emitted by the
+whole batch per second) of steps that drafted and of steps that did not; while drafting measures
+slower than not drafting, the batch decodes plainly and tries drafting again after a wait that
+doubles each time it still loses. So a batch never settles below plain decoding by more than its
+probes cost.
+
 Pure bookkeeping: no torch; the decode loop calls ``draft_len()`` before and ``observe()`` after
-each step.
+each step (and ``BatchGuard.drafts()`` / ``observe()`` around a batched step).
 """
 
 from __future__ import annotations
@@ -238,3 +246,46 @@ def _step_cost(T: int, fit: tuple[float, float, int] | None, q: tuple[float, flo
         return _relative_verify(T, fit) + draft / one
     base = max(one - b, 0.0) / batch + b
     return (base + b * d + draft) / base if base > 0 else 1.0
+
+
+@dataclass
+class BatchGuard:
+    """Whether a batch of B requests drafts this step, from the throughput measured at that B (see the
+    module docstring). ``drafts(B, clock)`` before a step, ``observe(B, drafted, tokens, seconds)`` after
+    it (steps that also carried a prefill chunk are not observed: their time is the prompt's)."""
+
+    ema: float = 0.25  # weight of the newest throughput observation
+    margin: float = 0.98  # drafting is kept while it measures at least this share of plain's throughput
+    probe_every: int = 8  # steps of plain decoding before drafting is tried again (doubles per lost probe)
+    max_probe_every: int = 64
+    refresh_every: int = 64  # a plain step at least this often while drafting, to keep plain measured
+    _spec: dict[int, float] = field(default_factory=dict)  # B -> tokens/s of steps that drafted (EMA)
+    _plain: dict[int, float] = field(default_factory=dict)  # B -> tokens/s of steps that did not
+    _since_plain: dict[int, int] = field(default_factory=dict)  # B -> steps since its last plain step
+    _gap: dict[int, int] = field(default_factory=dict)  # B -> the current wait between probes
+    _off: dict[int, int] = field(default_factory=dict)  # B -> plain steps since drafting lost
+
+    def drafts(self, batch: int) -> bool:
+        spec, plain = self._spec.get(batch), self._plain.get(batch)
+        if spec is None:
+            return True  # drafting unmeasured at this size: measure it
+        if plain is None or self._since_plain.get(batch, 0) >= self.refresh_every:
+            return False  # measure (or re-measure) plain decoding at this size
+        if spec >= self.margin * plain:
+            return True
+        self._off[batch] = self._off.get(batch, 0) + 1
+        if self._off[batch] >= self._gap.get(batch, self.probe_every):
+            self._off[batch] = 0
+            self._gap[batch] = min(2 * self._gap.get(batch, self.probe_every), self.max_probe_every)
+            return True  # a probe: its outcome re-enters the spec average
+        return False
+
+    def observe(self, batch: int, drafted: bool, tokens: int, seconds: float) -> None:
+        if seconds <= 0:
+            return
+        rate, book = tokens / seconds, (self._spec if drafted else self._plain)
+        old = book.get(batch)
+        book[batch] = rate if old is None else old + self.ema * (rate - old)
+        self._since_plain[batch] = self._since_plain.get(batch, 0) + 1 if drafted else 0
+        if drafted and self._plain.get(batch) is not None and book[batch] >= self.margin * self._plain[batch]:
+            self._gap.pop(batch, None)  # drafting pays again: the next loss waits probe_every steps

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from specctl.runtime.controller import DraftLengthController
+from specctl.runtime.controller import BatchGuard, DraftLengthController
 from specctl.runtime.metrics import SpecStats
 from specctl.runtime.proposers.base import DraftOutput, Proposer
 from specctl.runtime.rejection import greedy_tree_verify, greedy_verify, logits_to_probs, rejection_sample
@@ -145,6 +145,7 @@ class SpecDecoder:
         self.adaptive = adaptive and self.k > 0
         self._costs: dict[int, float] = {}  # forward time by token count, shared by this decoder's requests
         self._clock = 0  # batched steps so far: the requests' controllers probe on its multiples together
+        self._guard = BatchGuard() if self.adaptive else None  # batched steps draft only while it pays
 
     def generate(self, prompt_ids: list[int], params: SamplingParams,
                  generator: torch.Generator | None = None) -> GenerationResult:
@@ -250,6 +251,10 @@ class SpecDecoder:
         ``prefills``: (request, n) pairs whose next n prompt tokens ride in the same forward (chunked
         prefill); their first token, once a prompt is complete, follows the decoding requests' lists
         in the result."""
+        t_step = time.perf_counter()
+        guard = self._guard if len(states) > 1 else None
+        if guard is not None and not guard.drafts(len(states)):
+            max_draft = 0
         plans = self._plan_all(states, max_draft)
         live = [i for i, p in enumerate(plans) if p is not None]
         out: list[list[int]] = [[] for _ in list(states) + list(prefills)]
@@ -279,6 +284,9 @@ class SpecDecoder:
                 out[len(states) + j] = self.prefilled(st, n, lg)
             except Exception as e:  # noqa: BLE001
                 _fail(st, e)
+        if guard is not None and not prefills:
+            drafted = any(plans[i].tokens.shape[1] > 1 for i in live)
+            guard.observe(len(states), drafted, sum(len(out[i]) for i in live), time.perf_counter() - t_step)
         return out
 
     def _draft_len(self, st: DecodeState, max_draft: int | None = None, batch: int = 1) -> int | None:
@@ -290,7 +298,7 @@ class SpecDecoder:
         k = min(self.k, room - 1)
         if max_draft is not None:
             k = min(k, max_draft)
-        if st.controller is not None:
+        if st.controller is not None and k > 0:
             k = min(k, st.controller.draft_len(batch, self._clock))
         return k
 

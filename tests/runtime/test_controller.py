@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from specctl.runtime.controller import DraftLengthController
+from specctl.runtime.controller import BatchGuard, DraftLengthController
 
 
 def costs_flat(k: int) -> dict[int, float]:
@@ -230,3 +230,47 @@ def test_requests_of_a_batch_probe_together_on_a_shared_clock():
     assert all(t % 8 == 0 for t in together[0])
     apart = probes(False)
     assert apart[0] != apart[1]
+
+
+def run_batch(g: BatchGuard, steps: int, spec_rate: float, plain_rate: float, batch: int = 8) -> list[bool]:
+    """Feed the guard steps of one second whose throughput is spec_rate when drafting, else plain_rate."""
+    out = []
+    for _ in range(steps):
+        d = g.drafts(batch)
+        g.observe(batch, d, int(spec_rate if d else plain_rate), 1.0)
+        out.append(d)
+    return out
+
+
+def test_batch_guard_keeps_drafting_that_pays_and_refreshes_plain_rarely():
+    g = BatchGuard()
+    seq = run_batch(g, 300, spec_rate=130, plain_rate=100)
+    assert seq[0] is True and seq[1] is False  # drafting measured, then plain measured once
+    assert 0 < seq[2:].count(False) <= 300 // g.refresh_every + 1  # a refresh every refresh_every steps
+    assert all(seq[2:g.refresh_every + 2])
+
+
+def test_batch_guard_turns_drafting_off_where_it_loses_and_probes_with_backoff():
+    g = BatchGuard()
+    seq = run_batch(g, 300, spec_rate=80, plain_rate=100)
+    probes = [i for i, d in enumerate(seq) if d][1:]  # after the first measurement
+    assert len(probes) <= 8  # 8, 16, 32, 64, 64, ...: a draft that loses costs a few probes
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert gaps == sorted(gaps) and gaps[-1] <= g.max_probe_every + 1
+    # throughput over the run: within what the probes cost of plain decoding
+    total = sum(80 if d else 100 for d in seq)
+    assert total >= 0.95 * 100 * len(seq)
+
+
+def test_batch_guard_notices_when_drafting_starts_to_pay():
+    g = BatchGuard()
+    run_batch(g, 100, spec_rate=80, plain_rate=100)
+    seq = run_batch(g, 300, spec_rate=150, plain_rate=100)
+    assert seq[-50:].count(True) >= 45  # back to drafting (its probes raised the measured rate)
+
+
+def test_batch_guard_keeps_batch_sizes_apart():
+    g = BatchGuard()
+    run_batch(g, 100, spec_rate=80, plain_rate=100, batch=8)
+    assert run_batch(g, 20, spec_rate=200, plain_rate=100, batch=2).count(True) >= 18
+    assert run_batch(g, 4, spec_rate=80, plain_rate=100, batch=8).count(True) <= 1

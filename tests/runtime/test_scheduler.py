@@ -186,3 +186,17 @@ def test_chunked_prefill_never_stalls_the_decodes_and_changes_no_token(tiny_mode
             assert want.margins[i] <= 2 ** -5
         else:
             assert got[r.id] == want.out
+
+
+def test_adaptive_batch_stays_lossless_and_the_guard_measures_both_modes(tiny_model, repetitive_prompts):
+    """An adaptive decoder in a batch: the batch guard switches drafting on and off between steps,
+    and every request's greedy output is still the plain one."""
+    prompts = _prompts(repetitive_prompts)
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in NEW]
+    cfg = SpecConfig.from_dict({"method": "ngram", "num_speculative_tokens": 4})
+    dec = SpecDecoder(TargetRunner(tiny_model, MAX_LEN), build_proposer(cfg, MAX_LEN), 4, adaptive=True)
+    got = Scheduler(dec, [TargetRunner(tiny_model, MAX_LEN) for _ in range(3)]).run(
+        [Request(p, pr) for p, pr in zip(prompts, params)])
+    want = _alone(tiny_model, None, prompts, params)
+    assert [r.token_ids for r in got] == [r.token_ids for r in want]
+    assert dec._guard._spec and dec._guard._plain  # both modes measured at some batch size
