@@ -1,7 +1,10 @@
 """specctl.vllm_compat: every method's config, as sent to vLLM, holds only keys of vLLM's SpeculativeConfig
-(the recorded schema), and nothing specctl-only. No vLLM needed."""
+(the recorded schema), and nothing specctl-only; the vLLM bench peer reads vLLM's acceptance counters. No vLLM
+needed (but for the one ``pytest -m vllm`` test, which checks the schema against the installed vLLM)."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 
@@ -182,3 +185,34 @@ print(json.dumps({"version": vllm.__version__, "fields": sorted(fields), "defaul
     check = "import json, sys; from vllm.config import SpeculativeConfig; SpeculativeConfig(**json.loads(sys.argv[1]))"
     r = subprocess.run([python, "-c", check, json.dumps(sent)], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+# --------------------------------------------------------------------------- the vLLM peer's counters
+
+def test_the_vllm_peer_reads_vllms_spec_decode_counters_as_specstats():
+    import io
+    from types import SimpleNamespace as NS
+
+    from specctl.bench import peer_worker
+    from specctl.bench.peers import ExternalPeer, ExternalPeers
+
+    metrics = [NS(name="vllm:spec_decode_num_drafts", value=3), NS(name="vllm:spec_decode_num_draft_tokens", value=12),
+               NS(name="vllm:spec_decode_num_accepted_tokens", value=5),
+               NS(name="vllm:spec_decode_num_accepted_tokens_per_pos", values=[3, 2, 0, 0]),
+               NS(name="vllm:spec_decode_num_drafts", value=1),  # another label set: summed
+               NS(name="vllm:num_requests_running", value=1)]
+    engine = peer_worker.VLLMEngine.__new__(peer_worker.VLLMEngine)
+    engine.llm = NS(get_metrics=lambda: metrics)
+    before = engine.spec_counters()
+    assert before == {"num_drafts": 4, "num_draft_tokens": 12, "num_accepted_tokens": 5,
+                      "num_accepted_tokens_per_pos": [3, 2, 0, 0]}
+    metrics[0].value, metrics[2].value, metrics[3].values = 7, 9, [5, 3, 1, 0]
+    spec = peer_worker.counted_between(before, engine.spec_counters())
+    assert spec == {"num_drafts": 4, "num_draft_tokens": 0, "num_accepted_tokens": 4,
+                    "num_accepted_tokens_per_pos": [2, 1, 1, 0]}
+
+    peers = ExternalPeers.__new__(ExternalPeers)  # the worker's answer, as ExternalPeers.run reads it
+    answer = {"tokens": [1, 2], "prefill_s": 0.1, "decode_s": 0.2, "spec": spec}
+    peers.engine, peers._proc = "vllm", NS(stdin=io.StringIO(), stdout=io.StringIO(json.dumps(answer) + "\n"))
+    res = peers.run(ExternalPeer("vllm:ngram", {"kind": "ngram", "k": 4}), [5, 6], 2, [2])
+    assert (res.stats.num_drafts, res.stats.num_accepted_tokens, res.stats.num_accepted_tokens_per_pos) == (4, 4, [2, 1, 1, 0])

@@ -12,12 +12,23 @@ Then, one JSON object a line on stdin, one answer a line on stdout:
   {"mode": {"kind": "ngram", "k": 10}, ...}                         prompt lookup / n-gram drafts
   {"mode": {"kind": "draft", "k": 4, "draft": path}, ...}           a draft model (vLLM)
   ... "prompt_ids": [...], "max_new_tokens": 128, "stop_token_ids": [...]
-  -> {"tokens": [...], "prefill_s": t, "decode_s": t}  or  {"error": "..."}
+  -> {"tokens": [...], "prefill_s": t, "decode_s": t, "spec": {...}}  or  {"error": "..."}
+
+"spec" (vLLM, speculative modes): what vLLM's own spec-decode counters (``LLM.get_metrics()``:
+vllm:spec_decode_num_drafts, _num_draft_tokens, _num_accepted_tokens, _num_accepted_tokens_per_pos)
+counted over the full generation, under specctl's SpecStats names.
 
 An engine is built per mode and kept while requests of that mode follow (send them grouped by
 mode). Timing as for transformers' peer: decode time = a full generation minus a one-token
 generation of the same prompt (prefill + first token), measured just before; prefix caching is
 off, so the second prefill costs what the first did.
+
+vLLM runs as its CPU users run it (docs/getting_started/installation/cpu.md): ``dtype`` given
+explicitly (bfloat16 by default, as vLLM recommends on CPU), its default compilation (on CPU, vLLM
+0.32 traces the model once and compiles it with inductor; ``enforce_eager`` is not what its docs
+recommend, so it is not set here), its default block size, and the threads bound to the cores bench
+gives it (``VLLM_CPU_OMP_THREADS_BIND``). Only ``disable_log_stats=False`` differs from ``LLM()``'s
+defaults: it keeps the statistics that the acceptance counters come from.
 """
 
 from __future__ import annotations
@@ -38,7 +49,7 @@ class VLLMEngine:
         # model beside it (its weights and its own profiling peak) that left no KV, so more
         share = spec.get("memory_fraction", 0.45 if mode["kind"] == "draft" else 0.25)
         kw = dict(model=spec["model"], dtype=spec.get("dtype", "bfloat16"), max_model_len=spec.get("max_len", 4096),
-                  enable_prefix_caching=False, seed=0, gpu_memory_utilization=share)
+                  enable_prefix_caching=False, seed=0, gpu_memory_utilization=share, disable_log_stats=False)
         if mode["kind"] == "ngram":
             kw["speculative_config"] = {"method": "ngram", "num_speculative_tokens": mode["k"],
                                         "prompt_lookup_max": mode.get("prompt_lookup_max", 5),
@@ -55,8 +66,32 @@ class VLLMEngine:
         out = self.llm.generate([{"prompt_token_ids": ids}], sp, use_tqdm=False)
         return list(out[0].outputs[0].token_ids)
 
+    def spec_counters(self) -> dict:
+        """vLLM's spec-decode counters now (summed over label sets), under SpecStats' names."""
+        out = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0, "num_accepted_tokens_per_pos": []}
+        for m in self.llm.get_metrics():
+            key = m.name.removeprefix("vllm:spec_decode_")
+            if key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+                out[key] += int(m.value)
+            elif key == "num_accepted_tokens_per_pos":
+                acc, vals = out[key], [int(v) for v in m.values]
+                out[key] = [(acc[i] if i < len(acc) else 0) + (vals[i] if i < len(vals) else 0)
+                            for i in range(max(len(acc), len(vals)))]
+        return out
+
     def close(self) -> None:
         del self.llm
+
+
+def counted_between(before: dict, after: dict) -> dict:
+    """What the counters counted from ``before`` to ``after`` (per position too)."""
+    b = before["num_accepted_tokens_per_pos"]
+    a = after["num_accepted_tokens_per_pos"]
+    b = b + [0] * (len(a) - len(b))
+    return {"num_drafts": after["num_drafts"] - before["num_drafts"],
+            "num_draft_tokens": after["num_draft_tokens"] - before["num_draft_tokens"],
+            "num_accepted_tokens": after["num_accepted_tokens"] - before["num_accepted_tokens"],
+            "num_accepted_tokens_per_pos": [x - y for x, y in zip(a, b)]}
 
 
 class LlamaCppEngine:
@@ -120,13 +155,18 @@ def main() -> None:
                 engine = ENGINES[spec["engine"]](spec, req["mode"])
                 engine_mode = req["mode"]
             ids, n, stop = req["prompt_ids"], req["max_new_tokens"], req.get("stop_token_ids", [])
+            counters = getattr(engine, "spec_counters", None) if req["mode"]["kind"] != "plain" else None
             t0 = time.perf_counter()
             engine.generate(ids, 1, stop)
             t1 = time.perf_counter()
-            tokens = engine.generate(ids, n, stop)
+            before = counters() if counters else None
             t2 = time.perf_counter()
+            tokens = engine.generate(ids, n, stop)
+            t3 = time.perf_counter()
             prefill = t1 - t0
-            ans = {"tokens": tokens, "prefill_s": prefill, "decode_s": max(t2 - t1 - prefill, 1e-9)}
+            ans = {"tokens": tokens, "prefill_s": prefill, "decode_s": max(t3 - t2 - prefill, 1e-9)}
+            if counters:
+                ans["spec"] = counted_between(before, counters())
         except Exception as e:  # noqa: BLE001 - reported to the parent, which names the peer
             ans = {"error": f"{type(e).__name__}: {e}"}
         out.write(json.dumps(ans) + "\n")

