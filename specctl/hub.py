@@ -27,8 +27,8 @@ from typing import Any
 
 from specctl.errors import ModelError, SpecctlError
 
-__all__ = ["HubError", "is_hub_id", "snapshot", "write_model_card", "check_push_access", "push_to_hub",
-           "speculative_config_for"]
+__all__ = ["HubError", "is_hub_id", "snapshot", "write_model_card", "model_card_text", "check_push_access",
+           "push_to_hub", "speculative_config_for"]
 
 # owner/name as the Hub spells repo ids: letters, digits, '.', '_', '-'; no '--' or '..'; at most 96 each
 _HUB_ID = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9._-]{0,94}[A-Za-z0-9])?/[A-Za-z0-9](?:[A-Za-z0-9._-]{0,94}[A-Za-z0-9])?")
@@ -72,9 +72,7 @@ def _shown_cache() -> str:
 def _first_line(e: BaseException) -> str:
     lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
     text = lines[0] if lines else type(e).__name__
-    if text.startswith("Got: "):  # snapshot_download's wrapper of a connection error
-        text = text[5:]
-    return text[:160]
+    return text.removeprefix("Got: ")[:160]  # "Got: ": snapshot_download's wrapper of a connection error
 
 
 def _has_weights(folder: Path) -> bool:
@@ -214,10 +212,9 @@ def model_card_text(folder: str | Path, *, base_model: str, method: str, data: A
     serve.append("```")
     body = [
         f"# {title} for {base_model}", "",
-        f"A speculative-decoding {title} (method `{spec['method']}`) trained with "
-        f"specctl for the target model `{base_model}`. It does not generate text on its "
-        "own: it proposes tokens that the target verifies, so the output is the target's, faster where the "
-        "drafts are accepted.", "",
+        (f"A speculative-decoding {title} (method `{spec['method']}`) trained with specctl for the target model "
+         f"`{base_model}`. It does not generate text on its own: it proposes tokens that the target verifies, "
+         "so the output is the target's, faster where the drafts are accepted."), "",
         "## Serve it with vLLM", "",
         *serve, "",
         "specctl's own runtime takes the same config (`specctl serve --model BASE --speculative-config ...`)"
