@@ -76,7 +76,7 @@ from torch import nn
 from kernels import skinny_linear
 from specctl.errors import ModelError
 from specctl.files import write_atomic, write_json_atomic
-from specctl.runtime.model import Block, ModelArgs, RMSNorm, Transformer
+from specctl.runtime.model import Block, ModelArgs, RMSNorm, Segment, Transformer
 
 LAYOUTS = ("deepseek_v3", "qwen3_next", "mimo")
 MTP_FILE = "model-mtp.safetensors"
@@ -148,6 +148,44 @@ def mtp_step(stack: MtpStack, target: Transformer, d: int, h_prev: torch.Tensor,
     out = layer(h_prev.to(emb.dtype), emb, cos, sin, k_cache, v_cache, start, mask)
     normed = layer.norm(out)
     return (normed if stack.chain_normed else out), normed
+
+
+class _DepthCache:
+    """One depth's cache as a ``Segment``'s cache: k[0], v[0] are its [1, n_kv, max_len, hd] tensors."""
+
+    def __init__(self, k_cache: torch.Tensor, v_cache: torch.Tensor):
+        self.k, self.v = k_cache[None], v_cache[None]
+
+
+def mtp_step_ragged(stack: MtpStack, target: Transformer, d: int,
+                    parts: list[tuple[torch.Tensor, torch.Tensor, int, torch.Tensor, torch.Tensor]]
+                    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``mtp_step`` for many requests in one pass: each part is (h_prev [T, H], tokens [T], start,
+    k_cache, v_cache) of one request, T <= VERIFY_ROWS. eh_proj, the block's projections and MLP run
+    over every row at once (one read of the weights, ``Block.forward_ragged``); each request writes and
+    attends in its own cache, its rows computed as its own ``mtp_step`` computes them. Returns each
+    request's (h^d [T, H], normed [T, H])."""
+    layer = stack.layer_for_depth(d)
+    embed = target.embed.weight if stack.embed is None else stack.embed
+    tokens = torch.cat([t for _, t, _, _, _ in parts])  # [R]
+    pos = torch.cat([torch.arange(st, st + t.shape[0], device=tokens.device) for _, t, st, _, _ in parts])  # [R]
+    emb = embed[tokens][None]  # [1, R, H]
+    if stack.zero_pos0 and bool((pos == 0).any()):
+        emb = torch.where((pos == 0)[None, :, None], torch.zeros_like(emb), emb)
+    h = torch.cat([hp for hp, _, _, _, _ in parts]).to(emb.dtype)[None]  # [1, R, H]
+    x = skinny_linear.linear(torch.cat([layer.enorm(emb), layer.hnorm(h)], dim=-1), layer.eh_proj.weight)
+    cos, sin = target.rope(0, pos.shape[0], emb.dtype, positions=pos)
+    segs = []
+    for _, t, st, kc, vc in parts:
+        n = t.shape[0]
+        mask = None if n == 1 else (torch.arange(st + n, device=t.device)[None, :]
+                                    <= torch.arange(st, st + n, device=t.device)[:, None])  # [n, st+n] causal
+        segs.append(Segment(_DepthCache(kc, vc), st, n, mask=mask))
+    out = layer.block.forward_ragged(x, cos, sin, 0, segs)[0]  # [R, H]
+    normed = layer.norm(out)
+    chain = normed if stack.chain_normed else out
+    sizes = [t.shape[0] for _, t, _, _, _ in parts]
+    return list(zip(chain.split(sizes), normed.split(sizes)))
 
 
 def mtp_logits(stack: MtpStack, target: Transformer, d: int, normed: torch.Tensor) -> torch.Tensor:

@@ -21,15 +21,16 @@ What it does not know: verification, the target's cache, stop handling beyond no
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from specctl.config import SpecConfig
-from specctl.drafts.mtp import MtpStack, load_mtp, mtp_logits, mtp_step
+from specctl.drafts.mtp import MtpStack, load_mtp, mtp_logits, mtp_step, mtp_step_ragged
 from specctl.errors import UsageError
-from specctl.runtime.model import ModelArgs
+from specctl.runtime.model import VERIFY_ROWS, ModelArgs
 from specctl.runtime.proposers.base import DraftOutput, SlotProposer, batch_draft
 from specctl.runtime.proposers.base import DraftSampling as _Sampling
 from specctl.runtime.rejection import logits_to_probs
@@ -65,6 +66,7 @@ class _Slot:
 class MtpProposer(SlotProposer):
     method = "mtp"
     needs_hidden_states = True
+    drafts_in_batch = True
 
     def __init__(self, config: SpecConfig, *, target, max_model_len: int, stack: MtpStack | None = None):
         """``target``: the LoadedModel drafted for; its folder holds the MTP modules unless ``config.model``
@@ -115,46 +117,92 @@ class MtpProposer(SlotProposer):
     @torch.inference_mode()
     def propose(self, token_ids, num_tokens, k, hidden_states=None, slots=None) -> DraftOutput:
         B = token_ids.shape[0]
-        drafts: list[tuple[list[int], torch.Tensor | None]] = [([], None)] * B
-        for b in range(B):
-            n = int(num_tokens[b])
-            s = self._match_slot(token_ids[b], n, None if slots is None else int(slots[b]))
-            if s is None or n < 2 or n + k > s.max_len:
-                continue  # no target states for this row (or no room): no draft this step
-            drafts[b] = self._propose_one(s, torch.from_numpy(np.asarray(token_ids[b, :n], dtype=np.int64)), k)
+        rows = [(token_ids[b:b + 1], int(num_tokens[b]), None if slots is None else int(slots[b])) for b in range(B)]
+        drafts = self._drafts(rows, [k] * B)
         return batch_draft(drafts, k, self.target.model.args.vocab_size, self.device)
 
-    def _propose_one(self, s: _Slot, seq: torch.Tensor, k: int) -> tuple[list[int], torch.Tensor | None]:
-        """seq: [n] the context. Returns (draft ids, q [n_draft, V] or None)."""
-        n = seq.shape[0]
-        s.ensure_depth(k)
-        sp = s.sampling or _Sampling(self.temperature)
-        gen = sp.generator or self._own_generator
-        seq = seq.to(self.device)
-        drafts: list[int] = []
-        q_rows: list[torch.Tensor] = []
-        end = n - 1  # positions [start, end) run; row end-1 = n-2 gives this depth's draft
-        for d in range(1, k + 1):
-            start = min(s.c[d], end - 1)
-            # tokens t_{j+d} for j in [start, end): real below n, then the drafts so far
-            real = seq[start + d:n]
-            spec = torch.tensor(drafts[max(0, start + d - n):], dtype=torch.long, device=self.device)
-            tokens = torch.cat([real, spec])[None]  # [1, end - start]
-            kc, vc = s.kv[d - 1]
-            chain, normed = mtp_step(self.stack, self.target.model, d, s.h[d - 1][start:end][None], tokens, start, kc, vc)
-            s.h[d][start:end] = chain[0]
-            s.c[d] = max(0, n - d)
-            logits = mtp_logits(self.stack, self.target.model, d, normed[0, -1])  # [V]
-            if sp.temperature > 0:
-                p = logits_to_probs(logits, sp.temperature, sp.top_k, sp.top_p)  # [V]
-                tok = int(torch.multinomial(p, 1, generator=gen))
-                q_rows.append(p)
-            else:
-                tok = int(torch.argmax(logits))
-            drafts.append(tok)
-            if tok in self.stop_ids:
-                break
-        return drafts, (torch.stack(q_rows) if q_rows else None)
+    @torch.inference_mode()
+    def propose_batch(self, rows: list[tuple[np.ndarray, int, int | None]], ks: list[int]) -> list[DraftOutput]:
+        """Drafts for many requests, (token_ids [1, max_len], n, slot) each: every depth runs once for
+        all of them (``mtp_step_ragged``: one read of the module's weights, one of the LM head)."""
+        V = self.target.model.args.vocab_size
+        return [batch_draft([d], k, V, self.device) for d, k in zip(self._drafts(rows, ks), ks)]
+
+    def _drafts(self, rows, ks) -> list[tuple[list[int], torch.Tensor | None]]:
+        """Each row's (draft ids, q [n_draft, V] or None). Depth by depth over the requests still
+        drafting; a request whose depth has more rows to catch up than one verify block (its first
+        draft after the prompt) runs that depth on its own, as a prefill does."""
+        out: list[tuple[list[int], torch.Tensor | None]] = [([], None)] * len(rows)
+        live: list[_Drafting] = []
+        for i, ((ctx, n, slot), k) in enumerate(zip(rows, ks)):
+            s = self._match_slot(ctx[0], n, slot)
+            if s is None or n < 2 or k < 1 or n + k > s.max_len:
+                continue  # no target states for this row (or no room): no draft this step
+            s.ensure_depth(k)
+            seq = torch.from_numpy(np.asarray(ctx[0, :n], dtype=np.int64)).to(self.device)
+            live.append(_Drafting(i, s, seq, k, s.sampling or _Sampling(self.temperature)))
+        model = self.target.model
+        d = 1
+        while live:
+            parts = [j.depth_input(d, self.device) for j in live]
+            small = [i for i, p in enumerate(parts) if p[1].shape[0] <= VERIFY_ROWS]
+            res: list = [None] * len(live)
+            if small:
+                for i, r in zip(small, mtp_step_ragged(self.stack, model, d, [parts[i] for i in small])):
+                    res[i] = r
+            for i, (h, toks, start, kc, vc) in enumerate(parts):
+                if res[i] is None:
+                    chain, normed = mtp_step(self.stack, model, d, h[None], toks[None], start, kc, vc)
+                    res[i] = chain[0], normed[0]
+            logits = mtp_logits(self.stack, model, d, torch.stack([normed[-1] for _, normed in res]))  # [J, V]
+            still = []
+            for j, (chain, _), lg in zip(live, res, logits):
+                j.keep(d, chain)
+                sp = j.sampling
+                if sp.temperature > 0:
+                    p = logits_to_probs(lg, sp.temperature, sp.top_k, sp.top_p)  # [V]
+                    tok = int(torch.multinomial(p, 1, generator=sp.generator or self._own_generator))
+                    j.q_rows.append(p)
+                else:
+                    tok = int(torch.argmax(lg))
+                j.drafts.append(tok)
+                if tok in self.stop_ids or d == j.k:
+                    out[j.index] = (j.drafts, torch.stack(j.q_rows) if j.q_rows else None)
+                else:
+                    still.append(j)
+            live, d = still, d + 1
+        return out
+
+
+@dataclass
+class _Drafting:
+    """One request's draft in progress: its row, slot, context [n], draft length, what it drafted."""
+
+    index: int
+    slot: _Slot
+    seq: torch.Tensor  # [n] the context
+    k: int
+    sampling: _Sampling
+    drafts: list[int] = field(default_factory=list)
+    q_rows: list[torch.Tensor] = field(default_factory=list)
+
+    def depth_input(self, d: int, device) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor, torch.Tensor]:
+        """Depth d runs positions j in [start, n-1) with tokens t_{j+d} (real below n, then the drafts
+        so far); its last row gives this depth's draft. (h^{d-1} [T, H], tokens [T], start, caches)."""
+        s, n = self.slot, self.seq.shape[0]
+        end = n - 1
+        start = min(s.c[d], end - 1)
+        real = self.seq[start + d:n]
+        spec = torch.tensor(self.drafts[max(0, start + d - n):], dtype=torch.long, device=device)
+        kc, vc = s.kv[d - 1]
+        return s.h[d - 1][start:end], torch.cat([real, spec]), start, kc, vc
+
+    def keep(self, d: int, chain: torch.Tensor) -> None:
+        """h^d of the rows just run, and the positions of depth d now committed (real tokens only)."""
+        s, n = self.slot, self.seq.shape[0]
+        end = n - 1
+        s.h[d][end - chain.shape[0]:end] = chain
+        s.c[d] = max(0, n - d)
 
 
 PROPOSERS = {"mtp": MtpProposer}

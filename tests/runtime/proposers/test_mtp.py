@@ -106,14 +106,14 @@ def test_incremental_drafts_equal_scratch(loaded, trained_stack):
     prop = MtpProposer(SpecConfig.from_dict({"method": "mtp", "num_speculative_tokens": K}), target=loaded,
                        max_model_len=256, stack=trained_stack)
     seen = []
-    orig = prop._propose_one
+    orig = prop._drafts
 
-    def checked(s, seq, k):
-        ids, q = orig(s, seq, k)
-        seen.append((seq.tolist(), ids, k))
-        return ids, q
+    def checked(rows, ks):
+        out = orig(rows, ks)
+        seen.extend((ctx[0, :n].tolist(), ids, k) for (ctx, n, _), k, (ids, _) in zip(rows, ks, out) if ids)
+        return out
 
-    prop._propose_one = checked
+    prop._drafts = checked
     dec = SpecDecoder(TargetRunner(loaded.model, 256), prop, K)
     for p in ([20, 30, 40, 50, 60], [99, 98, 97]):
         dec.generate(p, SamplingParams(max_new_tokens=30, ignore_eos=True))
@@ -190,3 +190,44 @@ def test_batched_greedy_equals_plain(loaded, trained_stack, run_batched):
     got = run_batched(SpecDecoder(TargetRunner(loaded.model, 256), prop, K), prompts, [sp] * len(prompts))
     assert [r.token_ids for r in got] == want
     assert sum(r.stats.num_accepted_tokens for r in got) > 10
+
+
+def test_a_batch_drafts_every_depth_in_one_pass_and_each_draft_is_the_scratch_one(loaded, trained_stack, run_batched):
+    prop = MtpProposer(SpecConfig.from_dict({"method": "mtp", "num_speculative_tokens": K}), target=loaded,
+                       max_model_len=256, stack=trained_stack)
+    calls, seen = [], []
+    orig = prop._drafts
+
+    def checked(rows, ks):
+        out = orig(rows, ks)
+        calls.append(len(rows))
+        seen.extend((ctx[0, :n].tolist(), ids, k) for (ctx, n, _), k, (ids, _) in zip(rows, ks, out) if ids)
+        return out
+
+    prop._drafts = checked
+    sp = SamplingParams(max_new_tokens=30, ignore_eos=True)
+    run_batched(SpecDecoder(TargetRunner(loaded.model, 256), prop, K), PROMPTS[:6], [sp] * 6)
+    assert max(calls) > 1  # several requests' drafts in one call (one ragged pass per depth)
+    for seq, ids, k in seen:
+        assert ids == _reference_drafts(trained_stack, loaded.model, seq, k)[:len(ids)]
+
+
+def test_batched_bf16_greedy_equals_plain(tiny_model_factory, bf16_path, run_batched):
+    """In bf16, on every CPU path: a batch drafting through the ragged MTP step keeps each request's
+    output the plain one (exactly on the row-independent kernel paths)."""
+    folder = tiny_model_factory("qwen2", initializer_range=0.05, hidden_size=128, intermediate_size=256)
+    stack = init_stack(load_model(folder, dtype="float32").model, 1).to(torch.bfloat16).eval().requires_grad_(False)
+    lm = load_model(folder, dtype="bfloat16")  # (its weights may be packed for the CPU's kernels)
+    prop = MtpProposer(SpecConfig.from_dict({"method": "mtp", "num_speculative_tokens": K}), target=lm,
+                       max_model_len=256, stack=stack)
+    sp = SamplingParams(max_new_tokens=24, ignore_eos=True, record_margins=True)
+    plain = SpecDecoder(TargetRunner(lm.model, 256))
+    want = [plain.generate(p, sp) for p in PROMPTS[:6]]
+    got = run_batched(SpecDecoder(TargetRunner(lm.model, 256), prop, K), PROMPTS[:6], [sp] * 6)
+    for g, w in zip(got, want):
+        if bf16_path == "torch" and g.token_ids != w.token_ids:  # the documented weaker guarantee
+            i = next(i for i, (a, b) in enumerate(zip(g.token_ids, w.token_ids)) if a != b)
+            assert w.margins[i] <= 2 ** -5
+        else:
+            assert g.token_ids == w.token_ids
+    assert sum(r.stats.num_draft_tokens for r in got) > 0
