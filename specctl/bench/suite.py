@@ -12,6 +12,10 @@ tells them apart (their draft, ``draft_model:smollm2-135m``, else the key that d
 Each draft model is loaded once, however many configurations use it. With ``peers=("hf",)``,
 transformers' plain, prompt-lookup and assisted generation (one per distinct draft) run on the same
 prompt ids right after specctl's (``specctl.bench.peers``).
+
+``specctl recommend --probe`` measures through this same loop: with ``time_drafts`` each proposer
+runs inside a ``DraftTimer`` and each row also holds the draft's own time and (drafted, accepted)
+per step (``MethodRun.draft``), from which the probe estimates acceptance α and cost ratio ρ.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ from __future__ import annotations
 import gc
 import json
 import platform
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -57,6 +63,7 @@ class MethodRun:
     rep_tokens: dict = field(default_factory=dict)  # repetition -> decode tokens
     rep_s: dict = field(default_factory=dict)  # repetition -> decode seconds
     error: str | None = None  # a peer that failed: why (its row has no figures)
+    draft: DraftTiming | None = None  # with time_drafts: the draft's own time and steps (not in rows())
 
     @property
     def rep_rates(self) -> list[float]:
@@ -71,7 +78,8 @@ class MethodRun:
         mid = len(rates) // 2
         return rates[mid] if len(rates) % 2 else (rates[mid - 1] + rates[mid]) / 2
 
-    def add(self, res: GenerationResult, baseline: GenerationResult | None, rep: int = 0) -> None:
+    def add(self, res: GenerationResult, baseline: GenerationResult | None, rep: int = 0,
+            draft: DraftTiming | None = None) -> None:
         self.rep_tokens[rep] = self.rep_tokens.get(rep, 0) + max(len(res.token_ids) - 1, 0)
         self.rep_s[rep] = self.rep_s.get(rep, 0.0) + res.decode_s
         self.new_tokens += len(res.token_ids)
@@ -89,6 +97,8 @@ class MethodRun:
             self.identical += div is None
             if div is not None and div < len(baseline.margins):
                 self.divergence_margins.append(baseline.margins[div])
+        if draft is not None:
+            self.draft = draft if self.draft is None else self.draft.merge(draft)
 
 
 def first_divergence(a: list[int], b: list[int]) -> int | None:
@@ -97,6 +107,81 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
         if x != y:
             return i
     return None if len(a) == len(b) else min(len(a), len(b))
+
+
+@dataclass
+class DraftTiming:
+    """The draft's share of decoding: seconds in its own work, the k it was asked for in total, and
+    (drafted, accepted) of every step that drafted."""
+
+    draft_s: float = 0.0
+    k_asked: int = 0
+    steps: list[tuple[int, int]] = field(default_factory=list)
+
+    def merge(self, other: DraftTiming) -> DraftTiming:
+        return DraftTiming(self.draft_s + other.draft_s, self.k_asked + other.k_asked, self.steps + other.steps)
+
+
+class DraftTimer:
+    """Wraps a Proposer: times the draft's work during decoding and records (drafted, accepted) per step.
+
+    Draft work is ``propose()`` plus the hooks a stateful draft computes in (``on_target_hidden``:
+    EAGLE/MTP feed the target's states; ``on_verified``: rollback), counted from the request's first
+    ``propose`` on, so that prefill-time work stays out, as it stays out of the decode time.
+    ``take()`` hands over what was counted since the last ``take()``.
+    """
+
+    def __init__(self, inner):
+        self.inner = inner
+        self._timing = DraftTiming()
+        self._pending = 0  # tokens of the last draft, until they are verified
+        self._decoding = False
+
+    def take(self) -> DraftTiming:
+        out, self._timing = self._timing, DraftTiming()
+        return out
+
+    @property
+    def needs_hidden_states(self) -> bool:
+        return self.inner.needs_hidden_states
+
+    def _timed(self, fn, *args):
+        if not self._decoding:
+            return fn(*args)
+        t = time.perf_counter()
+        out = fn(*args)
+        self._timing.draft_s += time.perf_counter() - t
+        return out
+
+    def start_request(self, slot, prompt_ids):
+        self._decoding = False
+        self.inner.start_request(slot, prompt_ids)
+
+    def set_sampling(self, slot, params, generator=None):
+        self.inner.set_sampling(slot, params, generator)
+
+    def on_target_hidden(self, slot, hidden, aux):
+        self._timed(self.inner.on_target_hidden, slot, hidden, aux)
+
+    def propose(self, token_ids, num_tokens, k, hidden_states=None, slots=None):
+        self._decoding = True
+        d = self._timed(self.inner.propose, token_ids, num_tokens, k, hidden_states, slots)
+        self._timing.k_asked += k
+        self._pending = int(d.num_tokens[0])
+        return d
+
+    def on_verified(self, slot, num_accepted, emitted):
+        if self._pending > 0:
+            self._timing.steps.append((self._pending, int(num_accepted)))
+        self._pending = 0
+        self._timed(self.inner.on_verified, slot, num_accepted, emitted)
+
+    def end_request(self, slot):
+        self._decoding = False
+        self.inner.end_request(slot)
+
+    def __getattr__(self, name):  # anything else goes to the wrapped proposer
+        return getattr(self.inner, name)
 
 
 PEER_ENGINES = ("hf", "vllm", "llama.cpp")
@@ -260,11 +345,15 @@ class Entry:
 class _Proposers:
     """Builds proposers; every draft model is loaded once and shared (each proposer keeps its own caches)."""
 
-    def __init__(self, loaded: LoadedModel, max_len: int):
-        self.loaded, self.max_len = loaded, max_len
+    def __init__(self, loaded: LoadedModel, max_len: int, time_drafts: bool = False):
+        self.loaded, self.max_len, self.time_drafts = loaded, max_len, time_drafts
         self.drafts: dict[str, LoadedModel] = {}
 
     def build(self, c: SpecConfig):
+        p = self._build(c)
+        return DraftTimer(p) if self.time_drafts else p
+
+    def _build(self, c: SpecConfig):
         if c.method != "draft_model":
             return build_proposer(c, self.max_len, target=self.loaded)
         from specctl.models import resolve_model
@@ -294,6 +383,8 @@ def run_bench(
     peer_gguf: str | None = None,
     warn=None,  # callable(message: str): a peer that failed (its rows say so; the bench goes on)
     reuse_prefill: bool = False,
+    time_drafts: bool = False,
+    on_build_error: Callable[[str, SpecConfig, Exception], None] | None = None,
 ) -> BenchReport:
     """Every prompt by the baseline, each configuration and each peer; ``progress`` is told the total first.
 
@@ -301,7 +392,10 @@ def run_bench(
     ``BenchReport.best_k`` then picks the fastest k per method and workload. ``compile``: one-token
     steps through torch.compile (``TargetRunner(compile=True)``). ``reuse_prefill``: a prompt is
     prefilled once (by the baseline); the methods after it take its keys/values over (SpecDecoder's
-    ``reuse_prefill``), so their TTFT counts no prefill.
+    ``reuse_prefill``), so their TTFT counts no prefill. ``time_drafts``: every proposer runs in a
+    ``DraftTimer`` (the warm-up is not counted) and its row's ``draft`` holds what it measured.
+    ``on_build_error(label, config, error)``: a configuration whose proposer cannot be built (a draft
+    that does not load) is left out and reported there, instead of the error ending the run.
     """
     say = progress or (lambda advance, description, total=None: None)
     tok = loaded.tokenizer
@@ -319,11 +413,18 @@ def run_bench(
         variants = list(enumerate(configs))
     max_k = max([v.num_speculative_tokens for _, v in variants], default=0)
     runner = TargetRunner(loaded.model, max_len=longest + params.max_new_tokens + max_k + 8, compile=compile)
-    proposers = _Proposers(loaded, runner.max_len)
+    proposers = _Proposers(loaded, runner.max_len, time_drafts)
     entries = [Entry(BASELINE, None, SpecDecoder(runner, reuse_prefill=reuse_prefill))]
     config_names = config_labels(configs)
     for i, v in variants:
-        entries.append(Entry(config_names[i], v, SpecDecoder(runner, proposers.build(v), v.num_speculative_tokens,
+        try:
+            proposer = proposers.build(v)
+        except Exception as e:  # reported and left out where the caller asks for it
+            if on_build_error is None:
+                raise
+            on_build_error(config_names[i], v, e)
+            continue
+        entries.append(Entry(config_names[i], v, SpecDecoder(runner, proposer, v.num_speculative_tokens,
                                                            adaptive=adaptive, reuse_prefill=reuse_prefill)))
 
     groups = []  # peer engines: each has .peers and .run(peer, ids, max_new_tokens, stop_ids)
@@ -362,6 +463,7 @@ def run_bench(
     warm_ids = next(iter(prompts.values()))[0][1][:64]
     for e in entries:
         e.decoder.generate(warm_ids, SamplingParams(max_new_tokens=8, temperature=params.temperature), _gen(seed, loaded.device))
+        _draft_timing(e.decoder)  # the warm-up's draft time is not counted
     for g in inline:
         for peer in g.peers:
             g.run(peer, warm_ids, 8, loaded.stop_token_ids)
@@ -398,7 +500,7 @@ def run_bench(
                             baseline_res = res
                             run.add(res, None, rep)
                         else:
-                            run.add(res, baseline_res if params.greedy else None, rep)
+                            run.add(res, baseline_res if params.greedy else None, rep, _draft_timing(dec))
                         say(1, f"{lab} · {e.label} · {what}")
                     for (g, peer), run in zip([(g, p) for g in groups for p in g.peers], peer_runs[lab]):
                         if getattr(g, "deferred", False):
@@ -456,6 +558,11 @@ def run_bench(
     if sweep_k:
         header["sweep_k"] = list(dict.fromkeys(sweep_k))
     return BenchReport(header, runs_out, memory)
+
+
+def _draft_timing(decoder: SpecDecoder) -> DraftTiming | None:
+    """What the decoder's DraftTimer counted since it was last asked (None: its proposer is not timed)."""
+    return decoder.proposer.take() if isinstance(decoder.proposer, DraftTimer) else None
 
 
 def _answer_text(tokenizer, token_ids: list[int], stop_ids) -> str:

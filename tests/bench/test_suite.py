@@ -139,6 +139,25 @@ def test_two_drafts_one_run_distinct_rows_and_assisted_peer_per_draft(target, dr
     assert sum(adv for adv, _ in events) == events[0][1]
 
 
+def test_time_drafts_counts_each_step_and_a_draft_that_does_not_load_is_left_out(target, drafts, prompts, tmp_path):
+    """recommend --probe's use of the loop: with time_drafts each row also holds the draft's time and
+    (drafted, accepted) per step, matching its SpecStats (the warm-up is not counted); on_build_error
+    is told of a draft that does not load, and the run goes on without it."""
+    missing = str(tmp_path / "no-such-draft")
+    failed = []
+    report = run_bench(target, [_draft(str(drafts["same"])), _draft(missing)], [prompts], None,
+                       SamplingParams(max_new_tokens=10, stop_token_ids=target.stop_token_ids), time_drafts=True,
+                       on_build_error=lambda label, c, e: failed.append((label, c.model)))
+    assert failed == [("draft_model:no-such-draft", missing)]
+    assert [r["method"] for r in report.rows()] == ["baseline", f"draft_model:{drafts['same'].name}"]
+    base, run = report.runs
+    assert base.draft is None  # the baseline drafts nothing
+    assert run.stats.num_drafts > 0 and len(run.draft.steps) == run.stats.num_drafts
+    assert sum(n for n, _ in run.draft.steps) == run.stats.num_draft_tokens
+    assert sum(a for _, a in run.draft.steps) == run.stats.num_accepted_tokens
+    assert 0 < run.draft.draft_s < run.decode_s and run.draft.k_asked >= run.stats.num_draft_tokens
+
+
 def test_hf_peers_use_each_drafts_model_and_tokenizer(tiny_model_dir, drafts):
     from specctl.bench.peers import HFPeers
 
