@@ -21,11 +21,11 @@ import json
 import os
 import re
 import sys
-import uuid
 from pathlib import Path
 from typing import Any
 
 from specctl.errors import ModelError, SpecctlError
+from specctl.files import write_text_atomic
 
 __all__ = ["HubError", "is_hub_id", "snapshot", "write_model_card", "model_card_text", "check_push_access",
            "push_to_hub", "speculative_config_for"]
@@ -230,18 +230,6 @@ def model_card_text(folder: str | Path, *, base_model: str, method: str, data: A
     return "\n".join(front + body)
 
 
-def _write_text_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
 def write_model_card(folder: str | Path, *, base_model: str, method: str, data: Any, command: str,
                      held_out: dict | None, repo: str | None = None,
                      num_speculative_tokens: int | None = None) -> Path:
@@ -260,7 +248,7 @@ def write_model_card(folder: str | Path, *, base_model: str, method: str, data: 
     text = model_card_text(folder, base_model=base_model, method=method, data=data, command=command,
                            held_out=held_out, repo=repo, num_speculative_tokens=num_speculative_tokens)
     path = folder / "README.md"
-    _write_text_atomic(path, text)
+    write_text_atomic(path, text)
     return path
 
 

@@ -182,6 +182,23 @@ def _check_dense_folder(path: Path) -> Path:
     return path
 
 
+def resolve_draft(spec: str, *, dtype: str = "bfloat16", what: str = "draft", trainer: str = "") -> Path:
+    """A draft's folder (Medusa heads, an EAGLE layer, MTP modules): a local folder as it is (a draft is
+    not a full checkpoint, so it is not checked as one), else what ``resolve_model`` makes of the spec
+    (a catalogue name, a Hub id in the cache or downloaded). ``what``/``trainer`` name the draft and the
+    command that writes one, for the error when the spec is a path that does not exist."""
+    spec = str(spec)
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        return path
+    from specctl.hub import is_hub_id
+
+    if _looks_like_path(spec) and not path.exists() and not is_hub_id(spec):
+        made = f"the folder `specctl {trainer}` wrote, " if trainer else ""
+        raise ModelError(f"{what} folder {spec} does not exist", f"Give {made}a catalogue name or a Hub id (OWNER/NAME)")
+    return resolve_model(spec, dtype=dtype)
+
+
 def resolve_model(spec: str | None, *, dtype: str = "bfloat16", pull: bool = True) -> Path:
     """Turn a ``--model`` value into a local dense HF folder (config.json + weights + tokenizer).
 

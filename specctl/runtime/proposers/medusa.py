@@ -25,7 +25,6 @@ What it does not know: training (``specctl.training.medusa``), the heads and the
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -69,9 +68,10 @@ class MedusaProposer(Proposer):
     def __init__(self, config: SpecConfig, *, target=None, max_model_len: int, heads=None):
         """``config.model``: the heads folder (vLLM or FasterDecoding layout); ``heads`` overrides it."""
         from specctl.drafts.medusa import load_medusa
+        from specctl.models import resolve_draft
 
         if heads is None:
-            heads = load_medusa(Path(str(config.model)).expanduser())
+            heads = load_medusa(resolve_draft(config.model, what="Medusa heads", trainer="train-medusa"))
         self.k = min(int(config.num_speculative_tokens or heads.num_heads), heads.num_heads)
         tree = config.vllm_only.get("speculative_token_tree")
         if isinstance(tree, str) and tree.strip() == "auto":

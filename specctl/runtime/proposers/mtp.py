@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -30,6 +29,7 @@ import torch
 from specctl.config import SpecConfig
 from specctl.drafts.mtp import MtpStack, load_mtp, mtp_logits, mtp_step, mtp_step_ragged
 from specctl.errors import UsageError
+from specctl.models import resolve_draft
 from specctl.runtime.model import VERIFY_ROWS, ModelArgs
 from specctl.runtime.proposers.base import DraftOutput, SlotProposer, batch_draft
 from specctl.runtime.proposers.base import DraftSampling as _Sampling
@@ -78,12 +78,9 @@ class MtpProposer(SlotProposer):
         self.k = int(config.num_speculative_tokens or 1)
         self.max_model_len = int(config.max_model_len or max_model_len)
         if stack is None:
-            source = config.model
-            if source is not None and not Path(source).expanduser().is_dir():
-                from specctl.models import resolve_model
-
-                source = resolve_model(source, dtype=str(target.dtype).removeprefix("torch."))
-            stack = load_mtp(Path(source).expanduser() if source else target.path, target.model)
+            source = target.path if config.model is None else resolve_draft(
+                config.model, dtype=str(target.dtype).removeprefix("torch."), what="MTP draft", trainer="train-mtp")
+            stack = load_mtp(source, target.model)
         self.stack = stack
         if self.k > stack.num_layers:
             log.warning(RECURSIVE_WARNING, self.k, stack.num_layers)
