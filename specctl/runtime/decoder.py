@@ -345,7 +345,7 @@ class SpecDecoder:
             t0 = time.perf_counter()
             try:
                 ds = self.proposer.propose_batch([(states[i].ctx, states[i].n_ctx, states[i].slot) for i in drafting],
-                                                 [ks[i] for i in drafting])
+                                                 [ks[i] for i in drafting], [states[i].hidden for i in drafting])
             except Exception as e:  # noqa: BLE001 - the batched draft failed: every request in it ends
                 for i in drafting:
                     _fail(states[i], e)

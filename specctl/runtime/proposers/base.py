@@ -88,9 +88,11 @@ class Proposer:
     ) -> DraftOutput:
         raise NotImplementedError
 
-    def propose_batch(self, rows: list[tuple[np.ndarray, int, int | None]], ks: list[int]) -> list[DraftOutput]:
-        """Only with ``drafts_in_batch``: each (context ids, context length, slot) gets up to its k
-        tokens, one DraftOutput of batch 1 per row, in order."""
+    def propose_batch(self, rows: list[tuple[np.ndarray, int, int | None]], ks: list[int],
+                      hidden: list[torch.Tensor | None] | None = None) -> list[DraftOutput]:
+        """Only with ``drafts_in_batch``: each (context ids [1, max_len], context length, slot) gets up
+        to its k tokens, one DraftOutput of batch 1 per row, in order; ``hidden``: each row's
+        ``hidden_states`` [1, H] as ``propose`` gets them (with ``needs_hidden_states``)."""
         raise NotImplementedError
 
     def on_target_hidden(self, slot: int, hidden: torch.Tensor, aux: torch.Tensor | None) -> None:

@@ -275,7 +275,7 @@ class DraftModelProposer(Proposer):
             need -= d_lens[-1]
         return "tli" if span_agreement(t_lens, d_lens[::-1]) >= MIN_TLI_AGREEMENT else "text"
 
-    def propose_batch(self, rows: list[tuple[np.ndarray, int, int]], ks: list[int]) -> list[DraftOutput]:
+    def propose_batch(self, rows: list[tuple[np.ndarray, int, int]], ks: list[int], hidden=None) -> list[DraftOutput]:
         """Drafts for many requests at once, (token_ids [1, max_len], n, slot) each, with one draft
         forward per drafting step for all of them (``runner.forward_batch``: the draft's weights are
         read once per step, not once per request). Each request's draft is the one ``propose`` gives."""

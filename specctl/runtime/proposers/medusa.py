@@ -63,6 +63,7 @@ def parse_token_tree(tree) -> list[tuple[int, ...]]:
 
 class MedusaProposer(Proposer):
     method = "medusa"
+    drafts_in_batch = True
     needs_hidden_states = True
 
     def __init__(self, config: SpecConfig, *, target=None, max_model_len: int, heads=None):
@@ -141,11 +142,28 @@ class MedusaProposer(Proposer):
         B = token_ids.shape[0]
         n = min(k, self.k)
         if hidden_states is None or n <= 0:
-            return DraftOutput(torch.full((B, max(k, 0)), -1, dtype=torch.long), torch.zeros(B, dtype=torch.long))
+            return _no_draft(B, k)
         sp = self._sampling(token_ids, None if slots is None else int(slots[0]))
+        return self._draft(self.head_logits(hidden_states, n), k, sp)
+
+    def propose_batch(self, rows: list[tuple[np.ndarray, int, int | None]], ks: list[int],
+                      hidden: list[torch.Tensor | None] | None = None) -> list[DraftOutput]:
+        """Drafts for many requests, (token_ids [1, max_len], n, slot) each with its hidden state
+        [1, H]: the heads run once over all of them (one read of their weights and LM heads), then
+        each request drafts its chain (or greedy tree) from its own row, as ``propose`` does."""
+        if hidden is None or any(h is None for h in hidden):
+            return [self.propose(ctx, np.array([n], dtype=np.int32), k, None if hidden is None else hidden[i], [slot])
+                    for i, ((ctx, n, slot), k) in enumerate(zip(rows, ks))]
+        logits = self.head_logits(torch.cat([h.reshape(1, -1) for h in hidden]), min(max(ks), self.k))  # [J, n, V']
+        return [self._draft(logits[i:i + 1, :min(k, self.k)], k, self._sampling(ctx, slot)) if min(k, self.k) > 0
+                else _no_draft(1, k) for i, ((ctx, _, slot), k) in enumerate(zip(rows, ks))]
+
+    def _draft(self, logits: torch.Tensor, k: int, sp: _Sampling) -> DraftOutput:
+        """logits [B, n, V'] of the first n heads -> B drafts of up to k tokens (a greedy tree at B = 1
+        where one is configured; else chains, sampled as ``sp`` says)."""
+        B, n = logits.shape[0], logits.shape[1]
         if self.tree is not None and sp.temperature <= 0 and B == 1:
-            return self._propose_tree(hidden_states, n)
-        logits = self.head_logits(hidden_states, n)  # [B, n, V']
+            return self._propose_tree(logits[0], n)
         probs = None
         if sp.temperature <= 0:
             ids = self.heads.vocab_ids(logits.argmax(-1))  # [B, n]
@@ -170,12 +188,12 @@ class MedusaProposer(Proposer):
             probs = torch.cat([probs, probs.new_zeros(B, k - n, probs.shape[-1])], 1)
         return DraftOutput(out, num, probs)
 
-    def _propose_tree(self, hidden: torch.Tensor, depth: int) -> DraftOutput:
-        """Greedy tree drafts: the configured tree cut to ``depth`` levels (paths are sorted by
-        length, so the kept nodes are a prefix and keep their indices)."""
+    def _propose_tree(self, head_logits: torch.Tensor, depth: int) -> DraftOutput:
+        """Greedy tree drafts from the heads' logits [depth, V']: the configured tree cut to ``depth``
+        levels (paths are sorted by length, so the kept nodes are a prefix and keep their indices)."""
         paths, parents, _ = self.tree
         keep = 1 + sum(1 for p in paths[1:] if len(p) <= depth)
-        tokens = tree_tokens(self.head_logits(hidden, depth)[0], paths[:keep], self.heads)  # [keep-1]
+        tokens = tree_tokens(head_logits, paths[:keep], self.heads)  # [keep-1]
         return DraftOutput(tokens[None], torch.tensor([keep - 1]), None, [p - 1 for p in parents[1:keep]])
 
     def _to_target_vocab(self, q: torch.Tensor) -> torch.Tensor:
@@ -185,6 +203,10 @@ class MedusaProposer(Proposer):
         idx = self.heads.token_map if self.heads.token_map is not None else torch.arange(q.shape[-1], device=q.device)
         full[..., idx] = q
         return full
+
+
+def _no_draft(B: int, k: int) -> DraftOutput:
+    return DraftOutput(torch.full((B, max(k, 0)), -1, dtype=torch.long), torch.zeros(B, dtype=torch.long))
 
 
 # --------------------------------------------------------------------------- tree drafting (pure functions)

@@ -119,7 +119,8 @@ class MtpProposer(SlotProposer):
         return batch_draft(drafts, k, self.target.model.args.vocab_size, self.device)
 
     @torch.inference_mode()
-    def propose_batch(self, rows: list[tuple[np.ndarray, int, int | None]], ks: list[int]) -> list[DraftOutput]:
+    def propose_batch(self, rows: list[tuple[np.ndarray, int, int | None]], ks: list[int],
+                      hidden=None) -> list[DraftOutput]:
         """Drafts for many requests, (token_ids [1, max_len], n, slot) each: every depth runs once for
         all of them (``mtp_step_ragged``: one read of the module's weights, one of the LM head)."""
         V = self.target.model.args.vocab_size

@@ -189,7 +189,8 @@ class SparseAttnProposer(SlotProposer):
         rows = [(token_ids[b:b + 1], int(num_tokens[b]), None if slots is None else int(slots[b])) for b in range(B)]
         return batch_draft(self._drafts(rows, [k] * B), k, self.model.args.vocab_size, self.device)
 
-    def propose_batch(self, rows: list[tuple[np.ndarray, int, int | None]], ks: list[int]) -> list[DraftOutput]:
+    def propose_batch(self, rows: list[tuple[np.ndarray, int, int | None]], ks: list[int],
+                      hidden=None) -> list[DraftOutput]:
         """Drafts for many requests, (token_ids [1, max_len], n, slot) each: every drafting step is one
         ragged forward of the target over all of them (one read of the weights), each request's row
         attending to its own scratch cache."""

@@ -212,3 +212,27 @@ def test_batched_greedy_equals_plain(trained, run_batched, tree):
     got = run_batched(dec, [p for p, _ in cases[:10]], [SamplingParams(max_new_tokens=NEW)] * 10)
     assert [r.token_ids for r in got] == [o for _, o in cases[:10]]
     assert sum(r.stats.num_accepted_tokens for r in got) > 10
+
+
+@pytest.mark.parametrize("tree", [None, "[(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]"])
+def test_a_batch_runs_the_heads_once_and_each_draft_is_its_own(trained, run_batched, tree):
+    lm, cases, heads_dir = trained
+    extra = {} if tree is None else {"speculative_token_tree": tree}
+    prop = build_proposer(cfg(heads_dir, **extra), 160, target=lm)
+    calls = []
+    orig = prop.propose_batch
+
+    def checked(rows, ks, hidden=None):
+        out = orig(rows, ks, hidden)
+        calls.append((rows, ks, hidden, out))
+        return out
+
+    prop.propose_batch = checked
+    run_batched(SpecDecoder(TargetRunner(lm.model, 160), prop, 3), [p for p, _ in cases[:8]],
+                [SamplingParams(max_new_tokens=NEW)] * 8)
+    assert calls and max(len(rows) for rows, *_ in calls) > 1
+    for rows, ks, hidden, out in calls:
+        for (ctx, n, slot), k, h, d in zip(rows, ks, hidden, out):
+            alone = prop.propose(ctx, np.array([n], dtype=np.int32), k, h, [slot])
+            assert torch.equal(d.token_ids, alone.token_ids) and torch.equal(d.num_tokens, alone.num_tokens)
+            assert d.parents == alone.parents
