@@ -1,0 +1,45 @@
+"""specctl.recommend.cost: the speedup formula, the ρ/α estimates, and sparse_attn judged by the roofline."""
+
+from __future__ import annotations
+
+import pytest
+
+from specctl.config import SpecConfig
+from specctl.recommend.cost import K_MAX, best_k, estimate_alpha, estimate_rho, predicted_speedup
+from specctl.recommend.flowchart import recommend
+from specctl.recommend.probe import probe_plan
+from tests.recommend.builders import q, qwen_like
+
+
+def test_speedup_formula_best_k_and_alpha_estimate():
+    assert predicted_speedup(0.8, 0.0, 1) == pytest.approx(1.8)
+    assert predicted_speedup(0.8, 0.1, 2) == pytest.approx((1 - 0.8 ** 3) / (0.2 * 1.2))
+    assert predicted_speedup(1.0, 0.5, 3) == pytest.approx(4 / 2.5)  # the α -> 1 limit
+    k, s = best_k(0.8, 0.37)
+    assert s == max(predicted_speedup(0.8, 0.37, j) for j in range(1, K_MAX + 1)) and 1 < k < 6
+    assert best_k(0.9, 0.0)[0] == K_MAX  # a free draft: longer is always better by the formula
+    assert predicted_speedup(0.5, 1.0, 1) < 1  # ρ -> 1: the gain is gone
+    assert estimate_alpha([(4, 4), (4, 1)]) == pytest.approx(5 / 6)
+    assert estimate_alpha([(3, 0), (0, 0)]) == 0.0 and estimate_alpha([]) is None
+    # the per-layer overhead makes a thin deep model cost more than its parameters say
+    assert estimate_rho(100e6, 30, 1.5e9, 28) > 100e6 / 1.5e9
+
+
+def test_long_context_at_batch_gives_sparse_attn(tmp_path, tiny_model_dir):
+    target = qwen_like(tmp_path / "t")
+    rec = recommend(str(target), candidates=[], workload="long-context", context=32768, batch=8)
+    assert q(rec, "Is the KV cache a large share") == "yes"
+    assert rec.choice.method == "sparse_attn" and rec.choice.config["sparse_attn_algorithm"] == "vegas"
+    assert [a.method for a in rec.alternatives][:1] == ["ngram"]  # what it replaced
+    assert "--reuse-prefill" in rec.choice.commands["specctl_bench"]
+
+    SpecConfig.from_dict(rec.choice.config)  # a valid config as it is
+    run, _ = probe_plan(rec)
+    assert "sparse_attn" in [label for label, _ in run]
+
+
+def test_short_context_does_not_pay_for_sparse_attn(tmp_path):
+    target = qwen_like(tmp_path / "t")
+    rec = recommend(str(target), candidates=[], workload="long-context", context=512, batch=1)
+    assert q(rec, "Is the KV cache a large share") == "no"
+    assert rec.choice.method == "ngram" and "sparse_attn" not in [a.method for a in rec.alternatives]

@@ -1,0 +1,36 @@
+"""specctl.recommend.probe: a Layer-2 draft (specctl's own EAGLE-3 export) detected, accepted and probed."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import torch
+
+from specctl.drafts.eagle import EagleDraft, export_eagle, spec_from_target
+from specctl.recommend.flowchart import recommend
+from specctl.recommend.probe import apply_probe, probe
+from specctl.runtime.runner import load_model
+
+
+def test_probe_uses_an_exported_eagle3_draft(tiny_model_factory, tmp_path):
+    """specctl's own EAGLE-3 export is detected, accepted, and probed through the hidden-state hooks."""
+    # a private copy: the session's shared model folders sit beside other tests' drafts
+    tgt = tmp_path / "target" / "tiny"
+    shutil.copytree(tiny_model_factory(num_hidden_layers=4), tgt)
+    loaded = load_model(tgt, dtype="float32")
+    torch.manual_seed(0)
+    d = EagleDraft(spec_from_target(loaded.model.args, 3, 100)).eval()
+    out = export_eagle(d, tmp_path / "drafts" / "tiny-eagle3", loaded)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "abc abc abc abc abc abc"}) + "\n")
+    rec = recommend(str(tgt), drafts=[str(out)], candidates=[])
+    assert [(x.kind, x.accepted) for x in rec.drafts] == [("eagle3", True)], rec.drafts[0].reasons
+    assert rec.choice.method == "eagle3" and rec.choice.runnable
+    res = probe(rec, prompts=str(prompts), num_prompts=1, max_new_tokens=10, dtype="float32")
+    apply_probe(rec, res)
+    rows = {x["method"]: x for x in res["methods"]}
+    assert {"eagle3", "ngram", "suffix"} <= set(rows) and not res["skipped"]
+    e = rows["eagle3"]
+    assert e["identical_to_baseline"] == 1 and e["rho"] > 0 and e["config"]["model"] == str(out)
+    assert rec.tree.children[-1].text.startswith("Measured")
