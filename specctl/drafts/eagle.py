@@ -210,6 +210,28 @@ class EagleDraft(nn.Module):
                                              enable_gqa=a.num_kv_heads != a.num_heads)
         return lay.finish(att, x)
 
+    def forward_ragged(self, emb, h, segs: list[tuple[int, int, torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """Many requests' causal rows in one pass: emb/h [1, R, H] segment after segment; segs: each
+        request's (start, n, k_cache, v_cache). The projections and the MLP run over all R rows at once
+        (one read of the layer's weights); each request writes and attends in its own cache, as its
+        own ``forward_cached`` does. -> out [1, R, H]."""
+        lay, a = self.midlayer, self.spec.args
+        x = self.layer_input(emb, h)
+        pos = torch.cat([torch.arange(st, st + n, device=x.device) for st, n, _, _ in segs])  # [R]
+        cos, sin = rope_cos_sin(self.inv_freq, pos)
+        q, k, v = lay.qkv(lay.attn_input(emb, x), cos.to(x.dtype), sin.to(x.dtype))
+        atts, off = [], 0
+        for st, n, kc, vc in segs:
+            sl, end = slice(off, off + n), st + n
+            kc[:, :, st:end] = k[:, :, sl]
+            vc[:, :, st:end] = v[:, :, sl]
+            mask = None if n == 1 else (torch.arange(end, device=x.device)[None, :]
+                                        <= torch.arange(st, end, device=x.device)[:, None])  # [n, end] causal
+            atts.append(F.scaled_dot_product_attention(q[:, :, sl], kc[:, :, :end], vc[:, :, :end], attn_mask=mask,
+                                                       enable_gqa=a.num_kv_heads != a.num_heads))
+            off += n
+        return lay.finish(torch.cat(atts, 2), x)
+
 
 class FusedEagle3:
     """An EAGLE-3 draft for a bf16 target on an AMX CPU: its layer is one C++ call (kernels/decode_layer's
@@ -286,6 +308,15 @@ class FusedEagle3:
             tree = mask[:, first:]
         return decode_layer.eagle3_layer(self, h.to(torch.bfloat16), emb.to(torch.bfloat16), cos.to(torch.bfloat16),
                                          sin.to(torch.bfloat16), k_cache, v_cache, start, tree)
+
+    def forward_ragged(self, emb, h, segs: list[tuple[int, int, torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """As EagleDraft.forward_ragged: the layer runs request by request (one C++ call each); the
+        draft head, the large read, is batched by the caller through ``logits``."""
+        outs, off = [], 0
+        for st, n, kc, vc in segs:
+            outs.append(self.forward_cached(emb[:, off:off + n], h[:, off:off + n], st, kc, vc))
+            off += n
+        return torch.cat(outs, 1)
 
     def logits(self, out: torch.Tensor, head_weight=None) -> torch.Tensor:
         from kernels import amx_linear

@@ -28,6 +28,7 @@ training (``specctl.training.eagle``).
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -63,6 +64,7 @@ class EagleProposer(SlotProposer):
     method = "eagle"
     version = 1
     needs_hidden_states = True
+    drafts_in_batch = True
 
     def __init__(self, config: SpecConfig, *, target, max_model_len: int, draft: EagleDraft | None = None,
                  embed: torch.Tensor | None = None, fused: bool | None = None):
@@ -137,57 +139,92 @@ class EagleProposer(SlotProposer):
     # ------------------------------------------------------------------ drafting
     def propose(self, token_ids, num_tokens, k, hidden_states=None, slots=None) -> DraftOutput:
         B = token_ids.shape[0]
-        slot_of = (lambda b: None) if slots is None else (lambda b: int(slots[b]))
-        if self.tree_topk is not None and B == 1 and k > 0:
-            s = self._slot_for_row(token_ids[0], int(num_tokens[0]), slot_of(0))
-            if (s.sampling or _Sampling()).temperature <= 0:
-                return self._propose_tree(s, token_ids[0], int(num_tokens[0]), k)
-        drafts = [self._propose_one(self._slot_for_row(token_ids[b], int(num_tokens[b]), slot_of(b)), token_ids[b],
-                                    int(num_tokens[b]), k) for b in range(B)]
-        return batch_draft(drafts, k, self.Vt, self.device)
+        rows = [(token_ids[b:b + 1], int(num_tokens[b]), None if slots is None else int(slots[b])) for b in range(B)]
+        if B == 1:
+            return self.propose_batch(rows, [k])[0]
+        return batch_draft(self._drafts(rows, [k] * B), k, self.Vt, self.device)
+
+    def propose_batch(self, rows: list[tuple[np.ndarray, int, int | None]], ks: list[int],
+                      hidden=None) -> list[DraftOutput]:
+        """Drafts for many requests, (token_ids [1, max_len], n, slot) each: the chains advance together,
+        one ragged draft pass and one read of the draft head per step for all of them; greedy requests
+        with a configured tree draft their tree alone."""
+        outs: list[DraftOutput | None] = [None] * len(rows)
+        chains = []
+        for i, ((ctx, n, slot), k) in enumerate(zip(rows, ks)):
+            if self.tree_topk is not None and k > 0:
+                s = self._slot_for_row(ctx[0], n, slot)
+                if (s.sampling or _Sampling()).temperature <= 0:
+                    outs[i] = self._propose_tree(s, ctx[0], n, k)
+                    continue
+            chains.append(i)
+        for i, d in zip(chains, self._drafts([rows[i] for i in chains], [ks[i] for i in chains])):
+            outs[i] = batch_draft([d], ks[i], self.Vt, self.device)
+        return outs
 
     @torch.inference_mode()
-    def _propose_one(self, s: _Slot, row: np.ndarray, n: int, k: int) -> tuple[list[int], torch.Tensor | None]:
-        P = s.n_feat  # = n - 1: positions [0, P) are in the target's cache; row[P] is the last emitted token
-        if P == 0 or P + k + 1 > s.k.shape[2]:
-            return [], None
-        d = self.net
-        o = self._feed(s, row, P)
-        sp = s.sampling or _Sampling()
-        sample = sp.temperature > 0
-        gen = sp.generator or self._own_generator
-        ids: list[int] = []
-        q_rows: list[torch.Tensor] = []
-        for j in range(k):
-            logits = d.logits(o[0, -1], self.target_model.head_weight)  # [N]
-            if sample:
-                p = logits_to_probs(logits, sp.temperature, sp.top_k, sp.top_p)  # [N]
-                di = int(torch.multinomial(p, 1, generator=gen))
-                q_rows.append(p)
-            else:
-                di = int(torch.argmax(logits))
-            t = int(self.target_ids[di])
-            ids.append(t)
-            if j + 1 == k or t in self.stop_ids:
+    def _drafts(self, rows, ks) -> list[tuple[list[int], torch.Tensor | None]]:
+        """Each row's chain (draft ids, q [n_draft, V] or None), all rows stepping together."""
+        out: list[tuple[list[int], torch.Tensor | None]] = [([], None)] * len(rows)
+        live: list[_Chain] = []
+        for i, ((ctx, n, slot), k) in enumerate(zip(rows, ks)):
+            s = self._slot_for_row(ctx[0], n, slot)
+            P = s.n_feat  # = n - 1: positions [0, P) are in the target's cache; row[P] is the last emitted token
+            if k > 0 and P > 0 and P + k + 1 <= s.k.shape[2]:
+                live.append(_Chain(i, s, ctx[0], P, k, s.sampling or _Sampling()))
+        if not live:
+            return out
+        o = self._feed(live)  # [J, H] the out of each request's last fed row
+        j = 0
+        while live:
+            logits = self.net.logits(o, self.target_model.head_weight)  # [J, N]
+            still, o_next = [], []
+            for c, lg, oc in zip(live, logits, o):
+                sp = c.sampling
+                if sp.temperature > 0:
+                    p = logits_to_probs(lg, sp.temperature, sp.top_k, sp.top_p)  # [N]
+                    di = int(torch.multinomial(p, 1, generator=sp.generator or self._own_generator))
+                    c.q_rows.append(p)
+                else:
+                    di = int(torch.argmax(lg))
+                t = int(self.target_ids[di])
+                c.ids.append(t)
+                if j + 1 == c.k or t in self.stop_ids:
+                    out[c.index] = (c.ids, self._target_q(c.q_rows))
+                else:
+                    still.append(c)
+                    o_next.append(oc)
+            if not still:
                 break
-            tok = torch.tensor([[t]], device=self.device)
-            o = d.forward_cached(self.embed_weight[tok].to(self.dtype), o, P + j, s.k, s.v)  # chain row at P + j
-        if not sample:
-            return ids, None
+            emb = self.embed_weight[torch.tensor([c.ids[-1] for c in still], device=self.device)].to(self.dtype)[None]
+            o = self.net.forward_ragged(emb, torch.stack(o_next)[None], [(c.P + j, 1, c.slot.k, c.slot.v) for c in still])[0]
+            live, j = still, j + 1  # chain row j of each request at position P + j
+        return out
+
+    def _target_q(self, q_rows: list[torch.Tensor]) -> torch.Tensor | None:
+        """Sampled draft distributions over the draft vocabulary [n, N] -> over the target's [n, V]."""
+        if not q_rows:
+            return None
         q = torch.zeros(len(q_rows), self.Vt, device=self.device)  # [n, V_target]
         q[:, self.target_ids] = torch.stack(q_rows).float()
-        return ids, q
+        return q
 
-
-    def _feed(self, s: _Slot, row: np.ndarray, P: int) -> torch.Tensor:
-        """Feed the feature rows not yet in the draft cache (at least the last, whose output starts the
-        draft): position p reads token row[p+1]. Returns the last row's out [1, 1, H]."""
-        a = min(s.n_fed, P - 1)
-        toks = torch.from_numpy(row[a + 1:P + 1].astype(np.int64)).to(self.device)[None]  # [1, P - a]
-        h = s.feat[a:P][None]  # [1, P - a, H]
-        o = self.net.forward_cached(self.embed_weight[toks].to(self.dtype), h, a, s.k, s.v)[:, -1:]  # [1, 1, H]
-        s.n_fed = P
-        return o
+    def _feed(self, chains: list["_Chain"]) -> torch.Tensor:
+        """Feed each request's feature rows not yet in its draft cache (at least the last, whose output
+        starts the draft), all in one ragged pass: position p reads token row[p+1]. Returns the out of
+        each request's last row [J, H]."""
+        embs, hs, segs = [], [], []
+        for c in chains:
+            s, P = c.slot, c.P
+            a = min(s.n_fed, P - 1)
+            toks = torch.from_numpy(c.row[a + 1:P + 1].astype(np.int64)).to(self.device)  # [P - a]
+            embs.append(self.embed_weight[toks].to(self.dtype))
+            hs.append(s.feat[a:P])  # [P - a, H]
+            segs.append((a, P - a, s.k, s.v))
+            s.n_fed = P
+        o = self.net.forward_ragged(torch.cat(embs)[None], torch.cat(hs)[None], segs)[0]  # [R, H]
+        ends = torch.tensor([n for _, n, _, _ in segs]).cumsum(0) - 1
+        return o[ends.to(o.device)]
 
     @torch.inference_mode()
     def _propose_tree(self, s: _Slot, row: np.ndarray, n: int, depth: int) -> DraftOutput:
@@ -195,7 +232,7 @@ class EagleProposer(SlotProposer):
         P, K, d = s.n_feat, self.tree_topk, self.net
         if P == 0 or P + K * depth + 2 > s.k.shape[2]:
             return DraftOutput(torch.full((1, depth), -1, dtype=torch.long), torch.zeros(1, dtype=torch.long))
-        o = self._feed(s, row, P)
+        o = self._feed([_Chain(-1, s, row, P, depth, _Sampling())])[None]  # [1, 1, H]
         # candidates: target token, parent candidate (-1: the last emitted token), cumulative log-prob, depth
         tok: list[int] = []
         parent: list[int] = []
@@ -255,6 +292,21 @@ class EagleProposer(SlotProposer):
         ids = torch.tensor([[tok[c] for c in order]], dtype=torch.long)
         return DraftOutput(ids, torch.tensor([len(order)]), None,
                            [-1 if parent[c] < 0 else index[parent[c]] for c in order])
+
+
+@dataclass
+class _Chain:
+    """One request's chain in progress: its row in the call, slot, context row, P = the target
+    positions cached, draft length, sampling, what it drafted."""
+
+    index: int
+    slot: _Slot
+    row: np.ndarray
+    P: int
+    k: int
+    sampling: _Sampling
+    ids: list[int] = field(default_factory=list)
+    q_rows: list[torch.Tensor] = field(default_factory=list)
 
 
 class Eagle3Proposer(EagleProposer):

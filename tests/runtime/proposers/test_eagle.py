@@ -416,3 +416,40 @@ def test_a_hybrid_of_eagle3_drafts_reading_different_layers(tiny_model_dir, tiny
         assert got.token_ids == plain.generate(p, params).token_ids
         assert set(got.by_proposer) == {"eagle3", "eagle3#2"}
         assert all(got.num_steps - 1 <= s.num_drafts <= got.num_steps for s in got.by_proposer.values())
+
+
+@pytest.mark.parametrize("method", ["eagle3", "eagle"])
+def test_a_batch_steps_the_chains_together_and_each_drafts_as_alone(trained, tiny_model_dir, run_batched, method):
+    """The batch's chains advance in one ragged draft pass per step; every request's sequence of
+    drafts is the one it drafts decoding alone."""
+    loaded = load_model(tiny_model_dir, dtype="float32")
+    s = trained[3 if method == "eagle3" else 1]
+    cfg = SpecConfig.from_dict({"method": method, "model": s["export"], "num_speculative_tokens": 4})
+    prompts = [template_ids(loaded.tokenizer, [{"role": "user", "content": t}], True) for t in trained["prompts"][:6]]
+    params = SamplingParams(max_new_tokens=24)
+
+    def recorded(prop):
+        seen, sizes = {}, []
+        orig = prop._drafts
+
+        def drafts(rows, ks):
+            out = orig(rows, ks)
+            sizes.append(len(rows))
+            for (ctx, n, _), (ids, _) in zip(rows, out):
+                seen.setdefault(tuple(ctx[0, :len(prompts[0]) // 2].tolist()), []).append((n, ids))
+            return out
+
+        prop._drafts = drafts
+        return seen, sizes
+
+    prop = build_proposer(cfg, 256, target=loaded)
+    together, sizes = recorded(prop)
+    run_batched(SpecDecoder(TargetRunner(loaded.model, 256), prop, 4), prompts, [params] * len(prompts))
+    assert max(sizes) > 1
+    alone = {}
+    for p in prompts:
+        prop = build_proposer(cfg, 256, target=loaded)
+        seen, _ = recorded(prop)
+        SpecDecoder(TargetRunner(loaded.model, 256), prop, 4).generate(p, params)
+        alone.update(seen)
+    assert together == alone
