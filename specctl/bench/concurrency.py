@@ -22,7 +22,8 @@ import numpy as np
 import torch
 
 from specctl.bench.memory import tensor_bytes
-from specctl.bench.suite import BASELINE, _Proposers, config_labels, machine_header
+from specctl.bench.labels import config_labels
+from specctl.bench.suite import BASELINE, _Proposers, machine_header
 from specctl.bench.workloads import load_workload, render_prompt
 from specctl.config import SpecConfig
 from specctl.runtime.decoder import SamplingParams, SpecDecoder

@@ -23,13 +23,14 @@ from __future__ import annotations
 import gc
 import json
 import platform
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 
+from specctl.bench.draft_timer import DraftTimer, DraftTiming
+from specctl.bench.labels import config_labels, draft_name, peer_engine
 from specctl.bench.workloads import Request, load_workload, render_prompt, turn_messages
 from specctl.config import SpecConfig
 from specctl.errors import UsageError
@@ -109,90 +110,6 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-@dataclass
-class DraftTiming:
-    """The draft's share of decoding: seconds in its own work, the k it was asked for in total, and
-    (drafted, accepted) of every step that drafted."""
-
-    draft_s: float = 0.0
-    k_asked: int = 0
-    steps: list[tuple[int, int]] = field(default_factory=list)
-
-    def merge(self, other: DraftTiming) -> DraftTiming:
-        return DraftTiming(self.draft_s + other.draft_s, self.k_asked + other.k_asked, self.steps + other.steps)
-
-
-class DraftTimer:
-    """Wraps a Proposer: times the draft's work during decoding and records (drafted, accepted) per step.
-
-    Draft work is ``propose()`` plus the hooks a stateful draft computes in (``on_target_hidden``:
-    EAGLE/MTP feed the target's states; ``on_verified``: rollback), counted from the request's first
-    ``propose`` on, so that prefill-time work stays out, as it stays out of the decode time.
-    ``take()`` hands over what was counted since the last ``take()``.
-    """
-
-    def __init__(self, inner):
-        self.inner = inner
-        self._timing = DraftTiming()
-        self._pending = 0  # tokens of the last draft, until they are verified
-        self._decoding = False
-
-    def take(self) -> DraftTiming:
-        out, self._timing = self._timing, DraftTiming()
-        return out
-
-    @property
-    def needs_hidden_states(self) -> bool:
-        return self.inner.needs_hidden_states
-
-    def _timed(self, fn, *args):
-        if not self._decoding:
-            return fn(*args)
-        t = time.perf_counter()
-        out = fn(*args)
-        self._timing.draft_s += time.perf_counter() - t
-        return out
-
-    def start_request(self, slot, prompt_ids):
-        self._decoding = False
-        self.inner.start_request(slot, prompt_ids)
-
-    def set_sampling(self, slot, params, generator=None):
-        self.inner.set_sampling(slot, params, generator)
-
-    def on_target_hidden(self, slot, hidden, aux):
-        self._timed(self.inner.on_target_hidden, slot, hidden, aux)
-
-    def propose(self, token_ids, num_tokens, k, hidden_states=None, slots=None):
-        self._decoding = True
-        d = self._timed(self.inner.propose, token_ids, num_tokens, k, hidden_states, slots)
-        self._timing.k_asked += k
-        self._pending = int(d.num_tokens[0])
-        return d
-
-    def on_verified(self, slot, num_accepted, emitted):
-        if self._pending > 0:
-            self._timing.steps.append((self._pending, int(num_accepted)))
-        self._pending = 0
-        self._timed(self.inner.on_verified, slot, num_accepted, emitted)
-
-    def end_request(self, slot):
-        self._decoding = False
-        self.inner.end_request(slot)
-
-    def __getattr__(self, name):  # anything else goes to the wrapped proposer
-        return getattr(self.inner, name)
-
-
-PEER_ENGINES = ("hf", "vllm", "llama.cpp")
-
-
-def peer_engine(method: str) -> str | None:
-    """'vllm:ngram' -> 'vllm'; a specctl method ('ngram', 'draft_model:x', 'baseline') -> None."""
-    eng = method.split(":", 1)[0]
-    return eng if ":" in method and eng in PEER_ENGINES else None
-
-
 def _same_vocab(target: Path, draft: Path) -> bool:
     """Whether a draft folder has the target's tokenizer (what vLLM's draft_model needs)."""
     def vocab(p: Path):
@@ -270,67 +187,6 @@ def machine_header(loaded: LoadedModel, max_new_tokens: int, temperature: float)
         "cpu_kernels": loaded.model.cpu_kernels,
         "max_new_tokens": max_new_tokens, "temperature": temperature,
     }
-
-
-MODEL_METHODS = ("draft_model", "medusa", "eagle", "eagle3", "mtp")  # methods whose 'model' names a draft
-_SHORT_KEYS = {"num_speculative_tokens": "k"}
-_VALUE_ONLY_KEYS = ("sparse_attn_algorithm",)  # labelled by the value alone: sparse_attn:vegas
-
-
-def draft_name(spec: str) -> str:
-    """A short readable name for a draft given as a catalogue name, an HF folder or a .gguf file.
-
-    'smollm2-135m' -> 'smollm2-135m'; '/x/y/my-draft/' -> 'my-draft'; '/x/d.gguf' -> 'd'. As
-    ``specctl.models.resolve_model`` does, an existing path wins over a catalogue name.
-    """
-    from specctl.models import CATALOGUE
-
-    s = str(spec).strip()
-    p = Path(s).expanduser()
-    if not p.exists() and s.lower() in CATALOGUE:
-        return s.lower()
-    return (p.stem if p.suffix.lower() == ".gguf" else p.name) or s
-
-
-def config_labels(configs: list[SpecConfig]) -> list[str]:
-    """One unique, readable label per configuration, in order.
-
-    The method alone where it is unique. Configurations sharing a method are told apart by their
-    draft for methods that draft with a model (``draft_model:smollm2-135m``), then by the one key
-    that differs (``ngram:k=4`` / ``ngram:k=8``), else by a ``#N`` suffix (``ngram``, ``ngram#2``).
-    E.g. [draft_model 0.5b, draft_model 135m, ngram] ->
-    ['draft_model:qwen2.5-coder-0.5b', 'draft_model:smollm2-135m', 'ngram'].
-    """
-    labels = [str(c.method) for c in configs]
-    shared = {m for m in labels if labels.count(m) > 1}
-    labels = [f"{c.method}:{draft_name(c.model)}" if lab in shared and c.method in MODEL_METHODS and c.model else lab
-              for lab, c in zip(labels, configs)]
-    groups: dict[str, list[int]] = {}
-    for i, lab in enumerate(labels):
-        groups.setdefault(lab, []).append(i)
-    for lab, idx in groups.items():
-        if len(idx) < 2:
-            continue
-        dicts = [configs[i].to_dict() for i in idx]
-        values = {k: [json.dumps(d.get(k), sort_keys=True) for d in dicts] for d in dicts for k in d}
-        varying = [k for k, v in values.items() if len(set(v)) > 1]
-        if len(varying) == 1 and len(set(values[varying[0]])) == len(idx):
-            key = varying[0]
-            for i, d in zip(idx, dicts):
-                labels[i] = (f"{lab}:{d.get(key)}" if key in _VALUE_ONLY_KEYS
-                             else f"{lab}:{_SHORT_KEYS.get(key, key)}={d.get(key)}")
-        else:
-            for n, i in enumerate(idx[1:], 2):
-                labels[i] = f"{lab}#{n}"
-    # a '#N' label may still collide with a user's own; number on until unique
-    seen: set[str] = set()
-    for i, lab in enumerate(labels):
-        n, out = 2, lab
-        while out in seen:
-            out, n = f"{lab}#{n}", n + 1
-        labels[i] = out
-        seen.add(out)
-    return labels
 
 
 @dataclass

@@ -292,7 +292,7 @@ def render_best_k(report) -> None:
 def render(report) -> None:
     from rich.table import Table
 
-    from specctl.bench.suite import peer_engine
+    from specctl.bench.labels import peer_engine
 
     out = _stdout()
     t = Table(title=_title(report.header), title_justify="left",

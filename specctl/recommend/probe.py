@@ -104,7 +104,9 @@ def probe(rec: Recommendation, *, prompts: str | None = None, num_prompts: int =
     decode step), the predicted speedup at the best k, and the verify cost (one verify forward / one
     decode step).
     """
-    from specctl.bench.suite import BASELINE, DraftTiming, config_labels, run_bench
+    from specctl.bench.draft_timer import DraftTiming
+    from specctl.bench.labels import config_labels
+    from specctl.bench.suite import BASELINE, run_bench
     from specctl.config import SpecConfig
     from specctl.models import resolve_model
     from specctl.runtime.decoder import SamplingParams

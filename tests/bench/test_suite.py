@@ -13,7 +13,8 @@ import json
 import pytest
 import torch
 
-from specctl.bench.suite import config_labels, draft_name, run_bench
+from specctl.bench.labels import config_labels, draft_name
+from specctl.bench.suite import run_bench
 from specctl.config import SpecConfig
 from specctl.runtime.decoder import SamplingParams
 from specctl.runtime.runner import load_model
