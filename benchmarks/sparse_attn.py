@@ -28,7 +28,8 @@ from specctl.bench.suite import machine_header
 from specctl.bench.workloads import load_workload, render_prompt
 from specctl.config import SpecConfig
 from specctl.models import resolve_model
-from specctl.roofline import Shapes, measure_machine, sparse_attn_estimate
+from specctl.roofline import Shapes, sparse_attn_estimate
+from specctl.runtime.machine import measure_machine
 from specctl.runtime.decoder import SamplingParams, SpecDecoder
 from specctl.runtime.proposers import build_proposer
 from specctl.runtime.runner import TargetRunner, load_model

@@ -142,7 +142,8 @@ def sparse_roofline(context: int, batch: int, loaded, c, tau: float) -> dict:
     """sparse_attn's predicted speedup at ``context`` and ``batch`` on this machine: the roofline model
     with the bandwidth and compute measured on the loaded target at that context, and the acceptance
     length ``tau`` the probe measured; ``c`` is the SpecConfig probed."""
-    from specctl.roofline import Shapes, measure_machine, sparse_attn_estimate
+    from specctl.roofline import Shapes, sparse_attn_estimate
+    from specctl.runtime.machine import measure_machine
 
     a = loaded.model.args
     shapes = Shapes.of(loaded.model)
