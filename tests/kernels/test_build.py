@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from kernels import amx_linear, cpu, decode_attention, decode_layer, skinny_linear
+from kernels import amx_linear, cpu, decode_attention, decode_layer, quant_linear, skinny_linear
 
 
 @pytest.mark.parametrize("mod,needs", [(decode_attention, cpu.AVX512_BF16), (skinny_linear, cpu.AVX512_BF16),
@@ -20,3 +20,13 @@ def test_kernel_builds_where_the_cpu_runs_it(mod, needs):
     if shutil.which("c++") is None and shutil.which("g++") is None:
         pytest.skip("no C++ compiler here")
     assert mod.load() is not None
+
+
+@pytest.mark.parametrize("path", quant_linear.PATHS)
+def test_quant_linear_builds_where_the_cpu_runs_it(path):
+    needs = quant_linear.NEEDS[path]
+    if any(not cpu.has(f) for f in needs):
+        pytest.skip(cpu.why_not(needs, built=False))
+    if shutil.which("c++") is None and shutil.which("g++") is None:
+        pytest.skip("no C++ compiler here")
+    assert quant_linear.load(path) is not None

@@ -1,0 +1,87 @@
+"""Linear layers over GGUF quantized weights, run as they are stored (no dequantized copy).
+
+``linear(x, parts, K, bias)`` computes x @ W^T where W is one or more *parts* ``(blocks, type)``:
+``blocks`` [N_p, K / QK * block_bytes] uint8, the raw GGUF rows of one ggml type (``TYPES``), the
+parts' outputs side by side (q|k|v or gate|up of different types in one call). x is bf16 or fp32
+([..., K]); y is x's dtype, or fp32 with ``out_fp32`` (an LM head's logits). ``dequantize`` gives a
+part's dense weights, bit for bit what gguf-py's ``gguf.quants.dequantize`` gives.
+
+The C++ kernel (``csrc/quant_linear.cpp``) is built once per path from one source (``PATHS``):
+``"avx512_bf16"`` (bf16 x through vdpbf16ps; fp32 x as "avx512"), ``"avx512"`` and ``"avx2"`` (x in
+fp32 FMAs against weights decoded to fp32), ``"scalar"``. ``best_path(dtype)`` picks one by what the
+CPU has; ``path=`` forces one (tests run every path the CPU can). Every path is row-independent: a
+row of x computed among any number of rows equals, bit for bit, the same row computed alone (so
+verification equals decoding). Paths differ from each other and from the fp32 reference only in fp32
+summation order.
+
+What it does not know: GGUF files, tensor names, models (specctl.runtime.quant reads those).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels import cpu
+from kernels._build import build
+
+# ggml type name -> (ggml type id, weights per block, bytes per block)
+TYPES: dict[str, tuple[int, int, int]] = {
+    "Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q5_0": (6, 32, 22), "Q8_0": (8, 32, 34),
+    "Q4_K": (12, 256, 144), "Q6_K": (14, 256, 210),
+}
+PATHS = ("avx512_bf16", "avx512", "avx2", "scalar")
+NEEDS = {"avx512_bf16": ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "f16c"),
+         "avx512": ("avx512f", "f16c"), "avx2": ("avx2", "fma", "f16c"), "scalar": ()}
+_FLAGS = {"avx512_bf16": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma", "-mf16c"],
+          "avx512": ["-mavx512f", "-mfma", "-mf16c"], "avx2": ["-mavx2", "-mfma", "-mf16c"], "scalar": []}
+_ext: dict[str, object] = {}
+
+
+def load(path: str = "avx512"):
+    """The extension built for ``path``, or None where this CPU lacks its features or it cannot
+    build (built once per path; the CPU's features are asked on every call, see kernels.cpu.hidden)."""
+    if any(not cpu.has(f) for f in NEEDS[path]):
+        return None
+    if path not in _ext:
+        _ext[path] = build(f"specctl_quant_linear_{path}", "quant_linear.cpp", NEEDS[path],
+                           [*_FLAGS[path], "-ffp-contract=off"])
+    return _ext[path]
+
+
+def best_path(dtype: torch.dtype = torch.bfloat16) -> str | None:
+    """The path x of ``dtype`` takes on this CPU, or None without a compiler. bf16 x takes the
+    AVX512-BF16 path only without AMX: on AMX CPUs (Sapphire Rapids) vdpbf16ps runs ~0.4 a cycle
+    against fp32 FMA's 2 (measured), so the fp32 path is the faster one there; on AMD Zen 4
+    vdpbf16ps is as fast as an FMA and does twice the work."""
+    order = list(PATHS)
+    if dtype is not torch.bfloat16 or cpu.has("amx_bf16"):
+        order.remove("avx512_bf16")
+    return next((p for p in order if load(p) is not None), None)
+
+
+def row_bytes(qtype: str, K: int) -> int:
+    _, qk, nbytes = TYPES[qtype]
+    if K % qk:
+        raise ValueError(f"{qtype} rows hold multiples of {qk} weights, not {K}")
+    return K // qk * nbytes
+
+
+def linear(x: torch.Tensor, parts: list[tuple[torch.Tensor, str]], K: int, bias: torch.Tensor | None = None,
+           out_fp32: bool = False, path: str | None = None) -> torch.Tensor:
+    """x [..., K] (bf16/fp32) @ [part blocks...]^T (+ bias [N]) -> [..., N]; ``path`` forces a kernel."""
+    ext = load(path or best_path(x.dtype) or "scalar")
+    if ext is None:
+        raise RuntimeError(f"the quant_linear kernel ({path or 'any path'}) cannot run on this machine")
+    rows = x.numel() // K
+    y = ext.quant_linear(x.reshape(rows, K), [b for b, _ in parts], [TYPES[t][0] for _, t in parts],
+                         K, bias, out_fp32)
+    return y.view(*x.shape[:-1], y.shape[-1])
+
+
+def dequantize(blocks: torch.Tensor, qtype: str, K: int, dtype: torch.dtype = torch.float32,
+               path: str | None = None) -> torch.Tensor:
+    """Blocks [N, row_bytes] of ``qtype`` -> dense weights [N, K] in ``dtype`` (fp32 or bf16)."""
+    ext = load(path or best_path(torch.float32) or "scalar")
+    if ext is None:
+        raise RuntimeError("the quant_linear kernel cannot run on this machine")
+    return ext.dequantize(blocks.contiguous(), TYPES[qtype][0], K, dtype)
