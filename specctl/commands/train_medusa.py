@@ -1,18 +1,23 @@
 """`specctl train-medusa`: train Medusa heads on a target and export them in vLLM's layout.
 
-Thin: parse the flags into a MedusaTrainConfig, call ``specctl.training.medusa.train``, render the
-summary. Progress and logs on stderr, the summary on stdout (``--json`` for machines).
+Thin: parse the flags into a MedusaTrainConfig (the options shared with the other trainers come from
+``_train_options``), call ``specctl.training.medusa.train``, render the summary. Progress and logs on
+stderr, the summary on stdout (``--json`` for machines).
 """
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
-from specctl.commands._options import DtypeOpt, JsonOpt, ModelOpt, SeedOpt
+from specctl.commands._train_options import (HOLD_OUT, BatchSizeOpt, DataOpt, DeviceOpt, DistillMaxPromptsOpt,
+                                             DistillSamplesOpt, DistillTemperatureOpt, DtypeOpt, EpochsOpt, EvalEveryOpt,
+                                             EvalSplitOpt, GradAccumOpt, HoldOutOpt, JsonOpt, LrOpt, MaxNewTokensOpt,
+                                             ModelOpt, OldMaxNewTokensOpt, OutputOpt, PushToHubOpt, ResumeOpt,
+                                             SaveEveryOpt, SeedOpt, SelfDistillOpt, SeqLenOpt, StepsOpt, command_line,
+                                             config_from, main_process)
 
 HELP = """Train Medusa heads (arXiv 2401.10774) on a target model and export them in the layout vLLM loads.
 
@@ -24,9 +29,10 @@ to OUTPUT/base. Data: --data files (prompt/response, messages or ShareGPT conver
 code-edit, chat; their first --hold-out prompts, the ones `specctl bench -n N` runs, are left out).
 
 OUTPUT gets the heads (config.json + model.safetensors, vLLM's Medusa layout, with
-training_config.json), checkpoints/ (every --save-every steps, atomic; --resume continues from the
-latest) and data/self_distill.jsonl (answers are cached there as they are written). Runs unchanged
-under `accelerate launch` on several devices. Progress on stderr; the summary on stdout.
+training_config.json and a model card, README.md), checkpoints/ (every --save-every steps, atomic;
+--resume continues from the latest) and data/self_distill.jsonl (answers are cached there as they are
+written). Runs unchanged under `accelerate launch` on several devices. Progress on stderr; the
+summary on stdout.
 
 Examples:
 
@@ -34,38 +40,45 @@ Examples:
 
   specctl train-medusa -m ./my-model --data sharegpt.json --num-heads 4 --epochs 2 --save-every 200 --output run/ --json
 
+  accelerate launch --num_processes 2 -m specctl.cli train-medusa -m ./my-model --data sharegpt.json --output run/ --push-to-hub me/my-medusa
+
   specctl bench --model smollm2-135m --speculative-config '{"method": "medusa", "model": "heads/", "num_speculative_tokens": 3}'
 """
 
 
 def train_medusa(
-    output: Annotated[Path, typer.Option("--output", "-o", help="Run folder: exported heads at its root, checkpoints/ and data/ inside.")],
+    ctx: typer.Context,
+    output: OutputOpt,
     model: ModelOpt = None,
-    data: Annotated[Optional[list[str]], typer.Option("--data", "-d", help="Training data: .jsonl/.json records, .txt, or a folder (repeatable).")] = None,
-    self_distill: Annotated[Optional[list[str]], typer.Option("--self-distill", help="Prompts the target answers itself: a .jsonl/.txt file or a workload name (repeatable).")] = None,
+    data: DataOpt = None,
+    self_distill: SelfDistillOpt = None,
     num_heads: Annotated[int, typer.Option("--num-heads", "-K", help="Number of heads (draft tokens per step).")] = 3,
     num_layers: Annotated[int, typer.Option("--num-layers", help="Residual blocks per head.")] = 1,
-    epochs: Annotated[float, typer.Option("--epochs", help="Passes over the training data (unless --steps).")] = 2.0,
-    steps: Annotated[Optional[int], typer.Option("--steps", help="Optimizer steps (overrides --epochs).")] = None,
-    lr: Annotated[float, typer.Option("--lr", help="Peak learning rate (linear warm-up, cosine decay to 10%).")] = 1e-3,
-    batch_size: Annotated[int, typer.Option("--batch-size", "-b", help="Sequences per step and device.")] = 8,
-    seq_len: Annotated[int, typer.Option("--seq-len", help="Longest training sequence in tokens.")] = 1024,
-    eval_split: Annotated[float, typer.Option("--eval-split", help="Fraction of sequences held out for evaluation.")] = 0.05,
-    eval_every: Annotated[int, typer.Option("--eval-every", help="Evaluate every N steps (0: at checkpoints and the end).")] = 0,
-    save_every: Annotated[int, typer.Option("--save-every", help="Checkpoint every N steps (0: only the final export).")] = 0,
-    resume: Annotated[bool, typer.Option("--resume", help="Continue from the latest checkpoint in OUTPUT/checkpoints.")] = False,
+    epochs: EpochsOpt = 2.0,
+    steps: StepsOpt = None,
+    lr: LrOpt = 1e-3,
+    batch_size: BatchSizeOpt = 8,
+    grad_accum: GradAccumOpt = 1,
+    seq_len: SeqLenOpt = 1024,
+    eval_split: EvalSplitOpt = 0.05,
+    eval_every: EvalEveryOpt = 0,
+    save_every: SaveEveryOpt = 0,
+    resume: ResumeOpt = False,
     joint: Annotated[bool, typer.Option("--joint", help="Medusa-2: train the target too, through LoRA.")] = False,
     lora_rank: Annotated[int, typer.Option("--lora-rank", help="--joint: LoRA rank.")] = 8,
     shared_lm_head: Annotated[bool, typer.Option("--shared-lm-head", help="All heads share one frozen copy of the target's LM head (vLLM original_lm_head).")] = False,
     truncated_vocab_size: Annotated[Optional[int], typer.Option("--truncated-vocab-size", help="Heads score only the N most frequent response tokens (vLLM token_map).")] = None,
     soft_labels: Annotated[bool, typer.Option("--soft-labels", help="Learn the target's distribution at each position, not the data's tokens.")] = False,
-    hold_out: Annotated[int, typer.Option("--hold-out", help="Workload prompts never trained on (the first N, seed 0).")] = 8,
-    distill_max_prompts: Annotated[Optional[int], typer.Option("--distill-max-prompts", help="Answer at most the first N prompts of each --self-distill source.")] = None,
-    distill_max_new_tokens: Annotated[int, typer.Option("--distill-max-new-tokens", help="Tokens per self-distilled answer.")] = 256,
-    distill_temperature: Annotated[float, typer.Option("--distill-temperature", help="0 = greedy self-distillation.")] = 0.0,
-    distill_samples: Annotated[int, typer.Option("--distill-samples", help="Sampled answers per prompt, decoded as one batch (with --distill-temperature > 0).")] = 1,
+    hold_out: HoldOutOpt = HOLD_OUT,
+    distill_max_prompts: DistillMaxPromptsOpt = None,
+    max_new_tokens: MaxNewTokensOpt = 256,
+    distill_max_new_tokens: OldMaxNewTokensOpt = None,
+    distill_temperature: DistillTemperatureOpt = 0.0,
+    distill_samples: DistillSamplesOpt = 1,
     seed: SeedOpt = 0,
     dtype: DtypeOpt = "bfloat16",
+    device: DeviceOpt = "auto",
+    push_to_hub: PushToHubOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
     from rich.console import Console
@@ -73,15 +86,7 @@ def train_medusa(
     from specctl.models import DEFAULT_MODEL
     from specctl.training.medusa import MedusaTrainConfig
 
-    cfg = MedusaTrainConfig(
-        model=model or DEFAULT_MODEL, output=str(output), data=list(data or []), self_distill=list(self_distill or []),
-        hold_out=hold_out, distill_max_prompts=distill_max_prompts, distill_max_new_tokens=distill_max_new_tokens, distill_temperature=distill_temperature, distill_samples=distill_samples,
-        num_heads=num_heads, num_layers=num_layers, shared_lm_head=shared_lm_head,
-        truncated_vocab_size=truncated_vocab_size, soft_labels=soft_labels, joint=joint, lora_rank=lora_rank,
-        lora_alpha=2 * lora_rank, epochs=epochs, steps=steps, lr=lr, batch_size=batch_size, seq_len=seq_len,
-        seed=seed, eval_split=eval_split, eval_every=eval_every, save_every=save_every, dtype=dtype, resume=resume,
-    ).validated()
-
+    cfg = config_from(MedusaTrainConfig, locals(), model=model or DEFAULT_MODEL, lora_alpha=2 * lora_rank)
     err = Console(stderr=True)
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
@@ -97,8 +102,10 @@ def train_medusa(
                 tasks[phase] = prog.add_task(phase, total=total)
             prog.update(tasks[phase], completed=done, total=total)
 
-        summary = train(cfg, log=lambda m: err.log(m), progress=progress)
+        summary = train(cfg, log=lambda m: err.log(m), progress=progress, command=command_line(ctx))
 
+    if not main_process():
+        return
     if json_out:
         typer.echo(json.dumps(summary, indent=2))
         return
@@ -120,6 +127,8 @@ def render(s: dict) -> None:
         t.add_row("held-out top-1 per head", " ".join(f"{x:.3f}" for x in ev["top1_per_head"]))
         t.add_row("held-out acceptance length", f"{ev['acceptance_length']:.3f} (greedy chain, teacher-forced, "
                                                 f"{ev['positions']} positions)")
+    if s.get("hub"):
+        t.add_row("pushed to", s["hub"])
     t.add_row("wall time", f"{s['wall_s']:.0f} s")
     Console().print(t)
 

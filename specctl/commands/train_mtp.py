@@ -1,18 +1,23 @@
 """`specctl train-mtp`: train multi-token-prediction modules on a frozen target and export them.
 
-Thin: parse, build MtpTrainConfig, call ``specctl.training.mtp.train_mtp``, render. Progress on
-stderr, the summary on stdout (``--json`` for machines).
+Thin: parse (the options shared with the other trainers come from ``_train_options``), build
+MtpTrainConfig, call ``specctl.training.mtp.train_mtp``, render. Progress on stderr, the summary on
+stdout (``--json`` for machines).
 """
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
-from specctl.commands._options import JsonOpt, ModelOpt, SeedOpt
+from specctl.commands._train_options import (HOLD_OUT, BatchSizeOpt, DataOpt, DeviceOpt, DistillMaxPromptsOpt,
+                                             DistillSamplesOpt, DistillTemperatureOpt, EpochsOpt, EvalEveryOpt,
+                                             EvalSplitOpt, GradAccumOpt, HoldOutOpt, JsonOpt, LrOpt, MaxNewTokensOpt,
+                                             ModelOpt, OldMaxNewTokensOpt, OutputOpt, PushToHubOpt, ResumeOpt,
+                                             SaveEveryOpt, SeedOpt, SelfDistillOpt, StepsOpt, command_line, config_from,
+                                             main_process)
 
 HELP = """Train MTP (multi-token prediction) modules on a frozen target, for self-speculation with --method mtp.
 
@@ -31,7 +36,10 @@ model.layers.{N+i}.*) is written with a warning: vLLM loads that only for DeepSe
 specctl's runtime reads every layout. --layout mimo refuses up front what vLLM would not load. --self-distill PROMPTS (a file, or a workload name whose bench prompts are held out) has the
 target answer those prompts first and trains on its answers.
 
-Progress goes to stderr; the summary (eval acceptance, how to use the result) to stdout.
+OUTPUT also gets training_config.json, checkpoints/step-NNNNNNN (every --save-every steps, accelerate's
+save_state; --resume continues), data/self_distill.jsonl, and a model card (README.md; not with
+--stitch). Runs under `accelerate launch` unchanged: each step learns from --batch-size x processes x
+--grad-accum windows. Progress goes to stderr; the summary (eval acceptance, how to use the result) to stdout.
 
 Examples:
 
@@ -39,57 +47,54 @@ Examples:
 
   specctl train-mtp --model ./my-model --data corpus/ --output my-model-mtp --stitch --epochs 2 --json
 
+  accelerate launch --num_processes 2 -m specctl.cli train-mtp --model ./my-model --data corpus/ --output my-model-mtp --device cuda --push-to-hub me/my-model-mtp
+
   specctl bench --model smollm2-135m --speculative-config '{"method": "mtp", "model": "mtp-draft", "num_speculative_tokens": 3}'
 """
 
 
 def train_mtp_cmd(
-    output: Annotated[Path, typer.Option("--output", "-o", help="Folder to write (draft folder, or the stitched model with --stitch).")],
+    ctx: typer.Context,
+    output: OutputOpt,
     model: ModelOpt = None,
-    data: Annotated[Optional[str], typer.Option("--data", "-d", help="Training text: .jsonl/.json/.txt file or a folder.")] = None,
-    self_distill: Annotated[Optional[str], typer.Option("--self-distill", help="Prompts the target answers first (.jsonl/.txt file, or a workload name: chat, code-edit, agentic).")] = None,
-    hold_out: Annotated[int, typer.Option("--hold-out", help="With a workload name: its first N prompts (those bench runs) are never trained on.")] = 8,
-    distill_max_prompts: Annotated[Optional[int], typer.Option("--distill-max-prompts", help="Answer at most the first N prompts.")] = None,
+    data: DataOpt = None,
+    self_distill: SelfDistillOpt = None,
     num_layers: Annotated[int, typer.Option("--num-layers", help="MTP modules to train (num_nextn_predict_layers).")] = 1,
     depth: Annotated[int, typer.Option("--depth", help="Draft steps unrolled in training (the k it is trained for).")] = 3,
     stitch: Annotated[bool, typer.Option("--stitch", help="Write a copy of the target with the MTP modules inside (DeepSeek-V3 layout: specctl's runtime).")] = False,
     layout: Annotated[str, typer.Option("--layout", help="auto (mimo where vLLM can load it, else deepseek_v3 with a warning), mimo (vLLM's MiMoMTPModel; refused up front where it cannot be loaded), deepseek_v3.")] = "auto",
-    epochs: Annotated[int, typer.Option("--epochs", help="Passes over the training windows (unless --steps).")] = 1,
-    steps: Annotated[Optional[int], typer.Option("--steps", help="Optimizer steps (overrides --epochs).")] = None,
-    lr: Annotated[float, typer.Option("--lr", help="AdamW learning rate.")] = 1e-3,
-    batch_size: Annotated[int, typer.Option("--batch-size", help="Windows per step.")] = 8,
+    epochs: EpochsOpt = 1.0,
+    steps: StepsOpt = None,
+    lr: LrOpt = 1e-3,
+    batch_size: BatchSizeOpt = 8,
+    grad_accum: GradAccumOpt = 1,
     seq_len: Annotated[int, typer.Option("--seq-len", help="Tokens per window.")] = 256,
-    eval_split: Annotated[float, typer.Option("--eval-split", help="Fraction of windows held out for eval.")] = 0.05,
-    resume: Annotated[bool, typer.Option("--resume", help="Continue from OUTPUT/checkpoint/state.pt.")] = False,
-    max_new_tokens: Annotated[int, typer.Option("--distill-max-new-tokens", help="Answer length for --self-distill.")] = 128,
-    dtype: Annotated[str, typer.Option("--dtype", help="Target dtype during training (modules train in fp32).")] = "float32",
+    eval_split: EvalSplitOpt = 0.05,
+    eval_every: EvalEveryOpt = 0,
+    save_every: SaveEveryOpt = 50,
+    resume: ResumeOpt = False,
+    hold_out: HoldOutOpt = HOLD_OUT,
+    distill_max_prompts: DistillMaxPromptsOpt = None,
+    max_new_tokens: MaxNewTokensOpt = 128,
+    distill_max_new_tokens: OldMaxNewTokensOpt = None,
+    distill_temperature: DistillTemperatureOpt = 0.0,
+    distill_samples: DistillSamplesOpt = 1,
     seed: SeedOpt = 0,
+    dtype: Annotated[str, typer.Option("--dtype", help="Target dtype during training (modules train in fp32).")] = "float32",
+    device: DeviceOpt = "auto",
+    push_to_hub: PushToHubOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
-    from specctl.errors import UsageError
-
-    if data is None and self_distill is None:
-        raise UsageError("no training data", "give --data FILE_OR_DIR and/or --self-distill PROMPTS")
-    if not 0.0 <= eval_split < 1.0:
-        raise UsageError(f"--eval-split must be in [0, 1), got {eval_split}", "e.g. --eval-split 0.05")
-    for name, v in (("--num-layers", num_layers), ("--depth", depth), ("--batch-size", batch_size), ("--seq-len", seq_len)):
-        if v < 1:
-            raise UsageError(f"{name} must be >= 1, got {v}", f"pass e.g. {name} 1")
-    if layout not in ("auto", "mimo", "deepseek_v3"):
-        raise UsageError(f"unknown --layout '{layout}'", "use auto, mimo or deepseek_v3")
-
-    from rich.console import Console
-
-    err = Console(stderr=True, log_path=False)
     from specctl.models import DEFAULT_MODEL
     from specctl.training.mtp import MtpTrainConfig, train_mtp
 
-    cfg = MtpTrainConfig(model=model or DEFAULT_MODEL, output=str(output), data=data, self_distill=self_distill,
-                         num_layers=num_layers, depth=depth, epochs=epochs, steps=steps, lr=lr, batch_size=batch_size,
-                         seq_len=seq_len, seed=seed, eval_split=eval_split, stitch=stitch, resume=resume,
-                         distill_max_new_tokens=max_new_tokens, dtype=dtype, hold_out=hold_out,
-                         distill_max_prompts=distill_max_prompts, layout=layout)
-    summary = train_mtp(cfg, progress=err.log)
+    cfg = config_from(MtpTrainConfig, locals(), model=model or DEFAULT_MODEL)
+    from rich.console import Console
+
+    err = Console(stderr=True, log_path=False)
+    summary = train_mtp(cfg, progress=err.log, command=command_line(ctx))
+    if not main_process():
+        return
     if json_out:
         typer.echo(json.dumps(summary, indent=2))
         return
@@ -118,6 +123,8 @@ def render(s: dict) -> None:
                           f"speculative_config={json.dumps(v['speculative_config'])})  (specctl serve --engine vllm adds "
                           "the hf_overrides itself)")
     t.add_row("layout", s.get("layout", "deepseek_v3"))
+    if s.get("hub"):
+        t.add_row("pushed to", s["hub"])
     Console().print(t)
 
 

@@ -320,7 +320,46 @@ def encode(tokenizer, record: Record, seq_len: int, stop_ids=()) -> list[Example
     return [Example(ids, mask, record.source)] if any(mask[1:]) else []
 
 
-def build_examples(cfg, loaded, data_dir: Path, log: Callable[[str], None] = lambda m: None,
+def distill_requests(cfg) -> list:
+    """The prompts of every cfg.self_distill source (each after its hold-out, at most
+    cfg.distill_max_prompts of it), a prompt met twice kept once."""
+    requests, seen = [], set()
+    for spec in cfg.self_distill:
+        for r in load_prompts(spec, cfg.hold_out)[:cfg.distill_max_prompts]:
+            if r.id not in seen:
+                seen.add(r.id)
+                requests.append(r)
+    return requests
+
+
+DISTILL_CACHE = Path("data") / "self_distill.jsonl"
+_OLD_DISTILL_CACHES = (Path("self_distill.jsonl"), Path("checkpoint") / "self_distill.jsonl")  # before data/
+
+
+def distill_cache(output: str | Path) -> Path:
+    """A run's self-distillation cache, output/data/self_distill.jsonl; one left by an older specctl
+    (train-eagle's output/self_distill.jsonl, train-mtp's output/checkpoint/self_distill.jsonl) is moved there."""
+    path = Path(output) / DISTILL_CACHE
+    if not path.exists():
+        for old in _OLD_DISTILL_CACHES:
+            if (Path(output) / old).is_file():
+                path.parent.mkdir(parents=True, exist_ok=True)
+                os.replace(Path(output) / old, path)
+                break
+    return path
+
+
+def distill_records(cfg, loaded, *, seq_len: int | None, log: Callable[[str], None] = lambda m: None,
+                    progress: Callable[[str, int, int], None] = lambda *a: None) -> list[Record]:
+    """The target's answers to the cfg.self_distill prompts (cached in the run's data/ folder)."""
+    if not cfg.self_distill:
+        return []
+    return self_distill(loaded, distill_requests(cfg), max_new_tokens=cfg.max_new_tokens,
+                        temperature=cfg.distill_temperature, seed=cfg.seed, seq_len=seq_len,
+                        samples=cfg.distill_samples, cache=distill_cache(cfg.output), progress=progress, log=log)
+
+
+def build_examples(cfg, loaded, log: Callable[[str], None] = lambda m: None,
                    progress: Callable[[str, int, int], None] = lambda *a: None,
                    records: list[Record] | None = None) -> list[Example]:
     """Every training sequence of a run: cfg.data records (read here unless given), then the
@@ -330,17 +369,7 @@ def build_examples(cfg, loaded, data_dir: Path, log: Callable[[str], None] = lam
     records = list(records)
     if records:
         log(f"{len(records)} record(s) from {', '.join(map(str, cfg.data))}")
-    if cfg.self_distill:
-        requests, seen = [], set()
-        for spec in cfg.self_distill:
-            for r in load_prompts(spec, cfg.hold_out)[:cfg.distill_max_prompts]:
-                if r.id not in seen:
-                    seen.add(r.id)
-                    requests.append(r)
-        records += self_distill(loaded, requests, max_new_tokens=cfg.distill_max_new_tokens,
-                                temperature=cfg.distill_temperature, seed=cfg.seed, seq_len=cfg.seq_len,
-                                samples=getattr(cfg, "distill_samples", 1),
-                                cache=Path(data_dir) / "self_distill.jsonl", progress=progress, log=log)
+    records += distill_records(cfg, loaded, seq_len=cfg.seq_len, log=log, progress=progress)
     examples = [e for r in records for e in encode(loaded.tokenizer, r, cfg.seq_len, loaded.stop_token_ids)]
     if not examples:
         raise DataError("no training sequence has tokens to learn", "check that the data has responses (assistant turns)")
@@ -378,8 +407,6 @@ def coverage(examples: list[Example], token_map) -> float:
 
 def write_prompt_file(requests: list, path: str | Path) -> Path:
     """Write requests as a .jsonl prompt file ({"id", "messages"} a line), atomically."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text("".join(json.dumps({"id": r.id, "messages": r.messages}) + "\n" for r in requests), encoding="utf-8")
-    os.replace(tmp, path)
-    return path
+    from specctl.files import write_text_atomic
+
+    return write_text_atomic(path, "".join(json.dumps({"id": r.id, "messages": r.messages}) + "\n" for r in requests))

@@ -9,78 +9,77 @@ window exactly as ``specctl.drafts.mtp.mtp_step`` runs it at inference:
     loss  = sum_d w_d * CE(head(norm(h^d_j)), y_{j+d}),   w_d = beta^(d-1) / sum_d' beta^(d'-1), beta = 0.6
 
 so depth d learns the target's own choice d+1 tokens ahead (the quantity greedy acceptance checks).
-Only the MTP modules train (AdamW); the LM head is the target's, frozen and shared. Checkpoints
-(modules + optimizer + step) are written atomically every ``checkpoint_every`` steps and resumed
-with ``resume``; eval reports per-depth top-1 agreement and the expected acceptance length.
+Only the MTP modules train (AdamW); the LM head is the target's, frozen and shared. Each CE is a mean
+over the positions of a whole global batch (``specctl.training.loop``: one process or many under
+``accelerate launch``, DDP, --grad-accum). Checkpoints (``accelerator.save_state``) every
+``save_every`` steps, resumed with ``resume``; eval reports per-depth top-1 agreement and the
+expected acceptance length; the export gets a model card.
 
 Data: text files/folders/.jsonl read by ``specctl.training.data``; ``self_distill`` (a prompts file or
 a workload name, its bench prompts held out) has the target answer each prompt first with the own
 runtime (``specctl.training.data.self_distill``, cached and resumable), so training text is what the
 target itself writes, in its exact token ids.
 
-What it does not know: the CLI, the decode loop.
+What it does not know: the CLI, the decode loop, the network's files (``specctl.drafts.mtp``).
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
+from specctl.drafts.mtp import MtpStack, export_mtp, mimo_unfit_reason, mtp_logits, mtp_step
 from specctl.errors import DataError, UsageError
 from specctl.runtime.model import KVCache, Transformer
-from specctl.drafts.mtp import MtpStack, export_mtp, mimo_unfit_reason, mtp_logits, mtp_step
+from specctl.training import checkpoints as C
+from specctl.training import loop as L
+
+LEGACY_CHECKPOINT = Path("checkpoint") / "state.pt"  # before checkpoints/: one torch.save'd dict
 
 
 @dataclass
-class MtpTrainConfig:
-    model: str
-    """Target model (folder or catalogue name); frozen."""
-    output: str
-    """Output folder (the exported draft, or the stitched copy with --stitch; checkpoint/ inside)."""
-    data: str | None = None
-    """Training text: a .jsonl/.json/.txt file or a folder of text/code files."""
-    self_distill: str | None = None
-    """Prompts the target answers first (.jsonl/.txt file or a workload name, via specctl.training.data)."""
+class MtpTrainConfig(L.TrainConfig):
+    """Every setting of a train-mtp run (saved as training_config.json beside every checkpoint); the
+    shared ones are ``TrainConfig``'s."""
+
     num_layers: int = 1
     """MTP modules to train (num_nextn_predict_layers)."""
     depth: int = 3
     """Draft steps unrolled in training (k); deeper steps reuse module (d-1) % num_layers."""
     beta: float = 0.6
     """Step weights beta^(d-1), normalised."""
-    epochs: int = 1
-    steps: int | None = None
-    """Optimizer steps; overrides epochs when set."""
-    lr: float = 1e-3
-    weight_decay: float = 0.0
-    batch_size: int = 8
-    seq_len: int = 256
-    seed: int = 0
-    eval_split: float = 0.05
-    """Fraction of the windows held out for eval."""
     stitch: bool = False
     """Write a copy of the target with the MTP modules inside, instead of a separate draft folder."""
-    resume: bool = False
-    checkpoint_every: int = 50
-    distill_max_new_tokens: int = 128
-    distill_max_prompts: int | None = None
-    """Answer at most this many prompts."""
-    hold_out: int = 8
-    """With a workload name as self_distill: its first N prompts (the ones bench runs) are never trained on."""
-    max_windows: int | None = None
-    dtype: str = "float32"
-    """Dtype of the target during training (the modules train in fp32)."""
     layout: str = "auto"
     """Export layout: "mimo" (vLLM's MiMoMTPModel loads it for a dense target), "deepseek_v3" (specctl's
     runtime; vLLM only for DeepSeek-V3 targets), or "auto" (mimo where it fits, see ``resolve_layout``)."""
-    extra: dict = field(default_factory=dict)
+    max_windows: int | None = None
+    """Train on at most this many windows."""
+    # train-mtp's own defaults of shared settings
+    max_new_tokens: int = 128
+    seq_len: int = 256
+    save_every: int = 50
+
+    RESUME_KEYS = L.TrainConfig.RESUME_KEYS + ("num_layers", "depth", "beta", "max_windows")
+
+    def validated(self) -> "MtpTrainConfig":
+        super().validated()
+        for name in ("num_layers", "depth"):
+            L.at_least(self, name, 1)
+        L.need(self.layout in LAYOUT_CHOICES, f"unknown --layout '{self.layout}'", "use auto, mimo or deepseek_v3")
+        L.need(not (self.stitch and self.push_to_hub), "--push-to-hub pushes a draft folder; --stitch writes a whole "
+               "copy of the target", "drop --stitch to push the draft (vLLM loads the draft folder), or push by hand")
+        L.need(self.max_windows is None or self.max_windows >= 1, f"--max-windows must be >= 1, got {self.max_windows}",
+               "pass e.g. --max-windows 1000")
+        return self
 
 
 def step_weights(depth: int, beta: float = 0.6) -> torch.Tensor:
@@ -179,13 +178,32 @@ def unroll(stack: MtpStack, target: Transformer, tokens: torch.Tensor, h0: torch
     return out
 
 
-def mtp_loss(logits: list[torch.Tensor], labels: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """sum_d w_d CE(logits_d, labels[:, d:]), labels [B, T] the target's greedy tokens."""
+def mtp_loss(logits: list[torch.Tensor], labels: torch.Tensor, weights: torch.Tensor,
+             windows: float | None = None) -> torch.Tensor:
+    """sum_d w_d CE(logits_d, labels[:, d:]), labels [B, T] the target's greedy tokens. Each depth's CE
+    is a mean over its B x (T-d) positions, or (``windows``) a sum over them divided by windows x (T-d):
+    the mean over a global batch of that many windows, of which these B are a part."""
     loss = logits[0].new_zeros(())
     for d, lg in enumerate(logits, start=1):
         y = labels[:, d:d + lg.shape[1]]
-        loss = loss + weights[d - 1] * F.cross_entropy(lg.reshape(-1, lg.shape[-1]).float(), y.reshape(-1))
+        ce = F.cross_entropy(lg.reshape(-1, lg.shape[-1]).float(), y.reshape(-1), reduction="sum")
+        loss = loss + weights[d - 1] * ce / ((lg.shape[0] if windows is None else windows) * lg.shape[1])
     return loss
+
+
+class MtpLoss(nn.Module):
+    """The modules' training forward as one module call, what DDP wraps: the unrolled depths and their loss.
+
+    The frozen target is held outside the module's parameters (DDP neither copies nor syncs it)."""
+
+    def __init__(self, stack: MtpStack, target: Transformer, depth: int, weights: torch.Tensor):
+        super().__init__()
+        self.stack, self.depth = stack, depth
+        self.frozen = (target, weights)
+
+    def forward(self, tokens: torch.Tensor, h0: torch.Tensor, labels: torch.Tensor, windows: float) -> torch.Tensor:
+        target, weights = self.frozen  # tokens, labels [B, T]; h0 [B, T, H]
+        return mtp_loss(unroll(self.stack, target, tokens, h0, self.depth), labels, weights, windows)
 
 
 @torch.no_grad()
@@ -212,43 +230,8 @@ def evaluate(stack: MtpStack, target: Transformer, tokens: torch.Tensor, h0: tor
     return {"top1_per_depth": [round(x, 4) for x in acc], "mean_acceptance_length": round(1 + runs / max(n_runs, 1), 4)}
 
 
+
 # --------------------------------------------------------------------------- data
-
-def read_texts(path: str | Path) -> list[str]:
-    """Texts from a .jsonl/.json/.txt file or a folder (through specctl.training.data when present)."""
-    try:
-        from specctl.training import data as shared  # the shared reader, when it exists
-        if hasattr(shared, "read_texts"):
-            return list(shared.read_texts(path))
-    except ImportError:
-        pass
-    path = Path(path).expanduser()
-    if path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in (".py", ".txt", ".md", ".jsonl", ".json"))
-        return [t for f in files for t in read_texts(f)]
-    if not path.is_file():
-        raise DataError(f"training data {path} does not exist", "give a .jsonl/.txt file or a folder of text")
-    text = path.read_text(encoding="utf-8", errors="replace")
-    if path.suffix == ".jsonl":
-        return [_record_text(json.loads(line)) for line in text.splitlines() if line.strip()]
-    if path.suffix == ".json":
-        data = json.loads(text)
-        return [_record_text(r) for r in (data if isinstance(data, list) else [data])]
-    return [text]
-
-
-def _record_text(r) -> str:
-    if isinstance(r, str):
-        return r
-    for key in ("text", "content", "completion"):
-        if isinstance(r.get(key), str):
-            return r[key]
-    if "messages" in r:
-        return "\n".join(m.get("content", "") for m in r["messages"])
-    if "turns" in r:
-        return "\n".join(r["turns"])
-    return " ".join(str(v) for v in r.values() if isinstance(v, str))
-
 
 def windows(tokenizer, texts: list[str], seq_len: int, max_windows: int | None = None,
             id_seqs: list[list[int]] = ()) -> torch.Tensor:
@@ -269,113 +252,125 @@ def windows(tokenizer, texts: list[str], seq_len: int, max_windows: int | None =
 
 # --------------------------------------------------------------------------- training
 
-def _atomic_torch_save(obj, path: Path) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
-
-
-def train_mtp(cfg: MtpTrainConfig, progress: Callable[[str], None] = lambda s: None) -> dict:
-    """Run the whole recipe (data, states, training, eval, export); returns a summary dict."""
-    from specctl.models import resolve_model
-    from specctl.runtime.model import load_transformer
-    from specctl.runtime.runner import parse_dtype
-
-    if cfg.data is None and cfg.self_distill is None:
-        raise UsageError("no training data", "give --data FILE_OR_DIR and/or --self-distill PROMPTS")
-    if cfg.num_layers < 1 or cfg.depth < 1:
-        raise UsageError("--num-layers and --depth must be >= 1", "e.g. --num-layers 1 --depth 3")
-    t0 = time.perf_counter()
-    torch.manual_seed(cfg.seed)
-    model_dir = resolve_model(cfg.model, dtype="float32" if cfg.dtype in ("float32", "fp32") else "bfloat16")
-    from specctl.runtime.model import ModelArgs
-
-    layout = resolve_layout(cfg.layout, ModelArgs.from_hf_config(json.loads((Path(model_dir) / "config.json").read_text())),
-                            stitch=cfg.stitch, num_layers=cfg.num_layers, warn=progress)
-    out = Path(cfg.output).expanduser()
-    ckpt_dir = out / "checkpoint"
-    ckpt_dir.mkdir(parents=True, exist_ok=True)
-    (ckpt_dir / "train_config.json").write_text(json.dumps(asdict(cfg), indent=2))
+def train_mtp(cfg: MtpTrainConfig, progress: Callable[[str], None] = lambda s: None, command: str | None = None) -> dict:
+    """Run the whole recipe (data, states, training, eval, export, model card); returns a summary dict.
+    ``progress``: log lines; ``command``: the command line for the model card."""
     from transformers import AutoTokenizer
 
+    from specctl.files import write_json_atomic
+    from specctl.models import resolve_model
+    from specctl.runtime.model import ModelArgs, load_transformer
+    from specctl.runtime.runner import LoadedModel, parse_dtype, stop_token_ids
+    from specctl.training import data as D
+
+    cfg.validated()
+    t0 = time.perf_counter()
+    acc = L.accelerator(cfg, find_unused=cfg.depth < cfg.num_layers)  # a module no depth reaches gets no gradient
+    main, dev = acc.is_main_process, acc.device
+    log = progress if main else (lambda s: None)
+    model_dir = resolve_model(cfg.model, dtype="float32" if cfg.dtype in ("float32", "fp32") else "bfloat16")
+    layout = resolve_layout(cfg.layout, ModelArgs.from_hf_config(json.loads((Path(model_dir) / "config.json").read_text())),
+                            stitch=cfg.stitch, num_layers=cfg.num_layers, warn=log)
+    L.check_push(cfg, acc)
+    torch.manual_seed(cfg.seed)
+    out = Path(cfg.output).expanduser()
+    resume_from = L.resume_point(cfg, log, legacy=out / LEGACY_CHECKPOINT)
+    texts = [t for p in cfg.data for t in D.read_texts(p)]  # bad data fails before the model loads
     tok = AutoTokenizer.from_pretrained(str(model_dir))
-    target = load_transformer(model_dir, parse_dtype(cfg.dtype))
-
-    texts: list[str] = []
-    id_seqs: list[list[int]] = []
-    if cfg.self_distill:
-        from specctl.runtime.runner import LoadedModel, stop_token_ids
-        from specctl.training import data as shared
-
-        loaded = LoadedModel(model_dir, target, tok, stop_token_ids(model_dir, tok), target.embed.weight.dtype,
-                             target.embed.weight.device)
-        reqs = shared.load_prompts(cfg.self_distill, hold_out=cfg.hold_out)[: cfg.distill_max_prompts]
-        recs = shared.self_distill(loaded, reqs, max_new_tokens=cfg.distill_max_new_tokens, seed=cfg.seed,
-                                   cache=ckpt_dir / "self_distill.jsonl", log=progress)
-        id_seqs = [r.prompt_ids + r.response_ids for r in recs]
-    if cfg.data:
-        texts += read_texts(cfg.data)
-    w = windows(tok, texts, cfg.seq_len, cfg.max_windows, id_seqs)
-    g = torch.Generator().manual_seed(cfg.seed)
-    w = w[torch.randperm(w.shape[0], generator=g)]
-    n_eval = int(round(w.shape[0] * cfg.eval_split)) if w.shape[0] > 1 else 0
-    n_eval = min(n_eval, w.shape[0] - 1)
+    target = load_transformer(model_dir, parse_dtype(cfg.dtype), device=dev)
+    loaded = LoadedModel(model_dir, target, tok, stop_token_ids(model_dir, tok), target.embed.weight.dtype, dev)
+    with acc.main_process_first():  # one process writes the self-distillation cache, the others read it
+        recs = D.distill_records(cfg, loaded, seq_len=None, log=log)
+    w = windows(tok, texts, cfg.seq_len, cfg.max_windows, [r.prompt_ids + r.response_ids for r in recs])
+    w = w[torch.randperm(w.shape[0], generator=torch.Generator().manual_seed(cfg.seed))]
+    n_eval = min(int(round(w.shape[0] * cfg.eval_split)) if w.shape[0] > 1 else 0, w.shape[0] - 1)
     train_w, eval_w = w[n_eval:], w[:n_eval]
-    progress(f"data: {w.shape[0]} windows of {cfg.seq_len} tokens ({train_w.shape[0]} train, {n_eval} eval); "
-             "computing the target's states")
-    h_all, y_all = target_states(target, w)
+    log(f"data: {w.shape[0]} windows of {cfg.seq_len} tokens ({train_w.shape[0]} train, {n_eval} eval); "
+        "computing the target's states")
+    h_all, y_all = target_states(target, w.to(dev))
+    h_all, y_all = h_all.cpu(), y_all.cpu()  # batches go to the device as they are used
 
-    stack = init_stack(target, cfg.num_layers, layout)
-    params = [p for p in stack.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    per_epoch = math.ceil(train_w.shape[0] / cfg.batch_size)
-    total = cfg.steps if cfg.steps is not None else cfg.epochs * per_epoch
-    warm = max(1, total // 20)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / warm) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, s / max(1, total))))))
-    step, losses = 0, []
-    state_path = ckpt_dir / "state.pt"
-    if cfg.resume and state_path.is_file():
-        st = torch.load(state_path, weights_only=False)
-        if st.get("layout", "deepseek_v3") != layout:
-            raise UsageError(f"the checkpoint in {ckpt_dir} was trained for the {st.get('layout', 'deepseek_v3')} layout, "
-                             f"not {layout}", f"pass --layout {st.get('layout', 'deepseek_v3')}, or drop --resume")
+    stack = init_stack(target, cfg.num_layers, layout).to(dev)
+    gbs = L.global_batch_size(cfg, acc)
+    per_epoch = math.ceil(train_w.shape[0] / gbs)
+    total = cfg.steps or max(1, math.ceil(cfg.epochs * per_epoch))
+    opt = torch.optim.AdamW([p for p in stack.parameters() if p.requires_grad], lr=cfg.lr, weight_decay=cfg.weight_decay)
+    sched = L.warmup_cosine(opt, total, cfg.warmup)
+    weights = step_weights(cfg.depth, cfg.beta).to(dev)
+    model, opt = acc.prepare(MtpLoss(stack, target, cfg.depth, weights), opt)
+    acc.register_for_checkpointing(sched)
+    step, losses, history = 0, [], []
+    if resume_from is not None and resume_from.name == LEGACY_CHECKPOINT.name:
+        st = torch.load(resume_from, map_location="cpu", weights_only=False)
+        L.need(st.get("layout", "deepseek_v3") == layout, f"the checkpoint in {resume_from.parent} was trained for the "
+               f"{st.get('layout', 'deepseek_v3')} layout, not {layout}",
+               f"pass --layout {st.get('layout', 'deepseek_v3')}, or drop --resume")
         stack.load_state_dict(st["stack"])
         opt.load_state_dict(st["optim"])
         sched.load_state_dict(st["sched"])
         step, losses = st["step"], st.get("losses", [])
-        progress(f"resumed from step {step}")
-    weights = step_weights(cfg.depth, cfg.beta)
+    elif resume_from is not None:
+        state = C.load_checkpoint(resume_from, acc)
+        L.check_global_batch(state, gbs)
+        L.need(state.get("layout") == layout, f"the checkpoint {resume_from} was trained for the {state.get('layout')} "
+               f"layout, not {layout}", f"pass --layout {state.get('layout')}, or drop --resume")
+        step, losses, history = state["step"], state["losses"], state["history"]
+    if step:
+        log(f"resumed from step {step}")
+
+    def run_eval() -> dict:
+        stack.eval()
+        ev = evaluate(stack, target, eval_w.to(dev), h_all[:n_eval].to(dev), y_all[:n_eval].to(dev), cfg.depth,
+                      cfg.batch_size)
+        stack.train()
+        return ev
+
+    def save(step: int) -> None:
+        def write(d: Path) -> None:
+            C.write_training_config(d, cfg.to_dict())
+            C.write_trainer_state(d, {"step": step, "losses": losses, "history": history, "layout": layout,
+                                      "global_batch": gbs})
+
+        log(f"checkpoint {C.save_checkpoint(out, step, write, cfg.keep_checkpoints, acc=acc)}")
+
     hw, yw = h_all[n_eval:], y_all[n_eval:]
-    stack.train()
+    scale = acc.num_processes * acc.gradient_accumulation_steps  # undoes DDP's mean and accelerate's 1/grad_accum
+    model.train()
+    ev: dict = {}
     while step < total:
-        epoch, pos = divmod(step, per_epoch)
+        epoch, pos = divmod(step, per_epoch)  # the place in the data follows from the step: resume is exact
         order = torch.randperm(train_w.shape[0], generator=torch.Generator().manual_seed(cfg.seed + 1 + epoch))
-        idx = order[pos * cfg.batch_size:(pos + 1) * cfg.batch_size]
-        logits = unroll(stack, target, train_w[idx], hw[idx], cfg.depth)
-        loss = mtp_loss(logits, yw[idx], weights)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
+        batch = order[pos * gbs:(pos + 1) * gbs].tolist()
+        step_loss = torch.zeros((), device=dev)
+        for idx, wt in L.shares(batch, acc):
+            with acc.accumulate(model):
+                loss = model(train_w[idx].to(dev), hw[idx].to(dev), yw[idx].to(dev), float(len(batch)))
+                acc.backward(loss * (wt * scale))
+                step_loss += wt * loss.detach()
+                if acc.sync_gradients and cfg.max_grad_norm > 0:
+                    acc.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
         sched.step()
         step += 1
-        losses.append(float(loss.detach()))
+        losses.append(float(L.reduce_sum(acc, step_loss)))
         if step % max(1, min(10, total // 10)) == 0 or step == total:
-            progress(f"step {step}/{total} loss {sum(losses[-10:]) / len(losses[-10:]):.4f} lr {sched.get_last_lr()[0]:.2e}")
-        if step % cfg.checkpoint_every == 0 or step == total:
-            _atomic_torch_save({"stack": stack.state_dict(), "optim": opt.state_dict(), "sched": sched.state_dict(),
-                                "step": step, "losses": losses, "config": asdict(cfg), "layout": layout}, state_path)
-    stack.eval()
-    ev = evaluate(stack, target, eval_w, h_all[:n_eval], y_all[:n_eval], cfg.depth, cfg.batch_size)
-    if ev:
-        progress(f"eval: top-1 per depth {ev['top1_per_depth']}, mean acceptance length {ev['mean_acceptance_length']}")
-    export_mtp(stack, model_dir, out, stitch=cfg.stitch, head_weight=target.head_weight.float(), layout=layout,
-               embed_weight=target.embed.weight.float())
+            log(f"step {step}/{total} loss {sum(losses[-10:]) / len(losses[-10:]):.4f} lr {sched.get_last_lr()[0]:.2e}")
+        ckpt = cfg.save_every and (step % cfg.save_every == 0 or step == total)
+        if (cfg.eval_every and step % cfg.eval_every == 0) or ckpt or step == total:
+            ev = run_eval()
+            history.append({"step": step, "loss": losses[-1], **ev})
+            if ev:
+                log(f"eval @ {step}: top-1 per depth {ev['top1_per_depth']}, mean acceptance length "
+                    f"{ev['mean_acceptance_length']}")
+        if ckpt:
+            save(step)
+    if not ev:  # a resumed run that had already reached its steps
+        ev = run_eval()
     summary = {"output": str(out), "form": "stitched" if cfg.stitch else "draft", "target": str(model_dir),
                "num_layers": cfg.num_layers, "depth": cfg.depth, "layout": layout, "steps": step, "windows": int(w.shape[0]),
                "train_tokens": int(train_w.numel()), "final_loss": round(sum(losses[-10:]) / max(1, len(losses[-10:])), 4),
-               "eval": ev, "seconds": round(time.perf_counter() - t0, 1),
+               "eval": ev, "losses": losses, "global_batch": gbs, "processes": acc.num_processes,
                "use": ({"--model": str(out), "--speculative-config": {"method": "mtp", "num_speculative_tokens": cfg.depth}}
                        if cfg.stitch else
                        {"--model": str(model_dir), "--speculative-config": {"method": "mtp", "model": str(out),
@@ -383,5 +378,25 @@ def train_mtp(cfg: MtpTrainConfig, progress: Callable[[str], None] = lambda s: N
     if layout == "mimo":  # vLLM: the target as is, this folder as its MTP draft (one token per step is what it runs)
         summary["vllm"] = {"model": str(model_dir), "hf_overrides": {"num_nextn_predict_layers": cfg.num_layers},
                            "speculative_config": {"method": "mtp", "model": str(out.resolve()), "num_speculative_tokens": 1}}
-    (out / "train_summary.json").write_text(json.dumps(summary, indent=2))
+    if main:
+        export_mtp(stack, model_dir, out, stitch=cfg.stitch, head_weight=target.head_weight.float(), layout=layout,
+                   embed_weight=target.embed.weight.float())
+        C.write_training_config(out, cfg.to_dict())
+        if cfg.stitch:
+            log("no model card for a stitched target (it is a copy of the target, not a draft vLLM loads beside it)")
+        else:
+            held_out = None
+            if ev:
+                held_out = {"mean_acceptance_length": ev["mean_acceptance_length"],
+                            "acceptance_rate": (ev["mean_acceptance_length"] - 1) / cfg.depth,
+                            "top-1 per depth": ev["top1_per_depth"],
+                            "measured": f"teacher-forced greedy chains of {cfg.depth} over {n_eval} held-out windows "
+                                        f"of {cfg.seq_len} tokens, not an end-to-end decode"}
+            summary["hub"] = L.publish(out, cfg, method="mtp", base_model=cfg.model, held_out=held_out,
+                                       data=L.card_data(cfg, training_windows=int(train_w.shape[0]), window_tokens=cfg.seq_len),
+                                       command=command or L.command_line("train-mtp", cfg), log=log)
+    summary["seconds"] = round(time.perf_counter() - t0, 1)
+    if main:
+        write_json_atomic(out / "train_summary.json", summary)
+    acc.wait_for_everyone()
     return summary

@@ -35,7 +35,8 @@ def test_short_run_json(tiny_model_dir, tmp_path):
     assert s["export"] == str(export) and "eagle3" in export.name
     cfg = json.loads((export / "config.json").read_text())
     assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["draft_vocab_size"] == 64
-    assert (out / "checkpoint" / "state.pt").exists() and (out / "checkpoint" / "train_config.json").exists()
+    ck = out / "checkpoints" / "step-0000003"
+    assert (ck / "model.safetensors").exists() and (ck / "training_config.json").exists()
     assert len(s["final"]["acceptance_per_position"]) == 2
 
 

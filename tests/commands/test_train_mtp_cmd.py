@@ -36,7 +36,7 @@ def test_train_stitch_and_bench(tmp_path, tiny_model_dir):
     s = json.loads(r.stdout)
     assert s["form"] == "stitched" and s["steps"] == 4 and s["eval"]["top1_per_depth"]
     assert json.loads((out / "config.json").read_text())["num_nextn_predict_layers"] == 1
-    assert (out / "checkpoint" / "self_distill.jsonl").is_file()
+    assert (out / "data" / "self_distill.jsonl").is_file()
     r = runner.invoke(app, ["bench", "--model", str(out), "--dtype", "float32", "--speculative-config",
                             '{"method": "deepseek_mtp", "num_speculative_tokens": 2}', "-w", "chat", "-n", "1",
                             "--max-new-tokens", "8", "--json"])
@@ -53,7 +53,7 @@ def test_layout_mimo_is_refused_up_front_where_vllm_cannot_load_it(tmp_path, tin
                             "--layout", "mimo", "--steps", "1", "--seq-len", "16"])
     assert getattr(r.exception, "exit_code", None) == 2, r.output  # UsageError: the CLI prints one line, exits 2
     assert "no vLLM MTP architecture" in str(r.exception) and "o_proj bias" in str(r.exception)
-    assert not (out / "checkpoint").exists()  # refused before anything was written
+    assert not (out / "checkpoints").exists()  # refused before anything was written
 
 
 def test_unknown_layout(tmp_path, tiny_model_dir):

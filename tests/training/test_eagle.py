@@ -10,23 +10,27 @@ import torch
 from safetensors.torch import load_file
 
 import specctl.training.eagle as E
+import specctl.training.eagle_states as S
+import specctl.training.eagle_ttt as T
 from specctl.drafts.eagle import EagleDraft, spec_from_target
+from specctl.errors import UsageError
+from specctl.training.checkpoints import checkpoint_dirs
 from specctl.runtime.runner import load_model
 
 
 def test_ttt_mask_hand_built():
-    m = E.ttt_mask(3, 1).int().tolist()
+    m = T.ttt_mask(3, 1).int().tolist()
     assert m == [[1, 0, 0, 1, 0, 0],
                  [1, 1, 0, 0, 1, 0],
                  [1, 1, 1, 0, 0, 1]]
-    assert E.ttt_mask(4, 0).equal(torch.ones(4, 4, dtype=torch.bool).tril())
-    assert E.ttt_mask(5, 3).shape == (5, 20)
+    assert T.ttt_mask(4, 0).equal(torch.ones(4, 4, dtype=torch.bool).tril())
+    assert T.ttt_mask(5, 3).shape == (5, 20)
 
 
 def test_shift_and_step_valid():
     x = torch.arange(10).view(2, 5)
-    assert E.shift(x, 2).tolist() == [[2, 3, 4, 0, 0], [7, 8, 9, 0, 0]]
-    v = E.step_valid(torch.tensor([5, 3]), 5, 1)  # row t is scored at step 1 when t + 2 < length
+    assert T.shift(x, 2).tolist() == [[2, 3, 4, 0, 0], [7, 8, 9, 0, 0]]
+    v = T.step_valid(torch.tensor([5, 3]), 5, 1)  # row t is scored at step 1 when t + 2 < length
     assert v.tolist() == [[True, True, True, False, False], [True, False, False, False, False]]
 
 
@@ -39,11 +43,11 @@ def test_losses_ignore_padding(tiny_model, version):
         d.t2d.fill_(True)
     ids = torch.randint(6, 128, (2, 10))
     lengths = torch.tensor([10, 6])
-    st = E.target_states(tiny_model, ids, d.spec.aux_layers)
+    st = S.target_states(tiny_model, ids, d.spec.aux_layers)
     assert tiny_model.aux_layers == ()  # the shared model is left as found
     st.update(ids=ids, lengths=lengths)
-    outs = E.ttt_forward(d, tiny_model.embed.weight, ids, d.feature(st["hidden"], st.get("aux")), 3)
-    loss, stats = E.eagle_losses(d, outs, st, tiny_model.head_weight)
+    outs = T.ttt_forward(d, tiny_model.embed.weight, ids, d.feature(st["hidden"], st.get("aux")), 3)
+    loss, stats = T.eagle_losses(d, outs, st, tiny_model.head_weight)
     assert loss.ndim == 0 and torch.isfinite(loss) and len(stats["rows"]) == 3
     assert stats["rows"] == [9 + 5, 8 + 4, 7 + 3]  # rows t with t+1+i < length
     # garbage in the padded tail of row 1 changes nothing
@@ -56,8 +60,8 @@ def test_losses_ignore_padding(tiny_model, version):
             st2[k][1, 6:] = 3.0
     st2["argmax"] = st["argmax"].clone()
     st2["argmax"][1, 6:] = 1
-    outs2 = E.ttt_forward(d, tiny_model.embed.weight, ids2, d.feature(st2["hidden"], st2.get("aux")), 3)
-    loss2, _ = E.eagle_losses(d, outs2, st2, tiny_model.head_weight)
+    outs2 = T.ttt_forward(d, tiny_model.embed.weight, ids2, d.feature(st2["hidden"], st2.get("aux")), 3)
+    loss2, _ = T.eagle_losses(d, outs2, st2, tiny_model.head_weight)
     torch.testing.assert_close(loss, loss2)
     loss.backward()
     assert d.fc.weight.grad is not None and d.fc.weight.grad.abs().sum() > 0
@@ -80,7 +84,7 @@ def test_load_sequences_reads_data_and_self_distills(tiny_model_dir, tmp_path):
     assert len(seqs) == 4 and "plain text here" in tok.decode(seqs[0])
     assert "<|im_start|>assistant\nhello there<|im_end|>" in tok.decode(seqs[1])
     assert tok.decode(seqs[3]).startswith("<|im_start|>user\nprint x<|im_end|>") and len(seqs[3]) > 20
-    assert (tmp_path / "run" / "self_distill.jsonl").exists()
+    assert (tmp_path / "run" / "data" / "self_distill.jsonl").exists()
 
 
 def _cfg(tiny_model_dir, tmp_path, **kw):
@@ -89,7 +93,7 @@ def _cfg(tiny_model_dir, tmp_path, **kw):
     if not data.exists():
         data.write_text("\n".join(json.dumps({"text": f"def f{i}(x): return x + {i} * y"}) for i in range(12)) + "\n")
     base = dict(model=str(tiny_model_dir), output=str(tmp_path / "run"), data=str(data), steps=6, batch_size=4,
-                seq_len=32, eval_split=0.2, eval_every=3, lr=1e-3, draft_vocab_size=64, ttt_steps=2)
+                seq_len=32, eval_split=0.2, eval_every=3, save_every=3, lr=1e-3, draft_vocab_size=64, ttt_steps=2)
     base.update(kw)
     return E.EagleTrainConfig(**base)
 
@@ -100,7 +104,7 @@ def test_resume_reproduces_uninterrupted_run(tiny_model_dir, tmp_path, monkeypat
     a = load_file(f"{full['export']}/model.safetensors")
 
     calls = {"n": 0}
-    real = E.eagle_losses
+    real = T.eagle_losses
 
     def crash_at_step_5(*args, **kw):
         if torch.is_grad_enabled():
@@ -109,14 +113,14 @@ def test_resume_reproduces_uninterrupted_run(tiny_model_dir, tmp_path, monkeypat
                 raise KeyboardInterrupt
         return real(*args, **kw)
 
-    monkeypatch.setattr(E, "eagle_losses", crash_at_step_5)
+    monkeypatch.setattr(T, "eagle_losses", crash_at_step_5)
     cfg = _cfg(tiny_model_dir, tmp_path / "b")
     with pytest.raises(KeyboardInterrupt):
         E.train(cfg, loaded=loaded, log=lambda m: None)
-    monkeypatch.setattr(E, "eagle_losses", real)
-    ck = torch.load(tmp_path / "b" / "run" / "checkpoint" / "state.pt", weights_only=False)
-    assert ck["step"] == 3
-    assert json.loads((tmp_path / "b" / "run" / "checkpoint" / "train_config.json").read_text())["steps"] == 6
+    monkeypatch.setattr(T, "eagle_losses", real)
+    ck = checkpoint_dirs(tmp_path / "b" / "run")[-1]
+    assert json.loads((ck / "trainer_state.json").read_text())["step"] == 3
+    assert json.loads((ck / "training_config.json").read_text())["steps"] == 6
     resumed = E.train(_cfg(tiny_model_dir, tmp_path / "b", resume=True), loaded=loaded, log=lambda m: None)
     b = load_file(f"{resumed['export']}/model.safetensors")
     assert resumed["steps"] == 6 and sorted(a) == sorted(b)
@@ -149,12 +153,12 @@ def test_fc_init_last_passes_the_deepest_aux_state(tiny_model_dir, tmp_path):
     H = loaded.model.args.hidden_size
     aux = torch.randn(1, 3, len(d.spec.aux_layers) * H)
     torch.testing.assert_close(d.feature(None, aux), aux[..., -H:])
-    with pytest.raises(E.UsageError):
+    with pytest.raises(UsageError):
         _cfg(tiny_model_dir, tmp_path, fc_init="zeros").validated()
 
 
 def test_answer_rows_and_a_fraction_of_the_prompt_rows():
-    src = E.StateSource.__new__(E.StateSource)
+    src = S.StateSource.__new__(S.StateSource)
     src.masks = [[0, 0, 0, 1, 1, 1], [1, 1, 1, 1]]
     r = src._rows([0, 1], 6, 0.0, None)
     assert r["rows"].tolist() == [[2, 3, 4], [0, 1, 2]] and r["row_mask"].all()  # row t reads x[t+1]

@@ -16,7 +16,9 @@ from specctl.drafts.medusa import MedusaHeads, detect_layout, load_medusa, save_
 from specctl.errors import UsageError
 from specctl.training import data as D
 from specctl.training.checkpoints import checkpoint_dirs
-from specctl.training.medusa import MedusaTrainConfig, chain_acceptance, extract_features, head_targets, lr_lambda, train
+from specctl.training.loop import warmup_cosine
+from specctl.training.medusa import MedusaTrainConfig, train
+from specctl.training.medusa_losses import chain_acceptance, extract_features, head_targets
 
 
 def test_fresh_heads_are_the_targets_lm_head(tiny_model):
@@ -39,8 +41,9 @@ def test_head_targets_worked_example():
 def test_chain_acceptance_and_schedule():
     right = torch.tensor([[1, 1, 0], [0, 1, 1], [1, 1, 1]], dtype=torch.bool)
     assert chain_acceptance(right).tolist() == [2, 0, 3]
-    f = lr_lambda(100, 0.1)
-    assert f(0) == pytest.approx(0.1) and f(9) == pytest.approx(1.0) and f(99) == pytest.approx(0.1, abs=0.01)
+    f = warmup_cosine(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0), 100, 0.1).lr_lambdas[0]
+    assert f(0) == 0.0 and f(5) == pytest.approx(0.5) and f(10) == pytest.approx(1.0)  # transformers' warm-up
+    assert f(99) == pytest.approx(0.1, abs=0.01)  # cosine down to 10%
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +68,7 @@ def loopy(tiny_model_factory):
 def patch_examples(monkeypatch, recs):
     """Train on these in-memory records (exact ids) instead of reading cfg.data."""
     monkeypatch.setattr(D, "read_records", lambda path: [])
-    monkeypatch.setattr(D, "build_examples", lambda cfg, loaded, d, **kw: [e for r in recs for e in D.encode(None, r, cfg.seq_len)])
+    monkeypatch.setattr(D, "build_examples", lambda cfg, loaded, **kw: [e for r in recs for e in D.encode(None, r, cfg.seq_len)])
 
 
 def cfg_for(path, out, **kw) -> MedusaTrainConfig:

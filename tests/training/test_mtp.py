@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from specctl.runtime.model import load_transformer
+from specctl.training.checkpoints import checkpoint_dirs
 from specctl.training.mtp import MtpTrainConfig, init_stack, step_weights, train_mtp
 from specctl.drafts.mtp import MTP_FILE, export_mtp, load_mtp
 
@@ -40,7 +41,7 @@ def data_file(tiny_model_dir, tmp_path_factory):
 
 def _cfg(model, data, out, **kw):
     base = dict(model=str(model), data=str(data), output=str(out), seq_len=32, batch_size=8, lr=1e-2, depth=2,
-                eval_split=0.2, checkpoint_every=5)
+                eval_split=0.2, save_every=5)
     base.update(kw)
     return MtpTrainConfig(**base)
 
@@ -49,11 +50,11 @@ def test_training_learns_and_resumes(tiny_model_dir, data_file, tmp_path):
     out = tmp_path / "draft"
     first = train_mtp(_cfg(tiny_model_dir, data_file, out, steps=10))
     assert first["steps"] == 10
-    st = torch.load(out / "checkpoint" / "state.pt", weights_only=False)
+    st = json.loads((checkpoint_dirs(out)[-1] / "trainer_state.json").read_text())
     assert st["step"] == 10
     resumed = train_mtp(_cfg(tiny_model_dir, data_file, out, steps=40, resume=True))
     assert resumed["steps"] == 40
-    st = torch.load(out / "checkpoint" / "state.pt", weights_only=False)
+    st = json.loads((checkpoint_dirs(out)[-1] / "trainer_state.json").read_text())
     assert len(st["losses"]) == 40 and st["losses"][-1] < st["losses"][0]
     assert resumed["eval"]["mean_acceptance_length"] > first["eval"]["mean_acceptance_length"]
     cfg = json.loads((out / "config.json").read_text())
