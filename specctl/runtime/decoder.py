@@ -186,6 +186,8 @@ class SpecDecoder:
         prompt's last chunk, the first token is chosen and emitted (returned)."""
         runner, params = st.runner, st.params
         st.n_prefilled += n
+        if self.proposer is not None:
+            self.proposer.on_prefill(st.slot, st.n_prefilled)
         if self.proposer is not None and self.proposer.needs_hidden_states:
             self.proposer.on_target_hidden(st.slot, runner.last_hidden, runner.last_aux)
         if st.n_prefilled < st.n_ctx:

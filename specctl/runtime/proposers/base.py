@@ -95,6 +95,11 @@ class Proposer:
         ``hidden_states`` [1, H] as ``propose`` gets them (with ``needs_hidden_states``)."""
         raise NotImplementedError
 
+    def on_prefill(self, slot: int, upto: int) -> None:
+        """The first ``upto`` prompt tokens of the request in ``slot`` are in the target's cache (called
+        after each prefill chunk): a proposer with a prompt of its own to read (a draft model) reads
+        along, chunk by chunk, so no single step carries a whole prompt's draft prefill."""
+
     def on_target_hidden(self, slot: int, hidden: torch.Tensor, aux: torch.Tensor | None) -> None:
         """Only with ``needs_hidden_states``: the target's states of the rows now in its cache.
 

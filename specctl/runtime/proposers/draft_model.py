@@ -189,9 +189,15 @@ class DraftModelProposer(Proposer):
         s = self._slot(slot)
         s.n, s.pieces, s.active = 0, [], True
         self._extend(s, np.asarray(prompt_ids, dtype=np.int64))
-        # the draft reads the prompt now, in the request's prefill (as vLLM runs the draft's prefill),
-        # not in its first drafting step: the controller then weighs drafting by its steady cost
-        want = self._context_ids(s)
+
+    def on_prefill(self, slot: int, upto: int) -> None:
+        """The draft reads the prompt in the request's prefill (as vLLM runs the draft's prefill), chunk
+        by chunk with the target's, not in its first drafting step: the controller then weighs drafting
+        by its steady cost, and no step carries a whole prompt's draft forward."""
+        s = self.slots.get(slot)
+        if s is None or not s.active:
+            return
+        want = self._context_ids(s, upto)
         if 0 < len(want) <= s.runner.max_len:
             self._sync(s, want)
 
@@ -251,11 +257,12 @@ class DraftModelProposer(Proposer):
         # every row's draft steps batched
         return batch_draft(self._propose_many(rows, [k] * B), k, self.Vt, self.device)
 
-    def _context_ids(self, s: _Slot) -> np.ndarray:
-        """[n_draft] the draft-side ids of the slot's target context."""
+    def _context_ids(self, s: _Slot, upto: int | None = None) -> np.ndarray:
+        """[n_draft] the draft-side ids of the slot's target context (of its first ``upto`` tokens)."""
+        n = s.n if upto is None else min(upto, s.n)
         if self.mode == "same":
-            return s.ctx[:s.n]
-        text = b"".join(s.pieces).decode("utf-8", "replace")
+            return s.ctx[:n]
+        text = b"".join(s.pieces[:n]).decode("utf-8", "replace")
         return np.asarray(self.draft.tokenizer.encode(text, add_special_tokens=False), dtype=np.int64)
 
     def _sync(self, s: _Slot, want: np.ndarray) -> torch.Tensor:

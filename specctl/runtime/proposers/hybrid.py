@@ -126,6 +126,10 @@ class HybridProposer(Proposer):
         for p in self.subs:
             p.bind_target(slot, runner)
 
+    def on_prefill(self, slot, upto) -> None:
+        for p in self.subs:
+            p.on_prefill(slot, upto)
+
     def on_target_hidden(self, slot, hidden, aux) -> None:
         for p in self.subs:
             if p.needs_hidden_states:

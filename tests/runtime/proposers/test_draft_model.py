@@ -406,3 +406,20 @@ def test_batched_greedy_equals_plain(target, drafts, greedy_cases, run_batched, 
     assert [r.token_ids for r in got] == [o for _, o in cases]
     assert sum(r.stats.num_accepted_tokens for r in got) > 0
     assert calls and max(calls) > 1  # the requests' drafts came out of shared draft forwards
+
+
+def test_the_draft_reads_a_prompt_chunk_by_chunk_with_the_target(target, drafts, greedy_cases, run_batched):
+    """With chunked prefill, the draft model reads each prompt along with the target's chunks: no
+    draft forward carries more than a chunk (a whole prompt's draft prefill would stall the batch)."""
+    chunk = 4
+    cases = greedy_cases[:6]
+    assert max(len(p) for p, _ in cases) > 2 * chunk
+    prop = make_proposer(target, drafts["same"])
+    sizes = []
+    forward = prop.draft.model.forward
+    prop.draft.model.forward = lambda tokens, *a, **kw: (sizes.append(tokens.shape[1]), forward(tokens, *a, **kw))[1]
+    dec = SpecDecoder(TargetRunner(target.model, MAX_LEN), prop, K)
+    got = run_batched(dec, [p for p, _ in cases], [SamplingParams(max_new_tokens=NEW)] * len(cases),
+                      max_num_batched_tokens=chunk)
+    assert [r.token_ids for r in got] == [o for _, o in cases]
+    assert sizes and max(sizes) <= chunk
