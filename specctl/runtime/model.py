@@ -139,7 +139,10 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def lin(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
-    """layer(x) through the fastest exact path: AMX on packed weights, the skinny bf16 kernel, F.linear."""
+    """layer(x) through the fastest exact path: AMX on packed weights, the skinny bf16 kernel, F.linear
+    (a GGUF QuantLinear, specctl.runtime.quant, runs its own row-independent kernel)."""
+    if getattr(layer, "quantized", False):
+        return layer(x)
     if getattr(layer, "amx_packed", False):
         return amx_linear.linear(x, layer.weight, layer.bias)
     return skinny_linear.linear(x, layer.weight, layer.bias)
@@ -155,10 +158,12 @@ def pack_for_amx(model: "Transformer") -> bool:
         return False
     for block in model.layers:
         for layer in (block.qkv, block.o, block.gate_up, block.down):
+            if getattr(layer, "quantized", False):  # GGUF blocks (specctl.runtime.quant): not packed; no fused block
+                continue
             if amx_linear.packable(layer.weight) and not getattr(layer, "amx_packed", False):
                 layer.weight = nn.Parameter(amx_linear.pack(layer.weight.data, huge=True), requires_grad=False)
                 layer.amx_packed = True
-    if amx_linear.packable(model.head_weight):
+    if model.quant_head is None and amx_linear.packable(model.head_weight):
         model.head_packed = amx_linear.pack(model.head_weight.data, huge=True)
     return True
 
@@ -308,6 +313,7 @@ class Transformer(nn.Module):
         self.aux_layers: tuple[int, ...] = ()
         self.aux_out: torch.Tensor | None = None
         self.head_packed: torch.Tensor | None = None  # the LM head in AMX tiles (pack_for_amx)
+        self.quant_head: nn.Module | None = None  # the LM head as GGUF blocks (specctl.runtime.quant), fp32 logits
         # the row-independent C++ path its bf16 linears take on a CPU ("amx" or "avx512_bf16"; see
         # kernels/cpu.py), or None for torch's own kernels
         self.cpu_kernels: str | None = None
@@ -368,6 +374,8 @@ class Transformer(nn.Module):
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """The LM head over final-normed hidden states, through the exact path the linears take."""
+        if self.quant_head is not None:
+            return self.quant_head(h)
         if self.head_packed is not None:
             return amx_linear.linear(h, self.head_packed)
         return skinny_linear.linear(h, self.head_weight)
