@@ -43,6 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specctl.drafts.formats import FormatCheck, TargetFacts, Tensors
 from specctl.errors import ModelError
 from specctl.files import write_atomic, write_json_atomic
 from specctl.runtime.model import ModelArgs, RMSNorm, rope_inv_freq, rotate_half
@@ -471,3 +472,45 @@ def export_eagle(draft: EagleDraft, folder: str | Path, target=None, dtype: torc
     write_atomic(folder / "model.safetensors", lambda p: save_file(tensors, str(p), metadata={"format": "pt"}))
     write_json_atomic(folder / "config.json", cfg)
     return folder
+
+
+# --------------------------------------------------------------------------- detection and checks (``specctl recommend`` runs them over the folders it finds)
+
+def is_eagle3(cfg: dict, tensors: Tensors) -> bool:
+    archs = " ".join(cfg.get("architectures") or []).lower()
+    return ("eagle3" in archs or "eagle3" in str(cfg.get("model_type", "")).lower() or "draft_vocab_size" in cfg
+            or any(k.startswith("midlayer.") for k in tensors))
+
+
+def is_eagle(cfg: dict, tensors: Tensors) -> bool:
+    """EAGLE-1 (test after ``is_eagle3``, whose folders match this too)."""
+    archs = " ".join(cfg.get("architectures") or []).lower()
+    return ("eagle" in archs or str(cfg.get("model_type", "")).lower() == "eagle"
+            or ("fc.weight" in tensors and any(k.startswith("layers.0.") for k in tensors)))
+
+
+def _eagle_details(cfg: dict) -> dict:
+    aux = cfg.get("eagle_aux_hidden_state_layer_ids") or (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    return {"hidden_size": cfg.get("hidden_size"), "target_hidden_size": cfg.get("target_hidden_size"),
+            "vocab_size": cfg.get("vocab_size"), "draft_vocab_size": cfg.get("draft_vocab_size"), "aux_layers": aux}
+
+
+def check_eagle3(cfg: dict, tensors: Tensors, target: TargetFacts) -> FormatCheck:
+    details = _eagle_details(cfg)
+    H, L, aux, bad = target.hidden_size, target.num_layers, details["aux_layers"], []
+    dv = cfg.get("draft_vocab_size")
+    if "d2t" in tensors and dv and tensors["d2t"][1] and tensors["d2t"][1][0] != dv:
+        bad.append(f"d2t has {tensors['d2t'][1][0]} entries but draft_vocab_size is {dv}")
+    if aux and L is not None and max(aux) >= L:
+        bad.append(f"it reads target layers {aux} but the target has {L} layers")
+    fc = tensors.get("fc.weight")
+    if fc and H and len(fc[1]) == 2 and fc[1][1] % H:
+        bad.append(f"fc.weight takes {fc[1][1]} inputs, not a multiple of the target's hidden size {H}")
+    return FormatCheck(details, bad, cfg.get("target_hidden_size") or cfg.get("hidden_size"), cfg.get("vocab_size"))
+
+
+def check_eagle(cfg: dict, tensors: Tensors, target: TargetFacts) -> FormatCheck:
+    H, bad = target.hidden_size, []
+    if "fc.weight" in tensors and H and tensors["fc.weight"][1][-1] != 2 * H:
+        bad.append(f"fc.weight takes {tensors['fc.weight'][1][-1]} inputs, EAGLE-1 needs 2 x {H}")
+    return FormatCheck(_eagle_details(cfg), bad, cfg.get("hidden_size"), cfg.get("vocab_size"))

@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specctl.drafts.formats import FormatCheck, TargetFacts, Tensors
 from specctl.errors import ModelError, UsageError
 from specctl.files import write_atomic, write_json_atomic
 
@@ -311,3 +312,29 @@ def _load_checked(heads: MedusaHeads, sd: dict[str, torch.Tensor], folder: Path)
                              "check hidden_size / vocab_size in config.json, or re-export")
     heads.to(next((v.dtype for v in sd.values() if v.is_floating_point()), torch.float32))
     heads.load_state_dict(sd, strict=True)
+
+
+# --------------------------------------------------------------------------- detection and checks (``specctl recommend`` runs them over the folders it finds)
+
+def is_medusa(cfg: dict, tensors: Tensors) -> bool:
+    archs = " ".join(cfg.get("architectures") or []).lower()
+    return (str(cfg.get("model_type", "")).lower() == "medusa" or "medusa" in archs or "medusa_num_heads" in cfg
+            or any(k.startswith("medusa_head") for k in tensors))
+
+
+def check_medusa(cfg: dict, tensors: Tensors, target: TargetFacts) -> FormatCheck:
+    heads = cfg.get("num_heads", cfg.get("medusa_num_heads"))
+    details = {"num_heads": heads, "num_layers": cfg.get("num_hidden_layers", cfg.get("medusa_num_layers")),
+               "hidden_size": cfg.get("hidden_size"), "vocab_size": cfg.get("vocab_size")}
+    bad = []
+    lm = sorted(k for k in tensors if re.match(r"lm_heads\.\d+\.weight$", k))
+    if not heads:
+        bad.append("config.json has no num_heads")
+    elif lm and len(lm) != heads:
+        bad.append(f"config says {heads} heads but the weights hold {len(lm)} lm_heads")
+    if any(k.startswith("medusa_head") for k in tensors):
+        bad.append("note: original Medusa layout (medusa_head.*): vLLM loads blocks.*/lm_heads.*; convert it")
+    hs = [tensors[k][1][0] for k in lm if tensors[k][1]]
+    vocab = cfg.get("vocab_size") or (hs[0] if hs else None)
+    hidden = cfg.get("hidden_size") or next((s[1][-1] for k, s in tensors.items() if k.startswith("blocks.")), None)
+    return FormatCheck(details, bad, hidden, vocab)

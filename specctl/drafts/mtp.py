@@ -68,12 +68,14 @@ from __future__ import annotations
 import json
 import re
 import shutil
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from kernels import skinny_linear
+from specctl.drafts.formats import FormatCheck, TargetFacts, Tensors, text_config
 from specctl.errors import ModelError
 from specctl.files import write_atomic, write_json_atomic
 from specctl.runtime.model import Block, ModelArgs, RMSNorm, Segment, Transformer
@@ -451,3 +453,68 @@ def export_mtp(stack, target_dir: str | Path, output: str | Path, *, stitch: boo
     cfg.update(extra_config or {})
     write_json_atomic(output / "config.json", cfg)
     return output
+
+
+# --------------------------------------------------------------------------- detection and checks: MTP layers in a target, a train-mtp folder (``specctl recommend``)
+
+MTP_TENSOR = re.compile(r"(^|\.)mtp[._]|mtp_layers|(^|\.)(eh_proj|enorm|hnorm|shared_head)\.")
+
+
+@dataclass
+class MTPInfo:
+    present: bool
+    layers: int = 0
+    evidence: list[str] = field(default_factory=list)
+    refused: str | None = None  # why declared MTP layers cannot be used
+
+
+def mtp_modules(cfg: dict, tensors: Tensors, gguf: dict | None = None) -> MTPInfo:
+    """MTP modules from config keys (``num_nextn_predict_layers``, ``mtp_num_hidden_layers``, ...) and tensors:
+    DeepSeek-V3's ``model.layers.{N+i}.{eh_proj,enorm,hnorm,shared_head}``, Qwen3-Next's ``mtp.layers.{i}.*``."""
+    gguf = gguf or {}
+    evidence: list[str] = []
+    declared = 0
+    for c in (cfg, text_config(cfg)):
+        for k, v in c.items():
+            if ("nextn" in k or "mtp" in k) and isinstance(v, int) and not isinstance(v, bool) and v > 0:
+                declared = max(declared, v)
+                evidence.append(f"config.json {k} = {v}")
+    for k, v in gguf.items():
+        if k.endswith("nextn_predict_layers") and v > 0:
+            declared = max(declared, v)
+            evidence.append(f"GGUF {k} = {v}")
+    names = [n for n in tensors if MTP_TENSOR.search(n)]
+    deepseek = {m.group(1) for n in names if (m := re.search(r"layers\.(\d+)\.eh_proj\.", n))}
+    qwen = {m.group(1) for n in names if (m := re.search(r"mtp(?:\.layers|_layers)?\.(\d+)\.", n))}
+    found = len(deepseek) or len(qwen) or (1 if names else 0) or (declared if gguf.get("nextn_tensors") else 0)
+    if names:
+        evidence.append(f"{len(names)} MTP tensors (e.g. {names[0]})")
+    elif gguf.get("nextn_tensors"):
+        evidence.append(f"{gguf['nextn_tensors']} nextn tensors in the GGUF")
+    evidence = list(dict.fromkeys(evidence))
+    if declared and not found:
+        return MTPInfo(False, declared, evidence, f"the config declares {declared} MTP layer(s) but the checkpoint "
+                       "holds no MTP tensors (dropped when it was converted or quantized): use a checkpoint that keeps them")
+    if declared and deepseek and len(deepseek) != declared:
+        return MTPInfo(False, declared, evidence, f"num_nextn_predict_layers is {declared} but {len(deepseek)} MTP "
+                       "module(s) are in the weights: fix config.json")
+    return MTPInfo(bool(found), declared or found, evidence)
+
+
+def is_mtp_draft(cfg: dict, tensors: Tensors) -> bool:
+    """MTP modules and no main model (no ``model.embed_tokens``, no ``model.layers.0``): train-mtp's folder."""
+    return (any(MTP_TENSOR.search(k) for k in tensors) and "model.embed_tokens.weight" not in tensors
+            and not any(k.startswith("model.layers.0.") for k in tensors))
+
+
+def check_mtp(cfg: dict, tensors: Tensors, target: TargetFacts) -> FormatCheck:
+    m = mtp_modules(cfg, tensors)
+    tc = text_config(cfg)
+    hidden, vocab, n_main = tc.get("hidden_size"), tc.get("vocab_size"), tc.get("num_hidden_layers")
+    details = {"layers": m.layers, "hidden_size": hidden, "vocab_size": vocab, "num_hidden_layers": n_main,
+               "evidence": m.evidence}
+    bad = [m.refused] if m.refused else []
+    L = target.num_layers
+    if any(re.match(r"model\.layers\.\d+\.eh_proj", k) for k in tensors) and L is not None and n_main != L:
+        bad.append(f"its modules follow a {n_main}-layer model, the target has {L} layers")
+    return FormatCheck(details, bad, hidden, vocab)

@@ -18,10 +18,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from specctl.drafts.formats import TargetFacts
 from specctl.errors import ModelError
 from specctl.recommend.cost import CROSS_TOKENIZER_PENALTY, MIN_GAIN, Workload, best_k, estimate_rho
-from specctl.recommend.detect import (DraftInfo, TargetFacts, check_draft, check_draft_model, classify_draft, is_model,
-                                      name_key)
+from specctl.recommend.detect import DraftInfo, check_draft, check_draft_model, classify_draft, is_model, name_key
 from specctl.recommend.inspection import ModelInfo, fmt_count, inspect_model, read_config, tensor_index
 
 

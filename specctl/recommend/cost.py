@@ -19,9 +19,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from specctl.drafts.formats import text_config
 from specctl.errors import UsageError
 from specctl.recommend.choices import Choice, Node, make_choice
-from specctl.recommend.detect import text_config
 
 LAYER_OVERHEAD_PARAMS = 5e6
 """A decode step costs ~ (parameters read + this many per layer): fitted on this CPU from MODELS.md

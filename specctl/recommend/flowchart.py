@@ -25,11 +25,12 @@ import json
 import shlex
 from dataclasses import asdict, dataclass, field
 
+from specctl.drafts.mtp import MTPInfo, mtp_modules
 from specctl.recommend.candidates import Candidate, find_drafts, gather_candidates, judge_candidate
 from specctl.recommend.choices import Choice, Node, commands, implemented, make_choice
 from specctl.recommend.cost import (MIN_GAIN, PATTERN_ALPHA_WHEN_MATCHED, Workload, best_k, get_workload,
                                     sparse_attn_choice)
-from specctl.recommend.detect import DraftInfo, MTPInfo, mtp_modules
+from specctl.recommend.detect import DraftInfo
 from specctl.recommend.inspection import ModelInfo, fmt_count, inspect_model
 
 DRAFT_PREFERENCE = ("eagle3", "eagle", "medusa")  # EAGLE usually accepts more than Medusa (seed §3.2)

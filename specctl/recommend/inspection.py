@@ -18,8 +18,8 @@ import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from specctl.drafts.formats import text_config
 from specctl.errors import ModelError
-from specctl.recommend.detect import text_config
 
 _EMBED_SUFFIXES = ("embed_tokens.weight", "wte.weight", "tok_embeddings.weight", "word_embeddings.weight")
 

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from specctl.config import implemented_methods
-from specctl.recommend.detect import mtp_modules, name_key
+from specctl.drafts.mtp import mtp_modules
+from specctl.recommend.detect import name_key
 from specctl.recommend.flowchart import recommend
 from specctl.recommend.inspection import gguf_mtp
 from tests.recommend.builders import H, V, eagle1, eagle3, evidence, llama, medusa, q, write_folder
