@@ -265,6 +265,13 @@ class BatchGuard:
     _gap: dict[int, int] = field(default_factory=dict)  # B -> the current wait between probes
     _off: dict[int, int] = field(default_factory=dict)  # B -> plain steps since drafting lost
 
+    def drafts_likely(self, batch: int) -> bool:
+        """Whether drafting is on at this batch size (unmeasured counts as on); no side effects. A
+        request admitted while it is off has its draft skip reading the prompt (a draft model's
+        prefill), and catches up only if drafting turns on."""
+        spec, plain = self._spec.get(batch), self._plain.get(batch)
+        return spec is None or plain is None or spec >= self.margin * plain
+
     def drafts(self, batch: int) -> bool:
         spec, plain = self._spec.get(batch), self._plain.get(batch)
         if spec is None:

@@ -181,12 +181,13 @@ class SpecDecoder:
         """The request's next n prompt tokens [1, n]."""
         return torch.from_numpy(st.ctx[:, st.n_prefilled:st.n_prefilled + n].astype(np.int64))
 
-    def prefilled(self, st: DecodeState, n: int, logits: torch.Tensor) -> list[int]:
+    def prefilled(self, st: DecodeState, n: int, logits: torch.Tensor, read_prompt: bool = True) -> list[int]:
         """n more prompt tokens are in the cache (``logits`` [1, 1, V]: the last one's); after the
-        prompt's last chunk, the first token is chosen and emitted (returned)."""
+        prompt's last chunk, the first token is chosen and emitted (returned). ``read_prompt``: the
+        proposer reads the chunk too (``on_prefill``; off where the batch is not drafting)."""
         runner, params = st.runner, st.params
         st.n_prefilled += n
-        if self.proposer is not None:
+        if self.proposer is not None and read_prompt:
             self.proposer.on_prefill(st.slot, st.n_prefilled)
         if self.proposer is not None and self.proposer.needs_hidden_states:
             self.proposer.on_target_hidden(st.slot, runner.last_hidden, runner.last_aux)
@@ -281,9 +282,11 @@ class SpecDecoder:
                 out[i] = self._complete(states[i], plans[i], lg)
             except Exception as e:  # noqa: BLE001
                 _fail(states[i], e)
+        # a request joining a batch that is not drafting leaves its draft's prompt unread (caught up if drafting resumes)
+        read_prompt = self._guard is None or self._guard.drafts_likely(len(states) + 1)
         for j, ((st, n), lg) in enumerate(zip(prefills, logits[len(live):])):
             try:
-                out[len(states) + j] = self.prefilled(st, n, lg)
+                out[len(states) + j] = self.prefilled(st, n, lg, read_prompt)
             except Exception as e:  # noqa: BLE001
                 _fail(st, e)
         if guard is not None and not prefills:

@@ -274,3 +274,13 @@ def test_batch_guard_keeps_batch_sizes_apart():
     run_batch(g, 100, spec_rate=80, plain_rate=100, batch=8)
     assert run_batch(g, 20, spec_rate=200, plain_rate=100, batch=2).count(True) >= 18
     assert run_batch(g, 4, spec_rate=80, plain_rate=100, batch=8).count(True) <= 1
+
+
+def test_batch_guard_says_whether_a_joining_request_should_read_its_prompt():
+    g = BatchGuard()
+    assert g.drafts_likely(8)  # unmeasured: drafting is on
+    run_batch(g, 40, spec_rate=80, plain_rate=100)
+    assert not g.drafts_likely(8) and g.drafts_likely(4)
+    before = dict(g._off)
+    g.drafts_likely(8)
+    assert g._off == before  # a query: it does not count as a step

@@ -58,6 +58,7 @@ MIN_TLI_AGREEMENT = 0.9
 AGREEMENT_WINDOW = 64  # target tokens
 MODES = ("same", "tli", "text", "auto")
 _TEXT_ANCHOR = 3  # target tokens of context re-tokenized with the draft text (keeps word boundaries)
+CATCH_UP = 256  # draft-side tokens a request far behind reads per step (as a prefill chunk), drafting after
 
 
 
@@ -289,15 +290,19 @@ class DraftModelProposer(Proposer):
         slots = [self._slot_for_row(t[0], n, slot) for t, n, slot in rows]
         return [batch_draft([d], k, self.Vt, self.device) for d, k in zip(self._propose_many(slots, ks), ks)]
 
+    @staticmethod
+    def _common_prefix(s: _Slot, want: np.ndarray) -> int:
+        """How many leading tokens of ``want`` the draft cache already holds."""
+        m = min(s.runner.length, len(want))
+        diff = np.flatnonzero(s.fed[:m] != want[:m])
+        return int(diff[0]) if diff.size else m
+
     def _sync_tokens(self, s: _Slot, want: np.ndarray) -> torch.Tensor:
         """Roll the draft cache back to its longest prefix of ``want`` and return what is left to feed
         [1, T >= 1] (the last token at least: fresh logits)."""
-        runner, fed = s.runner, s.fed
-        m = min(runner.length, len(want))
-        diff = np.flatnonzero(fed[:m] != want[:m])
-        c = min(int(diff[0]) if diff.size else m, len(want) - 1)
-        runner.rollback(c)
-        fed[c:len(want)] = want[c:]
+        c = min(self._common_prefix(s, want), len(want) - 1)
+        s.runner.rollback(c)
+        s.fed[c:len(want)] = want[c:]
         return torch.from_numpy(want[c:]).to(self.device)[None]
 
     def _propose_many(self, slots: list[_Slot], ks: list[int]) -> list[tuple[list[int], torch.Tensor | None]]:
@@ -311,6 +316,11 @@ class DraftModelProposer(Proposer):
             if len(want) == 0 or len(want) + k > s.runner.max_len:
                 s.base, s.num_fed_drafts = s.runner.length, 0  # on_verified then keeps the cache as it is
                 continue  # nothing to read, or no room left in the draft cache: no draft this step
+            c = self._common_prefix(s, want)
+            if len(want) - c > CATCH_UP:  # far behind (it joined while the batch was not drafting): read a chunk
+                self._sync(s, want[:c + CATCH_UP])
+                s.base, s.num_fed_drafts = s.runner.length, 0
+                continue  # no draft until it has caught up: no step carries a whole prompt's draft forward
             mode = s.step_mode = self._step_mode(s, want)
             live.append(_Drafting(j, s, k, mode, self.suppress_text if mode == "text" else self.suppress_tli,
                                   s.sampling or _Sampling(self.temperature, self.top_k, self.top_p), len(want),

@@ -423,3 +423,26 @@ def test_the_draft_reads_a_prompt_chunk_by_chunk_with_the_target(target, drafts,
                       max_num_batched_tokens=chunk)
     assert [r.token_ids for r in got] == [o for _, o in cases]
     assert sizes and max(sizes) <= chunk
+
+
+def test_a_draft_that_skipped_the_prompt_catches_up_a_chunk_per_step(target, drafts, greedy_cases, monkeypatch):
+    """A request admitted while its batch was not drafting left the prompt unread: its draft reads it
+    CATCH_UP tokens per step, without drafting, then drafts as usual; output stays plain."""
+    import specctl.runtime.proposers.draft_model as dm
+
+    monkeypatch.setattr(dm, "CATCH_UP", 3)
+    prop = make_proposer(target, drafts["same"])
+    sizes = []
+    forward = prop.draft.model.forward
+    prop.draft.model.forward = lambda tokens, *a, **kw: (sizes.append(tokens.shape[1]), forward(tokens, *a, **kw))[1]
+    dec = SpecDecoder(TargetRunner(target.model, MAX_LEN), prop, K)
+    prompt, expected = next((p, o) for p, o in greedy_cases if len(p) > 9)
+    st = dec.begin(prompt, SamplingParams(max_new_tokens=NEW))
+    dec.prefilled(st, len(prompt), st.runner.forward(dec.prefill_tokens(st, len(prompt)), logits="last"),
+                  read_prompt=False)
+    assert sizes == [] and prop.slots[0].runner.length == 0  # the prompt was not read
+    while st.finish is None:
+        dec.step(st)
+    assert dec.finish(st).token_ids == expected
+    assert max(sizes) <= 3  # read in chunks of CATCH_UP
+    assert st.stats.num_draft_tokens > 0  # then it drafted
