@@ -1,5 +1,5 @@
-"""Training data for draft heads (Medusa today, EAGLE/MTP alike): records, prompts, self-distillation,
-and tokenisation with a loss mask on the response tokens.
+"""Training data for every trainer (Medusa, EAGLE, MTP): records, prompts, self-distillation, and
+tokenisation with a loss mask on the response tokens.
 
 Record files (``read_records``), one JSON object a line in ``.jsonl`` (or a JSON array in ``.json``):
 
@@ -20,7 +20,8 @@ many prompts at once through the batched engine (``runner.generate_batch``, the 
 ``serve`` runs: greedy output is the target's own greedy output, bit for bit on the row-independent
 CPU paths; sampled output is distributed as the target's). The exact token ids are kept
 (no decode/re-encode round trip) and every answer is appended to a JSONL cache as soon as it is
-written, so an interrupted run continues where it stopped. The cache is an ordinary record file.
+written (a run's is OUTPUT/data/self_distill.jsonl, ``distill_cache``), so an interrupted run
+continues where it stopped. The cache is an ordinary record file.
 
 What it does not know: models' internals, heads, losses. torch is imported only where needed.
 """

@@ -144,6 +144,11 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
 
+def _default(cfg, name: str):
+    f = next(f for f in dataclasses.fields(cfg) if f.name == name)
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+
+
 def need(ok: bool, problem: str, fix: str) -> None:
     if not ok:
         raise UsageError(problem, fix)
@@ -245,10 +250,9 @@ def resume_point(cfg: TrainConfig, log: Log, legacy: Path | None = None) -> Path
     if ckpts:
         folder = ckpts[-1]
         old = json.loads((folder / C.TRAINING_CONFIG).read_text())
-        defaults = {f.name: f.default for f in dataclasses.fields(cfg) if f.default is not dataclasses.MISSING}
         for key in cfg.RESUME_KEYS:
             now = json.loads(json.dumps(getattr(cfg, key)))
-            was = old.get(key, json.loads(json.dumps(defaults.get(key))))
+            was = old.get(key, json.loads(json.dumps(_default(cfg, key))))  # a setting newer than the checkpoint
             if was != now:
                 raise UsageError(f"--resume: {key} was {was!r} in {folder.name}, now {now!r}",
                                  f"resume with the same --{key.replace('_', '-')}, or start a new --output")
@@ -284,14 +288,15 @@ def command_line(name: str, cfg: TrainConfig) -> str:
     parts = ["specctl", name]
     for f in dataclasses.fields(cfg):
         v = getattr(cfg, f.name)
-        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-        if v == default or v is None or f.name in ("resume", "push_to_hub"):
+        if v == _default(cfg, f.name) or v is None or f.name in ("resume", "push_to_hub"):
             continue
         flag = f"--{f.name.replace('_', '-')}"
         if isinstance(v, bool):
             parts.append(flag)
-        elif isinstance(v, (list, tuple)):
+        elif isinstance(v, list):  # a repeatable option
             parts += [x for item in v for x in (flag, str(item))]
+        elif isinstance(v, tuple):  # a comma-separated one
+            parts += [flag, ",".join(map(str, v))]
         else:
             parts += [flag, str(v)]
     import shlex

@@ -184,3 +184,12 @@ def test_a_self_distilled_row_keeps_its_exact_ids(tmp_path):
                              "prompt_ids": [4, 10, 11], "response_ids": [12, 5], "finish_reason": "stop"}) + "\n")
     (r,) = D.read_records(f)
     assert r.prompt_ids == [4, 10, 11] and r.response_ids == [12, 5] and r.messages[1]["content"] == "a"
+
+
+def test_the_answer_cache_of_an_older_run_moves_to_data(tmp_path):
+    (tmp_path / "checkpoint").mkdir()
+    (tmp_path / "checkpoint" / "self_distill.jsonl").write_text('{"id": "p1"}\n')  # train-mtp's old place
+    path = D.distill_cache(tmp_path)
+    assert path == tmp_path / "data" / "self_distill.jsonl" and path.read_text() == '{"id": "p1"}\n'
+    assert not (tmp_path / "checkpoint" / "self_distill.jsonl").exists()
+    assert D.distill_cache(tmp_path) == path

@@ -164,3 +164,24 @@ def test_answer_rows_and_a_fraction_of_the_prompt_rows():
     assert r["rows"].tolist() == [[2, 3, 4], [0, 1, 2]] and r["row_mask"].all()  # row t reads x[t+1]
     r = src._rows([0, 1], 6, 1.0, None)
     assert r["rows"].shape == (2, 6) and r["row_mask"].all()
+
+
+def test_resume_reads_the_old_checkpoint_layout(tiny_model_dir, tmp_path):
+    """A run folder of the layout before checkpoints/ (OUTPUT/checkpoint/state.pt, one torch.save'd dict) resumes."""
+    loaded = load_model(tiny_model_dir, dtype="float32")
+    full = E.train(_cfg(tiny_model_dir, tmp_path / "a"), loaded=loaded, log=lambda m: None)
+    ck = tmp_path / "a" / "run" / "checkpoints" / "step-0000003"
+    old = tmp_path / "b" / "run" / "checkpoint"
+    old.mkdir(parents=True)
+    torch.save({"draft": {k.removeprefix("draft."): v for k, v in load_file(str(ck / "model.safetensors")).items()},
+                "opt": torch.load(ck / "optimizer.bin", weights_only=False),
+                "sched": torch.load(ck / "custom_checkpoint_0.pkl", weights_only=False), "step": 3,
+                "history": json.loads((ck / "trainer_state.json").read_text())["history"], "seqs": [], "masks": []},
+               old / "state.pt")
+    with pytest.raises(UsageError, match="already holds checkpoints"):
+        E.train(_cfg(tiny_model_dir, tmp_path / "b"), loaded=loaded, log=lambda m: None)
+    resumed = E.train(_cfg(tiny_model_dir, tmp_path / "b", resume=True), loaded=loaded, log=lambda m: None)
+    assert resumed["steps"] == 6
+    a, b = load_file(f"{full['export']}/model.safetensors"), load_file(f"{resumed['export']}/model.safetensors")
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=0)

@@ -185,3 +185,23 @@ def test_layout_resolution(tiny_model_factory):
         resolve_layout("mimo", dense, stitch=True)
     resolve_layout("mimo", dense, num_layers=2, warn=said.append)
     assert "module 0" in said[-1]
+
+
+def test_resume_reads_the_old_checkpoint_layout(tiny_model_dir, data_file, tmp_path):
+    """OUTPUT/checkpoint/state.pt, train-mtp's checkpoint before checkpoints/, resumes to the same modules."""
+    from safetensors.torch import load_file
+
+    full = train_mtp(_cfg(tiny_model_dir, data_file, tmp_path / "a", steps=10))
+    ck = tmp_path / "a" / "checkpoints" / "step-0000005"
+    old = tmp_path / "b" / "checkpoint"
+    old.mkdir(parents=True)
+    torch.save({"stack": {k.removeprefix("stack."): v for k, v in load_file(str(ck / "model.safetensors")).items()},
+                "optim": torch.load(ck / "optimizer.bin", weights_only=False),
+                "sched": torch.load(ck / "custom_checkpoint_0.pkl", weights_only=False), "step": 5,
+                "losses": full["losses"][:5], "layout": full["layout"]}, old / "state.pt")
+    resumed = train_mtp(_cfg(tiny_model_dir, data_file, tmp_path / "b", steps=10, resume=True))
+    assert resumed["steps"] == 10
+    torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(full["losses"]), rtol=1e-5, atol=0)
+    a, b = load_file(str(tmp_path / "a" / MTP_FILE)), load_file(str(tmp_path / "b" / MTP_FILE))
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=0)

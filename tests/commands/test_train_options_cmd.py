@@ -1,0 +1,97 @@
+"""train-medusa, train-eagle and train-mtp have one CLI shape: every shared option is the same ``Annotated``
+declaration (commands/_train_options.py) in the three commands, each CLI default is its config's
+default (so --help tells the truth), --hold-out has one default, the old --distill-max-new-tokens
+spelling still works but is not shown, and a config error is one usage error before anything loads."""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+
+import pytest
+from typer.testing import CliRunner
+
+import specctl.training.eagle as eagle
+import specctl.training.medusa as medusa
+import specctl.training.mtp as mtp
+from specctl.cli import app
+from specctl.commands import train_eagle, train_medusa, train_mtp
+from specctl.errors import UsageError
+
+runner = CliRunner()
+COMMANDS = {"train-medusa": (train_medusa.train_medusa, medusa.MedusaTrainConfig, medusa, "train"),
+            "train-eagle": (train_eagle.train_eagle_cmd, eagle.EagleTrainConfig, eagle, "train"),
+            "train-mtp": (train_mtp.train_mtp_cmd, mtp.MtpTrainConfig, mtp, "train_mtp")}
+SHARED = ("output", "model", "data", "self_distill", "hold_out", "distill_max_prompts", "max_new_tokens",
+          "distill_max_new_tokens", "distill_temperature", "distill_samples", "epochs", "steps", "lr", "batch_size",
+          "grad_accum", "eval_split", "eval_every", "save_every", "resume", "seed", "device", "push_to_hub", "json_out")
+
+
+def hints(fn) -> dict:
+    return typing.get_type_hints(fn, include_extras=True)
+
+
+def test_shared_options_are_one_declaration():
+    first = hints(train_medusa.train_medusa)
+    for name, (fn, _, _, _) in COMMANDS.items():
+        h = hints(fn)
+        for opt in SHARED:
+            assert h[opt] == first[opt], f"{name} --{opt.replace('_', '-')} is declared differently"
+        assert typing.get_args(h["epochs"])[0] is float and typing.get_args(h["data"])[0] == typing.Optional[list[str]]
+
+
+def test_cli_defaults_are_the_configs():
+    import inspect
+
+    for name, (fn, cls, _, _) in COMMANDS.items():
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        params = inspect.signature(fn).parameters
+        for p, param in params.items():
+            if p in fields and param.default is not inspect.Parameter.empty and p not in ("model", "aux_layers"):
+                f = fields[p]
+                want = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+                got = param.default
+                assert got == want or (want == [] and got is None), f"{name} --{p}: CLI {got!r}, config {want!r}"
+        assert params["hold_out"].default == 8
+
+
+@pytest.mark.parametrize("name", list(COMMANDS))
+def test_help_shows_the_new_spelling_only(name):
+    r = runner.invoke(app, [name, "--help"], terminal_width=200)
+    assert r.exit_code == 0
+    for opt in ("--max-new-tokens", "--grad-accum", "--save-every", "--device", "--push-to-hub", "--hold-out"):
+        assert opt in r.output, (name, opt)
+    assert "--distill-max-new-tokens" not in r.output and f"specctl {name} --model" in r.output
+
+
+class Built(Exception):
+    """Raised by the stand-in trainer: the command built this config."""
+
+
+@pytest.mark.parametrize("name", list(COMMANDS))
+def test_old_spelling_still_sets_max_new_tokens(name, tmp_path, monkeypatch):
+    _, _, module, fn = COMMANDS[name]
+
+    def capture(cfg, *a, **k):
+        raise Built(cfg)
+
+    monkeypatch.setattr(module, fn, capture)
+    for flag in ("--max-new-tokens", "--distill-max-new-tokens"):
+        r = runner.invoke(app, [name, "--model", "m", "--output", str(tmp_path / "o"), "--self-distill", "chat",
+                                "--self-distill", "p.txt", flag, "17", "--epochs", "0.5", "--grad-accum", "2"])
+        assert isinstance(r.exception, Built), r.output
+        cfg = r.exception.args[0]
+        assert cfg.max_new_tokens == 17 and cfg.self_distill == ["chat", "p.txt"] and cfg.epochs == 0.5
+        assert cfg.grad_accum == 2 and cfg.hold_out == 8 and cfg.device == "auto"
+
+
+@pytest.mark.parametrize("name", list(COMMANDS))
+@pytest.mark.parametrize("args, message", [(["--grad-accum", "0"], "--grad-accum must be an integer >= 1"),
+                                           (["--device", "tpu"], "unknown --device 'tpu'"),
+                                           (["--push-to-hub", "not a repo"], "is not a Hub repo id"),
+                                           (["--epochs", "0"], "--epochs must be > 0")])
+def test_config_errors_are_usage_errors(name, args, message, tmp_path):
+    r = runner.invoke(app, [name, "--model", "m", "--output", str(tmp_path / "o"), "--data", "x.jsonl", *args])
+    assert isinstance(r.exception, UsageError) and r.exception.exit_code == 2, r.output
+    assert message in str(r.exception)
+    assert not (tmp_path / "o").exists()
