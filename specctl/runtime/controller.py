@@ -259,6 +259,8 @@ class BatchGuard:
     probe_every: int = 8  # steps of plain decoding before drafting is tried again (doubles per lost probe)
     max_probe_every: int = 64
     refresh_every: int = 64  # a plain step at least this often while drafting, to keep plain measured
+    probe: bool = True  # False: once drafting loses at a batch size it stays off there (a probe would cost a
+    # draft model's reading of every prompt it skipped)
     _spec: dict[int, float] = field(default_factory=dict)  # B -> tokens/s of steps that drafted (EMA)
     _plain: dict[int, float] = field(default_factory=dict)  # B -> tokens/s of steps that did not
     _since_plain: dict[int, int] = field(default_factory=dict)  # B -> steps since its last plain step
@@ -281,7 +283,7 @@ class BatchGuard:
         if spec >= self.margin * plain:
             return True
         self._off[batch] = self._off.get(batch, 0) + 1
-        if self._off[batch] >= self._gap.get(batch, self.probe_every):
+        if self.probe and self._off[batch] >= self._gap.get(batch, self.probe_every):
             self._off[batch] = 0
             self._gap[batch] = min(2 * self._gap.get(batch, self.probe_every), self.max_probe_every)
             return True  # a probe: its outcome re-enters the spec average

@@ -145,7 +145,8 @@ class SpecDecoder:
         self.adaptive = adaptive and self.k > 0
         self._costs: dict[int, float] = {}  # forward time by token count, shared by this decoder's requests
         self._clock = 0  # batched steps so far: the requests' controllers probe on its multiples together
-        self._guard = BatchGuard() if self.adaptive else None  # batched steps draft only while it pays
+        # batched steps draft only while it pays (no probes where drafting again means reading skipped prompts)
+        self._guard = BatchGuard(probe=not proposer.reads_prompt) if self.adaptive else None
 
     def generate(self, prompt_ids: list[int], params: SamplingParams,
                  generator: torch.Generator | None = None) -> GenerationResult:
@@ -256,7 +257,8 @@ class SpecDecoder:
         in the result."""
         t_step = time.perf_counter()
         guard = self._guard if len(states) > 1 else None
-        if guard is not None and not guard.drafts(len(states)):
+        guarded_off = guard is not None and not guard.drafts(len(states))
+        if guarded_off:
             max_draft = 0
         plans = self._plan_all(states, max_draft)
         live = [i for i, p in enumerate(plans) if p is not None]
@@ -289,8 +291,8 @@ class SpecDecoder:
                 out[len(states) + j] = self.prefilled(st, n, lg, read_prompt)
             except Exception as e:  # noqa: BLE001
                 _fail(st, e)
-        if guard is not None and not prefills:
-            drafted = any(plans[i].tokens.shape[1] > 1 for i in live)
+        drafted = any(plans[i].tokens.shape[1] > 1 for i in live)
+        if guard is not None and not prefills and (drafted or guarded_off):  # a step the guard can read
             guard.observe(len(states), drafted, sum(len(out[i]) for i in live), time.perf_counter() - t_step)
         return out
 

@@ -284,3 +284,10 @@ def test_batch_guard_says_whether_a_joining_request_should_read_its_prompt():
     before = dict(g._off)
     g.drafts_likely(8)
     assert g._off == before  # a query: it does not count as a step
+
+
+def test_batch_guard_without_probes_stays_off_where_drafting_lost():
+    g = BatchGuard(probe=False)
+    seq = run_batch(g, 200, spec_rate=80, plain_rate=100)
+    assert seq.count(True) == 1  # the first measurement only
+    assert run_batch(g, 5, spec_rate=200, plain_rate=100, batch=2)[0]  # other batch sizes still measured

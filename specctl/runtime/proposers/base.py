@@ -66,6 +66,7 @@ class Proposer:
     learns_across_requests: bool = False  # e.g. suffix's global cache of earlier responses
     # drafts every running request in one call (``propose_batch``): one batched draft forward
     drafts_in_batch: bool = False
+    reads_prompt: bool = False  # reads each prompt with a model of its own (``on_prefill``): a draft model
 
     def start_request(self, slot: int, prompt_ids: np.ndarray) -> None:
         """A new request enters batch slot ``slot`` with its prompt (int32 [T])."""

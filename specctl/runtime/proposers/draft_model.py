@@ -58,7 +58,7 @@ MIN_TLI_AGREEMENT = 0.9
 AGREEMENT_WINDOW = 64  # target tokens
 MODES = ("same", "tli", "text", "auto")
 _TEXT_ANCHOR = 3  # target tokens of context re-tokenized with the draft text (keeps word boundaries)
-CATCH_UP = 256  # draft-side tokens a request far behind reads per step (as a prefill chunk), drafting after
+CATCH_UP = 256  # draft-side tokens read per step for requests far behind (as a prefill chunk), drafting after
 
 
 
@@ -98,6 +98,7 @@ class _Drafting:
 
 class DraftModelProposer(Proposer):
     method = "draft_model"
+    reads_prompt = True
     drafts_in_batch = True
 
     def __init__(self, config: SpecConfig, *, target, max_model_len: int, draft=None, mode: str | None = None,
@@ -311,6 +312,7 @@ class DraftModelProposer(Proposer):
 
         results: list[tuple[list[int], torch.Tensor | None]] = [([], None)] * len(slots)
         live: list[_Drafting] = []
+        catch_up = CATCH_UP  # draft-side tokens this call may read for requests far behind, all of them together
         for j, (s, k) in enumerate(zip(slots, ks)):
             want = self._context_ids(s)
             if len(want) == 0 or len(want) + k > s.runner.max_len:
@@ -318,7 +320,9 @@ class DraftModelProposer(Proposer):
                 continue  # nothing to read, or no room left in the draft cache: no draft this step
             c = self._common_prefix(s, want)
             if len(want) - c > CATCH_UP:  # far behind (it joined while the batch was not drafting): read a chunk
-                self._sync(s, want[:c + CATCH_UP])
+                if catch_up > 0:
+                    self._sync(s, want[:c + catch_up])
+                    catch_up = 0
                 s.base, s.num_fed_drafts = s.runner.length, 0
                 continue  # no draft until it has caught up: no step carries a whole prompt's draft forward
             mode = s.step_mode = self._step_mode(s, want)

@@ -102,6 +102,7 @@ class HybridProposer(Proposer):
         self.policy = config.policy or "first"
         self.min_match = int(config.hybrid_min_match or 2)
         self.needs_hidden_states = any(p.needs_hidden_states for p in self.subs)
+        self.reads_prompt = any(p.reads_prompt for p in self.subs)
         self.aux_layers = tuple(sorted({l for p in self.subs for l in p.aux_layers}))  # every part's, once
         self.learns_across_requests = any(p.learns_across_requests for p in self.subs)
         self.parts = [_Part(k) for k in self.ks]
