@@ -268,10 +268,10 @@ def train_mtp(cfg: MtpTrainConfig, progress: Callable[[str], None] = lambda s: N
     acc = L.accelerator(cfg, find_unused=cfg.depth < cfg.num_layers)  # a module no depth reaches gets no gradient
     main, dev = acc.is_main_process, acc.device
     log = progress if main else (lambda s: None)
+    L.check_push(cfg, acc)
     model_dir = resolve_model(cfg.model, dtype="float32" if cfg.dtype in ("float32", "fp32") else "bfloat16")
     layout = resolve_layout(cfg.layout, ModelArgs.from_hf_config(json.loads((Path(model_dir) / "config.json").read_text())),
                             stitch=cfg.stitch, num_layers=cfg.num_layers, warn=log)
-    L.check_push(cfg, acc)
     torch.manual_seed(cfg.seed)
     out = Path(cfg.output).expanduser()
     resume_from = L.resume_point(cfg, log, legacy=out / LEGACY_CHECKPOINT)
