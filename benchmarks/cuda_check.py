@@ -439,9 +439,9 @@ def setup_eagle(ck: Check, s: Suite, d: dict, version: int) -> str:
     ck.at("load target")
     loaded = load_model(d["base_dir"], dtype="float32", device=str(s.device))
     steps = d["sizes"].eagle3_steps if version == 3 else d["sizes"].eagle1_steps
-    cfg = EagleTrainConfig(model=str(d["base_dir"]), output=str(d["tmp"] / f"eagle-run{version}"), data=str(data),
+    cfg = EagleTrainConfig(model=str(d["base_dir"]), output=str(d["tmp"] / f"eagle-run{version}"), data=[str(data)],
                            version=version, steps=steps, batch_size=8, seq_len=128, eval_split=0.1, lr=1e-2,
-                           eval_every=1000, draft_vocab_size=96 if version == 3 else None)
+                           eval_every=1000, save_every=0, draft_vocab_size=96 if version == 3 else None)
     ck.at("train")
     summary = train(cfg, loaded=loaded, log=lambda m: None)
     acc = (summary.get("final") or {}).get("train_acc") or []
@@ -452,8 +452,7 @@ def setup_eagle(ck: Check, s: Suite, d: dict, version: int) -> str:
 
 def setup_mtp(ck: Check, s: Suite, d: dict) -> Path:
     """One MTP module overfit (depth 3) on the base target's own greedy outputs, as tests/runtime/proposers/test_mtp.py,
-    on D; exported as a DeepSeek-V3 draft folder. (specctl.training.mtp.train_mtp loads its target on the CPU
-    only, so the building blocks are used here.)"""
+    on D; exported as a DeepSeek-V3 draft folder (from the trainer's building blocks, on the suite's own loaded target)."""
     import torch
 
     from specctl.runtime.runner import load_model

@@ -35,7 +35,7 @@ _HUB_ID = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9._-]{0,94}[A-Za-z0-9])?/[A-Za-z0-
 _FILE_SUFFIXES = (".gguf", ".safetensors", ".json", ".bin", ".pt", ".pth", ".txt", ".jsonl")
 # what a checkpoint needs from a repo (not the GGUF/ONNX/original-format copies many repos carry too)
 _ALLOW = ["*.json", "*.safetensors", "*.model", "*.tiktoken", "*.txt", "*.jinja"]
-_PUSH_IGNORE = ["checkpoints/*", "checkpoints/**", ".*", "**/.*"]
+_PUSH_IGNORE = ["checkpoints/*", "checkpoints/**", "data/*", "data/**", "base/*", "base/**", ".*", "**/.*"]
 
 
 class HubError(SpecctlError):
@@ -287,7 +287,7 @@ def check_push_access(repo: str) -> str:
 
 def push_to_hub(folder: str | Path, repo: str, *, private: bool | None = None,
                 commit_message: str | None = None) -> str:
-    """Upload ``folder`` (the export, its README.md; not ``checkpoints/`` nor hidden temp files) to Hub
+    """Upload ``folder`` (the export, its README.md; not ``checkpoints/``, the run's ``data/`` (self-distillation answers), Medusa-2's merged ``base/`` nor hidden temp files) to Hub
     model repo ``repo``, creating it if needed. Returns the repo's URL. Refuses up front as
     ``check_push_access`` does."""
     folder = Path(folder)

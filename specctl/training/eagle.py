@@ -28,7 +28,6 @@ from specctl.training import checkpoints as C
 from specctl.training import loop as L
 from specctl.training.eagle_states import StateSource, batches
 from specctl.training.eagle_ttt import TttLoss, evaluate, step_counts, to_device
-from specctl.training.eagle_ttt import ttt_forward  # noqa: F401  (tests/runtime/proposers/test_eagle.py imports it from here)
 
 LEGACY_CHECKPOINT = Path("checkpoint") / "state.pt"  # before checkpoints/: one torch.save'd dict
 

@@ -18,7 +18,8 @@ from specctl.errors import UsageError
 from specctl.runtime.decoder import SamplingParams, SpecDecoder
 from specctl.runtime.proposers import build_proposer
 from specctl.runtime.runner import TargetRunner, load_model
-from specctl.training.eagle import EagleTrainConfig, train, ttt_forward
+from specctl.training.eagle import EagleTrainConfig, train
+from specctl.training.eagle_ttt import ttt_forward
 
 WORDS = ["def", "return", "print", "hello", "world", "x", "y", "=", "(", ")", "for", "in", "if", "else"]
 
