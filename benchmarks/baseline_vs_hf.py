@@ -30,7 +30,7 @@ def main() -> None:
 
     from transformers import AutoModelForCausalLM
 
-    from specctl.bench.workloads import load_workload, render_prompt
+    from specctl.workloads import load_workload, render_prompt
     from specctl.models import resolve_model
     from specctl.runtime.decoder import SamplingParams, SpecDecoder
     from specctl.runtime.runner import TargetRunner, load_model, parse_dtype

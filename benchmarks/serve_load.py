@@ -22,7 +22,7 @@ import numpy as np
 
 
 def chat_prompts(n: int) -> list[str]:
-    from specctl.bench.workloads import load_workload
+    from specctl.workloads import load_workload
 
     reqs = load_workload("chat", n, 0)
     return [r.messages[-1]["content"] for r in reqs]

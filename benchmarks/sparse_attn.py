@@ -25,7 +25,7 @@ import torch
 
 import specctl
 from specctl.bench.suite import machine_header
-from specctl.bench.workloads import load_workload, render_prompt
+from specctl.workloads import load_workload, render_prompt
 from specctl.config import SpecConfig
 from specctl.models import resolve_model
 from specctl.roofline import Shapes, sparse_attn_estimate

@@ -314,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
         _worker(args.worker)
         return 0
 
-    from specctl.bench.workloads import load_workload, render_prompt
+    from specctl.workloads import load_workload, render_prompt
     from specctl.config import SpecConfig
     from specctl.models import resolve_model
     from specctl.vllm_compat import (VLLM_INTERNAL_FIELDS, VLLM_SPECULATIVE_CONFIG_FIELDS, VLLM_VERSION_RECORDED,

@@ -1,7 +1,7 @@
 """Measuring speculative decoding on real workloads: ``specctl bench``.
 
-- ``workloads`` / ``stdlib_workloads`` / ``data``: the prompts (built-in workloads from real data on
-  the machine or in wheels, or a user's .jsonl), fetched once into the cache.
+- the prompts come from ``specctl.workloads`` (built-in workloads from real data on the machine or
+  in wheels, or a user's .jsonl), one layer below, which the trainers read too.
 - ``suite``: the measuring loop, each method against a no-speculation baseline in the same run
   (speedup, acceptance, per-position rates, identical-to-baseline checks); ``concurrency``: the same
   under N concurrent requests through the batching engine; ``memory``: what each method holds.

@@ -24,7 +24,7 @@ import torch
 from specctl.bench.memory import tensor_bytes
 from specctl.bench.labels import config_labels
 from specctl.bench.suite import BASELINE, _Proposers, machine_header
-from specctl.bench.workloads import load_workload, render_prompt
+from specctl.workloads import load_workload, render_prompt
 from specctl.config import SpecConfig
 from specctl.runtime.decoder import SamplingParams, SpecDecoder
 from specctl.runtime.metrics import SpecStats

@@ -31,7 +31,7 @@ import torch
 
 from specctl.bench.draft_timer import DraftTimer, DraftTiming
 from specctl.bench.labels import config_labels, draft_name, peer_engine
-from specctl.bench.workloads import Request, load_workload, render_prompt, turn_messages
+from specctl.workloads import Request, load_workload, render_prompt, turn_messages
 from specctl.config import SpecConfig
 from specctl.errors import UsageError
 from specctl.runtime.decoder import GenerationResult, SamplingParams, SpecDecoder

@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from specctl.bench.workloads import WORKLOADS  # names and one-line descriptions; no torch
+from specctl.workloads import WORKLOADS  # names and one-line descriptions; no torch
 from specctl.commands._options import DeviceOpt, DtypeOpt, JsonOpt, KernelsOpt, ModelOpt, SeedOpt, use_kernels
 
 PEERS = ("hf", "vllm", "llama.cpp")
@@ -140,7 +140,7 @@ def bench(
     from rich.console import Console
 
     err = Console(stderr=True)
-    from specctl.bench.workloads import load_workload
+    from specctl.workloads import load_workload
 
     # fail fast on a bad workload, before loading the model
     for w in workloads:

@@ -82,7 +82,7 @@ def recommend_cmd(
                       pull=probe, dtype=dtype, context=context_len, batch=batch)
     if probe:
         if prompts is not None:
-            from specctl.bench.workloads import load_workload
+            from specctl.workloads import load_workload
 
             load_workload(str(prompts), 1, seed)  # a bad prompts file fails before the model loads
         say = (lambda m: err.log(m)) if not json_out or err.is_terminal else (lambda m: err.print(m, highlight=False))

