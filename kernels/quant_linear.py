@@ -31,9 +31,9 @@ TYPES: dict[str, tuple[int, int, int]] = {
 }
 PATHS = ("avx512_bf16", "avx512", "avx2", "scalar")
 NEEDS = {"avx512_bf16": ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "f16c"),
-         "avx512": ("avx512f", "f16c"), "avx2": ("avx2", "fma", "f16c"), "scalar": ()}
+         "avx512": ("avx512f", "avx512bw", "f16c"), "avx2": ("avx2", "fma", "f16c"), "scalar": ()}
 _FLAGS = {"avx512_bf16": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma", "-mf16c"],
-          "avx512": ["-mavx512f", "-mfma", "-mf16c"], "avx2": ["-mavx2", "-mfma", "-mf16c"], "scalar": []}
+          "avx512": ["-mavx512f", "-mavx512bw", "-mfma", "-mf16c"], "avx2": ["-mavx2", "-mfma", "-mf16c"], "scalar": []}
 _ext: dict[str, object] = {}
 
 

@@ -81,7 +81,7 @@ inline uint16_t to_bf16(float f) {  // round to nearest even, as torch
 // ---- W-lane vector operations: the decoders and the dot are written once over these.
 #if defined(__AVX512F__)
 struct V {
-  static constexpr int W = 16, NACC = 4, MT = 4;  // lanes, running sums per row, x rows per register tile
+  static constexpr int W = 16, MB = 4;  // lanes, x rows in a register tile
   using F = __m512; using I = __m512i;
   static I u8(const uint8_t* p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p)); }
   static I i8(const uint8_t* p) { return _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)); }
@@ -89,9 +89,9 @@ struct V {
   static I seti(int v) { return _mm512_set1_epi32(v); }
   static I band(I a, int m) { return _mm512_and_si512(a, _mm512_set1_epi32(m)); }
   static I bor(I a, I b) { return _mm512_or_si512(a, b); }
-  static I shr(I a, int s) { return _mm512_srlv_epi32(a, _mm512_set1_epi32(s)); }
+  static I shr(I a, int s) { return _mm512_srli_epi32(a, s); }
   static I shrv(I a, I s) { return _mm512_srlv_epi32(a, s); }
-  static I shl(I a, int s) { return _mm512_sllv_epi32(a, _mm512_set1_epi32(s)); }
+  static I shl(I a, int s) { return _mm512_slli_epi32(a, s); }
   static I subi(I a, int b) { return _mm512_sub_epi32(a, _mm512_set1_epi32(b)); }
   static F cvt(I a) { return _mm512_cvtepi32_ps(a); }
   static F set(float v) { return _mm512_set1_ps(v); }
@@ -107,7 +107,7 @@ struct V {
 };
 #elif defined(__AVX2__)
 struct V {
-  static constexpr int W = 8, NACC = 4, MT = 2;
+  static constexpr int W = 8, MB = 2;
   using F = __m256; using I = __m256i;
   static I u8(const uint8_t* p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p)); }
   static I i8(const uint8_t* p) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)); }
@@ -115,9 +115,9 @@ struct V {
   static I seti(int v) { return _mm256_set1_epi32(v); }
   static I band(I a, int m) { return _mm256_and_si256(a, _mm256_set1_epi32(m)); }
   static I bor(I a, I b) { return _mm256_or_si256(a, b); }
-  static I shr(I a, int s) { return _mm256_srlv_epi32(a, _mm256_set1_epi32(s)); }
+  static I shr(I a, int s) { return _mm256_srli_epi32(a, s); }
   static I shrv(I a, I s) { return _mm256_srlv_epi32(a, s); }
-  static I shl(I a, int s) { return _mm256_sllv_epi32(a, _mm256_set1_epi32(s)); }
+  static I shl(I a, int s) { return _mm256_slli_epi32(a, s); }
   static I subi(I a, int b) { return _mm256_sub_epi32(a, _mm256_set1_epi32(b)); }
   static F cvt(I a) { return _mm256_cvtepi32_ps(a); }
   static F set(float v) { return _mm256_set1_ps(v); }
@@ -137,7 +137,7 @@ struct V {
 };
 #else
 struct V {
-  static constexpr int W = 1, NACC = 4, MT = 4;
+  static constexpr int W = 1, MB = 4;
   using F = float; using I = int32_t;
   static I u8(const uint8_t* p) { return *p; }
   static I i8(const uint8_t* p) { return static_cast<int8_t>(*p); }
@@ -170,9 +170,79 @@ inline void scale_min_k4(int j, const uint8_t* s, int& sc, int& m) {  // ggml's 
   else { sc = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4); m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4); }
 }
 
+#if defined(__AVX512BW__)
+// ---- AVX-512 decoders: the same values, fewer instructions. A 4-bit block's 16 possible weights are
+// computed once (as gguf-py computes each weight) and looked up with vpermps; Q6_K's 6-bit codes are
+// assembled 64 at a time in bytes.
+inline __m512 iota16() { return _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); }
+// 16 bytes of nibbles p: lo_out[i] = tlo[p[i] & 15], hi_out[i] = thi[p[i] >> 4]
+inline void nibbles(const uint8_t* p, __m512 tlo, __m512 thi, float* lo_out, float* hi_out) {
+  const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
+  _mm512_storeu_ps(lo_out, _mm512_permutexvar_ps(v, tlo));  // vpermps reads the index's low 4 bits
+  _mm512_storeu_ps(hi_out, _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), thi));
+}
+template <int T>
+inline void dec512(const uint8_t* b, float* out) {
+  const __m512 i16 = iota16();
+  if constexpr (T == Q4_0) {  // (q - 8) * d
+    const __m512 t = _mm512_mul_ps(_mm512_sub_ps(i16, _mm512_set1_ps(8)), _mm512_set1_ps(half(b)));
+    nibbles(b + 2, t, t, out, out + 16);
+  } else if constexpr (T == Q4_1) {  // d * q + m
+    const __m512 t = _mm512_add_ps(_mm512_mul_ps(_mm512_set1_ps(half(b)), i16), _mm512_set1_ps(half(b + 2)));
+    nibbles(b + 4, t, t, out, out + 16);
+  } else if constexpr (T == Q5_0) {  // d * (q5 - 16): 32 values, the high bit picks the table
+    const __m512 d = _mm512_set1_ps(half(b));
+    const __m512 t0 = _mm512_mul_ps(d, _mm512_sub_ps(i16, _mm512_set1_ps(16))), t1 = _mm512_mul_ps(d, i16);
+    uint32_t qh;
+    std::memcpy(&qh, b + 2, 4);
+    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(b + 6))), s = _mm512_set1_epi32(16);
+    const __m512i lo = _mm512_mask_or_epi32(_mm512_and_si512(v, _mm512_set1_epi32(15)), qh & 0xffff, v, s);
+    const __m512i hi = _mm512_mask_or_epi32(_mm512_srli_epi32(v, 4), qh >> 16, _mm512_srli_epi32(v, 4), s);
+    _mm512_storeu_ps(out, _mm512_permutex2var_ps(t0, lo, t1));
+    _mm512_storeu_ps(out + 16, _mm512_permutex2var_ps(t0, hi, t1));
+  } else if constexpr (T == Q4_K) {  // (d * sc) * q - (dmin * m)
+    uint32_t u[3];
+    std::memcpy(u, b + 4, 12);
+    const uint32_t sm[4] = {u[0] & 0x3f3f3f3fu, (u[2] & 0x0f0f0f0fu) | ((u[0] >> 2) & 0x30303030u),
+                            u[1] & 0x3f3f3f3fu, ((u[2] >> 4) & 0x0f0f0f0fu) | ((u[1] >> 2) & 0x30303030u)};
+    const __m512 dd = _mm512_mask_blend_ps(0xff00, _mm512_set1_ps(half(b)), _mm512_set1_ps(half(b + 2)));
+    alignas(64) float sc[16];  // d * scale_j (j < 8), then dmin * min_j
+    _mm512_store_ps(sc, _mm512_mul_ps(dd, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)sm)))));
+    for (int c = 0; c < 4; ++c, out += 64) {
+      const __m512 t1 = _mm512_sub_ps(_mm512_mul_ps(_mm512_set1_ps(sc[2 * c]), i16), _mm512_set1_ps(sc[8 + 2 * c]));
+      const __m512 t2 = _mm512_sub_ps(_mm512_mul_ps(_mm512_set1_ps(sc[2 * c + 1]), i16), _mm512_set1_ps(sc[9 + 2 * c]));
+      nibbles(b + 16 + 32 * c, t1, t2, out, out + 32);
+      nibbles(b + 32 + 32 * c, t1, t2, out + 16, out + 48);
+    }
+  } else if constexpr (T == Q6_K) {  // (d * sc) * (q - 32); weights 16g..16g+15 of a chunk: scale 8c + g
+    alignas(64) float sc[16];
+    _mm512_store_ps(sc, _mm512_mul_ps(_mm512_set1_ps(half(b + 208)),
+                                      _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(b + 192))))));
+    const __m512i lo4 = _mm512_set1_epi8(15), two = _mm512_set1_epi8(3), k32 = _mm512_set1_epi8(32);
+    const __m512i sh01 = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
+    const __m512i sh23 = _mm512_add_epi16(sh01, _mm512_set1_epi16(4));
+    for (int c = 0; c < 2; ++c, out += 128) {
+      const __m512i A = _mm512_loadu_si512(b + 64 * c);  // low 4 bits: weights 0-63, then (>> 4) 64-127
+      const __m512i H = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(b + 128 + 32 * c)));
+      const __m512i h01 = _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(H, sh01), two), 4);
+      const __m512i h23 = _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(H, sh23), two), 4);
+      alignas(64) int8_t q[128];  // the 128 codes - 32, in weight order
+      _mm512_store_si512(q, _mm512_sub_epi8(_mm512_ternarylogic_epi32(lo4, A, h01, 0xCA), k32));
+      _mm512_store_si512(q + 64, _mm512_sub_epi8(_mm512_ternarylogic_epi32(lo4, _mm512_srli_epi16(A, 4), h23, 0xCA), k32));
+      for (int g = 0; g < 8; ++g)
+        _mm512_storeu_ps(out + 16 * g, _mm512_mul_ps(_mm512_set1_ps(sc[8 * c + g]), _mm512_cvtepi32_ps(
+                                                         _mm512_cvtepi8_epi32(_mm_load_si128((const __m128i*)(q + 16 * g))))));
+    }
+  }
+}
+#endif
+
 // ---- fp32 path: one block at b -> out[QK] fp32, the arithmetic of gguf-py's dequantize_blocks.
 template <int T>
 inline void dec(const uint8_t* b, float* out) {
+#if defined(__AVX512BW__)
+  if constexpr (T != Q8_0) return dec512<T>(b, out);
+#endif
   if constexpr (T == Q8_0) {  // d * q
     const V::F d = V::set(half(b));
     for (int i = 0; i < 32; i += W) V::store(out + i, V::mul(d, V::cvt(V::i8(b + 2 + i))));
@@ -198,14 +268,16 @@ inline void dec(const uint8_t* b, float* out) {
       }
     }
   } else if constexpr (T == Q4_K) {  // (d * sc) * q - (dmin * m), sub-blocks of 32
+    uint32_t u[3];  // ggml's get_scale_min_k4 for the 8 sub-blocks at once: 6-bit scales, then mins
+    std::memcpy(u, b + 4, 12);
+    const uint32_t sm[4] = {u[0] & 0x3f3f3f3fu, (u[2] & 0x0f0f0f0fu) | ((u[0] >> 2) & 0x30303030u),
+                            u[1] & 0x3f3f3f3fu, ((u[2] >> 4) & 0x0f0f0f0fu) | ((u[1] >> 2) & 0x30303030u)};
     const float d = half(b), dmin = half(b + 2);
+    alignas(64) float sc[16];  // d * scale_j (j < 8), then dmin * min_j
+    for (int j = 0; j < 16; ++j) sc[j] = (j < 8 ? d : dmin) * float(reinterpret_cast<const uint8_t*>(sm)[j]);
     const uint8_t* q = b + 16;
     for (int c = 0; c < 4; ++c, q += 32, out += 64) {  // 64 weights: low nibbles, then high nibbles
-      int s1, m1, s2, m2;
-      scale_min_k4(2 * c, b + 4, s1, m1);
-      scale_min_k4(2 * c + 1, b + 4, s2, m2);
-      const V::F d1 = V::set(d * float(s1)), n1 = V::set(dmin * float(m1));
-      const V::F d2 = V::set(d * float(s2)), n2 = V::set(dmin * float(m2));
+      const V::F d1 = V::set(sc[2 * c]), n1 = V::set(sc[8 + 2 * c]), d2 = V::set(sc[2 * c + 1]), n2 = V::set(sc[9 + 2 * c]);
       for (int l = 0; l < 32; l += W) {
         const V::I v = V::u8(q + l);
         V::store(out + l, V::sub(V::mul(d1, V::cvt(V::band(v, 15))), n1));
@@ -214,17 +286,17 @@ inline void dec(const uint8_t* b, float* out) {
     }
   } else {  // Q6_K: (d * sc) * (q - 32), sub-blocks of 16
     const float d = half(b + 208);
-    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+    alignas(64) float sc[16];
+    for (int j = 0; j < 16; ++j) sc[j] = d * float(reinterpret_cast<const int8_t*>(b + 192)[j]);
     const uint8_t *ql = b, *qh = b + 128;
-    for (int c = 0; c < 2; ++c, ql += 64, qh += 32, sc += 8, out += 128) {
+    for (int c = 0; c < 2; ++c, ql += 64, qh += 32, out += 128) {
       for (int l = 0; l < 32; l += W) {
-        const int is = l / 16;
         const V::I a = V::u8(ql + l), a2 = V::u8(ql + 32 + l), h = V::u8(qh + l);
         const V::I q[4] = {V::bor(V::band(a, 15), V::shl(V::band(h, 3), 4)),
                            V::bor(V::band(a2, 15), V::shl(V::band(V::shr(h, 2), 3), 4)),
                            V::bor(V::shr(a, 4), V::shl(V::band(V::shr(h, 4), 3), 4)),
                            V::bor(V::shr(a2, 4), V::shl(V::shr(h, 6), 4))};
-        for (int k = 0; k < 4; ++k) V::store(out + 32 * k + l, V::mul(V::set(d * float(sc[is + 2 * k])), V::cvt(V::subi(q[k], 32))));
+        for (int k = 0; k < 4; ++k) V::store(out + 32 * k + l, V::mul(V::set(sc[8 * c + l / 16 + 2 * k]), V::cvt(V::subi(q[k], 32))));
       }
     }
   }
@@ -237,44 +309,65 @@ inline void dec_unit(const uint8_t* row, int64_t e0, int n, float* out) {
   for (int i = 0; i < n; i += qk_of(T), b += bytes_of(T)) dec<T>(b, out + i);
 }
 
-// MT_ rows of x (fp32, row stride Kp) against n decoded weights (n a multiple of GROUP: the buffer and
-// x are zero-padded); acc: the rows' NACC running sums [MT_][NACC][W], carried across units. Weight
-// vector v feeds sum v % NACC.
-constexpr int GROUP = V::NACC * W;
-template <int MT_>
-void dot_tile(const float* w, int n, const float* x, int64_t Kp, float* acc) {
-  V::F a[MT_][V::NACC];
-  for (int m = 0; m < MT_; ++m)
-    for (int s = 0; s < V::NACC; ++s) a[m][s] = V::load(acc + (m * V::NACC + s) * W);
-  for (int v = 0; v < n; v += GROUP) {
+// ---- The register tile, both paths: MB_ rows of x against NB_ weight rows, one vector running sum
+// per (x row, weight row): lane l sums the products of weights k = l (mod lanes) in k order, so an
+// output's sum does not depend on which rows share its tile. Weights and x are loaded once a tile.
+constexpr int NB = 4;  // weight rows decoded together (4 independent sums even at M = 1)
+using Acc = V::F;      // one running sum; acc arrays are [M][NB]
+
+// fp32 path: w [NB_][UNIT] decoded weights, x [MB_] rows (stride Kp) at the unit's offset, n weights.
+template <int MB_, int NB_>
+void tile(const float* w, int n, const float* x, int64_t Kp, Acc* acc) {
+  V::F a[MB_][NB_];
+  for (int m = 0; m < MB_; ++m)
+    for (int j = 0; j < NB_; ++j) a[m][j] = acc[m * NB + j];
+  for (int v = 0; v < n; v += W) {
+    V::F wv[NB_];
 #pragma GCC unroll 4
-    for (int s = 0; s < V::NACC; ++s) {
-      const V::F wv = V::load(w + v + s * W);
-#pragma GCC unroll 8
-      for (int m = 0; m < MT_; ++m) a[m][s] = V::fma(V::load(x + m * Kp + v + s * W), wv, a[m][s]);
+    for (int j = 0; j < NB_; ++j) wv[j] = V::load(w + j * UNIT + v);
+#pragma GCC unroll 4
+    for (int m = 0; m < MB_; ++m) {
+      const V::F xv = V::load(x + m * Kp + v);
+#pragma GCC unroll 4
+      for (int j = 0; j < NB_; ++j) a[m][j] = V::fma(xv, wv[j], a[m][j]);
     }
   }
-  for (int m = 0; m < MT_; ++m)
-    for (int s = 0; s < V::NACC; ++s) V::store(acc + (m * V::NACC + s) * W, a[m][s]);
+  for (int m = 0; m < MB_; ++m)
+    for (int j = 0; j < NB_; ++j) acc[m * NB + j] = a[m][j];
 }
-template <int... Ms>
-constexpr auto f32_tiles(std::integer_sequence<int, Ms...>) {
-  return std::array<void (*)(const float*, int, const float*, int64_t, float*), sizeof...(Ms)>{&dot_tile<Ms + 1>...};
-}
-const auto TILE = f32_tiles(std::make_integer_sequence<int, V::MT>{});
+
+// f<MB_, NB_>(args...) for runtime mb in [1, MB], nb in [1, NB].
+#define TILE_DISPATCH(f, mb, nb, ...)                                                               \
+  [&] {                                                                                             \
+    auto go = [&](auto M_) {                                                                        \
+      switch (nb) {                                                                                 \
+        case 1: return f<decltype(M_)::value, 1>(__VA_ARGS__);                                      \
+        case 2: return f<decltype(M_)::value, 2>(__VA_ARGS__);                                      \
+        case 3: return f<decltype(M_)::value, 3>(__VA_ARGS__);                                      \
+        default: return f<decltype(M_)::value, 4>(__VA_ARGS__);                                     \
+      }                                                                                             \
+    };                                                                                              \
+    if (V::MB >= 4 && mb >= 4) return go(std::integral_constant<int, (V::MB >= 4 ? 4 : 1)>{});     \
+    if (V::MB >= 3 && mb == 3) return go(std::integral_constant<int, (V::MB >= 3 ? 3 : 1)>{});     \
+    if (mb >= 2) return go(std::integral_constant<int, 2>{});                                       \
+    return go(std::integral_constant<int, 1>{});                                                    \
+  }()
 
 struct Part { const uint8_t* w; int type; int64_t n, row_bytes; };
 
-// Weight rows [g0, g1) of the parts side by side: fn(global row g, its part, its blocks).
-template <class Fn>
-inline void for_rows(const std::vector<Part>& parts, int64_t g0, int64_t g1, Fn fn) {
-  size_t pi = 0;
-  int64_t base = 0;  // first global row of part pi
-  for (int64_t g = g0; g < g1; ++g) {
-    while (g >= base + parts[pi].n) base += parts[pi++].n;
-    fn(g, parts[pi], parts[pi].w + (g - base) * parts[pi].row_bytes);
+struct Rows {  // up to NB consecutive output rows of the parts side by side: their types and blocks
+  int nb = 0, type[NB];
+  const uint8_t* row[NB];
+  Rows(const std::vector<Part>& parts, int64_t g0, int64_t g1) {
+    int64_t base = 0;
+    size_t pi = 0;
+    for (int64_t g = g0; g < g1; ++g, ++nb) {
+      while (g >= base + parts[pi].n) base += parts[pi++].n;
+      type[nb] = parts[pi].type;
+      row[nb] = parts[pi].w + (g - base) * parts[pi].row_bytes;
+    }
   }
-}
+};
 
 struct Out {  // y [M, N] (bf16 or fp32) and an optional bias [N] (bf16 or fp32)
   void* y; bool y_bf16; const void* bias; bool b_bf16; int64_t N;
@@ -285,34 +378,37 @@ struct Out {  // y [M, N] (bf16 or fp32) and an optional bias [N] (bf16 or fp32)
   }
 };
 
-// fp32 path. x: [M, Kp] fp32, zero-padded past K to Kp (a multiple of GROUP).
-void run_f32(const float* x, int64_t M, int64_t K, int64_t Kp, const std::vector<Part>& parts, const Out& out) {
-  at::parallel_for(0, out.N, 8, [&](int64_t g0, int64_t g1) {
-    alignas(64) float buf[UNIT];
-    std::vector<float> acc(M * V::NACC * W);
-    for_rows(parts, g0, g1, [&](int64_t g, const Part& P, const uint8_t* row) {
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      with_type(P.type, [&](auto T) {
-        for (int64_t e0 = 0; e0 < K; e0 += UNIT) {
-          const int n = static_cast<int>(std::min<int64_t>(UNIT, K - e0)), np = (n + GROUP - 1) / GROUP * GROUP;
-          dec_unit<T()>(row, e0, n, buf);
-          std::fill(buf + n, buf + np, 0.0f);
-          for (int64_t m0 = 0; m0 < M; m0 += V::MT)
-            TILE[std::min<int64_t>(V::MT, M - m0) - 1](buf, np, x + m0 * Kp + e0, Kp, acc.data() + m0 * V::NACC * W);
-        }
-      });
-      for (int64_t m = 0; m < M; ++m) {
-        const float* a = acc.data() + m * V::NACC * W;
-        V::F s = V::load(a);
-        for (int k = 1; k < V::NACC; ++k) s = V::add(s, V::load(a + k * W));
-        out.put(m, g, V::sum(s));
-      }
-    });
+// Output rows in groups of NB over ATen's threads: body(first row, Rows, acc [M][NB]).
+template <class Body>
+void for_groups(const std::vector<Part>& parts, int64_t M, const Out& out, Body body) {
+  at::parallel_for(0, (out.N + NB - 1) / NB, 2, [&](int64_t q0, int64_t q1) {
+    std::vector<Acc> acc(M * NB);
+    for (int64_t q = q0; q < q1; ++q) {
+      const int64_t g0 = q * NB;
+      const Rows rows(parts, g0, std::min(out.N, g0 + NB));
+      std::fill(acc.begin(), acc.end(), V::zero());
+      body(g0, rows, acc.data());
+    }
+  });
+}
+
+// fp32 path. x: [M, K] fp32.
+void run_f32(const float* x, int64_t M, int64_t K, const std::vector<Part>& parts, const Out& out) {
+  for_groups(parts, M, out, [&](int64_t g0, const Rows& r, Acc* acc) {
+    alignas(64) float buf[NB * UNIT];
+    for (int64_t e0 = 0; e0 < K; e0 += UNIT) {
+      const int n = static_cast<int>(std::min<int64_t>(UNIT, K - e0));
+      for (int j = 0; j < r.nb; ++j) with_type(r.type[j], [&](auto T) { dec_unit<T()>(r.row[j], e0, n, buf + j * UNIT); });
+      for (int64_t m0 = 0; m0 < M; m0 += V::MB)
+        TILE_DISPATCH(tile, M - m0, r.nb, buf, n, x + m0 * K + e0, K, acc + m0 * NB);
+    }
+    for (int64_t m = 0; m < M; ++m)
+      for (int j = 0; j < r.nb; ++j) out.put(m, g0 + j, V::sum(acc[m * NB + j]));
   });
 }
 
 #if defined(__AVX512BF16__)
-// ---- bf16 path. A unit of 256 weights decodes to q: the blocks' integers as bf16 (exact); one scale
+// ---- bf16 path. A unit of weights decodes to q: the blocks' integers as bf16 (exact); one scale
 // vector per group of 32 weights (lanes 0-7 scale weights 0-15, lanes 8-15 weights 16-31: vdpbf16ps
 // pairs neighbours); mn: the coefficient of the group's x sum (-dmin * m for Q4_K, m for Q4_1).
 namespace bf {
@@ -377,69 +473,62 @@ inline void block(const uint8_t* b, Unit& u, int g) {
   }
 }
 
-// MT_ rows of x (bf16, row stride Kp) against a unit's ngp groups; acc [MT_][4]: the rows' running
-// sums (group g feeds sum g % 4).
-template <int MT_>
-void dot_tile(const Unit& u, int ngp, const uint16_t* x, int64_t Kp, __m512* acc) {
-  __m512 a[MT_][4];
-  for (int m = 0; m < MT_; ++m)
-    for (int s = 0; s < 4; ++s) a[m][s] = acc[m * 4 + s];
-  for (int g = 0; g < ngp; g += 4) {
+// bf16 tile: u [NB_] decoded units, x [MB_] bf16 rows (stride Kp) at the unit's offset, ngp groups.
+template <int MB_, int NB_>
+void tile(const Unit* u, int ngp, const uint16_t* x, int64_t Kp, Acc* acc) {
+  __m512 a[MB_][NB_];
+  for (int m = 0; m < MB_; ++m)
+    for (int j = 0; j < NB_; ++j) a[m][j] = acc[m * NB + j];
+  for (int g = 0; g < ngp; ++g) {
+    __m512bh q[NB_];
 #pragma GCC unroll 4
-    for (int s = 0; s < 4; ++s) {
-      const __m512bh q = (__m512bh)_mm512_load_si512(u.q + 32 * (g + s));
-      const __m512 sv = _mm512_load_ps(u.sv[g + s]);
-#pragma GCC unroll 8
-      for (int m = 0; m < MT_; ++m) {
-        const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + m * Kp + 32 * (g + s));
-        a[m][s] = _mm512_fmadd_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), xv, q), sv, a[m][s]);
-      }
+    for (int j = 0; j < NB_; ++j) q[j] = (__m512bh)_mm512_load_si512(u[j].q + 32 * g);
+#pragma GCC unroll 4
+    for (int m = 0; m < MB_; ++m) {
+      const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + m * Kp + 32 * g);
+#pragma GCC unroll 4
+      for (int j = 0; j < NB_; ++j)
+        a[m][j] = _mm512_fmadd_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), xv, q[j]), _mm512_load_ps(u[j].sv[g]), a[m][j]);
     }
   }
-  for (int m = 0; m < MT_; ++m)
-    for (int s = 0; s < 4; ++s) acc[m * 4 + s] = a[m][s];
+  for (int m = 0; m < MB_; ++m)
+    for (int j = 0; j < NB_; ++j) acc[m * NB + j] = a[m][j];
 }
-constexpr int MT = 4;
-template <int... Ms>
-constexpr auto bf_tiles(std::integer_sequence<int, Ms...>) {
-  return std::array<void (*)(const Unit&, int, const uint16_t*, int64_t, __m512*), sizeof...(Ms)>{&dot_tile<Ms + 1>...};
-}
-const auto TILE = bf_tiles(std::make_integer_sequence<int, MT>{});
 
 // x: [M, Kp] bf16 zero-padded (Kp a multiple of 256); xs: [M, Kp / 32] fp32, each group's x sum.
 void run(const uint16_t* x, const float* xs, int64_t M, int64_t K, int64_t Kp, const std::vector<Part>& parts,
          const Out& out) {
-  at::parallel_for(0, out.N, 8, [&](int64_t g0, int64_t g1) {
-    Unit u;
-    std::vector<__m512> acc(M * 4);
-    std::vector<__m256> accm(M);
-    for_rows(parts, g0, g1, [&](int64_t g, const Part& P, const uint8_t* row) {
-      std::fill(acc.begin(), acc.end(), _mm512_setzero_ps());
-      std::fill(accm.begin(), accm.end(), _mm256_setzero_ps());
-      with_type(P.type, [&](auto T) {
-        constexpr int QK = qk_of(T()), BY = bytes_of(T());
-        const uint8_t* b = row;
-        for (int64_t e0 = 0; e0 < K; e0 += UNIT) {
-          const int n = static_cast<int>(std::min<int64_t>(UNIT, K - e0)), ng = n / 32, ngp = (ng + 7) / 8 * 8;
-          for (int i = 0; i < n; i += QK, b += BY) block<T()>(b, u, i / 32);
-          for (int i = ng; i < ngp; ++i) {  // past the row's end: zeros
-            _mm512_store_si512(u.q + 32 * i, _mm512_setzero_si512());
-            scale(u.sv[i], 0.0f, 0.0f);
-            u.mn[i] = 0.0f;
-          }
-          for (int64_t m0 = 0; m0 < M; m0 += MT)
-            TILE[std::min<int64_t>(MT, M - m0) - 1](u, ngp, x + m0 * Kp + e0, Kp, &acc[m0 * 4]);
-          if constexpr (T() == Q4_1 || T() == Q4_K)
-            for (int64_t m = 0; m < M; ++m)
-              for (int i = 0; i < ngp; i += 8)
-                accm[m] = _mm256_fmadd_ps(_mm256_load_ps(u.mn + i), _mm256_loadu_ps(xs + m * (Kp / 32) + e0 / 32 + i), accm[m]);
+  for_groups(parts, M, out, [&](int64_t g0, const Rows& r, Acc* acc) {
+    Unit u[NB];
+    std::vector<__m256> accm(M * NB, _mm256_setzero_ps());  // [M][NB] the min terms' running sums
+    bool mins = false;
+    for (int64_t e0 = 0; e0 < K; e0 += UNIT) {
+      const int n = static_cast<int>(std::min<int64_t>(UNIT, K - e0)), ng = n / 32, ngp = (ng + 7) / 8 * 8;
+      for (int j = 0; j < r.nb; ++j) {
+        with_type(r.type[j], [&](auto T) {
+          const uint8_t* b = r.row[j] + e0 / qk_of(T()) * bytes_of(T());
+          for (int i = 0; i < n; i += qk_of(T()), b += bytes_of(T())) block<T()>(b, u[j], i / 32);
+          mins |= T() == Q4_1 || T() == Q4_K;
+        });
+        for (int i = ng; i < ngp; ++i) {  // past the row's end: zeros
+          _mm512_store_si512(u[j].q + 32 * i, _mm512_setzero_si512());
+          scale(u[j].sv[i], 0.0f, 0.0f);
+          u[j].mn[i] = 0.0f;
         }
-      });
-      for (int64_t m = 0; m < M; ++m) {
-        const __m512 s = _mm512_add_ps(_mm512_add_ps(acc[m * 4], acc[m * 4 + 1]), _mm512_add_ps(acc[m * 4 + 2], acc[m * 4 + 3]));
-        out.put(m, g, _mm512_reduce_add_ps(s) + _mm512_reduce_add_ps(_mm512_zextps256_ps512(accm[m])));
       }
-    });
+      for (int64_t m0 = 0; m0 < M; m0 += V::MB)
+        TILE_DISPATCH(tile, M - m0, r.nb, u, ngp, x + m0 * Kp + e0, Kp, acc + m0 * NB);
+      if (mins)
+        for (int64_t m = 0; m < M; ++m)
+          for (int j = 0; j < r.nb; ++j)
+            for (int i = 0; i < ngp; i += 8)
+              accm[m * NB + j] = _mm256_fmadd_ps(_mm256_load_ps(u[j].mn + i),
+                                                 _mm256_loadu_ps(xs + m * (Kp / 32) + e0 / 32 + i), accm[m * NB + j]);
+    }
+    for (int64_t m = 0; m < M; ++m)
+      for (int j = 0; j < r.nb; ++j)
+        out.put(m, g0 + j, _mm512_reduce_add_ps(acc[m * NB + j]) +
+                               _mm512_reduce_add_ps(_mm512_zextps256_ps512(accm[m * NB + j])));
   });
 }
 }  // namespace bf
@@ -497,10 +586,8 @@ torch::Tensor quant_linear(torch::Tensor x, std::vector<torch::Tensor> ws, std::
     return y;
   }
 #endif
-  const int64_t Kp = (K + GROUP - 1) / GROUP * GROUP;
-  torch::Tensor xf = torch::zeros({M, Kp}, x.options().dtype(at::kFloat));
-  xf.narrow(1, 0, K).copy_(x);  // exact for bf16
-  run_f32(xf.data_ptr<float>(), M, K, Kp, parts, out);
+  const torch::Tensor xf = x.to(at::kFloat).contiguous();  // exact for bf16
+  run_f32(xf.data_ptr<float>(), M, K, parts, out);
   return y;
 }
 
