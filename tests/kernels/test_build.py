@@ -7,7 +7,14 @@ import shutil
 
 import pytest
 
-from kernels import amx_linear, cpu, decode_attention, decode_layer, quant_linear, skinny_linear
+from kernels import (
+    amx_linear,
+    cpu,
+    decode_attention,
+    decode_layer,
+    quant_linear,
+    skinny_linear,
+)
 
 
 @pytest.mark.parametrize("mod,needs", [(decode_attention, cpu.AVX512_BF16), (skinny_linear, cpu.AVX512_BF16),

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from kernels import cpu, quant_linear as ql
+from kernels import cpu
+from kernels import quant_linear as ql
 
 gguf = pytest.importorskip("gguf")
 
