@@ -285,7 +285,7 @@ def check_forward_matches_hf(ck: Check, s: Suite, d: dict):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from specctl.runtime.model import load_transformer
+    from specctl.modeling import load_transformer
     from specctl.runtime.runner import TargetRunner
 
     ck.at("load")
@@ -712,7 +712,7 @@ def check_speed(ck: Check, s: Suite, d: dict, shape: dict, label: str):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from specctl.runtime.decoder import SamplingParams, SpecDecoder
-    from specctl.runtime.model import load_transformer
+    from specctl.modeling import load_transformer
     from specctl.runtime.runner import TargetRunner
 
     sz = d["sizes"]
@@ -817,7 +817,7 @@ def environment(device) -> dict:
     env = {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
            "device": str(device), "threads": torch.get_num_threads(),
            "float32_matmul_precision": torch.get_float32_matmul_precision(),
-           "kernels": __import__("specctl.runtime.model", fromlist=["_kernels"])._kernels,
+           "kernels": __import__("specctl.modeling.load", fromlist=["_kernels"])._kernels,
            "cpu": platform.processor() or platform.machine()}
     if device.type == "cuda":
         try:
@@ -880,7 +880,7 @@ def main() -> int:
     import torch
 
     if args.torch_path:
-        from specctl.runtime.model import set_kernels
+        from specctl.modeling import set_kernels
 
         set_kernels("torch")
 

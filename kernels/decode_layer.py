@@ -1,6 +1,6 @@
 """One transformer block per call for decode and verification forwards (bf16, AMX CPUs).
 
-``layer(block, x, cos, sin, k_cache, v_cache, start)`` runs specctl.runtime.model.Block for a few
+``layer(block, x, cos, sin, k_cache, v_cache, start)`` runs specctl.modeling.Block for a few
 rows (batch x tokens <= 64) in one C++ call and one parallel region (``csrc/decode_layer.cpp``):
 the same arithmetic as the AMX linears and the row-independent attention, without ~25 torch
 dispatches and 5 thread-pool wake-ups per block. ``load()`` returns None where it cannot run (no
@@ -46,7 +46,7 @@ def layer(block, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache:
 def layer_ragged(block, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, index: int, segs,
                  weights_out: list | None = None) -> torch.Tensor:
     """Many requests' rows through ``block`` (layer ``index``) in one call: x [1, M, H], cos/sin [M, hd],
-    ``segs`` the requests' specctl.runtime.model.Segment (own caches, starts, lengths, trees). Each
+    ``segs`` the requests' specctl.modeling.Segment (own caches, starts, lengths, trees). Each
     row is computed exactly as ``layer`` computes it for its request alone. ``weights_out``: per
     segment None or a [2, nkv, S] fp32 tensor that receives the attention weights of its first and
     last row, summed over each kv head's query heads (a by-product: the outputs do not change)."""

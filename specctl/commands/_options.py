@@ -21,7 +21,7 @@ SeedOpt = Annotated[int, typer.Option("--seed", help="Seed for sampling and any 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON on stdout instead of tables.")]
 def use_kernels(mode: str) -> None:
     """``--kernels`` becomes the process's bf16 CPU path (an unknown mode: a usage error naming the choices)."""
-    from specctl.runtime.model import set_kernels
+    from specctl.modeling import set_kernels
 
     set_kernels(mode)
 

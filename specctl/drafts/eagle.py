@@ -46,7 +46,7 @@ from torch import nn
 from specctl.drafts.formats import FormatCheck, TargetFacts, Tensors
 from specctl.errors import ModelError
 from specctl.files import write_atomic, write_json_atomic
-from specctl.runtime.model import ModelArgs, RMSNorm, rope_inv_freq, rotate_half
+from specctl.modeling import ModelArgs, RMSNorm, rope_inv_freq, rotate_half
 
 
 def default_aux_layers(num_layers: int) -> tuple[int, ...]:

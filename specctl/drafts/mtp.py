@@ -78,7 +78,7 @@ from kernels import skinny_linear
 from specctl.drafts.formats import FormatCheck, TargetFacts, Tensors, text_config
 from specctl.errors import ModelError
 from specctl.files import write_atomic, write_json_atomic
-from specctl.runtime.model import Block, ModelArgs, RMSNorm, Segment, Transformer
+from specctl.modeling import Block, ModelArgs, RMSNorm, Segment, Transformer
 
 LAYOUTS = ("deepseek_v3", "qwen3_next", "mimo")
 MTP_FILE = "model-mtp.safetensors"

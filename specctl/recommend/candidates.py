@@ -105,7 +105,7 @@ class Candidate:
 
 def judge_candidate(c: ModelInfo, target: ModelInfo, workload: Workload) -> Candidate:
     """Same tokenizer and ρ in the sweet spot -> draft; another tokenizer -> alternative; else refused."""
-    from specctl.runtime.model import SUPPORTED_ARCHS
+    from specctl.modeling import SUPPORTED_ARCHS
 
     cand = Candidate(c.spec, c.name, c.path, c.arch, c.params, runnable=c.arch in SUPPORTED_ARCHS)
     if not c.cost_params or not target.cost_params:

@@ -1,7 +1,7 @@
 """GGUF quantized models run as stored: the own Transformer with its projections kept as GGUF blocks.
 
 ``load_gguf_transformer(path, dtype)`` reads a llama or qwen2 GGUF file (gguf's GGUFReader, memory
-mapped) into ``specctl.runtime.model.Transformer``: the config from the GGUF metadata; the token
+mapped) into ``specctl.modeling.Transformer``: the config from the GGUF metadata; the token
 embeddings and norms in the activation dtype (small: the embedding is dequantized once by the
 kernel's own decoder); every attention and MLP projection, and the LM head where it is stored
 quantized, as a ``QuantLinear`` holding the raw blocks (kernels/quant_linear.py). A projection's
@@ -28,7 +28,7 @@ from torch import nn
 
 from kernels import quant_linear as ql
 from specctl.errors import ModelError, UsageError
-from specctl.runtime.model import ModelArgs, Transformer, enable_exact_bf16, rope_inv_freq
+from specctl.modeling import ModelArgs, Transformer, enable_exact_bf16, rope_inv_freq
 
 GGUF_ARCHS = ("llama", "qwen2")
 DENSE_TYPES = ("F32", "F16", "BF16")

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from specctl.errors import ModelError, UsageError
-from specctl.runtime.model import VERIFY_ROWS, KVCache, Segment, Transformer, load_transformer
+from specctl.modeling import VERIFY_ROWS, KVCache, Segment, Transformer, load_transformer
 
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32,
           "float16": torch.float16, "fp16": torch.float16}

@@ -54,7 +54,7 @@ def pad_batch(seqs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
 def target_states(model, ids: torch.Tensor, aux_layers: tuple[int, ...] = ()) -> dict[str, torch.Tensor]:
     """The target over ids [B, T]: hidden [B, T, H] (final-normed), argmax [B, T], and with
     ``aux_layers`` aux [B, T, A*H] (the inputs of those layers, EAGLE-3). The model is left as found."""
-    from specctl.runtime.model import KVCache
+    from specctl.modeling import KVCache
 
     B, T = ids.shape
     dev = model.embed.weight.device

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specctl.drafts.eagle import EagleDraft, rope_cos_sin
-from specctl.runtime.model import rotate_half
+from specctl.modeling import rotate_half
 from specctl.training.eagle_states import StateSource, all_rows
 
 

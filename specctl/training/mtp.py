@@ -38,7 +38,7 @@ from torch import nn
 
 from specctl.drafts.mtp import MtpStack, export_mtp, mimo_unfit_reason, mtp_logits, mtp_step
 from specctl.errors import DataError, UsageError
-from specctl.runtime.model import KVCache, Transformer
+from specctl.modeling import KVCache, Transformer
 from specctl.training import checkpoints as C
 from specctl.training import loop as L
 
@@ -259,7 +259,7 @@ def train_mtp(cfg: MtpTrainConfig, progress: Callable[[str], None] = lambda s: N
 
     from specctl.files import write_json_atomic
     from specctl.models import resolve_model
-    from specctl.runtime.model import ModelArgs, load_transformer
+    from specctl.modeling import ModelArgs, load_transformer
     from specctl.runtime.runner import LoadedModel, parse_dtype, stop_token_ids
     from specctl.training import data as D
 

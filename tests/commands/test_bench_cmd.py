@@ -165,7 +165,7 @@ def test_bad_sweep_k_is_a_one_line_usage_error(value, tmp_path):
 
 
 def test_bench_compile_refuses_the_fused_bf16_cpu_path_with_a_fix(tiny_model_dir, prompts_file, tmp_path):
-    from specctl.runtime.model import load_transformer
+    from specctl.modeling import load_transformer
 
     import torch
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kernels import cpu, decode_layer
-from specctl.runtime.model import KVCache, load_transformer
+from specctl.modeling import KVCache, load_transformer
 from specctl.runtime.runner import tree_attention_mask, tree_depths
 
 pytestmark = pytest.mark.skipif(decode_layer.load() is None, reason=cpu.why_not(cpu.AMX, built=False))

@@ -83,7 +83,7 @@ def test_adaptive_decoding_stays_lossless(tiny_model_factory):
 
     from specctl.config import SpecConfig
     from specctl.runtime.decoder import SamplingParams, SpecDecoder
-    from specctl.runtime.model import load_transformer
+    from specctl.modeling import load_transformer
     from specctl.runtime.proposers import build_proposer
     from specctl.runtime.runner import TargetRunner
 

@@ -17,7 +17,7 @@ import torch
 from specctl.config import SpecConfig
 from specctl.errors import UsageError
 from specctl.runtime.decoder import SamplingParams, SpecDecoder
-from specctl.runtime.model import load_transformer
+from specctl.modeling import load_transformer
 from specctl.runtime.proposers import DraftOutput, Proposer, build_proposer
 from specctl.runtime.runner import TargetRunner
 from specctl.testing import emitted_histograms, exact_marginals, null_tv_quantile, tv

@@ -19,7 +19,7 @@ import torch
 
 from specctl.config import SpecConfig
 from specctl.runtime.decoder import SamplingParams, SpecDecoder
-from specctl.runtime.model import KVCache, enable_exact_bf16, load_transformer
+from specctl.modeling import KVCache, enable_exact_bf16, load_transformer
 from specctl.runtime.proposers import build_proposer
 from specctl.runtime.runner import TargetRunner
 

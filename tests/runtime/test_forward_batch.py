@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from specctl.runtime.model import load_transformer
+from specctl.modeling import load_transformer
 from specctl.runtime.runner import TargetRunner, forward_batch
 
 

@@ -18,7 +18,7 @@ import torch
 from specctl.config import SpecConfig
 from specctl.errors import ModelError
 from specctl.runtime.decoder import SamplingParams, SpecDecoder
-from specctl.runtime.model import ModelArgs, Transformer, fuse_hf_state_dict, read_config, rope_inv_freq
+from specctl.modeling import ModelArgs, Transformer, fuse_hf_state_dict, read_config, rope_inv_freq
 from specctl.runtime.proposers import build_proposer
 from specctl.runtime.proposers.draft_model import DraftModelProposer
 from specctl.runtime.quant import QuantLinear, load_gguf_transformer
@@ -177,7 +177,7 @@ def test_logits_equal_the_dequantized_models(ggufs, name):
     assert model.quant_head is not None and model.quant_head.types == ["Q8_0"]
     assert (model.lm_head is None) == (name == "llama")  # tied: the head reads token_embd's blocks
     tokens = torch.tensor([[3, 70, 71, 72, 9, 40, 41, 100, 7, 12, 13, 90]])
-    from specctl.runtime.model import KVCache
+    from specctl.modeling import KVCache
 
     got, _ = model(tokens, 0, KVCache(model.args, 1, 32, torch.float32, "cpu"), None)
     want, _ = dense(tokens, 0, KVCache(dense.args, 1, 32, torch.float32, "cpu"), None)

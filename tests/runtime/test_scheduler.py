@@ -13,7 +13,7 @@ import torch
 
 from specctl.config import SpecConfig
 from specctl.runtime.decoder import SamplingParams, SpecDecoder
-from specctl.runtime.model import load_transformer
+from specctl.modeling import load_transformer
 from specctl.runtime.proposers import build_proposer
 from specctl.runtime.runner import TargetRunner
 from specctl.runtime.scheduler import Request, Scheduler

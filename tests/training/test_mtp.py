@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from specctl.runtime.model import load_transformer
+from specctl.modeling import load_transformer
 from specctl.training.checkpoints import checkpoint_dirs
 from specctl.training.mtp import MtpTrainConfig, init_stack, step_weights, train_mtp
 from specctl.drafts.mtp import MTP_FILE, export_mtp, load_mtp
@@ -168,7 +168,7 @@ def test_mimo_training_and_the_proposer_agree(tiny_model_dir, data_file, tmp_pat
 
 def test_layout_resolution(tiny_model_factory):
     from specctl.errors import UsageError
-    from specctl.runtime.model import ModelArgs
+    from specctl.modeling import ModelArgs
     from specctl.training.mtp import resolve_layout
 
     base = json.loads((tiny_model_factory(arch="llama") / "config.json").read_text())

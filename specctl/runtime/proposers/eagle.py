@@ -37,7 +37,7 @@ from specctl.config import SpecConfig
 from specctl.drafts.eagle import EagleDraft, FusedEagle3, load_eagle_draft
 from specctl.errors import UsageError
 from specctl.models import resolve_draft
-from specctl.runtime.model import ModelArgs
+from specctl.modeling import ModelArgs
 from specctl.runtime.proposers.base import DraftOutput, SlotProposer, batch_draft
 from specctl.runtime.proposers.base import DraftSampling as _Sampling
 from specctl.runtime.rejection import logits_to_probs

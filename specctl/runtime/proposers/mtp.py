@@ -30,7 +30,7 @@ from specctl.config import SpecConfig
 from specctl.drafts.mtp import MtpStack, load_mtp, mtp_logits, mtp_step, mtp_step_ragged
 from specctl.errors import UsageError
 from specctl.models import resolve_draft
-from specctl.runtime.model import VERIFY_ROWS, ModelArgs
+from specctl.modeling import VERIFY_ROWS, ModelArgs
 from specctl.runtime.proposers.base import DraftOutput, SlotProposer, batch_draft
 from specctl.runtime.proposers.base import DraftSampling as _Sampling
 from specctl.runtime.rejection import logits_to_probs

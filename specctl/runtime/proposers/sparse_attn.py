@@ -34,7 +34,7 @@ import torch
 
 from specctl.config import SpecConfig
 from specctl.errors import UsageError
-from specctl.runtime.model import KVCache
+from specctl.modeling import KVCache
 from specctl.runtime.proposers.base import DraftOutput, DraftSampling, SlotProposer, batch_draft
 from specctl.roofline import budget as draft_budget
 from specctl.runtime.rejection import logits_to_probs
@@ -253,7 +253,7 @@ class SparseAttnProposer(SlotProposer):
                layers: list[int] | None) -> list[tuple[list[int], torch.Tensor | None]]:
         """(draft ids, q [n, V] or None) per request; drafting step j is one forward of every request
         still drafting: its newest token at scratch slot m + j, rotated at its true position L + j."""
-        from specctl.runtime.model import Segment
+        from specctl.modeling import Segment
 
         results: list[tuple[list[int], torch.Tensor | None]] = [([], None)] * len(slots)
         live = []

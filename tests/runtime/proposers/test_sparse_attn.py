@@ -14,7 +14,7 @@ import torch
 from specctl.config import SpecConfig
 from specctl.errors import ConfigError, UsageError
 from specctl.runtime.decoder import SamplingParams, SpecDecoder
-from specctl.runtime.model import attention_scores
+from specctl.modeling import attention_scores
 from specctl.runtime.proposers import build_proposer
 from specctl.runtime.proposers.sparse_attn import (SINK_TOKENS, draft_budget, streamingllm_positions,
                                                    vegas_positions)
@@ -146,7 +146,7 @@ def test_fused_kernel_writes_the_same_scores(tiny_model_factory):
     """On the fused CPU path the attention kernel writes the weights while it attends (no second pass):
     the same as the recomputed ones to bf16 rounding, and the outputs unchanged bit for bit."""
     from kernels import cpu, decode_layer
-    from specctl.runtime.model import Segment
+    from specctl.modeling import Segment
 
     if decode_layer.load() is None:
         pytest.skip(cpu.why_not(cpu.AMX, built=False))

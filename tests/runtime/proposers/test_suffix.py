@@ -15,7 +15,7 @@ import torch
 
 from specctl.config import SpecConfig, implemented_methods
 from specctl.runtime.decoder import SamplingParams, SpecDecoder
-from specctl.runtime.model import load_transformer
+from specctl.modeling import load_transformer
 from specctl.runtime.proposers import build_proposer
 from specctl.runtime.proposers.suffix import SuffixProposer
 from specctl.runtime.runner import TargetRunner

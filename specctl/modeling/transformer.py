@@ -1,123 +1,29 @@
 """The own decoder-only transformer (Llama / Qwen2 / Mistral families), written for decoding.
 
-What it does: loads an HF checkpoint folder (config.json + safetensors) into fused weights (q|k|v in
-one matrix, gate|up in another) and runs ``forward(tokens, start, cache)``: new tokens are written
-into a preallocated KV cache at positions [start, start+T) and attend to positions [0, start+T).
-Nothing is allocated per step but activations; rolling the cache back is the caller setting a
-shorter length (the next forward overwrites the rejected slots).
+``Transformer.forward(tokens, start, cache)`` writes the new tokens' keys and values into a
+preallocated KV cache at positions [start, start+T) and attends to positions [0, start+T); nothing is
+allocated per step but activations, and rolling the cache back is the caller setting a shorter
+length (the next forward overwrites the rejected slots). ``forward_ragged`` carries many requests'
+rows (decode, verify chains and trees, prefill chunks), each in its own cache. Weights are fused (q|k|v
+in one matrix, gate|up in another); on CPUs with AMX / AVX512-BF16 the linears, attention and whole
+blocks run in specctl's C++ kernels, every row computed as if alone (``kernels``).
 
-What it does not know: sampling, speculation, tokenizers. Numerics follow transformers' modelling
-code (RMSNorm in fp32, rotary cos/sin cast to the compute dtype) so that fp32 logits match it.
+What it does not know: sampling, speculation, tokenizers, checkpoints on disk (``modeling.load``).
+Numerics follow transformers' modelling code (RMSNorm in fp32, rotary cos/sin cast to the compute
+dtype) so that fp32 logits match it.
 """
 
 from __future__ import annotations
 
-import json
-import math
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from kernels import amx_linear, decode_attention, decode_layer, skinny_linear
-from specctl.errors import ModelError, UsageError
-
-SUPPORTED_ARCHS = ("llama", "qwen2", "mistral")
-# Forwards of at most this many tokens are "decode/verify" forwards (a chain's k+1 rows, a draft
-# tree's nodes): every op in them computes a row exactly as a one-token forward would (see
-# Block.forward and kernels/skinny_linear.py), so greedy speculative output equals plain greedy
-# output bit for bit, in bf16 too. Longer forwards are prefill (attention through SDPA).
-VERIFY_ROWS = decode_layer.MAX_ROWS
-# Without the C++ attention (fp32, CUDA), verify rows up to this many attend one SDPA call per row,
-# as a one-token decode does; more rows (and prefill) attend in one call.
-SDPA_ROWS = 16
-
-
-@dataclass
-class ModelArgs:
-    arch: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
-    qkv_bias: bool
-    tie_word_embeddings: bool
-    max_position_embeddings: int
-    rope_scaling: dict | None = None
-    num_mtp_layers: int = 0  # DeepSeek-style num_nextn_predict_layers: MTP modules after the main layers
-    o_bias: bool = False  # llama attention_bias=True also biases o_proj
-    mlp_bias: bool = False
-    sliding_window: int | None = None  # each query sees at most this many keys (itself included)
-
-    @classmethod
-    def from_hf_config(cls, cfg: dict) -> "ModelArgs":
-        arch = cfg.get("model_type", "?")
-        if arch not in SUPPORTED_ARCHS:
-            raise ModelError(
-                f"architecture '{arch}' is not supported by the own runtime yet",
-                f"use a model of one of: {', '.join(SUPPORTED_ARCHS)}",
-            )
-        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-        theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", "llama3", "linear"):
-            raise ModelError(f"rope type '{rope_type}' is not supported yet", "use a model with default, linear or llama3 rope")
-        if cfg.get("hidden_act", "silu") != "silu":
-            raise ModelError(f"activation '{cfg.get('hidden_act')}' is not supported yet", "use a model with silu MLPs")
-        n_heads = cfg["num_attention_heads"]
-        window = cfg.get("sliding_window") if arch == "mistral" else None
-        if arch == "qwen2" and cfg.get("use_sliding_window"):
-            raise ModelError("Qwen2 with use_sliding_window=true is not supported yet",
-                             "use a checkpoint with use_sliding_window=false")
-        return cls(
-            arch=arch,
-            vocab_size=cfg["vocab_size"],
-            hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"],
-            num_layers=cfg["num_hidden_layers"],
-            num_heads=n_heads,
-            num_kv_heads=cfg.get("num_key_value_heads") or n_heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // n_heads,
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=float(theta),
-            qkv_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
-            rope_scaling=rope if rope_type != "default" else None,
-            o_bias=arch != "qwen2" and bool(cfg.get("attention_bias", False)),
-            mlp_bias=bool(cfg.get("mlp_bias", False)),
-            sliding_window=int(window) if window else None,
-            num_mtp_layers=int(cfg.get("num_nextn_predict_layers") or 0),
-        )
-
-
-def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
-    """Inverse frequencies [head_dim/2] in fp32, with linear or llama3 scaling as transformers does."""
-    d = args.head_dim
-    inv = 1.0 / (args.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
-    rs = args.rope_scaling
-    if rs is None:
-        return inv
-    rope_type = rs.get("rope_type", rs.get("type"))
-    if rope_type == "linear":
-        return inv / rs["factor"]
-    # llama3: low frequencies scaled by `factor`, high kept, smooth in between.
-    factor, low, high = rs["factor"], rs["low_freq_factor"], rs["high_freq_factor"]
-    old_len = rs["original_max_position_embeddings"]
-    wavelen = 2 * math.pi / inv
-    scaled = torch.where(wavelen > old_len / low, inv / factor, inv)
-    smooth = (old_len / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
-    return torch.where(medium, smoothed, scaled)
+from specctl.modeling.args import SDPA_ROWS, VERIFY_ROWS, ModelArgs, rope_inv_freq
+from specctl.modeling.kv_cache import KVCache, scored_upto
 
 
 class RMSNorm(nn.Module):
@@ -448,59 +354,6 @@ class Transformer(nn.Module):
         return F.linear(h, self.head_weight), h, (torch.cat(aux, dim=-1) if aux else None)
 
 
-class KVCache:
-    """Preallocated keys and values: k, v [num_layers, B, n_kv, max_len, head_dim].
-
-    The cache itself holds no length: the runner owns it, and rolling back is setting it.
-
-    ``scores`` (off unless a proposer asks: ``keep_scores``) [num_layers, 2, n_kv, max_len] fp32: after
-    each verify block or prompt written to this cache (not after one-row decode steps), the attention
-    weights its first and last query rows gave every key, each summed over the query heads of a kv head
-    (what sparse-attention drafting ranks positions by, Vegas; ``ranking()`` sums them). On the fused
-    CPU path the attention kernel writes them as it goes; elsewhere ``attention_scores`` recomputes
-    them. ``scored``: the positions the ranking covers (see ``scored_upto``). It never changes what the
-    forward computes.
-    """
-
-    def __init__(self, a: ModelArgs, batch: int, max_len: int, dtype, device):
-        shape = (a.num_layers, batch, a.num_kv_heads, max_len, a.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.max_len = max_len
-        self.scores: torch.Tensor | None = None
-        self.scored = 0
-
-    def keep_scores(self) -> None:
-        if self.scores is None:
-            L, _, nkv = self.k.shape[:3]
-            self.scores = torch.zeros(L, 2, nkv, self.max_len, dtype=torch.float32, device=self.k.device)
-        self.scored = 0
-
-    def ranking(self, n: int) -> torch.Tensor:
-        """[num_layers, n]: the recorded weights of positions < n, summed over rows and heads."""
-        return self.scores[:, :, :, :n].sum(dim=(1, 2))
-
-    def records(self, T: int, prompt: bool) -> bool:
-        """Whether a forward of T rows records scores here: verify blocks and prompts, not one-row
-        decode steps."""
-        return self.scores is not None and (T > 1 or prompt)
-
-    def scoring(self, start: int, T: int, prompt: bool) -> bool:
-        """``records``, and if so, clears the first row's weights past where it sees (the forward at
-        ``start`` writes the rest)."""
-        if not self.records(T, prompt):
-            return False
-        self.scores[:, 0, :, start + 1:start + T] = 0
-        return True
-
-
-def scored_upto(start: int, T: int, prompt: bool) -> int:
-    """The positions a scoring forward of T rows at ``start`` ranks: for a verify block (the last
-    emitted token and its drafts), those before and at its first row, the committed context (its
-    drafts, once accepted, are recent positions); for a prompt (chunk), all of them."""
-    return start + T if prompt else start + 1
-
-
 def attention_scores(block: "Block", x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                      start: int) -> torch.Tensor:
     """The softmax weights that the first and last of ``x``'s rows (x [1, T, H], the block's input,
@@ -527,146 +380,3 @@ def attention_scores(block: "Block", x: torch.Tensor, cos: torch.Tensor, sin: to
     logits = logits.masked_fill(pos[None, :] > limit[:, None], float("-inf"))  # causal
     w = torch.softmax(logits, dim=-1).sum(dim=1)  # [nkv, rows, end]
     return w.transpose(0, 1) if len(rows) == 2 else w.transpose(0, 1).expand(2, -1, -1)
-
-
-# --------------------------------------------------------------------------- loading
-
-def read_config(folder: Path) -> dict:
-    path = Path(folder) / "config.json"
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ModelError(f"{folder} has no config.json", "give an HF model folder (config.json + *.safetensors)") from None
-    except json.JSONDecodeError as e:
-        raise ModelError(f"{path} is not valid JSON ({e.msg})", "re-save the checkpoint or re-pull it") from None
-
-
-KERNEL_MODES = ("auto", "fused", "torch")
-_kernels = "auto"
-
-
-def set_kernels(mode: str) -> None:
-    """The kernels bf16 CPU models load with from now on (the commands' ``--kernels``): "auto" (the
-    C++ row-independent kernels where the CPU has them, else torch's), "fused" (the C++ kernels or
-    an error), "torch" (torch's own ops). Draft models follow their target's."""
-    global _kernels
-    if mode not in KERNEL_MODES:
-        raise UsageError(f"unknown --kernels '{mode}'", f"use one of: {', '.join(KERNEL_MODES)}")
-    _kernels = mode
-
-
-def load_transformer(folder: str | Path, dtype: torch.dtype, device: str | torch.device = "cpu",
-                     kernels: str | None = None) -> Transformer:
-    """Build the Transformer from an HF folder's config.json and *.safetensors, fusing weights;
-    ``kernels`` (default: ``set_kernels``'s) picks the bf16 CPU path (see ``set_kernels``)."""
-    from safetensors import safe_open
-
-    folder = Path(folder)
-    args = ModelArgs.from_hf_config(read_config(folder))
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise ModelError(f"{folder} has no *.safetensors weights", "convert the checkpoint to safetensors (save_pretrained)")
-    sd: dict[str, torch.Tensor] = {}
-    for f in files:
-        with safe_open(str(f), framework="pt") as fh:
-            for key in fh.keys():
-                sd[key] = fh.get_tensor(key)
-    with torch.device("meta"):
-        model = Transformer(args)
-    model = model.to_empty(device=device)
-    model.load_state_dict(fuse_hf_state_dict(sd, args), strict=True, assign=False)
-    model.inv_freq = rope_inv_freq(args).to(device)
-    model = model.to(dtype).eval().requires_grad_(False)
-    mode = kernels or _kernels
-    bf16_cpu = dtype == torch.bfloat16 and torch.device(device).type == "cpu"
-    if mode == "fused" and not bf16_cpu:
-        raise UsageError("--kernels fused selects specctl's C++ kernels for bf16 on a CPU",
-                         "use --dtype bfloat16 --device cpu, or --kernels auto")
-    if bf16_cpu and mode != "torch" and not enable_exact_bf16(model) and mode == "fused":
-        raise UsageError("--kernels fused needs a CPU with AMX or AVX512-BF16 (and a C++ compiler); this one "
-                         "takes torch's path", "use --kernels auto")
-    return model
-
-
-_told_inexact = False
-
-
-def enable_exact_bf16(model: "Transformer") -> bool:
-    """Row-independent bf16 linears (AMX tiles, else the AVX512-BF16 skinny kernel): verification
-    then equals plain decoding bit for bit, and decode reads the weights faster than torch's oneDNN
-    GEMV (see benchmarks/decode_bandwidth.py). On by default for bf16 on CPU; ``--kernels torch``
-    keeps torch's F.linear. Returns whether a row-independent path is active; where the CPU has
-    neither AMX nor AVX512-BF16 (or no compiler), says so once on stderr and returns False."""
-    global _told_inexact
-    exact = pack_for_amx(model)
-    if exact:
-        model.cpu_kernels = "amx"
-    elif skinny_linear.load() is not None:
-        skinny_linear.ENABLED = True
-        model.cpu_kernels = "avx512_bf16"
-        exact = True
-    if not exact and not _told_inexact:
-        _told_inexact = True
-        print("specctl: this CPU has neither AMX nor AVX512-BF16 (or no compiler), so bf16 runs on torch's "
-              "kernels: greedy speculative output equals plain output except at near-ties (use --dtype float32 "
-              "for token-exact output)", file=sys.stderr)
-    if exact and decode_attention.load() is not None:
-        a = model.args
-        probe = torch.empty(1, a.num_heads, 1, a.head_dim, dtype=torch.bfloat16)
-        for block in model.layers:
-            block.exact_attention = decode_attention.supports(probe, a.num_kv_heads)
-            block.fused = (block.exact_attention and getattr(block.qkv, "amx_packed", False)
-                           and all(getattr(l, "amx_packed", False) for l in (block.o, block.gate_up, block.down))
-                           and block.gate_up.bias is None and block.down.bias is None
-                           and a.sliding_window is None and a.head_dim <= 256
-                           and a.intermediate_size % 16 == 0 and decode_layer.load() is not None)
-    return exact
-
-
-def fuse_hf_state_dict(sd: dict[str, torch.Tensor], a: ModelArgs) -> dict[str, torch.Tensor]:
-    """Map transformers' names (model.layers.{i}.self_attn.q_proj.weight, ...) to ours, fusing."""
-
-    used: set[str] = set()
-
-    def take(name: str) -> torch.Tensor:
-        try:
-            used.add(name)
-            return sd[name]
-        except KeyError:
-            raise ModelError(f"checkpoint lacks tensor '{name}'", "check that the folder holds a complete model") from None
-
-    out = {"embed.weight": take("model.embed_tokens.weight"), "norm.weight": take("model.norm.weight")}
-    if not a.tie_word_embeddings:
-        out["lm_head.weight"] = take("lm_head.weight") if "lm_head.weight" in sd else out["embed.weight"]
-    used.add("lm_head.weight")  # a tied checkpoint may still carry a copy of the head
-    for i in range(a.num_layers):
-        p = f"model.layers.{i}."
-        attn = [take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]
-        out[f"layers.{i}.qkv.weight"] = torch.cat(attn, 0)
-        if a.qkv_bias:
-            out[f"layers.{i}.qkv.bias"] = torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"], 0)
-        out[f"layers.{i}.o.weight"] = take(p + "self_attn.o_proj.weight")
-        if a.o_bias:
-            out[f"layers.{i}.o.bias"] = take(p + "self_attn.o_proj.bias")
-        out[f"layers.{i}.input_norm.weight"] = take(p + "input_layernorm.weight")
-        out[f"layers.{i}.post_norm.weight"] = take(p + "post_attention_layernorm.weight")
-        out[f"layers.{i}.gate_up.weight"] = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")], 0)
-        out[f"layers.{i}.down.weight"] = take(p + "mlp.down_proj.weight")
-        if a.mlp_bias:
-            out[f"layers.{i}.gate_up.bias"] = torch.cat([take(p + "mlp.gate_proj.bias"), take(p + "mlp.up_proj.bias")], 0)
-            out[f"layers.{i}.down.bias"] = take(p + "mlp.down_proj.bias")
-    def mtp_tensor(k: str) -> bool:
-        """MTP modules (DeepSeek-V3: model.layers.{L+i}.*; Qwen3-Next: mtp.*) load in the mtp proposer."""
-        if k.startswith("mtp."):
-            return True
-        parts = k.split(".")
-        return (a.num_mtp_layers > 0 and len(parts) > 2 and parts[:2] == ["model", "layers"]
-                and parts[2].isdigit() and int(parts[2]) >= a.num_layers)
-
-    unused = sorted(k for k in sd if k not in used and not k.endswith("rotary_emb.inv_freq") and not mtp_tensor(k))
-    if unused:
-        raise ModelError(
-            f"checkpoint has {len(unused)} tensor(s) the own runtime does not understand (e.g. '{unused[0]}')",
-            "this architecture variant is not supported yet; use a plain llama/qwen2/mistral checkpoint",
-        )
-    return out

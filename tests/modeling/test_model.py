@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from specctl.errors import ModelError, UsageError
-from specctl.runtime.model import load_transformer
+from specctl.modeling import load_transformer
 from specctl.runtime.runner import TargetRunner
 
 ATOL = 1e-5  # one prefill vs transformers' one forward: the same shapes, so fp32 agrees to 1e-5
@@ -278,7 +278,7 @@ def test_compiled_decode_step_gives_the_uncompiled_greedy_tokens(tiny_model_fact
     token, for plain decoding and for speculative decoding (ngram drafts verified uncompiled)."""
     from specctl.config import SpecConfig
     from specctl.runtime.decoder import SamplingParams, SpecDecoder
-    from specctl.runtime.model import load_transformer
+    from specctl.modeling import load_transformer
     from specctl.runtime.proposers import build_proposer
     from specctl.runtime.runner import TargetRunner
 

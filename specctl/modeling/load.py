@@ -1,0 +1,159 @@
+"""Checkpoints into the own transformer: an HF folder's config.json and safetensors, fused (q|k|v,
+gate|up), on the kernels the CPU runs (``--kernels``: ``set_kernels``; ``enable_exact_bf16``).
+
+What it does not know: decoding, tokenizers (``specctl.runtime.runner.load_model`` adds them),
+GGUF files (``specctl.runtime.quant``).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from kernels import decode_attention, decode_layer, skinny_linear
+from specctl.errors import ModelError, UsageError
+from specctl.modeling.args import ModelArgs, rope_inv_freq
+from specctl.modeling.transformer import Transformer, pack_for_amx
+
+def read_config(folder: Path) -> dict:
+    path = Path(folder) / "config.json"
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ModelError(f"{folder} has no config.json", "give an HF model folder (config.json + *.safetensors)") from None
+    except json.JSONDecodeError as e:
+        raise ModelError(f"{path} is not valid JSON ({e.msg})", "re-save the checkpoint or re-pull it") from None
+
+
+KERNEL_MODES = ("auto", "fused", "torch")
+_kernels = "auto"
+
+
+def set_kernels(mode: str) -> None:
+    """The kernels bf16 CPU models load with from now on (the commands' ``--kernels``): "auto" (the
+    C++ row-independent kernels where the CPU has them, else torch's), "fused" (the C++ kernels or
+    an error), "torch" (torch's own ops). Draft models follow their target's."""
+    global _kernels
+    if mode not in KERNEL_MODES:
+        raise UsageError(f"unknown --kernels '{mode}'", f"use one of: {', '.join(KERNEL_MODES)}")
+    _kernels = mode
+
+
+def load_transformer(folder: str | Path, dtype: torch.dtype, device: str | torch.device = "cpu",
+                     kernels: str | None = None) -> Transformer:
+    """Build the Transformer from an HF folder's config.json and *.safetensors, fusing weights;
+    ``kernels`` (default: ``set_kernels``'s) picks the bf16 CPU path (see ``set_kernels``)."""
+    from safetensors import safe_open
+
+    folder = Path(folder)
+    args = ModelArgs.from_hf_config(read_config(folder))
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ModelError(f"{folder} has no *.safetensors weights", "convert the checkpoint to safetensors (save_pretrained)")
+    sd: dict[str, torch.Tensor] = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as fh:
+            for key in fh.keys():
+                sd[key] = fh.get_tensor(key)
+    with torch.device("meta"):
+        model = Transformer(args)
+    model = model.to_empty(device=device)
+    model.load_state_dict(fuse_hf_state_dict(sd, args), strict=True, assign=False)
+    model.inv_freq = rope_inv_freq(args).to(device)
+    model = model.to(dtype).eval().requires_grad_(False)
+    mode = kernels or _kernels
+    bf16_cpu = dtype == torch.bfloat16 and torch.device(device).type == "cpu"
+    if mode == "fused" and not bf16_cpu:
+        raise UsageError("--kernels fused selects specctl's C++ kernels for bf16 on a CPU",
+                         "use --dtype bfloat16 --device cpu, or --kernels auto")
+    if bf16_cpu and mode != "torch" and not enable_exact_bf16(model) and mode == "fused":
+        raise UsageError("--kernels fused needs a CPU with AMX or AVX512-BF16 (and a C++ compiler); this one "
+                         "takes torch's path", "use --kernels auto")
+    return model
+
+
+_told_inexact = False
+
+
+def enable_exact_bf16(model: "Transformer") -> bool:
+    """Row-independent bf16 linears (AMX tiles, else the AVX512-BF16 skinny kernel): verification
+    then equals plain decoding bit for bit, and decode reads the weights faster than torch's oneDNN
+    GEMV (see benchmarks/decode_bandwidth.py). On by default for bf16 on CPU; ``--kernels torch``
+    keeps torch's F.linear. Returns whether a row-independent path is active; where the CPU has
+    neither AMX nor AVX512-BF16 (or no compiler), says so once on stderr and returns False."""
+    global _told_inexact
+    exact = pack_for_amx(model)
+    if exact:
+        model.cpu_kernels = "amx"
+    elif skinny_linear.load() is not None:
+        skinny_linear.ENABLED = True
+        model.cpu_kernels = "avx512_bf16"
+        exact = True
+    if not exact and not _told_inexact:
+        _told_inexact = True
+        print("specctl: this CPU has neither AMX nor AVX512-BF16 (or no compiler), so bf16 runs on torch's "
+              "kernels: greedy speculative output equals plain output except at near-ties (use --dtype float32 "
+              "for token-exact output)", file=sys.stderr)
+    if exact and decode_attention.load() is not None:
+        a = model.args
+        probe = torch.empty(1, a.num_heads, 1, a.head_dim, dtype=torch.bfloat16)
+        for block in model.layers:
+            block.exact_attention = decode_attention.supports(probe, a.num_kv_heads)
+            block.fused = (block.exact_attention and getattr(block.qkv, "amx_packed", False)
+                           and all(getattr(l, "amx_packed", False) for l in (block.o, block.gate_up, block.down))
+                           and block.gate_up.bias is None and block.down.bias is None
+                           and a.sliding_window is None and a.head_dim <= 256
+                           and a.intermediate_size % 16 == 0 and decode_layer.load() is not None)
+    return exact
+
+
+def fuse_hf_state_dict(sd: dict[str, torch.Tensor], a: ModelArgs) -> dict[str, torch.Tensor]:
+    """Map transformers' names (model.layers.{i}.self_attn.q_proj.weight, ...) to ours, fusing."""
+
+    used: set[str] = set()
+
+    def take(name: str) -> torch.Tensor:
+        try:
+            used.add(name)
+            return sd[name]
+        except KeyError:
+            raise ModelError(f"checkpoint lacks tensor '{name}'", "check that the folder holds a complete model") from None
+
+    out = {"embed.weight": take("model.embed_tokens.weight"), "norm.weight": take("model.norm.weight")}
+    if not a.tie_word_embeddings:
+        out["lm_head.weight"] = take("lm_head.weight") if "lm_head.weight" in sd else out["embed.weight"]
+    used.add("lm_head.weight")  # a tied checkpoint may still carry a copy of the head
+    for i in range(a.num_layers):
+        p = f"model.layers.{i}."
+        attn = [take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]
+        out[f"layers.{i}.qkv.weight"] = torch.cat(attn, 0)
+        if a.qkv_bias:
+            out[f"layers.{i}.qkv.bias"] = torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"], 0)
+        out[f"layers.{i}.o.weight"] = take(p + "self_attn.o_proj.weight")
+        if a.o_bias:
+            out[f"layers.{i}.o.bias"] = take(p + "self_attn.o_proj.bias")
+        out[f"layers.{i}.input_norm.weight"] = take(p + "input_layernorm.weight")
+        out[f"layers.{i}.post_norm.weight"] = take(p + "post_attention_layernorm.weight")
+        out[f"layers.{i}.gate_up.weight"] = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")], 0)
+        out[f"layers.{i}.down.weight"] = take(p + "mlp.down_proj.weight")
+        if a.mlp_bias:
+            out[f"layers.{i}.gate_up.bias"] = torch.cat([take(p + "mlp.gate_proj.bias"), take(p + "mlp.up_proj.bias")], 0)
+            out[f"layers.{i}.down.bias"] = take(p + "mlp.down_proj.bias")
+    def mtp_tensor(k: str) -> bool:
+        """MTP modules (DeepSeek-V3: model.layers.{L+i}.*; Qwen3-Next: mtp.*) load in the mtp proposer."""
+        if k.startswith("mtp."):
+            return True
+        parts = k.split(".")
+        return (a.num_mtp_layers > 0 and len(parts) > 2 and parts[:2] == ["model", "layers"]
+                and parts[2].isdigit() and int(parts[2]) >= a.num_layers)
+
+    unused = sorted(k for k in sd if k not in used and not k.endswith("rotary_emb.inv_freq") and not mtp_tensor(k))
+    if unused:
+        raise ModelError(
+            f"checkpoint has {len(unused)} tensor(s) the own runtime does not understand (e.g. '{unused[0]}')",
+            "this architecture variant is not supported yet; use a plain llama/qwen2/mistral checkpoint",
+        )
+    return out
