@@ -457,7 +457,7 @@ def setup_mtp(ck: Check, s: Suite, d: dict) -> Path:
 
     from specctl.runtime.runner import load_model
     from specctl.training.mtp import init_stack, mtp_loss, step_weights, target_states, unroll
-    from specctl.drafts.mtp import export_mtp
+    from specctl.drafts.mtp_files import export_mtp
 
     cases = s.need("train_cases:base")
     ck.at("load target")

@@ -25,10 +25,10 @@ import re
 from dataclasses import dataclass, field
 from functools import cache
 
-from specctl.drafts.eagle import check_eagle, check_eagle3, is_eagle, is_eagle3
+from specctl.drafts.eagle_files import check_eagle, check_eagle3, is_eagle, is_eagle3
 from specctl.drafts.formats import TargetFacts, Tensors
 from specctl.drafts.medusa import check_medusa, is_medusa
-from specctl.drafts.mtp import check_mtp, is_mtp_draft
+from specctl.drafts.mtp_files import check_mtp, is_mtp_draft
 
 _NOISE = {"instruct", "chat", "it", "hf", "gguf", "awq", "gptq", "bf16", "bfloat16", "fp16", "float16", "fp32",
           "float32", "int4", "int8", "q4", "q8", "model", "the"}

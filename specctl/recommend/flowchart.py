@@ -25,7 +25,7 @@ import json
 import shlex
 from dataclasses import asdict, dataclass, field
 
-from specctl.drafts.mtp import MTPInfo, mtp_modules
+from specctl.drafts.mtp_files import MTPInfo, mtp_modules
 from specctl.recommend.candidates import Candidate, find_drafts, gather_candidates, judge_candidate
 from specctl.recommend.choices import Choice, Node, commands, implemented, make_choice
 from specctl.recommend.cost import (MIN_GAIN, PATTERN_ALPHA_WHEN_MATCHED, Workload, best_k, get_workload,

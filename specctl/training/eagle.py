@@ -22,7 +22,8 @@ from typing import Callable
 
 import torch
 
-from specctl.drafts.eagle import EagleDraft, export_eagle, spec_from_target
+from specctl.drafts.eagle import EagleDraft, spec_from_target
+from specctl.drafts.eagle_files import export_eagle
 from specctl.errors import DataError
 from specctl.training import checkpoints as C
 from specctl.training import loop as L

@@ -36,7 +36,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specctl.drafts.mtp import MtpStack, export_mtp, mimo_unfit_reason, mtp_logits, mtp_step
+from specctl.drafts.mtp import MtpStack, mtp_logits, mtp_step
+from specctl.drafts.mtp_files import export_mtp, mimo_unfit_reason
 from specctl.errors import DataError, UsageError
 from specctl.modeling import KVCache, Transformer
 from specctl.training import checkpoints as C

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from specctl.config import implemented_methods
-from specctl.drafts.mtp import mtp_modules
+from specctl.drafts.mtp_files import mtp_modules
 from specctl.recommend.detect import name_key
 from specctl.recommend.flowchart import recommend
 from specctl.recommend.inspection import gguf_mtp

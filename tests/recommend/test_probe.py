@@ -7,7 +7,8 @@ import shutil
 
 import torch
 
-from specctl.drafts.eagle import EagleDraft, export_eagle, spec_from_target
+from specctl.drafts.eagle import EagleDraft, spec_from_target
+from specctl.drafts.eagle_files import export_eagle
 from specctl.recommend.flowchart import recommend
 from specctl.recommend.probe import apply_probe, probe
 from specctl.runtime.runner import load_model

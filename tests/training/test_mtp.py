@@ -12,7 +12,7 @@ import torch
 from specctl.modeling import load_transformer
 from specctl.training.checkpoints import checkpoint_dirs
 from specctl.training.mtp import MtpTrainConfig, init_stack, step_weights, train_mtp
-from specctl.drafts.mtp import MTP_FILE, export_mtp, load_mtp
+from specctl.drafts.mtp_files import MTP_FILE, export_mtp, load_mtp
 
 
 def test_step_weights():

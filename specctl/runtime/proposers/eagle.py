@@ -34,7 +34,8 @@ import numpy as np
 import torch
 
 from specctl.config import SpecConfig
-from specctl.drafts.eagle import EagleDraft, FusedEagle3, load_eagle_draft
+from specctl.drafts.eagle import EagleDraft, FusedEagle3
+from specctl.drafts.eagle_files import load_eagle_draft
 from specctl.errors import UsageError
 from specctl.models import resolve_draft
 from specctl.modeling import ModelArgs

@@ -27,7 +27,8 @@ import numpy as np
 import torch
 
 from specctl.config import SpecConfig
-from specctl.drafts.mtp import MtpStack, load_mtp, mtp_logits, mtp_step, mtp_step_ragged
+from specctl.drafts.mtp import MtpStack, mtp_logits, mtp_step, mtp_step_ragged
+from specctl.drafts.mtp_files import load_mtp
 from specctl.errors import UsageError
 from specctl.models import resolve_draft
 from specctl.modeling import VERIFY_ROWS, ModelArgs

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from specctl.config import SpecConfig
-from specctl.drafts.mtp import MTP_FILE, export_mtp, load_mtp, mtp_logits, mtp_state_dict, mtp_step
+from specctl.drafts.mtp import mtp_logits, mtp_step
+from specctl.drafts.mtp_files import MTP_FILE, export_mtp, load_mtp, mtp_state_dict
 from specctl.runtime.decoder import SamplingParams, SpecDecoder
 from specctl.runtime.proposers import build_proposer
 from specctl.runtime.proposers.mtp import MtpProposer
