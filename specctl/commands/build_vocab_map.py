@@ -1,6 +1,6 @@
 """`specctl build-vocab-map`: map a draft's vocabulary onto a target's, and/or EAGLE-3's reduced vocabulary.
 
-Thin: resolve the two tokenizers, call ``specctl.runtime.vocab_map``, write the file, render the
+Thin: resolve the two tokenizers, call ``specctl.drafts.vocab_map``, write the file, render the
 overlap. Progress on stderr, results on stdout.
 """
 
@@ -53,7 +53,8 @@ def build_vocab_map_cmd(
     from rich.console import Console
 
     err = Console(stderr=True, log_path=False)
-    from specctl.runtime.vocab_map import VocabMap, build_draft_vocab, build_vocab_map, tokenizer_fingerprint
+    from specctl.drafts.draft_vocab import build_draft_vocab
+    from specctl.drafts.vocab_map import VocabMap, build_vocab_map, tokenizer_fingerprint
 
     t_tok, t_name, t_vocab = _tokenizer(target, err)
     if draft is not None:
@@ -72,7 +73,7 @@ def build_vocab_map_cmd(
     report = dict(vmap.overlap(), output=str(output))
     if draft is not None:
         from specctl.runtime.proposers.draft_model import MIN_TLI_AGREEMENT, MIN_TLI_COVERAGE
-        from specctl.runtime.vocab_map import boundary_agreement
+        from specctl.drafts.vocab_map import boundary_agreement
 
         same = vmap.draft_fingerprint == vmap.target_fingerprint
         report["draft_model_mode"] = "same" if same else ("auto" if vmap.draft_coverage >= MIN_TLI_COVERAGE else "text")
@@ -80,7 +81,7 @@ def build_vocab_map_cmd(
         # how often the two tokenizers cut real text at the same bytes (the ceiling of the intersection)
         probes = {"code": Path(json.decoder.__file__).read_text()[:8000]}
         if data is not None:
-            from specctl.runtime.vocab_map import read_texts
+            from specctl.drafts.draft_vocab import read_texts
 
             probes["data"] = "\n".join(t for _, t in zip(range(200), read_texts(data)))[:20000]
         report["boundary_agreement"] = {k: boundary_agreement(d_tok, t_tok, v) for k, v in probes.items() if v}

@@ -134,9 +134,9 @@ def check_draft_model(draft_path: str, target_path: str) -> dict | None:
     ``mode`` is the draft_model method's own default for the pair: "same" (identical fingerprints),
     "auto" (different tokenizers sharing at least MIN_TLI_COVERAGE of the draft's vocabulary: the
     token-level intersection or text, chosen per step) or "text" (re-tokenized text). The coverage is
-    ``specctl.runtime.vocab_map``'s byte-level token intersection, as build-vocab-map computes it.
+    ``specctl.drafts.vocab_map``'s byte-level token intersection, as build-vocab-map computes it.
     """
-    from specctl.runtime import vocab_map as vm
+    from specctl.drafts import vocab_map as vm
     from specctl.runtime.proposers.draft_model import MIN_TLI_COVERAGE
 
     dt, tt = _tokenizer(draft_path), _tokenizer(target_path)

@@ -104,7 +104,7 @@ def load_sequences(cfg: EagleTrainConfig, loaded, log: Callable[[str], None]) ->
 
 def build_draft(target, cfg: EagleTrainConfig, seqs: list[list[int]], tok) -> EagleDraft:
     """A fresh draft: lm_head rows and norm from the target's (EAGLE-3), d2t/t2d from token frequencies."""
-    from specctl.runtime.vocab_map import reduced_vocab_from_counts
+    from specctl.drafts.draft_vocab import reduced_vocab_from_counts
 
     a = target.args
     n = min(cfg.draft_vocab_size or 32000, a.vocab_size) if cfg.version == 3 else a.vocab_size

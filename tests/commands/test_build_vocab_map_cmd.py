@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 
 from specctl.cli import app
 from specctl.errors import DataError, UsageError
-from specctl.runtime.vocab_map import VocabMap
+from specctl.drafts.vocab_map import VocabMap
 
 runner = CliRunner()
 

@@ -17,7 +17,7 @@ How the draft speaks the target's vocabulary:
   tli  : token-level intersection (Timor et al., arXiv 2502.05202, as vLLM's and transformers'
          heterogeneous-vocabulary support): the draft reads the target's text re-tokenized with its
          own tokenizer; its distribution is restricted to the draft tokens whose byte string is one
-         target token (``specctl.runtime.vocab_map``), renormalised, and moved onto target ids. q is
+         target token (``specctl.drafts.vocab_map``), renormalised, and moved onto target ids. q is
          exactly the distribution each draft token was sampled from, so verification is lossless.
   text : the draft writes freely, its text is re-tokenized for the target (transformers' universal
          assisted generation). The draft is then deterministic from the target's view (probs None,
@@ -48,7 +48,7 @@ from specctl.errors import UsageError
 from specctl.runtime.proposers.base import DraftOutput, Proposer, batch_draft
 from specctl.runtime.proposers.base import DraftSampling as _Sampling
 from specctl.runtime.rejection import logits_to_probs
-from specctl.runtime.vocab_map import VocabMap, build_vocab_map, span_agreement, token_bytes, tokenizer_fingerprint
+from specctl.drafts.vocab_map import VocabMap, build_vocab_map, span_agreement, token_bytes, tokenizer_fingerprint
 
 # Below this fraction of the draft vocabulary inside the intersection, drafting through the
 # intersection suppresses too much of the draft; the text-level path takes over.

@@ -26,7 +26,7 @@ from specctl.runtime.proposers.draft_model import DraftModelProposer
 from specctl.runtime.rejection import logits_to_probs
 from specctl.runtime.runner import TargetRunner, load_model
 from specctl.testing import emitted_histograms, exact_marginals, null_tv_quantile
-from specctl.runtime.vocab_map import build_vocab_map
+from specctl.drafts.vocab_map import build_vocab_map
 
 MAX_LEN = 128
 NEW = 24

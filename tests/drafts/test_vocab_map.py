@@ -15,16 +15,9 @@ import json
 import pytest
 import torch
 
+from specctl.drafts.draft_vocab import build_draft_vocab, reduced_vocab_from_counts
+from specctl.drafts.vocab_map import VocabMap, build_vocab_map, token_bytes, tokenizer_fingerprint, tokenizer_scheme
 from specctl.errors import DataError
-from specctl.runtime.vocab_map import (
-    VocabMap,
-    build_draft_vocab,
-    build_vocab_map,
-    reduced_vocab_from_counts,
-    token_bytes,
-    tokenizer_fingerprint,
-    tokenizer_scheme,
-)
 
 SPECIALS = ("<unk>", "<|im_start|>", "<|im_end|>")
 

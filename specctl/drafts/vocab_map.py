@@ -1,4 +1,5 @@
-"""Vocabulary maps: a draft speaking a different tokenizer, and EAGLE-3's reduced draft vocabulary.
+"""Vocabulary maps: a draft speaking a different tokenizer (and the file that also carries EAGLE-3's
+reduced draft vocabulary, ``specctl.drafts.draft_vocab``).
 
 What it does:
   - ``token_bytes(tok)``: the byte string each token id stands for, with the tokenizer's spelling
@@ -12,9 +13,6 @@ What it does:
         draft 'Ġhelloworld' (no such target token) -> -1, suppressed when drafting.
   - ``tokenizer_fingerprint(tok)``: sha256 of the vocabulary (every id's token string, added tokens
     marked), stored in every map file so that a map is never applied to another pair of tokenizers.
-  - ``build_draft_vocab(tok, data, N)``: EAGLE-3's reduced draft vocabulary from token frequencies:
-    the N most frequent target ids, sorted; ``d2t[i] = target_id - i`` (int64, target = i + d2t[i]);
-    ``t2d`` bool over the target vocabulary (the layout vLLM and SGLang load).
   - Save/load as safetensors (tensors + string metadata) or JSON (by the file suffix), atomically.
 
 What it does not know: models, drafting, verification (``proposers/draft_model.py`` applies a map).
@@ -25,16 +23,15 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
-import tempfile
-from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from specctl.drafts.draft_vocab import DraftVocab
 from specctl.errors import DataError
+from specctl.files import write_bytes_atomic
 
 FORMAT = "specctl-vocab-map"
 VERSION = 1
@@ -182,135 +179,6 @@ def _tokenizer_name(tok) -> str:
     return Path(str(getattr(tok, "name_or_path", "") or "")).name or "tokenizer"
 
 
-# --------------------------------------------------------------------------- EAGLE-3 reduced vocabulary
-
-@dataclass
-class DraftVocab:
-    """EAGLE-3's reduced draft vocabulary (arXiv 2503.01840): N target ids a draft head predicts over."""
-
-    d2t: torch.Tensor  # [N] int64: target id of draft id i = i + d2t[i]
-    t2d: torch.Tensor  # [V_target] bool: target id is in the draft vocabulary
-    num_tokens_counted: int = 0  # tokens of the data the frequencies came from
-    coverage: float = 0.0  # fraction of those tokens whose id is in the draft vocabulary
-
-    @property
-    def draft_vocab_size(self) -> int:
-        return int(self.d2t.numel())
-
-    @property
-    def target_ids(self) -> torch.Tensor:
-        """[N] int64, ascending: the target id of each draft id."""
-        return self.d2t + torch.arange(self.d2t.numel(), dtype=torch.int64)
-
-
-def reduced_vocab_from_counts(counts: torch.Tensor, draft_vocab_size: int,
-                              always: Iterable[int] = ()) -> DraftVocab:
-    """counts: [V_target] token frequencies -> the ``draft_vocab_size`` most frequent ids (ties: lower id).
-
-    ``always`` (e.g. stop tokens) are kept whatever their count; when the data names fewer distinct
-    ids than asked, the lowest unseen ids fill the rest so that the size is exactly as asked.
-    """
-    counts = counts.to(torch.int64).flatten()
-    V = counts.numel()
-    if not 0 < draft_vocab_size <= V:
-        raise DataError(f"draft vocabulary size {draft_vocab_size} is outside [1, {V}] (the target vocabulary)",
-                        f"pass --draft-vocab-size between 1 and {V}")
-    key = counts.clone()
-    forced = torch.tensor(sorted({int(i) for i in always if 0 <= int(i) < V}), dtype=torch.int64)
-    if forced.numel() > draft_vocab_size:
-        raise DataError(f"{forced.numel()} special tokens do not fit in a draft vocabulary of {draft_vocab_size}",
-                        "raise --draft-vocab-size")
-    big = int(counts.max()) + 1 if V else 1
-    key[forced] = big  # forced ids outrank every counted id
-    # stable sort by descending key: equal counts keep ascending id order
-    order = torch.sort(-key, stable=True).indices
-    chosen = torch.sort(order[:draft_vocab_size]).values  # [N] ascending target ids
-    t2d = torch.zeros(V, dtype=torch.bool)
-    t2d[chosen] = True
-    total = int(counts.sum())
-    return DraftVocab(chosen - torch.arange(draft_vocab_size, dtype=torch.int64), t2d, total,
-                      float(counts[chosen].sum()) / total if total else 0.0)
-
-
-def read_texts(path: str | Path) -> Iterator[str]:
-    """Text of a data file: .jsonl / .json (every string value, e.g. prompt, text, messages[].content),
-    any other file as plain text, or every file of a folder (recursively, sorted)."""
-    path = Path(path)
-    if path.is_dir():
-        for f in sorted(p for p in path.rglob("*") if p.is_file()):
-            yield from read_texts(f)
-        return
-    if not path.is_file():
-        raise DataError(f"no such data file {path}", "pass --data a .jsonl, .json or text file, or a folder")
-    try:
-        text = path.read_text(encoding="utf-8", errors="replace")
-    except OSError as e:
-        raise DataError(f"cannot read {path} ({e.strerror})", "check the path and its permissions") from None
-    if path.suffix == ".jsonl":
-        for n, line in enumerate(text.splitlines(), 1):
-            if line.strip():
-                try:
-                    yield from _strings(json.loads(line))
-                except json.JSONDecodeError as e:
-                    raise DataError(f"{path}:{n} is not valid JSON ({e.msg})", "fix or remove that line") from None
-    elif path.suffix == ".json":
-        try:
-            yield from _strings(json.loads(text))
-        except json.JSONDecodeError as e:
-            raise DataError(f"{path} is not valid JSON ({e.msg} at line {e.lineno})", "fix the file") from None
-    else:
-        yield text
-
-
-def _strings(obj) -> Iterator[str]:
-    if isinstance(obj, str):
-        yield obj
-    elif isinstance(obj, dict):
-        for k, v in obj.items():
-            if k not in ("id", "role", "category", "question_id", "task_id"):
-                yield from _strings(v)
-    elif isinstance(obj, list):
-        for v in obj:
-            yield from _strings(v)
-
-
-def count_tokens(tok, texts: Iterable[str], vocab_size: int | None = None, batch: int = 256) -> torch.Tensor:
-    """[vocab_size] int64 frequency of each id in the tokenization of ``texts`` (no special tokens added)."""
-    V = vocab_size or len(tok)
-    counts = torch.zeros(V, dtype=torch.int64)
-    buf: list[str] = []
-
-    def flush():
-        if buf:
-            for ids in tok(buf, add_special_tokens=False)["input_ids"]:
-                t = torch.tensor([i for i in ids if i < V], dtype=torch.int64)
-                counts.index_add_(0, t, torch.ones_like(t))
-            buf.clear()
-
-    for text in texts:
-        buf.append(text)
-        if len(buf) >= batch:
-            flush()
-    flush()
-    return counts
-
-
-def build_draft_vocab(tok, data: str | Path | Iterable[str], draft_vocab_size: int,
-                      vocab_size: int | None = None, always: Iterable[int] | None = None) -> DraftVocab:
-    """EAGLE-3's d2t/t2d for target tokenizer ``tok`` from a data file/folder (or texts).
-
-    ``vocab_size``: the target model's vocabulary (default ``len(tok)``); ``always``: ids kept whatever
-    their frequency (default: the tokenizer's special tokens). ``train-eagle`` calls this.
-    """
-    texts = read_texts(data) if isinstance(data, (str, Path)) else data
-    counts = count_tokens(tok, texts, vocab_size)
-    if int(counts.sum()) == 0:
-        raise DataError("the data holds no text to count tokens in", "pass --data a file with prompts or text")
-    if always is None:
-        always = getattr(tok, "all_special_ids", []) or []
-    return reduced_vocab_from_counts(counts, draft_vocab_size, always)
-
-
 # --------------------------------------------------------------------------- the map
 
 @dataclass
@@ -424,7 +292,7 @@ class VocabMap:
             from safetensors.torch import save
 
             data = save(tensors, metadata=meta)
-        _atomic_write(path, data)
+        write_bytes_atomic(path, data)
         return path
 
     @classmethod
@@ -464,21 +332,6 @@ class VocabMap:
             raise
         except Exception:  # noqa: BLE001 - any unreadable file is the same problem for the user
             raise bad from None
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` so that it appears whole or not at all (temp file + rename)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def build_vocab_map(draft_tok, target_tok, draft_name: str | None = None, target_name: str | None = None,
