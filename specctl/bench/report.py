@@ -9,20 +9,14 @@ from __future__ import annotations
 
 import csv
 import io
-import os
 from pathlib import Path
+
+from specctl.files import write_bytes_atomic
 
 CSV_FIELDS = ("workload", "method", "k", "requests", "new_tokens", "tokens_per_s", "tokens_per_s_min",
               "tokens_per_s_max", "runs", "speedup", "speedup_vs_specctl_baseline", "ttft_s", "target_forwards",
               "identical_to_baseline", "num_drafts", "num_draft_tokens", "num_accepted_tokens",
               "acceptance_rate", "mean_acceptance_length", "acceptance_rate_per_pos", "error")
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
 
 
 def write_csv(rows: list[dict], path: str | Path) -> Path:
@@ -32,7 +26,7 @@ def write_csv(rows: list[dict], path: str | Path) -> Path:
     for r in rows:
         w.writerow({**r, "acceptance_rate_per_pos": " ".join(f"{x:.4f}" for x in r["acceptance_rate_per_pos"])})
     path = Path(path)
-    _atomic_write(path, buf.getvalue().encode())
+    write_bytes_atomic(path, buf.getvalue().encode())
     return path
 
 
@@ -101,5 +95,5 @@ def series_name(row: dict, rows: list[dict]) -> str:
 def _save(fig, path: Path) -> Path:
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=120)
-    _atomic_write(path, buf.getvalue())
+    write_bytes_atomic(path, buf.getvalue())
     return path

@@ -7,6 +7,8 @@ checked against a target (``specctl recommend`` runs these).
   files (vLLM's and SGLang's layouts).
 - ``mtp`` / ``mtp_files``: multi-token-prediction modules and their ragged batched step / their files
   (MiMo's, DeepSeek-V3's and Qwen3-Next's layouts; MTP layers found in a target).
+- ``vocab_map`` / ``draft_vocab``: a draft's tokenizer mapped onto the target's (the map file) /
+  EAGLE-3's reduced draft vocabulary (d2t, t2d).
 - ``formats``: what the detectors and checks share.
 
 Both the runtime's proposers (``specctl.runtime.proposers``) and the trainers (``specctl.training``)

