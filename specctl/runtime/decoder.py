@@ -3,8 +3,10 @@
     prompt ─► prefill ─► [ propose(k) ─► forward(last + draft) ─► verify ─► rollback ─► stats ]*
 
 With no proposer it is plain decoding through the very same path (a draft of length 0), which is
-the no-speculation baseline bench compares against. One request at a time per SpecDecoder (the
-proposer and verifier are batched; the runner's rows advance together).
+the no-speculation baseline bench compares against. ``step`` advances one request; ``step_batch``
+advances many (each with its own runner, i.e. KV cache, and proposer slot) with one target forward
+for all of them, which the continuous-batching scheduler drives; a request's tokens are the same
+either way.
 
 Index arithmetic of one step, worked: the cache holds L tokens; ``last`` (emitted, not yet in the
 cache) and d drafts are fed at positions L..L+d, giving d+1 target distributions. If n drafts are
