@@ -46,6 +46,8 @@ def implemented_methods() -> tuple[str, ...]:
 
 
 METHOD_ALIASES = {"deepseek_mtp": "mtp", "[ngram]": "ngram"}
+# The draft ``quantization`` values (vLLM's key, which takes more) that the own runtime runs
+OWN_QUANTIZATIONS = (None, "gguf")
 
 # Default number of draft tokens per method when the user does not give one. vLLM requires the
 # key; specctl picks a value measured on CPU (verifying k tokens costs about one decode step).
@@ -109,6 +111,23 @@ class SpecConfig:
     requests run (vLLM's key and meaning: verification stops being free in large batches)."""
     vllm_only: dict[str, Any] = field(default_factory=dict)
     """Keys vLLM understands that the own runtime does not use (kept for ``--engine vllm``)."""
+
+    @property
+    def quantization(self) -> str | None:
+        """vLLM's ``quantization`` key: how the draft's weights are stored. Kept with the passthrough keys,
+        so every value vLLM takes (fp8, awq, ...) reaches ``--engine vllm``; the own runtime's draft_model
+        runs None (dense; a .gguf draft is converted once) and "gguf" (a .gguf file, or a catalogue name
+        whose GGUF is kept, run quantized as stored on the CPU): ``own_quantization``."""
+        return self.vllm_only.get("quantization")
+
+    def own_quantization(self) -> str | None:
+        """``quantization`` as the own runtime runs it (None or "gguf"); a value only vLLM runs: ConfigError."""
+        q = self.quantization
+        if q not in OWN_QUANTIZATIONS:
+            raise ConfigError(f"draft quantization '{q}' is vLLM's; specctl's runtime runs dense or GGUF drafts",
+                              'use "quantization": "gguf" with a .gguf draft (or a catalogue name), or serve with '
+                              "--engine vllm")
+        return q
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -213,6 +232,12 @@ class SpecConfig:
                               'drop them, or use {"method": "sparse_attn"}')
         if self.disable_by_batch_size is not None:
             _check_int("disable_by_batch_size", self.disable_by_batch_size, minimum=2)
+        q = self.quantization
+        if q is not None and not isinstance(q, str):
+            raise ConfigError(f"quantization must be a string, got {q!r}", 'e.g. "quantization": "gguf"')
+        if q == "gguf" and method != "draft_model":
+            raise ConfigError(f"quantization \"gguf\" runs a GGUF draft model, and '{method}' drafts with none",
+                              'drop it, or use {"method": "draft_model", "model": "DRAFT.gguf", "quantization": "gguf"}')
         _check_int("suffix_decoding_max_tree_depth", self.suffix_decoding_max_tree_depth, minimum=1)
         _check_int("suffix_decoding_max_cached_requests", self.suffix_decoding_max_cached_requests, minimum=0)
         _check_number("suffix_decoding_max_spec_factor", self.suffix_decoding_max_spec_factor, minimum=0.0)

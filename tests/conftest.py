@@ -26,6 +26,13 @@ Fixtures (all offline, seeded, CPU, fp32):
     (AMX hidden) and ``"torch"`` (AMX and AVX512-BF16 hidden: an AVX2-only CPU), each skipped with
     the missing feature named where this CPU cannot run it. Load models inside the test.
 
+``tiny_quant_gguf`` (session)
+    A tiny llama (``TINY_QUANT_SHAPE``: hidden 256, so the Q4_K/Q8_0 blocks fit) written as a
+    quantized GGUF with its tokenizer, by ``write_quant_gguf(folder, path)`` (projections Q4_K and
+    Q8_0, the embedding and head Q8_0, llama's Q/K rows permuted as llama.cpp's convert script does;
+    the tiny tokenizer as ``tokenizer.ggml.*``): ``load_gguf_model`` and ``specctl bench --model
+    tiny.gguf --quantization gguf`` run it. Needs ``gguf`` (skipped without it).
+
 ``make_runner`` / ``target_runner`` (function)
     ``make_runner(max_len=256, batch=1, model=None)`` -> a fresh ``TargetRunner`` over ``tiny_model``
     (or the given model); ``target_runner`` is ``make_runner()``.
@@ -47,6 +54,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -238,3 +246,141 @@ def run_batched():
         return out
 
     return run
+
+# ----------------------------------------------------------------------------- tiny quantized GGUFs
+
+TINY_QUANT_SHAPE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)
+
+
+def add_tiny_tokenizer(w) -> None:
+    """The tiny tokenizer as GGUF metadata (gguf.GGUFWriter ``w``): a byte-level BPE ("gpt2") of the same
+    ids, without merges (one character a token), special tokens as control tokens, the chat template."""
+    vocab = tiny_vocab()
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(list(vocab))
+    w.add_token_types([3 if t in TINY_SPECIAL_TOKENS else 1 for t in vocab])
+    w.add_token_scores([0.0] * len(vocab))  # no merges: transformers derives them (none) from the scores
+    w.add_bos_token_id(TINY_BOS_ID)
+    w.add_eos_token_id(TINY_EOS_ID)
+    w.add_pad_token_id(TINY_PAD_ID)
+    w.add_unk_token_id(TINY_UNK_ID)
+    w.add_chat_template(TINY_CHAT_TEMPLATE)
+
+
+def quantize_q4_k(w: np.ndarray) -> np.ndarray:
+    """[N, K] fp32 -> [N, K / 256 * 144] Q4_K blocks (ggml's layout; min/max per 32, 6-bit scales)."""
+    N, K = w.shape
+    x = w.reshape(-1, 8, 32).astype(np.float32)  # [blocks, sub-block, 32]
+    lo, hi = np.minimum(x.min(-1), 0), np.maximum(x.max(-1), 1e-12)
+    scale, mins = (hi - lo) / 15, -lo  # [blocks, 8]
+    d = (scale.max(-1) / 63).astype(np.float16)
+    dmin = (np.maximum(mins.max(-1), 1e-12) / 63).astype(np.float16)
+    sc = np.clip(np.round(scale / np.maximum(d.astype(np.float32), 1e-12)[:, None]), 0, 63).astype(np.uint8)
+    m = np.clip(np.round(mins / dmin.astype(np.float32)[:, None]), 0, 63).astype(np.uint8)
+    s_eff, m_eff = d.astype(np.float32)[:, None] * sc, dmin.astype(np.float32)[:, None] * m
+    q = np.clip(np.round((x + m_eff[..., None]) / np.maximum(s_eff, 1e-12)[..., None]), 0, 15).astype(np.uint8)
+    scales = np.zeros((x.shape[0], 12), np.uint8)  # the inverse of ggml's get_scale_min_k4
+    for j in range(4):
+        scales[:, j] = sc[:, j] | ((sc[:, j + 4] >> 4) << 6)
+        scales[:, j + 4] = m[:, j] | ((m[:, j + 4] >> 4) << 6)
+        scales[:, j + 8] = (sc[:, j + 4] & 0xF) | ((m[:, j + 4] & 0xF) << 4)
+    qs = (q[:, 0::2] | (q[:, 1::2] << 4)).reshape(-1, 128)  # chunk c: sub-block 2c low nibbles, 2c+1 high
+    out = np.concatenate([d.view(np.uint8).reshape(-1, 2), dmin.view(np.uint8).reshape(-1, 2), scales, qs], 1)
+    return out.reshape(N, -1)
+
+
+def quantize(w: torch.Tensor, qtype: str) -> np.ndarray:
+    import gguf
+
+    a = w.float().numpy()
+    return quantize_q4_k(a) if qtype == "Q4_K" else gguf.quants.quantize(a, gguf.GGMLQuantizationType[qtype])
+
+
+def permute(t: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp convert's Q/K row permutation (HF order -> GGUF order)."""
+    return t.reshape(n_head, 2, t.shape[0] // n_head // 2, *t.shape[1:]).swapaxes(1, 2).reshape(t.shape)
+
+
+# HF projection -> (GGUF name, type): Q4_K where in_features allow (all here), Q8_0 for v/o and the head
+QUANT_TYPES = {"q_proj": ("attn_q", "Q4_K"), "k_proj": ("attn_k", "Q4_K"), "v_proj": ("attn_v", "Q8_0"),
+         "o_proj": ("attn_output", "Q8_0"), "gate_proj": ("ffn_gate", "Q4_K"), "up_proj": ("ffn_up", "Q4_K"),
+         "down_proj": ("ffn_down", "Q4_K")}
+
+
+def write_quant_gguf(folder, path, tokenizer: bool = True) -> dict[str, torch.Tensor]:
+    """The HF model in ``folder`` as a quantized GGUF at ``path`` (with the tiny tokenizer as
+    ``tokenizer.ggml.*`` metadata unless ``tokenizer=False``); returns the HF-order state dict of the
+    weights the GGUF holds (quantized ones dequantized by gguf-py): the reference model's."""
+    import gguf
+    from safetensors.torch import load_file
+
+    from specctl.modeling import read_config
+
+    GT = gguf.GGMLQuantizationType
+    cfg = read_config(folder)
+    arch, L = cfg["model_type"], cfg["num_hidden_layers"]
+    nh, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    sd = load_file(str(folder / "model.safetensors"))
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(L)
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(nh)
+    w.add_head_count_kv(nkv)
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_rope_freq_base(cfg.get("rope_theta", 10000.0))
+    if tokenizer:
+        add_tiny_tokenizer(w)
+    ref: dict[str, torch.Tensor] = {}
+
+    def put(gname: str, hname: str, qtype: str | None, n_head: int | None = None):
+        t = sd[hname].float()
+        if qtype is None:  # norms, biases: F32
+            ref[hname] = t
+            arr = t.numpy()
+            if n_head is not None:
+                arr = permute(arr, n_head)
+            w.add_tensor(gname, np.ascontiguousarray(arr))
+            return
+        blocks = quantize(t, qtype)  # rows quantized in HF order, then moved as whole rows
+        ref[hname] = torch.from_numpy(gguf.quants.dequantize(blocks, GT[qtype]))
+        if n_head is not None:
+            blocks = permute(blocks, n_head)
+        w.add_tensor(gname, np.ascontiguousarray(blocks), raw_dtype=GT[qtype])
+
+    put("token_embd.weight", "model.embed_tokens.weight", "Q8_0")
+    put("output_norm.weight", "model.norm.weight", None)
+    if not cfg.get("tie_word_embeddings"):
+        put("output.weight", "lm_head.weight", "Q8_0")
+    for i in range(L):
+        p, h = f"blk.{i}.", f"model.layers.{i}."
+        for hn, (gn, qtype) in QUANT_TYPES.items():
+            part = "self_attn." if hn[0] in "qkvo" else "mlp."
+            heads = {"q_proj": nh, "k_proj": nkv}.get(hn) if arch == "llama" else None
+            put(p + gn + ".weight", h + part + hn + ".weight", qtype, heads)
+            if h + part + hn + ".bias" in sd:
+                put(p + gn + ".bias", h + part + hn + ".bias", None, heads)
+        put(p + "attn_norm.weight", h + "input_layernorm.weight", None)
+        put(p + "ffn_norm.weight", h + "post_attention_layernorm.weight", None)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return ref
+
+
+@pytest.fixture(scope="session")
+def tiny_quant_gguf(tiny_model_factory, tmp_path_factory) -> Path:
+    """A tiny llama as a quantized GGUF file with its tokenizer (``write_quant_gguf``); skipped without gguf
+    or without the quant_linear kernel."""
+    pytest.importorskip("gguf")
+    from kernels import quant_linear as ql
+
+    if ql.best_path(torch.float32) is None:
+        pytest.skip("the quant_linear kernel did not build here (no C++ compiler?)")
+    folder = tiny_model_factory(tie_word_embeddings=True, seed=1, initializer_range=0.05, **TINY_QUANT_SHAPE)
+    path = tmp_path_factory.mktemp("quant-gguf") / "tiny-q.gguf"
+    write_quant_gguf(folder, path)
+    return path

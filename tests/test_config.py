@@ -156,3 +156,22 @@ def test_suffix_to_dict_has_its_four_keys():
     assert {k for k in d if k.startswith("suffix_decoding_")} == {
         "suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests",
         "suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob"}
+
+
+def test_quantization_is_vllms_key_and_the_own_runtime_runs_gguf_drafts():
+    """"quantization" keeps every value vLLM takes (sent with --engine vllm); the own runtime's draft_model runs
+    None and "gguf", and refuses the rest when the draft loads; "gguf" on a method without a draft model is refused."""
+    from specctl.vllm_compat import vllm_speculative_config
+
+    cfg = SpecConfig.from_dict({"method": "draft_model", "model": "d.gguf", "quantization": "gguf"})
+    assert cfg.quantization == "gguf" and cfg.own_quantization() == "gguf"
+    assert cfg.to_dict()["quantization"] == "gguf" and vllm_speculative_config(cfg)["quantization"] == "gguf"
+    assert SpecConfig.from_dict({"method": "draft_model", "model": "d"}).own_quantization() is None
+    fp8 = SpecConfig.from_dict({"method": "draft_model", "model": "d", "quantization": "fp8"})
+    assert vllm_speculative_config(fp8)["quantization"] == "fp8"
+    with pytest.raises(ConfigError, match="'fp8' is vLLM's"):
+        fp8.own_quantization()
+    with pytest.raises(ConfigError, match="'ngram' drafts with none"):
+        SpecConfig.from_dict({"method": "ngram", "quantization": "gguf"})
+    with pytest.raises(ConfigError, match="quantization must be a string"):
+        SpecConfig.from_dict({"method": "draft_model", "model": "d", "quantization": 4})

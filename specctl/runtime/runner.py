@@ -236,10 +236,16 @@ class LoadedModel:
 
 
 def load_model(path: str | Path, dtype: str = "bfloat16", device: str = "cpu") -> LoadedModel:
-    """Load a dense HF folder (see ``specctl.models.resolve_model``) into the own runtime."""
+    """Load a dense HF folder (see ``specctl.models.resolve_model``) into the own runtime; a ``.gguf``
+    file (what ``resolve_model(..., quantization="gguf")`` gives) runs quantized, its weights as stored
+    (``specctl.runtime.quant.load_gguf_model``)."""
     from transformers import AutoTokenizer
 
     path = Path(path)
+    if path.suffix.lower() == ".gguf" and path.is_file():
+        from specctl.runtime.quant import load_gguf_model
+
+        return load_gguf_model(path, dtype, device)
     tdtype, tdev = parse_dtype(dtype), parse_device(device)
     model = load_transformer(path, tdtype, tdev)
     try:

@@ -68,11 +68,32 @@ def test_every_help_has_an_example(args):
 
 def test_pull_prints_the_path(monkeypatch, tmp_path):
     seen = []
-    monkeypatch.setattr(models, "pull", lambda name, dtype, force=False: seen.append((name, dtype, force)) or tmp_path)
+    monkeypatch.setattr(models, "pull", lambda name, dtype, force=False, keep_quant=False:
+                        seen.append((name, dtype, force, keep_quant)) or tmp_path)
     result = runner.invoke(app, ["models", "pull", "qwen2.5-coder-0.5b", "--dtype", "bf16"])
     assert result.exit_code == 0, result.output
     assert result.stdout.strip() == str(tmp_path)
-    assert seen == [("qwen2.5-coder-0.5b", "bfloat16", False)]
+    assert seen == [("qwen2.5-coder-0.5b", "bfloat16", False, False)]
+
+
+def test_pull_keep_quant_prints_both_paths(monkeypatch, tmp_path, cache):
+    seen = []
+    monkeypatch.setattr(models, "pull", lambda name, dtype, force=False, keep_quant=False:
+                        seen.append((name, dtype, force, keep_quant)) or tmp_path)
+    result = runner.invoke(app, ["models", "pull", "smollm2-135m", "--keep-quant"])
+    assert result.exit_code == 0, result.output
+    assert result.stdout.splitlines() == [str(tmp_path), str(models.gguf_path("smollm2-135m"))]
+    assert seen == [("smollm2-135m", "bfloat16", False, True)]
+
+
+def test_list_shows_whether_the_gguf_is_kept(cache):
+    kept = models.gguf_path("qwen2.5-coder-0.5b")
+    kept.parent.mkdir(parents=True)
+    kept.write_bytes(b"GGUF")
+    rows = json.loads(runner.invoke(app, ["models", "list", "--json"]).stdout)
+    assert [r["gguf_present"] for r in rows] == [False, True, False] and rows[1]["gguf_path"] == str(kept)
+    table = runner.invoke(app, ["models", "list"], env={"COLUMNS": "200"}).stdout
+    assert "GGUF" in table and "kept" in table
 
 
 def test_pull_when_present_says_so(monkeypatch):

@@ -1,8 +1,8 @@
 """GGUF models run quantized (specctl.runtime.quant) on tiny models written as GGUF files in-process.
 
-A tiny transformers model (conftest) is quantized here (Q8_0 by gguf-py; Q4_K by ``quantize_q4_k``
-below, which gguf-py lacks) and written with gguf.GGUFWriter as llama.cpp would (llama: Q and K rows
-permuted). Invariants: the loaded model's logits equal those of the dense model built from the same
+A tiny transformers model (conftest) is quantized (Q8_0 by gguf-py; Q4_K by conftest's
+``quantize_q4_k``, which gguf-py lacks) and written with gguf.GGUFWriter as llama.cpp would (llama: Q
+and K rows permuted; conftest's ``write_quant_gguf``). Invariants: the loaded model's logits equal those of the dense model built from the same
 blocks dequantized (gguf-py) in HF order, up to fp32 summation order (so the config, the Q/K order,
 the biases and the heads are read right); every projection stays quantized; greedy speculation
 (ngram, draft_model with a quantized draft) equals plain greedy decoding of the quantized model
@@ -11,122 +11,28 @@ token for token, in fp32 and in bf16.
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
 from specctl.config import SpecConfig
 from specctl.errors import ModelError
-from specctl.runtime.decoder import SamplingParams, SpecDecoder
 from specctl.modeling import ModelArgs, Transformer, fuse_hf_state_dict, read_config, rope_inv_freq
+from specctl.runtime.decoder import SamplingParams, SpecDecoder
 from specctl.runtime.proposers import build_proposer
 from specctl.runtime.proposers.draft_model import DraftModelProposer
 from specctl.runtime.quant import QuantLinear, load_gguf_transformer
 from specctl.runtime.runner import LoadedModel, TargetRunner
+from tests.conftest import TINY_QUANT_SHAPE, write_quant_gguf
 
 gguf = pytest.importorskip("gguf")
-from kernels import quant_linear as ql  # noqa: E402
+from kernels import quant_linear as ql
 
 if ql.best_path(torch.float32) is None:
     pytest.skip("the quant_linear kernel did not build here (no C++ compiler?)", allow_module_level=True)
 
-SHAPE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)
+SHAPE = TINY_QUANT_SHAPE
 MAX_LEN, NEW = 160, 32
 GT = gguf.GGMLQuantizationType
-
-
-def quantize_q4_k(w: np.ndarray) -> np.ndarray:
-    """[N, K] fp32 -> [N, K / 256 * 144] Q4_K blocks (ggml's layout; min/max per 32, 6-bit scales)."""
-    N, K = w.shape
-    x = w.reshape(-1, 8, 32).astype(np.float32)  # [blocks, sub-block, 32]
-    lo, hi = np.minimum(x.min(-1), 0), np.maximum(x.max(-1), 1e-12)
-    scale, mins = (hi - lo) / 15, -lo  # [blocks, 8]
-    d = (scale.max(-1) / 63).astype(np.float16)
-    dmin = (np.maximum(mins.max(-1), 1e-12) / 63).astype(np.float16)
-    sc = np.clip(np.round(scale / np.maximum(d.astype(np.float32), 1e-12)[:, None]), 0, 63).astype(np.uint8)
-    m = np.clip(np.round(mins / dmin.astype(np.float32)[:, None]), 0, 63).astype(np.uint8)
-    s_eff, m_eff = d.astype(np.float32)[:, None] * sc, dmin.astype(np.float32)[:, None] * m
-    q = np.clip(np.round((x + m_eff[..., None]) / np.maximum(s_eff, 1e-12)[..., None]), 0, 15).astype(np.uint8)
-    scales = np.zeros((x.shape[0], 12), np.uint8)  # the inverse of ggml's get_scale_min_k4
-    for j in range(4):
-        scales[:, j] = sc[:, j] | ((sc[:, j + 4] >> 4) << 6)
-        scales[:, j + 4] = m[:, j] | ((m[:, j + 4] >> 4) << 6)
-        scales[:, j + 8] = (sc[:, j + 4] & 0xF) | ((m[:, j + 4] & 0xF) << 4)
-    qs = (q[:, 0::2] | (q[:, 1::2] << 4)).reshape(-1, 128)  # chunk c: sub-block 2c low nibbles, 2c+1 high
-    out = np.concatenate([d.view(np.uint8).reshape(-1, 2), dmin.view(np.uint8).reshape(-1, 2), scales, qs], 1)
-    return out.reshape(N, -1)
-
-
-def quantize(w: torch.Tensor, qtype: str) -> np.ndarray:
-    a = w.float().numpy()
-    return quantize_q4_k(a) if qtype == "Q4_K" else gguf.quants.quantize(a, GT[qtype])
-
-
-def permute(t: np.ndarray, n_head: int) -> np.ndarray:
-    """llama.cpp convert's Q/K row permutation (HF order -> GGUF order)."""
-    return t.reshape(n_head, 2, t.shape[0] // n_head // 2, *t.shape[1:]).swapaxes(1, 2).reshape(t.shape)
-
-
-# HF projection -> (GGUF name, type): Q4_K where in_features allow (all here), Q8_0 for v/o and the head
-TYPES = {"q_proj": ("attn_q", "Q4_K"), "k_proj": ("attn_k", "Q4_K"), "v_proj": ("attn_v", "Q8_0"),
-         "o_proj": ("attn_output", "Q8_0"), "gate_proj": ("ffn_gate", "Q4_K"), "up_proj": ("ffn_up", "Q4_K"),
-         "down_proj": ("ffn_down", "Q4_K")}
-
-
-def write_gguf(folder, path) -> dict[str, torch.Tensor]:
-    """The HF model in ``folder`` as a quantized GGUF at ``path``; returns the HF-order state dict of
-    the weights the GGUF holds (quantized ones dequantized by gguf-py): the reference model's."""
-    from safetensors.torch import load_file
-
-    cfg = read_config(folder)
-    arch, L = cfg["model_type"], cfg["num_hidden_layers"]
-    nh, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    sd = load_file(str(folder / "model.safetensors"))
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_block_count(L)
-    w.add_context_length(cfg["max_position_embeddings"])
-    w.add_embedding_length(cfg["hidden_size"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_head_count(nh)
-    w.add_head_count_kv(nkv)
-    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    w.add_rope_freq_base(cfg.get("rope_theta", 10000.0))
-    ref: dict[str, torch.Tensor] = {}
-
-    def put(gname: str, hname: str, qtype: str | None, n_head: int | None = None):
-        t = sd[hname].float()
-        if qtype is None:  # norms, biases: F32
-            ref[hname] = t
-            arr = t.numpy()
-            if n_head is not None:
-                arr = permute(arr, n_head)
-            w.add_tensor(gname, np.ascontiguousarray(arr))
-            return
-        blocks = quantize(t, qtype)  # rows quantized in HF order, then moved as whole rows
-        ref[hname] = torch.from_numpy(gguf.quants.dequantize(blocks, GT[qtype]))
-        if n_head is not None:
-            blocks = permute(blocks, n_head)
-        w.add_tensor(gname, np.ascontiguousarray(blocks), raw_dtype=GT[qtype])
-
-    put("token_embd.weight", "model.embed_tokens.weight", "Q8_0")
-    put("output_norm.weight", "model.norm.weight", None)
-    if not cfg.get("tie_word_embeddings"):
-        put("output.weight", "lm_head.weight", "Q8_0")
-    for i in range(L):
-        p, h = f"blk.{i}.", f"model.layers.{i}."
-        for hn, (gn, qtype) in TYPES.items():
-            part = "self_attn." if hn[0] in "qkvo" else "mlp."
-            heads = {"q_proj": nh, "k_proj": nkv}.get(hn) if arch == "llama" else None
-            put(p + gn + ".weight", h + part + hn + ".weight", qtype, heads)
-            if h + part + hn + ".bias" in sd:
-                put(p + gn + ".bias", h + part + hn + ".bias", None, heads)
-        put(p + "attn_norm.weight", h + "input_layernorm.weight", None)
-        put(p + "ffn_norm.weight", h + "post_attention_layernorm.weight", None)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return ref
 
 
 def reference_model(folder, ref: dict[str, torch.Tensor]) -> Transformer:
@@ -164,7 +70,7 @@ def ggufs(tiny_model_factory, tmp_path_factory):
                 if f.name != "model.safetensors":
                     shutil.copy(f, folder / f.name)
         path = root / f"{name}.gguf"
-        out[name] = (folder, path, write_gguf(folder, path))
+        out[name] = (folder, path, write_quant_gguf(folder, path))
     return out
 
 
@@ -235,3 +141,43 @@ def test_refuses_what_the_kernels_do_not_run(ggufs, tmp_path):
         f()
     with pytest.raises(ModelError, match="gemma3"):
         load_gguf_transformer(tmp_path / "gemma.gguf", torch.float32)
+
+
+def test_load_model_runs_a_gguf_file_quantized(tiny_quant_gguf, tiny_model_dir):
+    """runner.load_model on a .gguf: every projection a QuantLinear, the tokenizer and stop tokens from the file."""
+    from transformers import AutoTokenizer
+
+    from specctl.runtime.runner import load_model
+
+    lm = load_model(tiny_quant_gguf, "float32")
+    assert lm.path == tiny_quant_gguf and lm.model.quantization == "gguf"
+    assert all(isinstance(getattr(b, n), QuantLinear) for b in lm.model.layers for n in ("qkv", "o", "gate_up", "down"))
+    assert 5 in lm.stop_token_ids  # <|im_end|>, the tiny tokenizer's eos
+    tiny = AutoTokenizer.from_pretrained(tiny_model_dir)
+    assert lm.tokenizer("ab c\n").input_ids == tiny("ab c\n").input_ids  # the same ids as the HF tokenizer
+
+
+def test_draft_model_runs_a_quantized_draft_from_the_config_key(ggufs, repetitive_prompts):
+    """{"method": "draft_model", "model": DRAFT.gguf, "quantization": "gguf"}: the proposer loads the draft as
+    stored (no dense conversion), and speculation equals plain greedy decoding of the quantized target."""
+    from specctl.errors import ConfigError
+    from specctl.runtime.runner import load_model
+
+    target = load_model(ggufs["llama"][1], "float32")
+    cfg = SpecConfig.from_dict({"method": "draft_model", "model": str(ggufs["draft"][1]), "quantization": "gguf",
+                                "num_speculative_tokens": 4})
+    proposer = build_proposer(cfg, MAX_LEN, target=target)
+    assert proposer.draft.path == ggufs["draft"][1] and proposer.mode == "same"
+    assert all(isinstance(getattr(b, n), QuantLinear) for b in proposer.draft.model.layers for n in ("qkv", "down"))
+    plain, spec = SpecDecoder(TargetRunner(target.model, MAX_LEN)), SpecDecoder(TargetRunner(target.model, MAX_LEN),
+                                                                                proposer, 4)
+    accepted = 0
+    for prompt in repetitive_prompts(6, seed=4):
+        want = plain.generate(prompt, SamplingParams(max_new_tokens=NEW)).token_ids
+        res = spec.generate(prompt, SamplingParams(max_new_tokens=NEW))
+        assert res.token_ids == want, prompt
+        accepted += res.stats.num_accepted_tokens
+    assert accepted > 10
+    fp8 = SpecConfig.from_dict({"method": "draft_model", "model": str(ggufs["draft"][1]), "quantization": "fp8"})
+    with pytest.raises(ConfigError, match="'fp8' is vLLM's"):
+        build_proposer(fp8, MAX_LEN, target=target)

@@ -96,6 +96,17 @@ class _Drafting:
     q_rows: list[torch.Tensor] = field(default_factory=list)
 
 
+def load_draft(config: SpecConfig, target):
+    """The draft model of ``config`` for ``target`` (a LoadedModel), in the target's dtype and device:
+    dense, or (``"quantization": "gguf"``) a GGUF run quantized as stored."""
+    from specctl.models import resolve_model
+    from specctl.runtime.runner import load_model
+
+    path = resolve_model(config.model, dtype="float32" if target.dtype == torch.float32 else "bfloat16",
+                         quantization=config.own_quantization())
+    return load_model(path, dtype=str(target.dtype).removeprefix("torch."), device=str(target.device))
+
+
 class DraftModelProposer(Proposer):
     method = "draft_model"
     reads_prompt = True
@@ -111,11 +122,7 @@ class DraftModelProposer(Proposer):
         self.k = int(config.num_speculative_tokens or 1)
         self.max_model_len = int(config.max_model_len or max_model_len)
         if draft is None:
-            from specctl.models import resolve_model
-            from specctl.runtime.runner import load_model
-
-            path = resolve_model(config.model, dtype="float32" if target.dtype == torch.float32 else "bfloat16")
-            draft = load_model(path, dtype=str(target.dtype).removeprefix("torch."), device=str(target.device))
+            draft = load_draft(config, target)
         self.draft, self.target = draft, target
         self.device = target.device
         self.temperature: float = 0.0  # default sampling of slots without set_sampling
