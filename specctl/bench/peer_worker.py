@@ -3,8 +3,9 @@
 Run as a script by the interpreter that has the engine installed (``python peer_worker.py SPEC``),
 so it imports nothing from specctl: vLLM pins its own transformers, and may live in another venv.
 
-SPEC (JSON, argv[1]): {"engine": "vllm" | "llama.cpp", "model": path (an HF folder for vLLM, a .gguf
-for llama.cpp), "dtype": "bfloat16", "threads": 2, "max_len": 4096}.
+SPEC (JSON, argv[1]): {"engine": "vllm" | "llama.cpp", "model": path (an HF folder for vLLM, or a .gguf
+that vLLM loads with quantization "gguf"; a .gguf for llama.cpp), "dtype": "bfloat16", "threads": 2,
+"max_len": 4096}.
 
 Then, one JSON object a line on stdin, one answer a line on stdout:
 
@@ -50,6 +51,8 @@ class VLLMEngine:
         share = spec.get("memory_fraction", 0.45 if mode["kind"] == "draft" else 0.25)
         kw = dict(model=spec["model"], dtype=spec.get("dtype", "bfloat16"), max_model_len=spec.get("max_len", 4096),
                   enable_prefix_caching=False, seed=0, gpu_memory_utilization=share, disable_log_stats=False)
+        if str(spec["model"]).lower().endswith(".gguf"):  # specctl runs it quantized: so does vLLM
+            kw["quantization"] = "gguf"
         if mode["kind"] == "ngram":
             kw["speculative_config"] = {"method": "ngram", "num_speculative_tokens": mode["k"],
                                         "prompt_lookup_max": mode.get("prompt_lookup_max", 5),

@@ -22,6 +22,10 @@ around each generation); transformers and llama.cpp report none.
 Timing: generate() does not report prefill apart, so decode time = time of the full generate minus
 the time of a 1-token generate on the same prompt (its prefill + first token), measured just before.
 
+A target run quantized (``--quantization gguf``: ``model_path`` is a .gguf file): transformers loads the
+same file dequantized (its reference of those weights), vLLM loads it with ``quantization="gguf"``, and
+llama.cpp reads it as it is (``bench`` hands it the very file specctl runs).
+
 What it does not know: which drafts to run or how they are named (the suite decides), specctl's own runtime.
 """
 
@@ -60,8 +64,9 @@ class HFPeers:
         """``drafts``: (name, dense HF folder) pairs; each adds the peer ``hf:assisted:<name>``."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        self.model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=dtype).eval()
-        self.tokenizer = AutoTokenizer.from_pretrained(str(model_path))
+        folder, kw = _hf_source(model_path)
+        self.model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **kw).eval()
+        self.tokenizer = AutoTokenizer.from_pretrained(folder, **kw)
         self.peers = [HFPeer("hf:plain", {}),
                       HFPeer("hf:prompt-lookup", {"prompt_lookup_num_tokens": prompt_lookup_k},
                              {"prompt_lookup_num_tokens": prompt_lookup_k})]
@@ -93,6 +98,14 @@ class HFPeers:
         finish = "stop" if tokens and tokens[-1] in set(stop_ids) else "length"
         prefill = t1 - t0
         return GenerationResult(tokens, finish, SpecStats(), prefill, max(t2 - t1 - prefill, 1e-9), 0)
+
+
+def _hf_source(model_path) -> tuple[str, dict]:
+    """(folder, from_pretrained kwargs): a GGUF file is read through ``gguf_file`` (dequantized)."""
+    p = Path(model_path)
+    if p.suffix.lower() == ".gguf" and p.is_file():
+        return str(p.parent), {"gguf_file": p.name}
+    return str(p), {}
 
 
 # --------------------------------------------------------------------------- vLLM and llama.cpp

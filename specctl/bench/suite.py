@@ -185,6 +185,8 @@ def machine_header(loaded: LoadedModel, max_new_tokens: int, temperature: float)
         "threads": torch.get_num_threads(), "torch": torch.__version__,
         # the CPU path of bf16 linears: "amx", "avx512_bf16" (row-independent) or None (torch's kernels)
         "cpu_kernels": loaded.model.cpu_kernels,
+        # "gguf": the weights are a GGUF's blocks as stored (--quantization gguf); "none": dense in ``dtype``
+        "quantization": getattr(loaded.model, "quantization", None) or "none",
         "max_new_tokens": max_new_tokens, "temperature": temperature,
     }
 

@@ -19,6 +19,19 @@ DtypeOpt = Annotated[str, typer.Option("--dtype", help="Weights and compute dtyp
 DeviceOpt = Annotated[str, typer.Option("--device", help="cpu, cuda, cuda:N, or auto (cuda when available).")]
 SeedOpt = Annotated[int, typer.Option("--seed", help="Seed for sampling and any randomness.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON on stdout instead of tables.")]
+QuantizationOpt = Annotated[str, typer.Option(
+    "--quantization", metavar="[none|gguf]",
+    help="Weights as stored (vLLM's flag): none (dense; a .gguf is converted once to dense), or gguf (run a GGUF's "
+    "quantized blocks as they are, on the CPU: --model FILE.gguf, or a catalogue name, whose GGUF is kept).")]
+
+
+def use_quantization(value: str) -> str | None:
+    """``--quantization`` as ``resolve_model`` takes it: None (dense) or "gguf" (an unknown value: a usage error)."""
+    from specctl.models import normalize_quantization
+
+    return normalize_quantization(value)
+
+
 def use_kernels(mode: str) -> None:
     """``--kernels`` becomes the process's bf16 CPU path (an unknown mode: a usage error naming the choices)."""
     from specctl.modeling import set_kernels

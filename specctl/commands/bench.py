@@ -8,7 +8,8 @@ from typing import Annotated, Optional
 import typer
 
 from specctl.workloads import WORKLOADS  # names and one-line descriptions; no torch
-from specctl.commands._options import DeviceOpt, DtypeOpt, JsonOpt, KernelsOpt, ModelOpt, SeedOpt, use_kernels
+from specctl.commands._options import (DeviceOpt, DtypeOpt, JsonOpt, KernelsOpt, ModelOpt, QuantizationOpt, SeedOpt,
+                                       use_kernels, use_quantization)
 
 PEERS = ("hf", "vllm", "llama.cpp")
 
@@ -37,6 +38,11 @@ The strongest peers in the same table (optional installs; vLLM usually in a venv
 SPECCTL_VLLM_PYTHON; llama.cpp reads a GGUF of the same weights):
 
   SPECCTL_VLLM_PYTHON=~/vllm/bin/python specctl bench --model qwen2.5-coder-1.5b --method ngram --peer vllm --peer llama.cpp --peer-gguf qwen2.5-coder-1.5b-bf16.gguf
+
+A GGUF run quantized, as stored (its blocks read by specctl's CPU kernels; --peer llama.cpp then runs the
+same file):
+
+  specctl bench --model qwen2.5-coder-1.5b --quantization gguf --method ngram --peer llama.cpp
 
 The best k per method and workload, from one run over several k (add --fixed-k to draft exactly k):
 
@@ -71,7 +77,7 @@ def bench(
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", help="Tokens generated per prompt.")] = 128,
     temperature: Annotated[float, typer.Option("--temperature", help="0 = greedy (outputs comparable token for token).")] = 0.0,
     peer: Annotated[Optional[list[str]], typer.Option("--peer", help="Also run peers on the same prompts (repeatable): hf (transformers generate: plain, prompt lookup, assisted), vllm (plain, ngram, draft_model), llama.cpp (plain, prompt lookup).")] = None,
-    peer_gguf: Annotated[Optional[str], typer.Option("--peer-gguf", help="The GGUF file --peer llama.cpp loads (the same weights as --model; default: --model when it is a .gguf).")] = None,
+    peer_gguf: Annotated[Optional[str], typer.Option("--peer-gguf", help="The GGUF file --peer llama.cpp loads (the same weights as --model; default: --model when it is a .gguf, and with --quantization gguf the very file specctl runs).")] = None,
     runs: Annotated[int, typer.Option("--runs", help="Repeat every prompt N times; tok/s is the median over repetitions (min/max in --json).")] = 1,
     csv_out: Annotated[Optional[str], typer.Option("--csv", help="Also write the results as CSV to this file.")] = None,
     plot: Annotated[Optional[str], typer.Option("--plot", help="Also write speedup.png and acceptance.png into this folder.")] = None,
@@ -85,10 +91,13 @@ def bench(
     dtype: DtypeOpt = "bfloat16",
     device: DeviceOpt = "cpu",
     kernels: KernelsOpt = "auto",
+    quantization: QuantizationOpt = "none",
     json_out: JsonOpt = False,
 ) -> None:
     from specctl.config import SpecConfig
     from specctl.errors import UsageError
+
+    quant = use_quantization(quantization)
 
     configs: list[SpecConfig] = []
     for m in method or ([] if speculative_config else ["ngram"]):
@@ -106,6 +115,13 @@ def bench(
             raise UsageError(f"unknown peer '{p}'", f"use one of: {', '.join(PEERS)}")
     if runs < 1:
         raise UsageError(f"--runs must be >= 1, got {runs}", "pass e.g. --runs 3")
+    path = None
+    if quant is not None:  # the file specctl runs (refused at once when it is not a GGUF), and llama.cpp too
+        from specctl.models import resolve_model
+
+        path = resolve_model(model, dtype=dtype, quantization=quant)
+        if "llama.cpp" in peers and peer_gguf is None:
+            peer_gguf = str(path)
     if "llama.cpp" in peers:
         if peer_gguf is None and model and model.endswith(".gguf"):
             peer_gguf = model
@@ -149,8 +165,9 @@ def bench(
     from specctl.models import resolve_model
     from specctl.runtime.runner import load_model
 
-    path = resolve_model(model, dtype=dtype)
-    err.log(f"loading {path} ({dtype}, {device})")
+    if path is None:
+        path = resolve_model(model, dtype=dtype)
+    err.log(f"loading {path} ({dtype}, {device}{', GGUF quantized' if quant else ''})")
     loaded = load_model(path, dtype=dtype, device=device)
 
     import torch
@@ -333,7 +350,8 @@ def render(report) -> None:
 
 def _title(h: dict) -> str:
     """The table's title: model, dtype, device, machine and its CPU kernel path, run settings."""
-    return (f"{h['model']} · {h['dtype']} · {h['device']} ({h['machine']}, {h['threads']} threads, kernels "
+    quant = " · GGUF quantized" if h.get("quantization", "none") != "none" else ""
+    return (f"{h['model']} · {h['dtype']}{quant} · {h['device']} ({h['machine']}, {h['threads']} threads, kernels "
             f"{h.get('cpu_kernels') or 'torch'}) · torch {h['torch']} · {h['max_new_tokens']} new tokens · "
             f"temperature {h['temperature']} · draft length {h.get('draft_length', 'fixed k')}")
 

@@ -12,7 +12,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from specctl.commands._options import DeviceOpt, DtypeOpt, JsonOpt, KernelsOpt, SeedOpt, use_kernels
+from specctl.commands._options import (DeviceOpt, DtypeOpt, JsonOpt, KernelsOpt, QuantizationOpt, SeedOpt, use_kernels,
+                                       use_quantization)
 
 HELP = """Recommend a speculative decoding method for MODEL, walking the seed's layered flowchart.
 
@@ -52,12 +53,14 @@ def recommend_cmd(
     dtype: DtypeOpt = "bfloat16",
     device: DeviceOpt = "cpu",
     kernels: KernelsOpt = "auto",
+    quantization: QuantizationOpt = "none",  # --probe only
     json_out: JsonOpt = False,
 ) -> None:
     from specctl.errors import UsageError
     from specctl.recommend import get_workload
 
     get_workload(workload)  # fail fast, before reading any model
+    quant = use_quantization(quantization)
     if probe:
         use_kernels(kernels)
         if num_prompts <= 0:
@@ -68,6 +71,9 @@ def recommend_cmd(
             raise UsageError(f"-k must be positive, got {num_speculative_tokens}", "pass e.g. -k 4")
     elif prompts is not None:
         raise UsageError("--prompts only applies with --probe", "add --probe")
+    elif quant is not None:
+        raise UsageError("--quantization only applies with --probe (the recommendation reads the model's shape)",
+                         "add --probe")
 
     from rich.console import Console
 
@@ -88,7 +94,7 @@ def recommend_cmd(
         say = (lambda m: err.log(m)) if not json_out or err.is_terminal else (lambda m: err.print(m, highlight=False))
         result = r.probe(rec, prompts=str(prompts) if prompts else None, num_prompts=num_prompts,
                          max_new_tokens=max_new_tokens, k=num_speculative_tokens, adaptive=not fixed_k, dtype=dtype,
-                         device=device, seed=seed, progress=say)
+                         device=device, seed=seed, progress=say, quantization=quant)
         r.apply_probe(rec, result)
     if json_out:
         typer.echo(json.dumps(rec.to_dict(), indent=2))

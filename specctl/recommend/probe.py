@@ -96,13 +96,13 @@ class _Progress:
 
 def probe(rec: Recommendation, *, prompts: str | None = None, num_prompts: int = 2, max_new_tokens: int = 32,
           k: int | None = None, adaptive: bool = True, dtype: str = "bfloat16", device: str = "cpu", seed: int = 0,
-          progress: Callable[[str], None] | None = None) -> dict:
+          progress: Callable[[str], None] | None = None, quantization: str | None = None) -> dict:
     """Run each applicable, implemented method briefly against the plain baseline; rank by measured speedup.
 
     Through ``specctl bench``'s loop (same prompts, decode tokens/s, per-prompt interleaving, a
     warm-up), plus per method: α (MLE over steps), ρ (draft time per drafted token / one target
     decode step), the predicted speedup at the best k, and the verify cost (one verify forward / one
-    decode step).
+    decode step). ``quantization="gguf"``: the target runs as its GGUF's blocks (``resolve_model``).
     """
     from specctl.bench.draft_timer import DraftTiming
     from specctl.bench.labels import config_labels
@@ -120,7 +120,7 @@ def probe(rec: Recommendation, *, prompts: str | None = None, num_prompts: int =
     plan, skipped = probe_plan(rec, k)
     configs = [SpecConfig.from_dict(cfg) for _, cfg in plan]
     labels = dict(zip(config_labels(configs), (label for label, _ in plan)))  # bench's row label -> the probe's
-    path = resolve_model(rec.target.spec, dtype=dtype)
+    path = resolve_model(rec.target.spec, dtype=dtype, quantization=quantization)
     say(f"loading {path} ({dtype}, {device})")
     loaded = load_model(path, dtype=dtype, device=device)
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, stop_token_ids=loaded.stop_token_ids)

@@ -56,6 +56,27 @@ def test_bench_json_fp32_identical_and_consistent(tiny_model_dir, prompts_file, 
         assert ng["target_forwards"] < base["target_forwards"]
 
 
+def test_bench_runs_a_gguf_quantized(tiny_quant_gguf, prompts_file, tmp_path, monkeypatch):
+    """--model tiny.gguf --quantization gguf: the file runs as stored (no dense conversion), the header records it,
+    and ngram's outputs equal the (quantized) baseline's."""
+    from typer.testing import CliRunner
+
+    from specctl.cli import app
+
+    monkeypatch.setenv("SPECCTL_CACHE", str(tmp_path / "cache"))
+    r = CliRunner().invoke(app, ["bench", "--model", str(tiny_quant_gguf), "--quantization", "gguf", "--method",
+                                 "ngram", "-k", "4", "-w", str(prompts_file), "-n", "3", "--max-new-tokens", "24",
+                                 "--json"])
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.stdout)
+    h = data["header"]
+    assert h["quantization"] == "gguf" and h["model"] == str(tiny_quant_gguf) and h["cpu_kernels"].startswith("gguf-")
+    rows = {row["method"]: row for row in data["results"]}
+    assert rows["ngram"]["identical_to_baseline"] == 3 and rows["ngram"]["new_tokens"] == rows["baseline"]["new_tokens"]
+    assert rows["ngram"]["num_accepted_tokens"] > 0
+    assert not (tmp_path / "cache" / "models").exists()  # nothing converted to dense
+
+
 def test_bench_table_and_speculative_config(tiny_model_dir, prompts_file, tmp_path):
     cfg = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}'
     r = run_cli("bench", "--model", str(tiny_model_dir), "--dtype", "float32", "--speculative-config", cfg,
@@ -74,6 +95,8 @@ def test_bench_table_and_speculative_config(tiny_model_dir, prompts_file, tmp_pa
     (["bench", "--model", "qwen-9000"], 1, "specctl models list"),
     (["bench", "--workload", "nope"], 2, "code-edit"),
     (["bench", "--speculative-config", '{"method": "ngram", "num_speculative_tokns": 3}'], 2, "num_speculative_tokens"),
+    (["bench", "--model", ".", "--quantization", "gguf"], 2, "needs a .gguf file or a catalogue name"),
+    (["bench", "--quantization", "awq"], 2, "unknown quantization 'awq'"),
 ])
 def test_bad_input_one_line_error(args, code, needle, tmp_path):
     r = run_cli(*args, env_extra={"SPECCTL_CACHE": str(tmp_path / "cache")}, timeout=120)

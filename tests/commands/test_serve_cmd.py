@@ -63,6 +63,22 @@ def test_vllm_argv_python_module_form_and_passthrough():
     assert argv[argv.index("--max-num-batched-tokens") + 1] == "512"
 
 
+def test_vllm_argv_quantization():
+    argv = vllm_serve_argv("/m/model.gguf", quantization="gguf", dtype="bf16")
+    assert argv[argv.index("--quantization") + 1] == "gguf"
+    assert "--quantization" not in vllm_serve_argv("/m")
+
+
+def test_quantization_gguf_of_an_hf_folder_is_a_usage_error(tiny_model_dir):
+    from typer.testing import CliRunner
+
+    from specctl.cli import app
+
+    r = CliRunner().invoke(app, ["serve", "--model", str(tiny_model_dir), "--quantization", "gguf"])
+    assert isinstance(r.exception, UsageError) and r.exception.exit_code == 2, r.output
+    assert "needs a .gguf file or a catalogue name" in str(r.exception)
+
+
 def test_vllm_env_carries_the_api_key(tmp_path):
     env = vllm_serve_env({"PATH": "/bin"}, "s3cret")
     assert env == {"PATH": "/bin", "VLLM_API_KEY": "s3cret"}
@@ -120,6 +136,18 @@ def test_engine_vllm_forwards_only_the_flags_set(flags, expect, tiny_model_dir, 
     got = dict(zip(argv[3::2], argv[4::2]))
     for flag, value in expect.items():
         assert got.get(flag) == value, (flag, argv)
+
+
+def test_engine_vllm_gets_the_gguf_file_and_quantization(tiny_quant_gguf, tmp_path):
+    _, record = _fake_vllm(tmp_path)
+    r = run_cli("serve", "--engine", "vllm", "--model", str(tiny_quant_gguf), "--quantization", "gguf",
+                env_extra={"PATH": f"{tmp_path}{os.pathsep}{os.environ['PATH']}", "SPECCTL_VLLM_PYTHON": "",
+                           "SPECCTL_CACHE": str(tmp_path / "cache")})
+    assert r.returncode == 0, r.stderr
+    argv = json.loads(record.read_text())["argv"]
+    assert argv[1:3] == ["serve", str(tiny_quant_gguf)]  # the file as it is, not a dense conversion
+    assert argv[argv.index("--quantization") + 1] == "gguf"
+    assert not (tmp_path / "cache" / "models").exists()
 
 
 def test_engine_vllm_execs_with_key_in_env_passthrough_and_warnings(tiny_model_dir, tmp_path):
