@@ -205,7 +205,7 @@ class _Proposers:
 
     def __init__(self, loaded: LoadedModel, max_len: int, time_drafts: bool = False):
         self.loaded, self.max_len, self.time_drafts = loaded, max_len, time_drafts
-        self.drafts: dict[str, LoadedModel] = {}
+        self.drafts: dict[tuple[str, str | None], LoadedModel] = {}  # (model, quantization) -> the loaded draft
 
     def build(self, c: SpecConfig):
         p = self._build(c)
@@ -214,15 +214,12 @@ class _Proposers:
     def _build(self, c: SpecConfig):
         if c.method != "draft_model":
             return build_proposer(c, self.max_len, target=self.loaded)
-        from specctl.models import resolve_model
-        from specctl.runtime.proposers.draft_model import DraftModelProposer
-        from specctl.runtime.runner import load_model
+        from specctl.runtime.proposers.draft_model import DraftModelProposer, load_draft
 
-        t = self.loaded
-        if c.model not in self.drafts:  # as DraftModelProposer itself resolves and loads it
-            path = resolve_model(c.model, dtype="float32" if t.dtype == torch.float32 else "bfloat16")
-            self.drafts[c.model] = load_model(path, dtype=str(t.dtype).removeprefix("torch."), device=str(t.device))
-        return DraftModelProposer(c, target=t, max_model_len=self.max_len, draft=self.drafts[c.model])
+        key = (c.model, c.own_quantization())
+        if key not in self.drafts:  # as DraftModelProposer itself loads it (dense, or a GGUF run quantized)
+            self.drafts[key] = load_draft(c, self.loaded)
+        return DraftModelProposer(c, target=self.loaded, max_model_len=self.max_len, draft=self.drafts[key])
 
 
 def run_bench(
