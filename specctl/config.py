@@ -38,11 +38,8 @@ PROPOSER_MODULES = {
 
 
 def implemented_methods() -> tuple[str, ...]:
-    """Methods whose proposer file exists in this installation (found without importing it)."""
-    import importlib.util
-
-    return tuple(m for m, mod in PROPOSER_MODULES.items()
-                 if importlib.util.find_spec(f"specctl.runtime.proposers.{mod}") is not None)
+    """The methods the own runtime runs: every one the registry maps to a proposer module."""
+    return tuple(PROPOSER_MODULES)
 
 
 METHOD_ALIASES = {"deepseek_mtp": "mtp", "[ngram]": "ngram"}

@@ -68,8 +68,6 @@ def test_tree_and_ready_configs(target_with_medusa):
     assert "Is there a Medusa head or EAGLE draft made for this model? → yes" in out
     assert "► medusa with" in out and "Recommended: medusa" in out
     assert "vllm serve" in out and '"method": "medusa"' in out and '"num_speculative_tokens": 2' in out
-    if "medusa" not in implemented_methods():
-        assert "not runnable in this installation" in out
     assert "Alternative: ngram" in out
 
 
@@ -107,8 +105,7 @@ def test_probe_ranks_methods_with_alpha_rho_and_speedups(tiny_model_factory, tmp
     p = data["probe"]
     assert "warm-up" in r.stderr and "prompt 2/2" in r.stderr  # progress on stderr only
     rows = p["methods"]
-    expected = {"ngram", "suffix", "draft_model"} & set(implemented_methods())
-    assert {row["method"] for row in rows} == expected
+    assert {row["method"] for row in rows} == {"ngram", "suffix", "draft_model"}
     assert [row["rank"] for row in rows] == list(range(1, len(rows) + 1))
     speeds = [row["measured_speedup"] for row in rows]
     assert speeds == sorted(speeds, reverse=True) and all(s > 0 for s in speeds)
