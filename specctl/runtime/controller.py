@@ -249,6 +249,30 @@ def _step_cost(T: int, fit: tuple[float, float, int] | None, q: tuple[float, flo
 
 
 @dataclass
+class PooledAcceptance:
+    """The acceptance rate over a decoder's requests (decayed counts of accepted / tried draft
+    positions), the prior a new request's controller starts from: a draft that has been rejected
+    for every earlier request does not get each new request's first steps to prove it again."""
+
+    default: float = 0.6
+    decay: float = 0.02  # weight of the newest observation
+    prior_weight: float = 2.0
+    _succ: float = 0.0
+    _tried: float = 0.0
+
+    def observe(self, num_draft: int, num_accepted: int) -> None:
+        if num_draft <= 0:
+            return
+        tried = num_accepted + (1 if num_accepted < num_draft else 0)
+        keep = 1 - self.decay
+        self._succ = keep * self._succ + num_accepted
+        self._tried = keep * self._tried + tried
+
+    def prior(self) -> float:
+        return (self._succ + self.prior_weight * self.default) / (self._tried + self.prior_weight)
+
+
+@dataclass
 class BatchGuard:
     """Whether a batch of B requests drafts this step, from the throughput measured at that B (see the
     module docstring). ``drafts(B, clock)`` before a step, ``observe(B, drafted, tokens, seconds)`` after

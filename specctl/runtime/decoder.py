@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from specctl.runtime.controller import BatchGuard, DraftLengthController
+from specctl.runtime.controller import BatchGuard, DraftLengthController, PooledAcceptance
 from specctl.runtime.metrics import SpecStats
 from specctl.runtime.proposers.base import DraftOutput, Proposer
 from specctl.runtime.rejection import greedy_tree_verify, greedy_verify, logits_to_probs, rejection_sample
@@ -147,6 +147,7 @@ class SpecDecoder:
         self.adaptive = adaptive and self.k > 0
         self._costs: dict[int, float] = {}  # forward time by token count, shared by this decoder's requests
         self._clock = 0  # batched steps so far: the requests' controllers probe on its multiples together
+        self._pooled = PooledAcceptance()  # acceptance over this decoder's requests: a new request's prior
         # batched steps draft only while it pays (no probes where drafting again means reading skipped prompts)
         self._guard = BatchGuard(probe=not proposer.reads_prompt) if self.adaptive else None
 
@@ -228,7 +229,7 @@ class SpecDecoder:
         st = DecodeState(runner, slot, params, generator, ctx, T,
                          set() if params.ignore_eos else set(params.stop_token_ids))
         if self.adaptive:
-            st.controller = DraftLengthController(self.k, costs=self._costs)
+            st.controller = DraftLengthController(self.k, alpha=self._pooled.prior(), costs=self._costs)
         runner.reset()
         st.t_start = time.perf_counter()  # the prefill: the proposer's reading of the prompt counts in it
         if self.proposer is not None:
@@ -392,6 +393,7 @@ class SpecDecoder:
         emitted = out_ids[0, :n].tolist()
         if st.controller is not None:
             st.controller.observe(nd, n - 1, plan.rows, plan.step_seconds(), plan.t1 - plan.t0)
+            self._pooled.observe(nd, n - 1)
         if params.record_margins and params.greedy:
             st.margins.extend(margins[:n])
         runner.rollback(plan.base + n)  # last + (n-1) accepted drafts are valid
@@ -418,6 +420,7 @@ class SpecDecoder:
             # a tree's drafting is not d draft tokens' worth (one draft call per level, n nodes): the
             # whole step counts, keyed by the nodes verified
             st.controller.observe(depth, len(path) - 1, plan.rows, plan.step_seconds())
+            self._pooled.observe(depth, len(path) - 1)
         runner.compact(plan.base, path)
         if self.proposer.needs_hidden_states:
             idx = torch.tensor(path, device=runner.last_hidden.device)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from specctl.runtime.controller import BatchGuard, DraftLengthController
+from specctl.runtime.controller import BatchGuard, DraftLengthController, PooledAcceptance
 
 
 def costs_flat(k: int) -> dict[int, float]:
@@ -291,3 +291,46 @@ def test_batch_guard_without_probes_stays_off_where_drafting_lost():
     seq = run_batch(g, 200, spec_rate=80, plain_rate=100)
     assert seq.count(True) == 1  # the first measurement only
     assert run_batch(g, 5, spec_rate=200, plain_rate=100, batch=2)[0]  # other batch sizes still measured
+
+
+def test_pooled_acceptance_is_the_prior_of_the_next_request():
+    p = PooledAcceptance()
+    assert p.prior() == p.default
+    for _ in range(60):
+        p.observe(4, 0)  # every draft rejected at its first position
+    assert p.prior() < 0.05
+    for _ in range(300):
+        p.observe(4, 4)  # then every draft accepted: the memory is decayed, not forever
+    assert p.prior() > 0.9
+
+
+def test_a_draft_rejected_for_earlier_requests_starts_the_next_one_off(tiny_model):
+    """The decoder pools acceptance over its requests: after requests whose drafts were all
+    rejected, a new request's controller starts pessimistic and does not draft its first step."""
+    import numpy as np
+    import torch
+
+    from specctl.runtime.decoder import SamplingParams, SpecDecoder
+    from specctl.runtime.proposers.base import DraftOutput, Proposer
+    from specctl.runtime.runner import TargetRunner
+
+    class Wrong(Proposer):
+        method = "wrong"
+
+        def propose(self, token_ids, num_tokens, k, hidden_states=None, slots=None):
+            B = token_ids.shape[0]
+            return DraftOutput(torch.zeros(B, k, dtype=torch.long), torch.full((B,), k, dtype=torch.long))
+
+    dec = SpecDecoder(TargetRunner(tiny_model, 128), Wrong(), 4, adaptive=True)
+    plain = SpecDecoder(TargetRunner(tiny_model, 128))
+    g = np.random.default_rng(0)
+    for _ in range(6):
+        p = g.integers(6, 128, 8).tolist()
+        assert dec.generate(p, SamplingParams(max_new_tokens=24)).token_ids == \
+            plain.generate(p, SamplingParams(max_new_tokens=24)).token_ids
+    assert dec._pooled.prior() < 0.2
+    st = dec.start(g.integers(6, 128, 8).tolist(), SamplingParams(max_new_tokens=8))
+    assert st.controller.alpha < 0.2
+    dec.step(st)  # the first measured step, then the prior decides
+    dec.step(st)
+    assert st.stats.num_draft_tokens == 0
