@@ -45,14 +45,17 @@ from specctl.runtime.rejection import logits_to_probs
 
 
 class _Slot:
-    """One request: the draft's KV cache, the target features of the cached positions, counters."""
+    """One request: the draft's KV cache, the target states of the cached positions and their features
+    (computed only when the request drafts: a request that does not draft costs no fc), counters."""
 
-    def __init__(self, a: ModelArgs, max_len: int, device, dtype: torch.dtype = torch.float32):
+    def __init__(self, a: ModelArgs, max_len: int, device, dtype: torch.dtype = torch.float32, src_dim: int = 0):
         shape = (1, a.num_kv_heads, max_len, a.head_dim)
         self.k = torch.zeros(shape, device=device, dtype=dtype)  # [1, nkv, max_len, hd]
         self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.src = torch.zeros(max_len, src_dim or a.hidden_size, device=device, dtype=dtype)  # [max_len, A*H | H] target states
         self.feat = torch.zeros(max_len, a.hidden_size, device=device, dtype=dtype)  # [max_len, H] feature of each target position
-        self.n_feat = 0  # target positions with a feature (= the target's cache length)
+        self.n_feat = 0  # target positions with a state (= the target's cache length)
+        self.n_ft = 0  # positions whose feature is computed (<= n_feat)
         self.n_fed = 0  # draft cache positions holding feature rows (chain rows beyond are scratch)
         self.prompt: np.ndarray = np.zeros(0, dtype=np.int64)
         self.sampling: _Sampling | None = None
@@ -107,10 +110,12 @@ class EagleProposer(SlotProposer):
     # ------------------------------------------------------------------ request life
     def _new_slot(self) -> _Slot:
         scratch = self.k + (self.tree_topk or 0) * self.k  # chain rows, or the forwarded tree nodes
-        return _Slot(self.draft.spec.args, self.max_model_len + scratch + 2, self.device, self.dtype)
+        spec = self.draft.spec
+        src_dim = len(spec.aux_layers) * spec.target_hidden_size if self.version == 3 else spec.target_hidden_size
+        return _Slot(spec.args, self.max_model_len + scratch + 2, self.device, self.dtype, src_dim)
 
     def _reset_slot(self, s: _Slot) -> None:
-        s.n_feat = s.n_fed = 0
+        s.n_feat = s.n_fed = s.n_ft = 0
 
     def _target_len(self, s: _Slot) -> int:
         return s.n_feat
@@ -120,10 +125,10 @@ class EagleProposer(SlotProposer):
         # hidden: [1, T, H] final-normed; aux: [1, T, A*H] (EAGLE-3) -> features of positions [n_feat, n_feat+T)
         s = self._slot(slot)
         s.active = True
-        f = self.net.feature(hidden, aux)[0]  # [T, H]
-        T = f.shape[0]
-        end = min(s.n_feat + T, s.feat.shape[0])
-        s.feat[s.n_feat:end] = f[:end - s.n_feat]
+        rows = (aux if self.version == 3 else hidden)[0]  # [T, A*H | H]: its feature when the request drafts
+        T = rows.shape[0]
+        end = min(s.n_feat + T, s.src.shape[0])
+        s.src[s.n_feat:end] = rows[:end - s.n_feat]
         s.n_feat = end
         s.n_fed = min(s.n_fed, s.n_feat)
 
@@ -214,6 +219,7 @@ class EagleProposer(SlotProposer):
         """Feed each request's feature rows not yet in its draft cache (at least the last, whose output
         starts the draft), all in one ragged pass: position p reads token row[p+1]. Returns the out of
         each request's last row [J, H]."""
+        self._features(chains)
         embs, hs, segs = [], [], []
         for c in chains:
             s, P = c.slot, c.P
@@ -226,6 +232,20 @@ class EagleProposer(SlotProposer):
         o = self.net.forward_ragged(torch.cat(embs)[None], torch.cat(hs)[None], segs)[0]  # [R, H]
         ends = torch.tensor([n for _, n, _, _ in segs]).cumsum(0) - 1
         return o[ends.to(o.device)]
+
+    def _features(self, chains: list["_Chain"]) -> None:
+        """The features of every drafting request's positions not computed yet, in one call for all
+        (EAGLE-3: fc over the aux states; EAGLE-1: the hidden states themselves)."""
+        todo = [c.slot for c in chains if c.slot.n_ft < c.P]
+        if not todo:
+            return
+        rows = torch.cat([s.src[s.n_ft:s.n_feat] for s in todo])[None]  # [1, R, A*H | H]
+        f = self.net.feature(rows, rows)[0]  # [R, H]
+        off = 0
+        for s in todo:
+            n = s.n_feat - s.n_ft
+            s.feat[s.n_ft:s.n_feat] = f[off:off + n]
+            s.n_ft, off = s.n_feat, off + n
 
     @torch.inference_mode()
     def _propose_tree(self, s: _Slot, row: np.ndarray, n: int, depth: int) -> DraftOutput:
