@@ -48,11 +48,13 @@ class _Slot:
     """One request: the draft's KV cache, the target states of the cached positions and their features
     (computed only when the request drafts: a request that does not draft costs no fc), counters."""
 
-    def __init__(self, a: ModelArgs, max_len: int, device, dtype: torch.dtype = torch.float32, src_dim: int = 0):
+    def __init__(self, a: ModelArgs, max_len: int, device, dtype: torch.dtype = torch.float32, src_dim: int = 0,
+                 src_dtype: torch.dtype | None = None):
         shape = (1, a.num_kv_heads, max_len, a.head_dim)
         self.k = torch.zeros(shape, device=device, dtype=dtype)  # [1, nkv, max_len, hd]
         self.v = torch.zeros(shape, device=device, dtype=dtype)
-        self.src = torch.zeros(max_len, src_dim or a.hidden_size, device=device, dtype=dtype)  # [max_len, A*H | H] target states
+        # [max_len, A*H | H] the target's states as it gives them (its dtype: no rounding, half an fp32 copy's bytes)
+        self.src = torch.zeros(max_len, src_dim or a.hidden_size, device=device, dtype=src_dtype or dtype)
         self.feat = torch.zeros(max_len, a.hidden_size, device=device, dtype=dtype)  # [max_len, H] feature of each target position
         self.n_feat = 0  # target positions with a state (= the target's cache length)
         self.n_ft = 0  # positions whose feature is computed (<= n_feat)
@@ -112,7 +114,8 @@ class EagleProposer(SlotProposer):
         scratch = self.k + (self.tree_topk or 0) * self.k  # chain rows, or the forwarded tree nodes
         spec = self.draft.spec
         src_dim = len(spec.aux_layers) * spec.target_hidden_size if self.version == 3 else spec.target_hidden_size
-        return _Slot(spec.args, self.max_model_len + scratch + 2, self.device, self.dtype, src_dim)
+        return _Slot(spec.args, self.max_model_len + scratch + 2, self.device, self.dtype, src_dim,
+                     self.target_model.embed.weight.dtype)
 
     def _reset_slot(self, s: _Slot) -> None:
         s.n_feat = s.n_fed = s.n_ft = 0
