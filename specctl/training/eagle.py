@@ -7,7 +7,7 @@ global batches (``loop``: one process or many under ``accelerate launch``, DDP, 
 checkpoints through ``accelerator.save_state``, held-out evaluation, the export in the layout vLLM
 loads, its model card, and --push-to-hub. The target's states come from ``eagle_states``.
 
-What it does not know: the CLI, the network and its files (``specctl.drafts.eagle``), verification.
+What it does not know: the CLI, the network and its files (``specctl.drafts.eagle``, ``eagle_files``), verification.
 """
 
 from __future__ import annotations

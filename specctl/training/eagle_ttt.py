@@ -23,7 +23,7 @@ Evaluation (greedy, teacher-forced): step i at row t is accepted when steps 0..i
 target's argmax; per-position acceptance = P(accepted at i), simulated acceptance length =
 1 + sum_i P(accepted at i). Exact for chain drafting when the data is the target's greedy output.
 
-What it does not know: the data, the loop, the network's files (``specctl.drafts.eagle``).
+What it does not know: the data, the loop, the network's files (``specctl.drafts.eagle_files``).
 """
 
 from __future__ import annotations

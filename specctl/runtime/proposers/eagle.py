@@ -1,6 +1,7 @@
 """EAGLE-1 and EAGLE-3 drafting (arXiv 2401.15077, 2503.01840): the proposers.
 
-The draft network, its fused CPU form and its files: ``specctl.drafts.eagle``. Index convention (vLLM's):
+The draft network and its fused CPU form: ``specctl.drafts.eagle``; its files: ``specctl.drafts.eagle_files``.
+Index convention (vLLM's):
 the draft row at position p reads token x[p+1] and the target's feature at p, and predicts x[p+2].
 
 Chain drafting: step 1 is the last fed row (feature of the last cached target position, token =
@@ -22,7 +23,8 @@ top-K children. After ``k`` levels every candidate is reranked by cumulative log
 best N (a connected tree: a node's score never exceeds its parent's) go to verification. The
 verifier follows the target's greedy choices down the tree, so output stays the target's own.
 
-What it does not know: verification, the target's cache, the network and its files (``specctl.drafts.eagle``),
+What it does not know: verification, the target's cache, the network and its files (``specctl.drafts.eagle``,
+``eagle_files``),
 training (``specctl.training.eagle``).
 """
 

@@ -2,7 +2,7 @@
 
 DeepSeek-V3 (arXiv 2412.19437, §2.2), GLM-4.5, MiMo and Qwen3-Next ship MTP modules beside the main
 model: no second model and no second tokenizer. The modules, how their depths chain, and their
-layouts on disk: ``specctl.drafts.mtp``. When k exceeds the number m of MTP modules, module
+layouts on disk: ``specctl.drafts.mtp`` and ``specctl.drafts.mtp_files``. When k exceeds the number m of MTP modules, module
 (d-1) % m is reused (vLLM does the same and warns; so do we).
 
 KV caches (one per depth, 1 block each) follow the target by *committed lengths*, the same "write by
