@@ -52,6 +52,37 @@ DRAFT = 0  # costs[DRAFT]: drafting seconds per draft token (costs[T], T >= 1: a
 # catch-up forward on the tokens it has not read yet)
 
 
+def positions_tried(num_draft: int, num_accepted: int) -> int:
+    """Draft positions a verification tried: the accepted ones, plus the first rejected one if any."""
+    return num_accepted + (1 if num_accepted < num_draft else 0)
+
+
+@dataclass
+class PooledAcceptance:
+    """A pooled acceptance rate: decayed counts of accepted / tried draft positions, with ``default``
+    kept in as ``prior_weight`` pseudo-observations (one bad step does not zero it). A request's
+    controller keeps one (its ``alpha``); the decoder keeps one over all its requests, the prior a new
+    request's controller starts from: a draft that has been rejected for every earlier request does
+    not get each new request's first steps to prove it again."""
+
+    default: float = 0.6
+    decay: float = 0.02  # weight of the newest observation
+    prior_weight: float = 2.0
+    _succ: float = 0.0
+    _tried: float = 0.0
+
+    def observe(self, num_draft: int, num_accepted: int) -> None:
+        if num_draft <= 0:
+            return
+        tried = positions_tried(num_draft, num_accepted)
+        keep = 1 - self.decay
+        self._succ = keep * self._succ + num_accepted
+        self._tried = keep * self._tried + tried
+
+    def prior(self) -> float:
+        return (self._succ + self.prior_weight * self.default) / (self._tried + self.prior_weight)
+
+
 @dataclass
 class DraftLengthController:
     k: int  # the most draft tokens a step may verify
@@ -66,14 +97,14 @@ class DraftLengthController:
     _off_steps: int = 0
     _gap: int = 0  # the current wait between probes (0: probe_every)
     _prior: float = -1.0  # alpha as given: the prior of the pooled rate
-    _succ: float = 0.0  # decayed counts of accepted positions / tried positions, all positions
-    _tried: float = 0.0
+    _pool: PooledAcceptance | None = None  # the pooled rate over all positions (alpha)
     _pos_succ: list[float] = field(default_factory=list)  # the same per draft position
     _pos_tried: list[float] = field(default_factory=list)
 
     def __post_init__(self):
         if self._prior < 0:
             self._prior = self.alpha
+        self._pool = PooledAcceptance(self._prior, self.decay, self.prior_weight)
 
     def _slope(self) -> tuple[float, float, int] | None:
         """(v(1), b, the largest measured T) of the fitted v(T) = v(1) + b (T - 1), or None unmeasured.
@@ -192,13 +223,9 @@ class DraftLengthController:
         per-position acceptance counts (decayed)."""
         if num_draft <= 0:
             return
-        # positions tried: the accepted ones, plus the first rejected one if any
-        tried = num_accepted + (1 if num_accepted < num_draft else 0)
-        keep = 1 - self.decay
-        self._succ = keep * self._succ + num_accepted
-        self._tried = keep * self._tried + tried
-        # the prior stays in as a pseudo-observation: one bad step does not zero the rate
-        self.alpha = (self._succ + self.prior_weight * self._prior) / (self._tried + self.prior_weight)
+        self._pool.observe(num_draft, num_accepted)
+        self.alpha = self._pool.prior()
+        tried, keep = positions_tried(num_draft, num_accepted), 1 - self.decay
         while len(self._pos_tried) < tried:
             self._pos_tried.append(0.0)
             self._pos_succ.append(0.0)
@@ -246,30 +273,6 @@ def _step_cost(T: int, fit: tuple[float, float, int] | None, q: tuple[float, flo
         return _relative_verify(T, fit) + draft / one
     base = max(one - b, 0.0) / batch + b
     return (base + b * d + draft) / base if base > 0 else 1.0
-
-
-@dataclass
-class PooledAcceptance:
-    """The acceptance rate over a decoder's requests (decayed counts of accepted / tried draft
-    positions), the prior a new request's controller starts from: a draft that has been rejected
-    for every earlier request does not get each new request's first steps to prove it again."""
-
-    default: float = 0.6
-    decay: float = 0.02  # weight of the newest observation
-    prior_weight: float = 2.0
-    _succ: float = 0.0
-    _tried: float = 0.0
-
-    def observe(self, num_draft: int, num_accepted: int) -> None:
-        if num_draft <= 0:
-            return
-        tried = num_accepted + (1 if num_accepted < num_draft else 0)
-        keep = 1 - self.decay
-        self._succ = keep * self._succ + num_accepted
-        self._tried = keep * self._tried + tried
-
-    def prior(self) -> float:
-        return (self._succ + self.prior_weight * self.default) / (self._tried + self.prior_weight)
 
 
 @dataclass

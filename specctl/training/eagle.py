@@ -232,12 +232,8 @@ def train(cfg: EagleTrainConfig, loaded=None, log: Callable[[str], None] = _stde
             with acc.accumulate(model):
                 with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=cfg.autocast):
                     loss, stats = model(st, den)
-                acc.backward(loss * (w * scale))
+                L.backward_step(acc, model, opt, loss, w * scale, cfg.max_grad_norm)
                 step_loss += w * loss.detach().float()
-                if acc.sync_gradients and cfg.max_grad_norm > 0:
-                    acc.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
-                opt.step()
-                opt.zero_grad(set_to_none=True)
         sched.step()
         step += 1
         losses.append(float(L.reduce_sum(acc, step_loss)))

@@ -225,6 +225,16 @@ def shares(batch: list, acc) -> list[tuple[list, float]]:
     return out
 
 
+def backward_step(acc, model, opt, loss, weight: float, max_grad_norm: float) -> None:
+    """One micro-batch inside ``acc.accumulate(model)``: backward of loss x weight, then (once the
+    accumulation is complete, as accelerate decides) gradient clipping and the optimizer step."""
+    acc.backward(loss * weight)
+    if acc.sync_gradients and max_grad_norm > 0:
+        acc.clip_grad_norm_(model.parameters(), max_grad_norm)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
 def reduce_sum(acc, x):
     """A tensor summed over every process."""
     return acc.reduce(x, reduction="sum") if acc.num_processes > 1 else x

@@ -346,12 +346,8 @@ def train_mtp(cfg: MtpTrainConfig, progress: Callable[[str], None] = lambda s: N
         for idx, wt in L.shares(batch, acc):
             with acc.accumulate(model):
                 loss = model(train_w[idx].to(dev), hw[idx].to(dev), yw[idx].to(dev), float(len(batch)))
-                acc.backward(loss * (wt * scale))
+                L.backward_step(acc, model, opt, loss, wt * scale, cfg.max_grad_norm)
                 step_loss += wt * loss.detach()
-                if acc.sync_gradients and cfg.max_grad_norm > 0:
-                    acc.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
-                opt.step()
-                opt.zero_grad(set_to_none=True)
         sched.step()
         step += 1
         losses.append(float(L.reduce_sum(acc, step_loss)))

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from specctl.runtime.rejection import logits_to_probs
+
 
 @dataclass
 class DraftOutput:
@@ -53,6 +55,15 @@ class DraftSampling:
     top_k: int | None = None
     top_p: float | None = None
     generator: torch.Generator | None = None
+
+    def pick(self, logits: torch.Tensor, q_rows: list, generator: torch.Generator | None = None) -> int:
+        """The next draft token from logits [V]: sampled as the request samples (its q, [V], appended
+        to ``q_rows``; the request's generator, else ``generator``), else the argmax."""
+        if self.temperature > 0:
+            p = logits_to_probs(logits, self.temperature, self.top_k, self.top_p)  # [V]
+            q_rows.append(p)
+            return int(torch.multinomial(p, 1, generator=self.generator or generator))
+        return int(torch.argmax(logits))
 
 
 class Proposer:

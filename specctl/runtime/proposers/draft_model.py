@@ -47,7 +47,6 @@ from specctl.config import SpecConfig
 from specctl.errors import UsageError
 from specctl.runtime.proposers.base import DraftOutput, Proposer, batch_draft
 from specctl.runtime.proposers.base import DraftSampling as _Sampling
-from specctl.runtime.rejection import logits_to_probs
 from specctl.drafts.vocab_map import VocabMap, build_vocab_map, span_agreement, token_bytes, tokenizer_fingerprint
 
 # Below this fraction of the draft vocabulary inside the intersection, drafting through the
@@ -305,10 +304,10 @@ class DraftModelProposer(Proposer):
         diff = np.flatnonzero(s.fed[:m] != want[:m])
         return int(diff[0]) if diff.size else m
 
-    def _sync_tokens(self, s: _Slot, want: np.ndarray) -> torch.Tensor:
-        """Roll the draft cache back to its longest prefix of ``want`` and return what is left to feed
-        [1, T >= 1] (the last token at least: fresh logits)."""
-        c = min(self._common_prefix(s, want), len(want) - 1)
+    def _sync_tokens(self, s: _Slot, want: np.ndarray, common: int | None = None) -> torch.Tensor:
+        """Roll the draft cache back to its longest prefix of ``want`` (``common`` tokens, when the caller
+        has counted them) and return what is left to feed [1, T >= 1] (the last token at least)."""
+        c = min(self._common_prefix(s, want) if common is None else common, len(want) - 1)
         s.runner.rollback(c)
         s.fed[c:len(want)] = want[c:]
         return torch.from_numpy(want[c:]).to(self.device)[None]
@@ -335,7 +334,7 @@ class DraftModelProposer(Proposer):
             mode = s.step_mode = self._step_mode(s, want)
             live.append(_Drafting(j, s, k, mode, self.suppress_text if mode == "text" else self.suppress_tli,
                                   s.sampling or _Sampling(self.temperature, self.top_k, self.top_p), len(want),
-                                  self._sync_tokens(s, want)))
+                                  self._sync_tokens(s, want, c)))
         feeding = live
         while feeding:
             logits = forward_batch([e.slot.runner for e in feeding], [e.feed for e in feeding],
@@ -346,12 +345,7 @@ class DraftModelProposer(Proposer):
                 if e.suppress is not None:
                     lg = lg.masked_fill(e.suppress, float("-inf"))
                 sp = e.sampling
-                if sp.temperature > 0:
-                    p = logits_to_probs(lg, sp.temperature, sp.top_k, sp.top_p)  # [Vd]
-                    d = int(torch.multinomial(p, 1, generator=sp.generator or self._own_generator))
-                    e.q_rows.append(p)
-                else:
-                    d = int(torch.argmax(lg))
+                d = sp.pick(lg, e.q_rows, self._own_generator)  # [Vd] -> a draft id
                 i = len(e.draft_ids)
                 e.draft_ids.append(d)
                 if i + 1 == e.k or (e.mode != "text" and int(self.d2t[d]) in self.stop_ids):

@@ -43,7 +43,6 @@ from specctl.models import resolve_draft
 from specctl.modeling import ModelArgs
 from specctl.runtime.proposers.base import DraftOutput, SlotProposer, batch_draft
 from specctl.runtime.proposers.base import DraftSampling as _Sampling
-from specctl.runtime.rejection import logits_to_probs
 
 
 class _Slot:
@@ -192,12 +191,7 @@ class EagleProposer(SlotProposer):
             still, o_next = [], []
             for c, lg, oc in zip(live, logits, o):
                 sp = c.sampling
-                if sp.temperature > 0:
-                    p = logits_to_probs(lg, sp.temperature, sp.top_k, sp.top_p)  # [N]
-                    di = int(torch.multinomial(p, 1, generator=sp.generator or self._own_generator))
-                    c.q_rows.append(p)
-                else:
-                    di = int(torch.argmax(lg))
+                di = sp.pick(lg, c.q_rows, self._own_generator)  # [N] -> a draft-vocabulary id
                 t = int(self.target_ids[di])
                 c.ids.append(t)
                 if j + 1 == c.k or t in self.stop_ids:

@@ -34,7 +34,6 @@ from specctl.models import resolve_draft
 from specctl.modeling import VERIFY_ROWS, ModelArgs
 from specctl.runtime.proposers.base import DraftOutput, SlotProposer, batch_draft
 from specctl.runtime.proposers.base import DraftSampling as _Sampling
-from specctl.runtime.rejection import logits_to_probs
 
 log = logging.getLogger("specctl")
 # vLLM's warning, in substance (vllm/config/speculative.py)
@@ -157,13 +156,7 @@ class MtpProposer(SlotProposer):
             still = []
             for j, (chain, _), lg in zip(live, res, logits):
                 j.keep(d, chain)
-                sp = j.sampling
-                if sp.temperature > 0:
-                    p = logits_to_probs(lg, sp.temperature, sp.top_k, sp.top_p)  # [V]
-                    tok = int(torch.multinomial(p, 1, generator=sp.generator or self._own_generator))
-                    j.q_rows.append(p)
-                else:
-                    tok = int(torch.argmax(lg))
+                tok = j.sampling.pick(lg, j.q_rows, self._own_generator)  # [V]
                 j.drafts.append(tok)
                 if tok in self.stop_ids or d == j.k:
                     out[j.index] = (j.drafts, torch.stack(j.q_rows) if j.q_rows else None)

@@ -37,7 +37,6 @@ from specctl.errors import UsageError
 from specctl.modeling import KVCache
 from specctl.runtime.proposers.base import DraftOutput, DraftSampling, SlotProposer, batch_draft
 from specctl.roofline import budget as draft_budget
-from specctl.runtime.rejection import logits_to_probs
 
 # StreamingLLM's attention sinks: vLLM's reference keeps the first KV block (16 positions)
 SINK_TOKENS = 16
@@ -271,12 +270,7 @@ class SparseAttnProposer(SlotProposer):
             still = []
             for d, lg in zip(live, logits):
                 sp = d.sampling
-                if sp.temperature > 0:
-                    p = logits_to_probs(lg.float(), sp.temperature, sp.top_k, sp.top_p)
-                    d.feed = int(torch.multinomial(p, 1, generator=sp.generator or self._own_generator))
-                    d.q_rows.append(p)
-                else:
-                    d.feed = int(torch.argmax(lg))
+                d.feed = sp.pick(lg, d.q_rows, self._own_generator)
                 d.ids.append(d.feed)
                 if len(d.ids) < d.k and d.feed not in self.stop_ids:
                     still.append(d)
