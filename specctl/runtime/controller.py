@@ -21,7 +21,10 @@ this step".
          model's forwards, an EAGLE head's; ~0 for n-gram lookup). Kept apart, a rare slow draft
          (the draft model catching up on a long prompt) moves q, which every d shares; a draft
          observation is capped at twice the current q, so one outlier cannot switch drafting
-         off. Unmeasured costs are taken as optimistic, so they get measured.
+         off. Unmeasured costs are taken as optimistic, so they get measured; until drafting is
+         measured, q is the proposer's hint (``Proposer.draft_cost``: a draft model's weights over
+         the target's) times the request's share of a plain step, so a batch whose verification is
+         already costly does not start a draft model it cannot pay for (and skips reading prompts).
 
 When drafting is off it probes again after ``probe_every`` steps (a short draft), so acceptance
 that rises later (a repetitive stretch of output) is noticed; each probe that does not turn drafting
@@ -94,6 +97,7 @@ class DraftLengthController:
     max_probe_every: int = 64
     probe_len: int = 2
     costs: dict[int, float] = field(default_factory=dict)  # T -> seconds (EMA); DRAFT -> per draft token
+    draft_hint: float = 0.0  # a draft token's cost in plain steps until drafting is measured (Proposer.draft_cost)
     _off_steps: int = 0
     _gap: int = 0  # the current wait between probes (0: probe_every)
     _prior: float = -1.0  # alpha as given: the prior of the pooled rate
@@ -140,12 +144,13 @@ class DraftLengthController:
         at v(1); beyond the largest measured T, v of that T (optimistic: it gets measured)."""
         return _relative_verify(T, self._slope())
 
-    def _draft_cost(self) -> tuple[float, float]:
+    def _draft_cost(self) -> tuple[float, float] | None:
         """(q0, q): a drafting step's seconds q0 + q d. A line through the seconds measured at three
-        or more draft lengths; before that q0 = 0 and q the per-token average (0 while unmeasured)."""
+        or more draft lengths; before that q0 = 0 and q the per-token average; None while unmeasured
+        (the step cost then takes ``draft_hint``)."""
         pts = [(-d, v) for d, v in self.costs.items() if d < 0]
         if len(pts) < 3:
-            return 0.0, self.costs.get(DRAFT, 0.0)
+            return (0.0, self.costs[DRAFT]) if DRAFT in self.costs else None
         n = len(pts)
         md, mv = sum(d for d, _ in pts) / n, sum(v for _, v in pts) / n
         q = max(sum((d - md) * (v - mv) for d, v in pts) / sum((d - md) ** 2 for d, _ in pts), 0.0)
@@ -156,7 +161,7 @@ class DraftLengthController:
 
     def cost(self, T: int, batch: int = 1) -> float:
         """c = the relative cost of a step that forwards T tokens, T - 1 of them drafted."""
-        return _step_cost(T, self._slope(), self._draft_cost(), batch)
+        return _step_cost(T, self._slope(), self._draft_cost(), batch, self.draft_hint)
 
     def _rates(self, n: int) -> list[float]:
         """[p_1 .. p_n]: position i accepted, given positions < i were. Each position's counts are
@@ -188,7 +193,7 @@ class DraftLengthController:
         for d, r in enumerate(self._rates(self.k), start=1):
             p *= r
             e += p
-            v = e / _step_cost(d + 1, fit, q, batch)
+            v = e / _step_cost(d + 1, fit, q, batch, self.draft_hint)
             if v > best_v:
                 best_d, best_v = d, v
         # drafting must beat a plain step by 2% (no flapping on and off at break-even); among draft
@@ -244,7 +249,7 @@ class DraftLengthController:
             per = draft_seconds / num_draft
             q = self.costs.get(DRAFT)
             self.costs[DRAFT] = per if q is None else q + self.ema * (min(per, 2 * q) - q)
-            q0, qd = self._draft_cost()
+            q0, qd = self._draft_cost() or (0.0, 0.0)
             pred, old = q0 + qd * num_draft, self.costs.get(-num_draft)
             obs = min(draft_seconds, 2 * pred) if pred > 0 else draft_seconds  # one outlier moves it a doubling at most
             self.costs[-num_draft] = obs if old is None else old + self.ema * (obs - old)
@@ -260,18 +265,26 @@ def _relative_verify(T: int, fit: tuple[float, float, int] | None) -> float:
     return 1.0 + b * (min(T, t_max) - 1) / one
 
 
-def _step_cost(T: int, fit: tuple[float, float, int] | None, q: tuple[float, float], batch: int = 1) -> float:
+def _step_cost(T: int, fit: tuple[float, float, int] | None, q: tuple[float, float] | None, batch: int = 1,
+               hint: float = 0.0) -> float:
     """A request's step forwarding T tokens, T - 1 = d of them drafted, in its plain steps: alone,
     v(T) / v(1) + draft(d) / v(1); among ``batch`` requests, its share of the forward:
-    (a / B + b T + draft(d)) / (a / B + b) with v(T) = a + b T; draft(d) = q0 + q d (0 at d = 0)."""
+    (a / B + b T + draft(d)) / (a / B + b) with v(T) = a + b T; draft(d) = q0 + q d (0 at d = 0).
+    Drafting unmeasured (q None): each draft token costs ``hint`` times the request's share of a
+    plain step (a draft model's forward shares its weights' read across the batch as the target's does)."""
     if fit is None:
         return 1.0
     one, b, _ = fit
     d = T - 1
-    draft = (q[0] + q[1] * d) if d > 0 else 0.0
+    base = one if batch <= 1 else max(one - b, 0.0) / batch + b
+    if d <= 0:
+        draft = 0.0
+    elif q is None:
+        draft = hint * d * base
+    else:
+        draft = q[0] + q[1] * d
     if batch <= 1:
         return _relative_verify(T, fit) + draft / one
-    base = max(one - b, 0.0) / batch + b
     return (base + b * d + draft) / base if base > 0 else 1.0
 
 

@@ -229,7 +229,7 @@ class SpecDecoder:
         st = DecodeState(runner, slot, params, generator, ctx, T,
                          set() if params.ignore_eos else set(params.stop_token_ids))
         if self.adaptive:
-            st.controller = DraftLengthController(self.k, alpha=self._pooled.prior(), costs=self._costs)
+            st.controller = self._controller()
         runner.reset()
         st.t_start = time.perf_counter()  # the prefill: the proposer's reading of the prompt counts in it
         if self.proposer is not None:
@@ -237,6 +237,23 @@ class SpecDecoder:
             self.proposer.start_request(slot, ctx[0, :T])
             self.proposer.bind_target(slot, runner)
         return st
+
+    def _controller(self) -> DraftLengthController:
+        """A new request's draft-length controller: the decoder's pooled acceptance as its prior, the
+        costs every request measures, and the proposer's cost hint until drafting is measured."""
+        return DraftLengthController(self.k, alpha=self._pooled.prior(), costs=self._costs,
+                                     draft_hint=self.proposer.draft_cost)
+
+    def _reads_prompt(self, batch: int) -> bool:
+        """Whether a request joining a batch of ``batch`` has its draft read the prompt now: drafting is
+        on at that size (the guard), and the cost model expects a new request to draft there (a draft
+        model that would not pay in a batch whose verification is already costly reads nothing; it
+        catches up if drafting turns on later)."""
+        if self._guard is None:
+            return True
+        if not self._guard.drafts_likely(batch):
+            return False
+        return batch <= 1 or self._controller().best_len(batch) > 0  # unmeasured costs: it drafts
 
     def step(self, st: DecodeState) -> list[int]:
         """One propose -> verify -> rollback step. Returns the tokens emitted (sets st.finish)."""
@@ -288,7 +305,7 @@ class SpecDecoder:
             except Exception as e:  # noqa: BLE001
                 _fail(states[i], e)
         # a request joining a batch that is not drafting leaves its draft's prompt unread (caught up if drafting resumes)
-        read_prompt = self._guard is None or self._guard.drafts_likely(len(states) + 1)
+        read_prompt = self._reads_prompt(len(states) + 1)
         for j, ((st, n), lg) in enumerate(zip(prefills, logits[len(live):])):
             try:
                 out[len(states) + j] = self.prefilled(st, n, lg, read_prompt)

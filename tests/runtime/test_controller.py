@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from specctl.runtime.controller import BatchGuard, DraftLengthController, PooledAcceptance
+from specctl.runtime.controller import DRAFT, BatchGuard, DraftLengthController, PooledAcceptance
 
 
 def costs_flat(k: int) -> dict[int, float]:
@@ -334,3 +334,20 @@ def test_a_draft_rejected_for_earlier_requests_starts_the_next_one_off(tiny_mode
     dec.step(st)  # the first measured step, then the prior decides
     dec.step(st)
     assert st.stats.num_draft_tokens == 0
+
+
+def test_a_draft_cost_hint_stands_in_until_drafting_is_measured():
+    """Before any draft is timed, a draft model's cost is its hint (its weights over the target's)
+    times the request's share of a plain step: in a batch of 8 whose verify rows are costly (the
+    forward compute bound), a draft of a third of the target's cost does not pay, where a free one
+    (hint 0, n-gram lookup) would be tried; alone, the same draft pays. Once drafting is timed, the
+    measurement decides, not the hint."""
+    a, b = 0.1, 0.004  # v(T) = a + b T seconds
+    costs = {t: a + b * t for t in (1, 8, 40, 257)}
+    hinted = DraftLengthController(k=4, costs=dict(costs), alpha=0.6, draft_hint=0.33)
+    free = DraftLengthController(k=4, costs=dict(costs), alpha=0.6)
+    assert hinted.best_len(8) == 0 and free.best_len(8) > 0
+    assert hinted.best_len(1) > 0
+    assert hinted.cost(2, batch=8) > free.cost(2, batch=8)
+    cheap = DraftLengthController(k=4, costs={**costs, DRAFT: 1e-6}, alpha=0.6, draft_hint=0.33)
+    assert cheap.best_len(8) > 0

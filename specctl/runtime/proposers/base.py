@@ -78,6 +78,9 @@ class Proposer:
     # drafts every running request in one call (``propose_batch``): one batched draft forward
     drafts_in_batch: bool = False
     reads_prompt: bool = False  # reads each prompt with a model of its own (``on_prefill``): a draft model
+    # a draft token's forward against a target forward over the same rows, before it is measured (the
+    # controller's prior for drafting's cost; 0: free until measured, as n-gram lookup is)
+    draft_cost: float = 0.0
 
     def start_request(self, slot: int, prompt_ids: np.ndarray) -> None:
         """A new request enters batch slot ``slot`` with its prompt (int32 [T])."""

@@ -106,6 +106,16 @@ def load_draft(config: SpecConfig, target):
     return load_model(path, dtype=str(target.dtype).removeprefix("torch."), device=str(target.device))
 
 
+def _weight_bytes(model) -> int:
+    """Bytes of a model's parameters (quantized blocks included): what a decode step reads."""
+    seen, total = set(), 0
+    for t in list(model.parameters()) + list(model.buffers()):
+        if id(t) not in seen:
+            seen.add(id(t))
+            total += t.numel() * t.element_size()
+    return total
+
+
 class DraftModelProposer(Proposer):
     method = "draft_model"
     reads_prompt = True
@@ -123,6 +133,7 @@ class DraftModelProposer(Proposer):
         if draft is None:
             draft = load_draft(config, target)
         self.draft, self.target = draft, target
+        self.draft_cost = _weight_bytes(draft.model) / max(_weight_bytes(target.model), 1)
         self.device = target.device
         self.temperature: float = 0.0  # default sampling of slots without set_sampling
         self.top_k: int | None = None

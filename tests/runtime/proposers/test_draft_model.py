@@ -446,3 +446,20 @@ def test_a_draft_that_skipped_the_prompt_catches_up_a_chunk_per_step(target, dra
     assert dec.finish(st).token_ids == expected
     assert max(sizes) <= 3  # read in chunks of CATCH_UP
     assert st.stats.num_draft_tokens > 0  # then it drafted
+
+
+def test_a_request_joining_a_batch_where_the_draft_would_not_pay_leaves_its_prompt_unread(target, drafts):
+    """The draft model's cost hint is its weights over the target's. With the batch's forwards
+    measured costly per row, the decoder expects a draft model of that cost not to draft in a batch
+    of 8, so a request joining it does not have its draft read the prompt (it would catch up if
+    drafting turned on); alone, or with a free draft, it reads."""
+    prop = make_proposer(target, drafts["same"])
+    nbytes = lambda m: sum(t.numel() * t.element_size() for t in {id(t): t for t in [*m.parameters(), *m.buffers()]}.values())  # noqa: E731
+    assert prop.draft_cost == pytest.approx(nbytes(prop.draft.model) / nbytes(target.model))
+    prop.draft_cost = 0.33
+    dec = SpecDecoder(TargetRunner(target.model, MAX_LEN), prop, K, adaptive=True)
+    assert dec._reads_prompt(8)  # nothing measured yet: it drafts, so it reads
+    dec._costs.update({t: 0.1 + 0.004 * t for t in (1, 8, 40, 257)})
+    assert not dec._reads_prompt(8) and dec._reads_prompt(1)
+    prop.draft_cost = 0.0
+    assert dec._reads_prompt(8)
