@@ -126,9 +126,10 @@ def run_concurrency(loaded: LoadedModel, configs: list[SpecConfig], workloads: l
         SpecDecoder(runners[0], proposers.build(c), c.num_speculative_tokens, adaptive=adaptive) for c in configs]
     spec = [None] + configs
     say(0, "warm-up", len(workloads) * len(levels) * len(decoders))
-    warm = next(iter(prompts.values()))[0][:32]
-    for dec in decoders:  # first-call costs (allocator, numba kernels) stay out of the first row
-        dec.generate(warm, replace(params, max_new_tokens=8))
+    warm = [p[:32] for p in next(iter(prompts.values()))[:top]]
+    for dec in decoders:  # first-call costs (allocator, numba kernels, every slot's draft state, the
+        # batched shapes' kernels) stay out of the first row: each decoder runs a short batch of `top`
+        run_level(dec, runners[:top], warm, replace(params, max_new_tokens=8), seed)
     say(0, "measuring the forward's roof")
     roof = {n: forward_roof(runners, n) for n in sorted(levels)}
     rows = []

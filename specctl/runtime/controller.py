@@ -85,6 +85,11 @@ class PooledAcceptance:
     def prior(self) -> float:
         return (self._succ + self.prior_weight * self.default) / (self._tried + self.prior_weight)
 
+    @property
+    def tried(self) -> float:
+        """Draft positions tried so far (decayed): how much evidence the rate rests on."""
+        return self._tried
+
 
 @dataclass
 class DraftLengthController:
@@ -222,6 +227,18 @@ class DraftLengthController:
             self._gap = min(2 * gap, self.max_probe_every)  # kept if this probe does not turn drafting on
             return min(self.probe_len, self.k)
         return 0
+
+    @property
+    def fresh(self) -> bool:
+        """No draft of this request has been verified yet."""
+        return self._pool.tried == 0
+
+    def restart_prior(self, alpha: float) -> None:
+        """A request that has not drafted yet takes ``alpha`` (the acceptance pooled over the requests
+        that have) as its prior: requests that arrived together do not each prove a bad draft again."""
+        if self.fresh:
+            self._prior = self.alpha = alpha
+            self._pool = PooledAcceptance(alpha, self.decay, self.prior_weight)
 
     def observe_acceptance(self, num_draft: int, num_accepted: int) -> None:
         """A verified draft of ``num_draft`` tokens, ``num_accepted`` of them kept: the pooled and

@@ -127,6 +127,9 @@ class _Plan:
         return (self.t1 - self.t0) + self.forward_s + (time.perf_counter() - self.t_done)
 
 
+EXPLORE_POSITIONS = 8  # pooled draft positions tried before every new request of a batch may draft
+
+
 class SpecDecoder:
     """Runs requests through a TargetRunner with an optional Proposer (None = plain decoding).
 
@@ -358,13 +361,22 @@ class SpecDecoder:
         plans: list[_Plan | None] = [None] * len(states)
         ks: dict[int, int] = {}
         self._clock += 1
+        # while the draft is unproven (little acceptance pooled yet), one new request a step tries it
+        # and the others wait for its evidence: requests that arrive together do not each pay a lazy
+        # draft's catch-up over their prompts (MTP, EAGLE, a draft model) to find a bad draft bad
+        prior, explore, explorer = self._pooled.prior(), len(states) > 1 and self._pooled.tried < EXPLORE_POSITIONS, False
         for i, st in enumerate(states):
+            fresh = st.controller is not None and st.controller.fresh
+            if fresh:
+                st.controller.restart_prior(prior)
             try:
                 k = self._draft_len(st, max_draft, len(states))
             except Exception as e:  # noqa: BLE001 - this request fails, the batch goes on
                 _fail(st, e)
                 continue
             if k is not None:
+                if fresh and explore and k > 0:
+                    k, explorer = (0 if explorer else k), True
                 ks[i] = k
         drafting = [i for i, k in ks.items() if k > 0]
         together = len(drafting) > 1 and self.proposer.drafts_in_batch

@@ -8,6 +8,7 @@ rejection sampling, the batched output keeps the target distribution).
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -15,6 +16,7 @@ from specctl.config import SpecConfig
 from specctl.runtime.decoder import SamplingParams, SpecDecoder
 from specctl.modeling import load_transformer
 from specctl.runtime.proposers import build_proposer
+from specctl.runtime.proposers.base import DraftOutput, Proposer
 from specctl.runtime.runner import TargetRunner
 from specctl.runtime.scheduler import Request, Scheduler
 
@@ -200,3 +202,55 @@ def test_adaptive_batch_stays_lossless_and_the_guard_measures_both_modes(tiny_mo
     want = _alone(tiny_model, None, prompts, params)
     assert [r.token_ids for r in got] == [r.token_ids for r in want]
     assert dec._guard._spec and dec._guard._plain  # both modes measured at some batch size
+
+
+class _WrongDraft(Proposer):
+    """Drafts k copies of a token the target never emits next (a draft that is always rejected), and
+    records which slots drafted in each call."""
+
+    def __init__(self, vocab_size: int):
+        self.calls: list[tuple[int, int]] = []  # (step, slot) of each request's draft
+        self.step = 0
+        self.V = vocab_size
+
+    def propose(self, token_ids, num_tokens, k, hidden_states=None, slots=None):
+        self.calls += [(self.step, int(s)) for s in slots]
+        B = token_ids.shape[0]
+        last = torch.as_tensor(token_ids[np.arange(B), num_tokens - 1]).long()
+        nxt = (last * 7 + 1) % self.V
+        return DraftOutput(nxt[:, None].repeat(1, k), torch.full((B,), k, dtype=torch.long))
+
+
+@pytest.mark.parametrize("explore", [8, 0])
+def test_an_unproven_draft_is_tried_by_one_new_request_a_step(tiny_model, repetitive_prompts, monkeypatch, explore):
+    """Requests that decode together with a draft nobody has measured: while the pooled acceptance
+    rests on fewer than EXPLORE_POSITIONS positions, at most one request drafts for the first time in
+    a step, and a request that has not drafted yet starts from the acceptance pooled so far, so a
+    draft that is always rejected is not proven bad by every request (each first draft of a lazy
+    draft costs its catch-up over the prompt). Without the rule (0), they all try at once."""
+    import specctl.runtime.decoder as decoder_mod
+
+    monkeypatch.setattr(decoder_mod, "EXPLORE_POSITIONS", explore)
+    prompts = _prompts(repetitive_prompts)[:6]
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    prop = _WrongDraft(tiny_model.args.vocab_size)
+    dec = SpecDecoder(TargetRunner(tiny_model, MAX_LEN), prop, 2, adaptive=True)
+    dec._costs.update({t: 0.01 + 1e-5 * t for t in (1, 2, 3, 6, 9, 18)})  # measured: verification is cheap
+    states = []
+    for slot, p in enumerate(prompts):  # all prefilled, then decoding together from the same step
+        st = dec.begin(p, params, None, TargetRunner(tiny_model, MAX_LEN), slot)
+        dec.prefilled(st, len(p), st.runner.forward(dec.prefill_tokens(st, len(p)), logits="last"))
+        states.append(st)
+    while any(st.finish is None for st in states):
+        prop.step += 1
+        dec.step_batch([st for st in states if st.finish is None])
+    want = _alone(tiny_model, None, prompts, [params] * len(prompts))
+    assert [dec.finish(st).token_ids for st in states] == [r.token_ids for r in want]
+    first: dict[int, int] = {}  # slot -> the step of its first draft
+    for step, slot in prop.calls:
+        first.setdefault(slot, step)
+    per_step = [list(first.values()).count(s) for s in set(first.values())]
+    if explore:
+        assert max(per_step) == 1 and len(first) < len(prompts)
+    else:
+        assert max(per_step) == len(prompts)
