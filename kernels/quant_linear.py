@@ -7,12 +7,16 @@ parts' outputs side by side (q|k|v or gate|up of different types in one call). x
 part's dense weights, bit for bit what gguf-py's ``gguf.quants.dequantize`` gives.
 
 The C++ kernel (``csrc/quant_linear.cpp``) is built once per path from one source (``PATHS``):
-``"avx512_bf16"`` (bf16 x through vdpbf16ps; fp32 x as "avx512"), ``"avx512"`` and ``"avx2"`` (x in
-fp32 FMAs against weights decoded to fp32), ``"scalar"``. ``best_path(dtype)`` picks one by what the
-CPU has; ``path=`` forces one (tests run every path the CPU can). Every path is row-independent: a
-row of x computed among any number of rows equals, bit for bit, the same row computed alone (so
-verification equals decoding). Paths differ from each other and from the fp32 reference only in fp32
-summation order.
+``"avx512_vnni"`` (x rounded to int8 per row and 32 values, as llama.cpp's Q8_0; integer dot products
+with vpdpbusd, the scales applied in fp32 once per 4 weights a lane), ``"avx512_bf16"`` (bf16 x
+through vdpbf16ps; fp32 x as "avx512"), ``"avx512"`` and ``"avx2"`` (x in fp32 FMAs against weights
+decoded to fp32), ``"scalar"``. ``best_path(dtype)`` picks one by what the CPU has; ``path=`` forces
+one (tests run every path the CPU can). Every path is row-independent: a row of x computed among any
+number of rows equals, bit for bit, the same row computed alone (so verification equals decoding).
+The float paths differ from each other and from the fp32 reference only in fp32 summation order; the
+int8 path (``INT8_PATHS``) equals, up to fp32 summation order, the reference over x as its int8 codes
+times their scales (``quantize_x``), which is within half an x step (max|x| / 254 over the value's
+32-group) of x.
 
 What it does not know: GGUF files, tensor names, models (specctl.runtime.quant reads those).
 """
@@ -29,10 +33,13 @@ TYPES: dict[str, tuple[int, int, int]] = {
     "Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q5_0": (6, 32, 22), "Q8_0": (8, 32, 34),
     "Q4_K": (12, 256, 144), "Q6_K": (14, 256, 210),
 }
-PATHS = ("avx512_bf16", "avx512", "avx2", "scalar")
-NEEDS = {"avx512_bf16": ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "f16c"),
+PATHS = ("avx512_vnni", "avx512_bf16", "avx512", "avx2", "scalar")
+INT8_PATHS = ("avx512_vnni",)  # x rounded to int8 per 32 values (llama.cpp's Q8_0): not exact vs fp32 x
+NEEDS = {"avx512_vnni": ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "f16c"),
+         "avx512_bf16": ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "f16c"),
          "avx512": ("avx512f", "avx512bw", "f16c"), "avx2": ("avx2", "fma", "f16c"), "scalar": ()}
-_FLAGS = {"avx512_bf16": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma", "-mf16c"],
+_FLAGS = {"avx512_vnni": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mfma", "-mf16c"],
+          "avx512_bf16": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma", "-mf16c"],
           "avx512": ["-mavx512f", "-mavx512bw", "-mfma", "-mf16c"], "avx2": ["-mavx2", "-mfma", "-mf16c"], "scalar": []}
 _ext: dict[str, object] = {}
 
@@ -49,11 +56,21 @@ def load(path: str = "avx512"):
 
 
 def best_path(dtype: torch.dtype = torch.bfloat16) -> str | None:
-    """The path x of ``dtype`` takes on this CPU, or None without a compiler. bf16 x takes the
+    """The path x of ``dtype`` takes on this CPU, or None without a compiler.
+
+    bf16 x takes the int8 path where the CPU has AVX512-VNNI: it decodes a weight to a byte code in
+    1-2 instructions per 64 and multiplies 64 a vpdpbusd, where the float paths spend an fp32 (or
+    bf16) multiply per 16 (32) weights; measured 1.5-1.8x a single-row Q4_K/Q6_K linear and 1.46x a
+    Qwen2.5-Coder-1.5B Q4_K_M decode step over "avx512" on an AMX Xeon (benchmarks/quant_decode.py).
+    fp32 x keeps the float paths: the int8 rounding of x (up to max|x|/254 a value) is llama.cpp's
+    trade, not one to make for a caller who asked for fp32 (tests/runtime/test_quant.py checks an fp32
+    quantized model against the dequantized dense model to 1e-4). Without VNNI, bf16 x takes the
     AVX512-BF16 path only without AMX: on AMX CPUs (Sapphire Rapids) vdpbf16ps runs ~0.4 a cycle
-    against fp32 FMA's 2 (measured), so the fp32 path is the faster one there; on AMD Zen 4
-    vdpbf16ps is as fast as an FMA and does twice the work."""
+    against fp32 FMA's 2 (measured), so the fp32 path is the faster one there; on AMD Zen 4 vdpbf16ps
+    is as fast as an FMA and does twice the work (and Zen 4 has VNNI, so takes the int8 path)."""
     order = list(PATHS)
+    if dtype is not torch.bfloat16:
+        order = [p for p in order if p not in INT8_PATHS]
     if dtype is not torch.bfloat16 or cpu.has("amx_bf16"):
         order.remove("avx512_bf16")
     return next((p for p in order if load(p) is not None), None)
@@ -76,6 +93,15 @@ def linear(x: torch.Tensor, parts: list[tuple[torch.Tensor, str]], K: int, bias:
     y = ext.quant_linear(x.reshape(rows, K), [b for b, _ in parts], [TYPES[t][0] for _, t in parts],
                          K, bias, out_fp32)
     return y.view(*x.shape[:-1], y.shape[-1])
+
+
+def quantize_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (bf16/fp32) -> (codes [M, K] int8, scales [M, K / 32] fp32): the x an int8 path
+    multiplies, row by row: per 32 values d = max|x| / 127, q = round-half-even(x * (127 / max|x|))."""
+    ext = next((e for p in INT8_PATHS if (e := load(p)) is not None), None)
+    if ext is None:
+        raise RuntimeError("no int8 quant_linear path runs on this machine")
+    return tuple(ext.quantize_x(x))
 
 
 def dequantize(blocks: torch.Tensor, qtype: str, K: int, dtype: torch.dtype = torch.float32,
