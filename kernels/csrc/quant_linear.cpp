@@ -13,15 +13,20 @@
 // running vector sums over the row, reduced in a fixed order: row m of an M-row call equals the same
 // row called alone, bit for bit (batch invariance: verification computes what decoding computes).
 //
-// Two ways to multiply, both against the fp32 reference up to fp32 summation order:
+// Three ways to multiply; the first two equal the fp32 reference up to fp32 summation order:
 // - fp32 (x fp32, or any x without AVX512-BF16): a weight is decoded to fp32 with gguf-py's operations
 //   in gguf-py's order (`dequantize` equals gguf.quants.dequantize bit for bit), then FMA'd with x.
 // - bf16 (x bf16 on AVX512-BF16): a block's integers (at most 6 bits) are exact in bf16; vdpbf16ps sums
 //   x * q over 32 weights exactly-multiplied in fp32, then one FMA applies the block's scale, and a
 //   block's min (Q4_1, Q4_K) multiplies the precomputed sum of x over the block. Half the decode work
-//   of fp32 (32 lanes an instruction). Not int8 VNNI: that needs x rounded to int8, as llama.cpp does.
+//   of fp32 (32 lanes an instruction).
+// - int8 (the avx512_vnni build, any x): x rounded to int8 per row and 32 values as llama.cpp's Q8_0
+//   (d = max|x| / 127), weights as unsigned byte codes (Q8_0's signed codes + 128: x stays the signed
+//   operand of vpdpbusd, and -128 * d_w * sum(x) puts the offset back, as the other types' offsets),
+//   exact int32 dot products, fp32 scales once per 4 (or 8) products: equals the reference over the
+//   rounded x up to fp32 summation order (see namespace q8). Not exact against fp32 x.
 //
-// One source, four builds: +AVX512-BF16, -mavx512f (16 lanes), -mavx2 (8 lanes), none (scalar).
+// One source, five builds: +AVX512-VNNI, +AVX512-BF16, -mavx512f (16 lanes), -mavx2 (8 lanes), none.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
@@ -543,19 +548,19 @@ void run(const uint16_t* x, const float* xs, int64_t M, int64_t K, int64_t Kp, c
 // converted (exact) and multiplied by (weight scale * x scale), one FMA per lane a zmm. A type's offset
 // (Q4_0's -8, Q5_0's -16, Q8_0's -128, Q6_K's -32, Q4_1's m, Q4_K's -dmin*m) is one coefficient per
 // x group times that group's x sum (d * sum q over 32 values, over 16 for Q6_K), one FMA a chunk.
-// The x codes are laid out in the order the weight codes come out of their blocks ("layouts"), so the
-// decoders shuffle nothing: L32 (Q4_0, Q4_1, Q5_0, Q8_0): a zmm holds codes 0-15 (or 16-31) of 4 blocks,
-// both zmm of 4 blocks share their lanes' scales, so their two vpdpbusd sum in int32 first; LK4 (Q4_K):
-// the low (high) nibbles of 64 bytes; NAT (Q6_K): natural order. Per (x row, weight row) one zmm
+// The x codes are laid out in the order the weight codes come out of their blocks ("layouts"): L32 (Q4_0,
+// Q4_1, Q5_0, Q8_0, and Q4_K with its sub-blocks of 32 as blocks): a zmm holds codes 0-15 (or 16-31) of
+// 4 blocks, so both zmm of 4 blocks share their lanes' scales and their two vpdpbusd sum in int32 first
+// (Q4_K's nibbles are moved into that order by 2 vpermt2q per 64 bytes: 6 fewer ops per x row a chunk);
+// NAT (Q6_K, scales per 16): natural order. Per (x row, weight row) one zmm
 // running sum over the chunks in order: row-independent like the other paths.
 namespace q8 {
-enum Layout { L32 = 0, LK4 = 1, NAT = 2 };
-constexpr int layout_of(int t) { return t == Q4_K ? LK4 : t == Q6_K ? NAT : L32; }
+enum Layout { L32 = 0, NAT = 2 };
+constexpr int layout_of(int t) { return t == Q6_K ? NAT : L32; }
 constexpr int chunk_bytes(int t) { return qk_of(t) == 256 ? bytes_of(t) : 8 * bytes_of(t); }
 inline int piece_src(int L, int i) {  // offset in its chunk of the x values of the layout's 16-byte piece i
   const int z = i / 4, p = i % 4;
   if (L == L32) return 32 * (4 * (z / 2) + p) + 16 * (z % 2);
-  if (L == LK4) return 64 * (2 * (z / 2) + p / 2) + 32 * (z % 2) + 16 * (p % 2);
   return 16 * i;
 }
 
@@ -563,7 +568,7 @@ struct X {  // M rows of x quantized; Kp = K rounded up to a chunk (zeros past K
   int64_t M = 0, Kp = 0;
   std::vector<int8_t> nat;           // [M][Kp] codes, natural order (the NAT layout)
   std::vector<float> d;              // [M][Kp / 32] scales
-  std::vector<int8_t> qb[3];         // [M][Kp] codes in layout L (L32, LK4)
+  std::vector<int8_t> qb[3];         // [M][Kp] codes in layout L (L32)
   std::vector<float> dl[3];          // [M][Kp / 4] the x scale of each 32-bit lane, layout L
   std::vector<float> xs32, xs16;     // [M][Kp / 256][16]: lanes 8-15 sums of the 32-groups (0-7 zero); 16-groups
   const int8_t* q(int L) const { return L == NAT ? nat.data() : qb[L].data(); }
@@ -685,15 +690,18 @@ inline void dec(const uint8_t* b, Dec& D) {
                             u[1] & 0x3f3f3f3fu, ((u[2] >> 4) & 0x0f0f0f0fu) | ((u[1] >> 2) & 0x30303030u)};
     const __m512 dd = _mm512_mask_blend_ps(0xff00, _mm512_set1_ps(half(b)), _mm512_set1_ps(half(b + 2)));
     const __m512 sc = _mm512_mul_ps(dd, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)sm))));
-    D.s[0] = _mm512_permutexvar_ps(splat_idx(0, 2, 0, 0, 8), sc);  // zmm 0: sub-blocks 0 | 2, 1: 1 | 3, ...
-    D.s[1] = _mm512_permutexvar_ps(splat_idx(1, 3, 0, 0, 8), sc);
-    D.s[2] = _mm512_permutexvar_ps(splat_idx(4, 6, 0, 0, 8), sc);
-    D.s[3] = _mm512_permutexvar_ps(splat_idx(5, 7, 0, 0, 8), sc);
+    D.s[0] = _mm512_permutexvar_ps(splat_idx(0, 1, 2, 3, 4), sc);  // as L32: sub-blocks in place of blocks
+    D.s[2] = _mm512_permutexvar_ps(splat_idx(4, 5, 6, 7, 4), sc);
     D.coef = _mm512_maskz_sub_ps(0xff00, _mm512_setzero_ps(), sc);  // -(dmin * m_j) in lanes 8-15
+    // 64 bytes: 16-byte lanes (sub-block 4h | 4h+1 codes 0-15 | 16-31, then 4h+2 | 4h+3) -> zmm 2h: codes
+    // 0-15 of sub-blocks 4h..4h+3 (low nibbles of lane 0, high of lane 0, low of lane 2, high of lane 2),
+    // zmm 2h+1: their codes 16-31 (lanes 1 and 3)
+    const __m512i pa = _mm512_setr_epi64(0, 1, 8, 9, 4, 5, 12, 13), pb = _mm512_setr_epi64(2, 3, 10, 11, 6, 7, 14, 15);
     for (int h = 0; h < 2; ++h) {
       const __m512i v = _mm512_loadu_si512(b + 16 + 64 * h);
-      D.c[2 * h] = _mm512_and_si512(v, n4);
-      D.c[2 * h + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), n4);
+      const __m512i lo = _mm512_and_si512(v, n4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), n4);
+      D.c[2 * h] = _mm512_permutex2var_epi64(lo, pa, hi);
+      D.c[2 * h + 1] = _mm512_permutex2var_epi64(lo, pb, hi);
     }
   } else if constexpr (T == Q6_K) {
     const __m512 sc = _mm512_mul_ps(_mm512_set1_ps(half(b + 208)),
