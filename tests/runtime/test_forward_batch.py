@@ -2,7 +2,8 @@
 
 Each request's logits, hidden states and cache equal those of its own forward: bit for bit on the
 row-independent bf16 paths (AMX, AVX512-BF16), to fp32 rounding in fp32 (torch's GEMM over more
-rows), to bf16 rounding on torch's bf16 path.
+rows sums in another order: a few ulps of the value, 1e-5 relative, plus 1e-5 for values near 0; seen
+on an AMD EPYC: 1.04e-5 on a logit of 1.67), to bf16 rounding on torch's bf16 path.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ def _same(path, got, want, what):
     if path == "bf16-torch":
         torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -6, atol=2 ** -5, msg=lambda m: f"{what}: {m}")
     elif path == "fp32":
-        torch.testing.assert_close(got, want, rtol=0, atol=1e-5, msg=lambda m: f"{what}: {m}")
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=lambda m: f"{what}: {m}")
     else:
         assert torch.equal(got, want), what
 
