@@ -1,10 +1,12 @@
-"""One transformer block per call for decode and verification forwards (bf16, AMX CPUs).
+"""One transformer block per call for decode and verification forwards (bf16; AMX, or AVX512-BF16 without AMX).
 
 ``layer(block, x, cos, sin, k_cache, v_cache, start)`` runs specctl.modeling.Block for a few
 rows (batch x tokens <= 64) in one C++ call and one parallel region (``csrc/decode_layer.cpp``):
 the same arithmetic as the AMX linears and the row-independent attention, without ~25 torch
-dispatches and 5 thread-pool wake-ups per block. ``load()`` returns None where it cannot run (no
-AMX, no compiler); callers keep the per-op path. ``layer_ragged`` does the same for many requests'
+dispatches and 5 thread-pool wake-ups per block. ``load()`` returns None where it cannot run (neither
+AMX nor AVX512-BF16, or no compiler); callers keep the per-op path. ``kind()`` says which build runs:
+``"amx"`` takes the AMX-packed weights (kernels/amx_linear), ``"avx512_bf16"`` the row-major ones of
+the skinny linear (same arithmetic as kernels/skinny_linear, one shared core: csrc/skinny_gemm.h). ``layer_ragged`` does the same for many requests'
 rows at once, each request with its own cache, length and draft tree (the batched engine).
 
 ``eagle3_layer(...)`` runs EAGLE-3's draft layer the same way: its attention reads
@@ -15,12 +17,13 @@ from __future__ import annotations
 
 import torch
 
-from kernels import amx_linear
+from kernels import amx_linear, skinny_linear
 from kernels._build import build
 
 _ext = None
 _tried = False
 MAX_ROWS = 64  # a chain's k+1 rows, or a draft tree's nodes
+AVX512 = ["-mavx512f", "-mavx512bf16", "-mavx512vl", "-mavx512bw"]
 
 
 def load():
@@ -29,8 +32,19 @@ def load():
         _tried = True
         if amx_linear.load() is not None:  # asks the OS for AMX tile state
             _ext = build("specctl_decode_layer", "decode_layer.cpp", ("amx_bf16", "amx_tile", "avx512_bf16"),
-                         ["-mamx-tile", "-mamx-bf16", "-mavx512f", "-mavx512bf16", "-mavx512vl", "-mavx512bw"])
+                         ["-mamx-tile", "-mamx-bf16", *AVX512])
+        elif skinny_linear.load() is not None:
+            _ext = build("specctl_decode_layer_avx512", "decode_layer.cpp", ("avx512_bf16",),
+                         ["-DSPECCTL_SKINNY", *AVX512])
     return _ext
+
+
+def kind() -> str | None:
+    """"amx" or "avx512_bf16": the weights the loaded build takes (None: it cannot run here)."""
+    ext = load()
+    if ext is None:
+        return None
+    return "avx512_bf16" if ext.__name__.endswith("_avx512") else "amx"
 
 
 def layer(block, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,

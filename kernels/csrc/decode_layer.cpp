@@ -12,13 +12,22 @@
 // are separated by a spinning barrier instead of fork/join. Every phase computes a row the same way
 // whatever M is (AMX tiles per row, per-row attention, per-row norms), so verification rows equal
 // decode rows bit for bit, as in amx_gemm.h and decode_attention.h.
+//
+// Two builds: AMX (weights packed in tiles, amx_gemm.h) and, with SPECCTL_SKINNY, AVX512-BF16 without
+// AMX (an AMD EPYC: row-major weights through skinny_gemm.h, the skinny linear's own core). On such a
+// CPU the per-op path pays a thread-pool wake-up per linear (~0.1 ms under OMP_WAIT_POLICY=PASSIVE in a
+// VM), 4-5 per block: more than a tenth of a 1.5B decode step.
 #include <torch/extension.h>
 #include <omp.h>
 #include <algorithm>
 #include <atomic>
 #include <thread>
 #include <vector>
+#ifdef SPECCTL_SKINNY
+#include "skinny_gemm.h"
+#else
 #include "amx_gemm.h"
+#endif
 #include "tree_rows.h"
 
 namespace {
@@ -79,12 +88,24 @@ inline void rope_head(const uint16_t* v, const uint16_t* cos, const uint16_t* si
 // Output groups handed out in chunks from a shared counter: on a busy machine a thread that lost
 // its core leaves its share to the others instead of holding everyone at the next barrier. (Who
 // computes a group changes nothing in its result.)
+// N outputs of y = x w^T (+ b) (+ r). AMX: w packed in blocks of 16 outputs; skinny: w row-major [N, K].
+#ifdef SPECCTL_SKINNY
 inline void gemm_dynamic(std::atomic<int64_t>& next, const uint16_t* x, int64_t M, int64_t K, const uint16_t* w,
-                         int64_t NB, const uint16_t* b, uint16_t* y, const uint16_t* r, int64_t ldy, int& configured) {
-  const int64_t total = specctl::amx::num_groups(NB), chunk = 2;
+                         int64_t N, const uint16_t* b, uint16_t* y, const uint16_t* r, int64_t ldy, int&) {
+  constexpr int64_t chunk = 32;  // weight rows a fetch (8 groups of 4; 96 KiB at K = 1536)
+  for (int64_t n0 = next.fetch_add(chunk); n0 < N; n0 = next.fetch_add(chunk))
+    specctl::skinny::rows(x, M, K, w, b, y, r, ldy, n0, std::min(N, n0 + chunk));
+}
+inline void tiles_done() {}
+#else
+inline void gemm_dynamic(std::atomic<int64_t>& next, const uint16_t* x, int64_t M, int64_t K, const uint16_t* w,
+                         int64_t N, const uint16_t* b, uint16_t* y, const uint16_t* r, int64_t ldy, int& configured) {
+  const int64_t NB = N / 16, total = specctl::amx::num_groups(NB), chunk = 2;
   for (int64_t g0 = next.fetch_add(chunk); g0 < total; g0 = next.fetch_add(chunk))
     specctl::amx::groups(x, M, K, w, NB, b, y, r, ldy, g0, std::min(total, g0 + chunk), configured);
 }
+inline void tiles_done() { _tile_release(); }
+#endif
 
 inline void share(int64_t n, int tid, int nt, int64_t& a, int64_t& b) {
   a = n * tid / nt;
@@ -170,7 +191,7 @@ void run_block(const Weights& w, std::vector<Seg>& segs, const uint16_t* xp, con
     }
     bar.wait(nt, sense);
     // 2. q|k|v
-    gemm_dynamic(next_qkv, xnp, M, Hin, w.wq, Nqkv / 16, w.bq, qp, nullptr, Nqkv, configured);
+    gemm_dynamic(next_qkv, xnp, M, Hin, w.wq, Nqkv, w.bq, qp, nullptr, Nqkv, configured);
     bar.wait(nt, sense);
     // 3. rotary on q (in place, via a copy of the head) and k; k and v into each request's caches
     const int64_t heads = nh + 2 * nkv;
@@ -215,13 +236,13 @@ void run_block(const Weights& w, std::vector<Seg>& segs, const uint16_t* xp, con
     }
     bar.wait(nt, sense);
     // 5. output projection + residual
-    gemm_dynamic(next_o, ap, M, nh * hd, w.wo, H / 16, w.bo, hp, xp, H, configured);
+    gemm_dynamic(next_o, ap, M, nh * hd, w.wo, H, w.bo, hp, xp, H, configured);
     bar.wait(nt, sense);
     // 6. norm
     for (int64_t m = tid; m < M; m += nt) rmsnorm_row(hp + m * H, w.n2, w.eps, H, xnp + m * H);
     bar.wait(nt, sense);
     // 7. gate|up
-    gemm_dynamic(next_gu, xnp, M, H, w.wgu, I2 / 16, nullptr, gup, nullptr, I2, configured);
+    gemm_dynamic(next_gu, xnp, M, H, w.wgu, I2, nullptr, gup, nullptr, I2, configured);
     bar.wait(nt, sense);
     // 8. SiLU(gate) x up, rounded as torch: bf16(bf16(silu(g)) * u)
     share(M * (I / 16), tid, nt, a, b);
@@ -236,14 +257,21 @@ void run_block(const Weights& w, std::vector<Seg>& segs, const uint16_t* xp, con
     }
     bar.wait(nt, sense);
     // 9. down projection + residual
-    gemm_dynamic(next_down, actp, M, I, w.wd, H / 16, nullptr, op, hp, H, configured);
-    _tile_release();
+    gemm_dynamic(next_down, actp, M, I, w.wd, H, nullptr, op, hp, H, configured);
+    tiles_done();
   }
 }
 
 const uint16_t* ptr_or_null(const c10::optional<torch::Tensor>& t) {
   return t.has_value() && t->defined() ? reinterpret_cast<const uint16_t*>(t->data_ptr()) : nullptr;
 }
+
+// A weight's shape per output row and input column: AMX packs 16 outputs x 32 inputs a tile row.
+#ifdef SPECCTL_SKINNY
+constexpr int64_t ROWS = 1, COLS = 1;
+#else
+constexpr int64_t ROWS = 16, COLS = 32;
+#endif
 
 Weights weights(const torch::Tensor& in_norm, const torch::Tensor& post_norm, double eps, const torch::Tensor& qkv_w,
                 const c10::optional<torch::Tensor>& qkv_b, const torch::Tensor& o_w,
@@ -253,10 +281,12 @@ Weights weights(const torch::Tensor& in_norm, const torch::Tensor& post_norm, do
   auto P = [](const torch::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr()); };
   Weights w{P(in_norm), P(post_norm), P(qkv_w), ptr_or_null(qkv_b), P(o_w), ptr_or_null(o_b), P(gate_up_w),
             P(down_w), eagle3 ? P(*emb_norm) : nullptr, static_cast<float>(eps),
-            H, eagle3 ? 2 * H : H, (nh + 2 * nkv) * hd, gate_up_w.size(0) * 8, gate_up_w.size(0) * 16, nh, nkv, hd};
-  TORCH_CHECK(qkv_w.size(0) * 16 == w.Nqkv && qkv_w.size(1) * 32 == w.Hin, "qkv weight shape");
-  TORCH_CHECK(o_w.size(0) * 16 == H && o_w.size(1) * 32 == nh * hd, "o weight shape");
-  TORCH_CHECK(down_w.size(0) * 16 == H && down_w.size(1) * 32 == w.I, "down weight shape");
+            H, eagle3 ? 2 * H : H, (nh + 2 * nkv) * hd, gate_up_w.size(0) * ROWS / 2, gate_up_w.size(0) * ROWS, nh, nkv, hd};
+  TORCH_CHECK(qkv_w.size(0) * ROWS == w.Nqkv && qkv_w.size(1) * COLS == w.Hin, "qkv weight shape");
+  TORCH_CHECK(o_w.size(0) * ROWS == H && o_w.size(1) * COLS == nh * hd, "o weight shape");
+  TORCH_CHECK(down_w.size(0) * ROWS == H && down_w.size(1) * COLS == w.I, "down weight shape");
+  for (const torch::Tensor* t : {&qkv_w, &o_w, &gate_up_w, &down_w})
+    TORCH_CHECK(t->is_contiguous() && t->scalar_type() == at::kBFloat16, "weights contiguous bf16");
   TORCH_CHECK(hd % 32 == 0 && hd <= 256 && nh % nkv == 0, "head dim / heads");
   return w;
 }

@@ -102,8 +102,13 @@ def enable_exact_bf16(model: "Transformer") -> bool:
         probe = torch.empty(1, a.num_heads, 1, a.head_dim, dtype=torch.bfloat16)
         for block in model.layers:
             block.exact_attention = decode_attention.supports(probe, a.num_kv_heads)
-            block.fused = (block.exact_attention and getattr(block.qkv, "amx_packed", False)
-                           and all(getattr(l, "amx_packed", False) for l in (block.o, block.gate_up, block.down))
+            linears = (block.qkv, block.o, block.gate_up, block.down)
+            if model.cpu_kernels == "amx":  # the fused block's AMX build takes the packed weights
+                weights_fit = decode_layer.kind() == "amx" and all(getattr(l, "amx_packed", False) for l in linears)
+            else:  # its AVX512-BF16 build, the skinny linear's row-major ones
+                weights_fit = decode_layer.kind() == "avx512_bf16" and all(
+                    l.weight.dtype is torch.bfloat16 and l.weight.is_contiguous() for l in linears)
+            block.fused = (block.exact_attention and weights_fit
                            and block.gate_up.bias is None and block.down.bias is None
                            and a.sliding_window is None and a.head_dim <= 256
                            and a.intermediate_size % 16 == 0 and decode_layer.load() is not None)

@@ -1,5 +1,6 @@
-"""The fused decode block (kernels/decode_layer): the same block as the per-op path to bf16 rounding,
-the same keys and values in the cache, and rows independent of how many share the call."""
+"""The fused decode block (kernels/decode_layer), each build (AMX; AVX512-BF16 without AMX, as on an AMD
+EPYC): the same block as the per-op path to bf16 rounding, the same keys and values in the cache, and
+rows independent of how many share the call."""
 
 from __future__ import annotations
 
@@ -10,15 +11,22 @@ from kernels import cpu, decode_layer
 from specctl.modeling import KVCache, load_transformer
 from specctl.runtime.runner import tree_attention_mask, tree_depths
 
-pytestmark = pytest.mark.skipif(decode_layer.load() is None, reason=cpu.why_not(cpu.AMX, built=False))
+# the fused block's builds -> (CPU features each needs, features hidden so that the CPU selects it)
+BUILDS = {"amx": (cpu.AMX, ()), "avx512_bf16": (cpu.AVX512_BF16, ("amx_bf16", "amx_tile"))}
 
 
-@pytest.fixture(scope="module")
-def model(tiny_model_factory):
-    folder = tiny_model_factory("qwen2", initializer_range=0.05, hidden_size=128, intermediate_size=256)
-    m = load_transformer(folder, torch.bfloat16)  # exact bf16 is the default on CPU
-    assert all(b.fused for b in m.layers)
-    return m
+@pytest.fixture(scope="module", params=list(BUILDS))
+def model(request, tiny_model_factory):
+    needs, hide = BUILDS[request.param]
+    if cpu.why_not(needs):
+        pytest.skip(f"the {request.param} build {cpu.why_not(needs)}")
+    with cpu.hidden(*hide):
+        if decode_layer.kind() != request.param:
+            pytest.skip(f"the {request.param} build of the fused block did not build here (no C++ compiler?)")
+        folder = tiny_model_factory("qwen2", initializer_range=0.05, hidden_size=128, intermediate_size=256)
+        m = load_transformer(folder, torch.bfloat16)  # exact bf16 is the default on CPU
+        assert m.cpu_kernels == request.param and all(b.fused for b in m.layers)
+        yield m
 
 
 @pytest.mark.parametrize("start,T", [(0, 1), (5, 3), (60, 1), (60, 16)])

@@ -1,0 +1,114 @@
+// The AVX512-BF16 skinny GEMM core: y[m, n] = bf16(sum_k x[m, k] w[n, k] + b[n]) for weight rows [n0, n1),
+// w row-major [N, K] bf16, optionally + a residual: bf16(r[m, n] + bf16(...)) (as x + linear(x) rounds in
+// torch). Shared by skinny_linear.cpp (every bf16 linear on a CPU with AVX512-BF16 and no AMX) and
+// decode_layer.cpp's build for such CPUs (the fused block).
+//
+// Every output is one fp32 dot product accumulated in a fixed order (32 lanes of vdpbf16ps over k, then a
+// fixed lane reduction), rounded to bf16 once. The order depends neither on M nor on how the weight rows
+// are split among threads, so a row computed among any number of rows equals that row computed alone.
+// x is taken in tiles of at most 16 rows (one kernel per tile size, registers blocked 4 x rows by 4 weight
+// rows), and every tile sweeps a chunk of weight rows while it is in L1/L2: the weights stream from
+// memory once whatever M is.
+#pragma once
+#include <immintrin.h>
+#include "bf16.h"
+#include <algorithm>
+#include <array>
+#include <cstdint>
+#include <utility>
+
+namespace specctl::skinny {
+
+constexpr int MAX_M = 16;
+// Weight rows per chunk that every row tile sweeps before the next chunk (64 rows of K <= 8960 bf16:
+// at most 1.1 MiB, in L2).
+constexpr int64_t N_CHUNK = 64;
+
+// One group: x rows [M0, M0 + MB) against NB weight rows.
+template <int MB, int NB>
+inline void block(const uint16_t* x, const uint16_t* wr, int64_t K, int64_t kfull, __mmask32 tail, float* out,
+                  int ostride) {
+  __m512 acc[NB][MB];
+#pragma GCC unroll 4
+  for (int j = 0; j < NB; ++j)
+#pragma GCC unroll 4
+    for (int m = 0; m < MB; ++m) acc[j][m] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < kfull; k += 32) {
+    __m512bh wv[NB];
+#pragma GCC unroll 4
+    for (int j = 0; j < NB; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(wr + j * K + k);
+#pragma GCC unroll 4
+    for (int m = 0; m < MB; ++m) {
+      __m512bh xv = (__m512bh)_mm512_loadu_si512(x + m * K + k);
+#pragma GCC unroll 4
+      for (int j = 0; j < NB; ++j) acc[j][m] = _mm512_dpbf16_ps(acc[j][m], xv, wv[j]);
+    }
+  }
+  if (tail) {
+    __m512bh wv[NB];
+    for (int j = 0; j < NB; ++j) wv[j] = (__m512bh)_mm512_maskz_loadu_epi16(tail, wr + j * K + kfull);
+    for (int m = 0; m < MB; ++m) {
+      __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(tail, x + m * K + kfull);
+      for (int j = 0; j < NB; ++j) acc[j][m] = _mm512_dpbf16_ps(acc[j][m], xv, wv[j]);
+    }
+  }
+  for (int j = 0; j < NB; ++j)
+    for (int m = 0; m < MB; ++m) out[j * ostride + m] = _mm512_reduce_add_ps(acc[j][m]);
+}
+
+template <int M, int NB, int M0>
+inline void group(const uint16_t* x, const uint16_t* wr, int64_t K, int64_t kfull, __mmask32 tail, float out[][M]) {
+  if constexpr (M0 < M) {
+    constexpr int MB = (M - M0) < 4 ? (M - M0) : 4;
+    block<MB, NB>(x + M0 * K, wr, K, kfull, tail, &out[0][M0], M);
+    group<M, NB, M0 + MB>(x, wr, K, kfull, tail, out);
+  }
+}
+
+inline uint16_t finish(float acc, const uint16_t* b, int64_t n, const uint16_t* r) {
+  const uint16_t y = to_bf16(acc + (b ? from_bf16(b[n]) : 0.0f));
+  return r ? to_bf16(from_bf16(r[n]) + from_bf16(y)) : y;
+}
+
+// M rows of x (row stride K) against weight rows [n0, n1): y row m at y + m * ldy (r likewise).
+template <int M>
+void rows_kernel(const uint16_t* x, const uint16_t* w, const uint16_t* b, uint16_t* y, const uint16_t* r,
+                 int64_t ldy, int64_t K, int64_t n0, int64_t n1) {
+  constexpr int NB = 4;
+  const int64_t kfull = K / 32 * 32;
+  const __mmask32 tail = (K - kfull) ? ((__mmask32)((1ull << (K - kfull)) - 1)) : 0;
+  int64_t n = n0;
+  for (; n + NB <= n1; n += NB) {
+    float out[NB][M];
+    group<M, NB, 0>(x, w + n * K, K, kfull, tail, out);
+    for (int j = 0; j < NB; ++j)
+      for (int m = 0; m < M; ++m) y[m * ldy + n + j] = finish(out[j][m], b, n + j, r ? r + m * ldy : nullptr);
+  }
+  for (; n < n1; ++n) {
+    float out[1][M];
+    group<M, 1, 0>(x, w + n * K, K, kfull, tail, out);
+    for (int m = 0; m < M; ++m) y[m * ldy + n] = finish(out[0][m], b, n, r ? r + m * ldy : nullptr);
+  }
+}
+
+using Fn = void (*)(const uint16_t*, const uint16_t*, const uint16_t*, uint16_t*, const uint16_t*, int64_t, int64_t,
+                    int64_t, int64_t);
+template <int... Ms>
+constexpr auto make_table(std::integer_sequence<int, Ms...>) {
+  return std::array<Fn, sizeof...(Ms)>{&rows_kernel<Ms + 1>...};
+}
+inline const auto TABLE = make_table(std::make_integer_sequence<int, MAX_M>{});
+
+// y = x w^T (+ b) (+ r) for x [M, K] and weight rows [n0, n1): one thread's share.
+inline void rows(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, const uint16_t* b, uint16_t* y,
+                 const uint16_t* r, int64_t ldy, int64_t n0, int64_t n1) {
+  for (int64_t c0 = n0; c0 < n1; c0 += N_CHUNK) {
+    const int64_t c1 = std::min(c0 + N_CHUNK, n1);
+    for (int64_t m0 = 0; m0 < M; m0 += MAX_M) {
+      const int64_t mt = std::min<int64_t>(MAX_M, M - m0);
+      TABLE[mt - 1](x + m0 * K, w, b, y + m0 * ldy, r ? r + m0 * ldy : nullptr, ldy, K, c0, c1);
+    }
+  }
+}
+
+}  // namespace specctl::skinny
