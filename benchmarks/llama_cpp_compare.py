@@ -53,7 +53,7 @@ def llama(tool: Path, model: Path, args: list[str], prompt: str, n: int) -> tupl
         f.write(prompt)
     try:
         cmd = [str(tool), "-m", str(model), "-f", f.name, "-n", str(n), "--temp", "0", "-t", "2", "-c", "4096", "--seed", "0", *args]
-        r = subprocess.run(cmd, capture_output=True, text=True, env=specctl.user_environ(), timeout=1800)
+        r = subprocess.run(cmd, check=False, capture_output=True, text=True, env=specctl.user_environ(), timeout=1800)
     finally:
         os.unlink(f.name)
     out = r.stdout + r.stderr
