@@ -79,6 +79,15 @@ def load_transformer(folder: str | Path, dtype: torch.dtype, device: str | torch
 _told_inexact = False
 
 
+def _dense_bf16(layer) -> bool:
+    """A projection the skinny kernel and the fused block read as row-major bf16 on the CPU. A GGUF
+    layer (``quantized``) is asked first: its ``weight`` would dequantize a dense copy."""
+    if getattr(layer, "quantized", False):
+        return False
+    w = layer.weight
+    return w.dtype is torch.bfloat16 and w.device.type == "cpu" and w.is_contiguous()
+
+
 def weights_on_huge_pages(model: "Transformer") -> None:
     """Every bf16 projection and the LM head onto transparent huge pages (kernels.amx_linear.huge_empty),
     as the AMX path's packed copies are: a decode step streams them once, and 4 KiB pages cost a page walk
@@ -94,10 +103,8 @@ def weights_on_huge_pages(model: "Transformer") -> None:
 
     for block in model.layers:
         for layer in (block.qkv, block.o, block.gate_up, block.down):
-            w = getattr(layer, "weight", None)
-            if (not getattr(layer, "quantized", False) and isinstance(w, torch.Tensor) and w.dtype is torch.bfloat16
-                    and w.device.type == "cpu"):
-                layer.weight = moved(w)
+            if _dense_bf16(layer):
+                layer.weight = moved(layer.weight)
     head = model.embed if model.lm_head is None else model.lm_head
     if model.quant_head is None and head.weight.dtype is torch.bfloat16 and head.weight.device.type == "cpu":
         head.weight = moved(head.weight)
@@ -126,18 +133,18 @@ def enable_exact_bf16(model: "Transformer") -> bool:
     if exact and decode_attention.load() is not None:
         a = model.args
         probe = torch.empty(1, a.num_heads, 1, a.head_dim, dtype=torch.bfloat16)
+        fused_kind = decode_layer.kind()  # the build that runs here, and so the weights it takes
         for block in model.layers:
             block.exact_attention = decode_attention.supports(probe, a.num_kv_heads)
             linears = (block.qkv, block.o, block.gate_up, block.down)
-            if model.cpu_kernels == "amx":  # the fused block's AMX build takes the packed weights
-                weights_fit = decode_layer.kind() == "amx" and all(getattr(l, "amx_packed", False) for l in linears)
-            else:  # its AVX512-BF16 build, the skinny linear's row-major ones
-                weights_fit = decode_layer.kind() == "avx512_bf16" and all(
-                    l.weight.dtype is torch.bfloat16 and l.weight.is_contiguous() for l in linears)
+            if fused_kind == "amx":  # the fused block's AMX build takes the packed weights
+                weights_fit = all(getattr(l, "amx_packed", False) for l in linears)
+            else:  # its AVX512-BF16 build the skinny linear's row-major ones (None: no build)
+                weights_fit = fused_kind == "avx512_bf16" and all(_dense_bf16(l) for l in linears)
             block.fused = (block.exact_attention and weights_fit
                            and block.gate_up.bias is None and block.down.bias is None
                            and a.sliding_window is None and a.head_dim <= 256
-                           and a.intermediate_size % 16 == 0 and decode_layer.load() is not None)
+                           and a.intermediate_size % 16 == 0)
     return exact
 
 
