@@ -100,6 +100,7 @@ def main() -> None:
         bw_raw = max(membw(), membw()) if membw else 0.0
         t1, t2, t11 = (sorted(steps(T, per))[per // 4] for T in (1, 2, 11))
         rows.append((bw_sum, max(bw_sum, bw_raw), t1, t2, t11))
+
     def med(i: int) -> float:
         return sorted(r[i] for r in rows)[len(rows) // 2]
 

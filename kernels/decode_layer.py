@@ -6,8 +6,9 @@ the same arithmetic as the AMX linears and the row-independent attention, withou
 dispatches and 5 thread-pool wake-ups per block. ``load()`` returns None where it cannot run (neither
 AMX nor AVX512-BF16, or no compiler); callers keep the per-op path. ``kind()`` says which build runs:
 ``"amx"`` takes the AMX-packed weights (kernels/amx_linear), ``"avx512_bf16"`` the row-major ones of
-the skinny linear (same arithmetic as kernels/skinny_linear, one shared core: csrc/skinny_gemm.h). ``layer_ragged`` does the same for many requests'
-rows at once, each request with its own cache, length and draft tree (the batched engine).
+the skinny linear (same arithmetic as kernels/skinny_linear, one shared core: csrc/skinny_gemm.h).
+``layer_ragged`` does the same for many requests' rows at once, each request with its own cache,
+length and draft tree (the batched engine).
 
 ``eagle3_layer(...)`` runs EAGLE-3's draft layer the same way: its attention reads
 cat(emb_norm(emb), in_norm(x)) [2H] while x stays the residual (specctl.runtime.proposers.eagle).
