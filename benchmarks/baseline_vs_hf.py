@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import specctl
 
-specctl.process_defaults()  # OMP_WAIT_POLICY before torch loads
+specctl.process_defaults()  # OpenMP settings (GOMP_SPINCOUNT) before torch loads
 
 import argparse
 import time

@@ -876,7 +876,7 @@ def main() -> int:
 
     import specctl
 
-    specctl.process_defaults()  # OMP_WAIT_POLICY before torch loads
+    specctl.process_defaults()  # OpenMP settings (GOMP_SPINCOUNT) before torch loads
     import torch
 
     if args.torch_path:

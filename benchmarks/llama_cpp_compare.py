@@ -5,7 +5,7 @@
 
 llama.cpp runs as its users run it: its command-line tools, built from the llama.cpp sources that the
 llama-cpp-python sdist carries (README: "llama.cpp peer"), with 2 threads and its own defaults, in the
-environment the user gave (nothing specctl's process sets, such as OMP_WAIT_POLICY):
+environment the user gave (nothing specctl's process sets, such as GOMP_SPINCOUNT):
 
 - plain:        ``llama-completion -no-cnv --temp 0`` (its "eval time" line: decode tok/s);
 - prompt lookup: ``llama-lookup`` (the n-gram drafting of llama.cpp's examples) at its default draft length

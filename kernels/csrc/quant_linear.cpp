@@ -650,7 +650,7 @@ struct Dec { __m512i c[4]; __m512 s[4]; __m512 coef; };  // codes, lane scales, 
 
 // One chunk (8 blocks of 32, or 1 super-block) at b -> Dec. For L32, s[1] = s[0], s[3] = s[2] (unset).
 template <int T>
-inline void dec(const uint8_t* b, Dec& D) {
+__attribute__((always_inline)) inline void dec(const uint8_t* b, Dec& D) {
   const __m512i n4 = _mm512_set1_epi8(15);
   if constexpr (T == Q4_0 || T == Q4_1 || T == Q5_0 || T == Q8_0) {
     constexpr int BY = bytes_of(T);

@@ -171,7 +171,7 @@ class ExternalPeers:
         python = engine_python(engine)
         from specctl import user_environ
 
-        env = user_environ()  # the peer's own defaults (no OMP_WAIT_POLICY of specctl's)
+        env = user_environ()  # the peer's own defaults (no GOMP_SPINCOUNT of specctl's)
         # vLLM's CPU backend asks for Intel OpenMP preloaded (its wheel ships it), above all for speculation
         iomp = Path(python).parent.parent / "lib" / "libiomp5.so"
         if engine == "vllm" and iomp.is_file() and "libiomp5" not in env.get("LD_PRELOAD", ""):
