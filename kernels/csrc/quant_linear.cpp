@@ -543,9 +543,10 @@ void run(const uint16_t* x, const float* xs, int64_t M, int64_t K, int64_t Kp, c
 // ---- int8 path (the "avx512_vnni" build). x is quantized per row, per 32 values (llama.cpp's Q8_0):
 // d = max|x| / 127, q = round-half-even(x * (127 / max|x|)) in [-127, 127]. A weight row is decoded 256
 // weights (a chunk) at a time into 4 zmm of unsigned byte codes (0..15, 0..31, 0..63; Q8_0's signed
-// codes + 128, i.e. the x-as-signed / w-as-unsigned trick) plus, per 32-bit lane, the fp32 weight scale
-// of the 4 codes in it. vpdpbusd (u8 w x s8 x -> s32, exact) sums 4 products a lane; a lane's int32 is
-// converted (exact) and multiplied by (weight scale * x scale), one FMA per lane a zmm. A type's offset
+// codes + 128, i.e. the x-as-signed / w-as-unsigned trick) plus the fp32 scale of each weight group (8
+// of 32, or Q6_K's 16 of 16). vpdpbusd (u8 w x s8 x -> s32, exact) sums 4 products a lane; a lane's int32
+// is converted (exact) and multiplied by (weight scale * x scale) of its group, one FMA per lane a zmm
+// (the chunk's products in one multiply per x row, spread over the lanes by a permute). A type's offset
 // (Q4_0's -8, Q5_0's -16, Q8_0's -128, Q6_K's -32, Q4_1's m, Q4_K's -dmin*m) is one coefficient per
 // x group times that group's x sum (d * sum q over 32 values, over 16 for Q6_K), one FMA a chunk.
 // The x codes are laid out in the order the weight codes come out of their blocks ("layouts"): L32 (Q4_0,
@@ -566,12 +567,15 @@ inline int piece_src(int L, int i) {  // offset in its chunk of the x values of 
 
 struct X {  // M rows of x quantized; Kp = K rounded up to a chunk (zeros past K)
   int64_t M = 0, Kp = 0;
-  std::vector<int8_t> nat;           // [M][Kp] codes, natural order (the NAT layout)
+  std::vector<int8_t> nat;           // [M][Kp] codes, natural order (what quantize_x returns)
   std::vector<float> d;              // [M][Kp / 32] scales
-  std::vector<int8_t> qb[3];         // [M][Kp] codes in layout L (L32)
-  std::vector<float> dl[3];          // [M][Kp / 4] the x scale of each 32-bit lane, layout L
-  std::vector<float> xs32, xs16;     // [M][Kp / 256][16]: lanes 8-15 sums of the 32-groups (0-7 zero); 16-groups
-  const int8_t* q(int L) const { return L == NAT ? nat.data() : qb[L].data(); }
+  // What the kernel reads, chunk-major (chunk c of every row, then chunk c + 1): a weight row's chunk
+  // meets its MB x rows at constant offsets from one pointer, so 8 x rows do not take 24 registers
+  // for their addresses (row-major, GCC spilled them: 2.2x slower at 8 rows, measured)
+  std::vector<int8_t> qb[3];         // [Kp / 256][M][256] codes in layout L
+  std::vector<float> d8;             // [Kp / 256][M][8] the scales of the chunk's 8 groups of 32 (0 past K)
+  std::vector<float> xs32, xs16;     // [Kp / 256][M][16]: lanes 8-15 sums of the 32-groups (0-7 zero); 16-groups
+  const int8_t* q(int L) const { return qb[L].data(); }
 };
 
 inline __m512 load_x(const void* x, bool bf16, int64_t i) {  // 16 values of x from i, as fp32
@@ -588,6 +592,7 @@ inline void quantize(const void* x, bool bf16, int64_t M, int64_t K, int need, X
   X_.d.assign(M * G, 0.0f);
   X_.xs32.assign(M * C * 16, 0.0f);
   X_.xs16.assign(M * C * 16, 0.0f);
+  X_.d8.assign(M * C * 8, 0.0f);
   at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m)
       for (int64_t g = 0; g < K / 32; ++g) {
@@ -601,24 +606,23 @@ inline void quantize(const void* x, bool bf16, int64_t M, int64_t K, int need, X
         _mm_storeu_si128((__m128i*)q, _mm512_cvtsepi32_epi8(qa));
         _mm_storeu_si128((__m128i*)(q + 16), _mm512_cvtsepi32_epi8(qb));
         X_.d[m * G + g] = d;
+        X_.d8[(g / 8 * M + m) * 8 + g % 8] = d;
         const int sa = _mm512_reduce_add_epi32(qa), sb = _mm512_reduce_add_epi32(qb);
-        float* s = X_.xs32.data() + (m * C + g / 8) * 16;
+        float* s = X_.xs32.data() + (g / 8 * M + m) * 16;
         s[8 + g % 8] = d * static_cast<float>(sa + sb);
-        s = X_.xs16.data() + (m * C + g / 8) * 16 + 2 * (g % 8);
+        s = X_.xs16.data() + (g / 8 * M + m) * 16 + 2 * (g % 8);
         s[0] = d * static_cast<float>(sa);
         s[1] = d * static_cast<float>(sb);
       }
   });
   for (int L = 0; L < 3; ++L) {
     if (!(need >> L & 1)) continue;
-    if (L != NAT) X_.qb[L].resize(M * Kp);
-    X_.dl[L].resize(M * Kp / 4);
+    X_.qb[L].resize(M * Kp);
     for (int64_t m = 0; m < M; ++m)
       for (int64_t c = 0; c < Kp; c += 256)
         for (int i = 0; i < 16; ++i) {
-          const int64_t src = m * Kp + c + piece_src(L, i), dst = m * Kp + c + 16 * i;
-          if (L != NAT) std::memcpy(X_.qb[L].data() + dst, X_.nat.data() + src, 16);
-          for (int l = 0; l < 4; ++l) X_.dl[L][dst / 4 + l] = X_.d[src / 32];
+          const int64_t src = m * Kp + c + piece_src(L, i), dst = (c / 256 * M + m) * 256 + 16 * i;
+          std::memcpy(X_.qb[L].data() + dst, X_.nat.data() + src, 16);
         }
   }
 }
@@ -646,7 +650,8 @@ inline __m512i gather4(const uint8_t* b) {
   return _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i*)(b + 3 * BY + QO)), 3);
 }
 
-struct Dec { __m512i c[4]; __m512 s[4]; __m512 coef; };  // codes, lane scales, offset coefficients
+// codes; weight scales (L32: lanes 0-7, one per group of 32; NAT: 16, one per 16); offset coefficients
+struct Dec { __m512i c[4]; __m512 w; __m512 coef; };
 
 // One chunk (8 blocks of 32, or 1 super-block) at b -> Dec. For L32, s[1] = s[0], s[3] = s[2] (unset).
 template <int T>
@@ -656,8 +661,7 @@ __attribute__((always_inline)) inline void dec(const uint8_t* b, Dec& D) {
     constexpr int BY = bytes_of(T);
     const __m256 d = halves8<BY>(b, 0);
     const __m512 dz = _mm512_castps256_ps512(d);
-    D.s[0] = _mm512_permutexvar_ps(splat_idx(0, 1, 2, 3, 4), dz);
-    D.s[2] = _mm512_permutexvar_ps(splat_idx(4, 5, 6, 7, 4), dz);
+    D.w = _mm512_zextps256_ps512(d);
     const __m256 co = T == Q4_1 ? halves8<BY>(b, 2) : _mm256_mul_ps(d, _mm256_set1_ps(T == Q4_0 ? -8.0f : T == Q5_0 ? -16.0f : -128.0f));
     D.coef = _mm512_castpd_ps(_mm512_insertf64x4(_mm512_setzero_pd(), _mm256_castps_pd(co), 1));
     for (int h = 0; h < 2; ++h) {
@@ -690,8 +694,7 @@ __attribute__((always_inline)) inline void dec(const uint8_t* b, Dec& D) {
                             u[1] & 0x3f3f3f3fu, ((u[2] >> 4) & 0x0f0f0f0fu) | ((u[1] >> 2) & 0x30303030u)};
     const __m512 dd = _mm512_mask_blend_ps(0xff00, _mm512_set1_ps(half(b)), _mm512_set1_ps(half(b + 2)));
     const __m512 sc = _mm512_mul_ps(dd, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)sm))));
-    D.s[0] = _mm512_permutexvar_ps(splat_idx(0, 1, 2, 3, 4), sc);  // as L32: sub-blocks in place of blocks
-    D.s[2] = _mm512_permutexvar_ps(splat_idx(4, 5, 6, 7, 4), sc);
+    D.w = sc;  // as L32: sub-blocks in place of blocks (lanes 8-15, dmin * m_j, unused there)
     D.coef = _mm512_maskz_sub_ps(0xff00, _mm512_setzero_ps(), sc);  // -(dmin * m_j) in lanes 8-15
     // 64 bytes: 16-byte lanes (sub-block 4h | 4h+1 codes 0-15 | 16-31, then 4h+2 | 4h+3) -> zmm 2h: codes
     // 0-15 of sub-blocks 4h..4h+3 (low nibbles of lane 0, high of lane 0, low of lane 2, high of lane 2),
@@ -706,7 +709,7 @@ __attribute__((always_inline)) inline void dec(const uint8_t* b, Dec& D) {
   } else if constexpr (T == Q6_K) {
     const __m512 sc = _mm512_mul_ps(_mm512_set1_ps(half(b + 208)),
                                     _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(b + 192)))));
-    for (int z = 0; z < 4; ++z) D.s[z] = _mm512_permutexvar_ps(splat_idx(4 * z, 4 * z + 1, 4 * z + 2, 4 * z + 3, 4), sc);
+    D.w = sc;
     D.coef = _mm512_mul_ps(sc, _mm512_set1_ps(-32.0f));
     const __m512i three = _mm512_set1_epi8(3);
     const __m512i sh01 = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
@@ -731,14 +734,21 @@ constexpr int PF = 2048;  // software prefetch distance in bytes: rows stream fr
 template <int T, int MB_>
 void row(const uint8_t* w, int64_t K, const X& x, int64_t m0, float* out) {
   constexpr int L = layout_of(T);
-  const int64_t Kp = x.Kp, C = Kp / 256, full = K / 256;
-  const int8_t* xq = x.q(L) + m0 * Kp;
-  const float* xd = x.dl[L].data() + m0 * (Kp / 4);
-  const float* xs = (T == Q6_K ? x.xs16 : x.xs32).data() + m0 * C * 16;
+  const int64_t C = x.Kp / 256, full = K / 256;
+  const int64_t M = x.M;  // chunk c of x row m: codes at (c M + m) 256, lane scales (c M + m) 64, sums (c M + m) 16
+  const int8_t* xq = x.q(L) + m0 * 256;
+  const float* xd = x.d8.data() + m0 * 8;
+  const float* xs = (T == Q6_K ? x.xs16 : x.xs32).data() + m0 * 16;
   alignas(64) uint8_t tail[8 * 34];  // the last chunk of a row that ends inside one: its blocks, then zero blocks
   __m512 acc[MB_];
+#pragma GCC unroll 8
   for (int m = 0; m < MB_; ++m) acc[m] = _mm512_setzero_ps();
-  for (int64_t c = 0; c < C; ++c) {
+  // a lane's scale is (weight scale) x (x scale) of the group its 4 codes belong to: the products of a
+  // chunk's groups (8 or 16) in one multiply, spread over the lanes by permutes (the x scales stay 32
+  // bytes a row and chunk: per lane they were 256, and at 8 rows of K = 8960 no longer fit in L1/L2)
+  const __m512i g0 = splat_idx(0, 1, 2, 3, 4), g1 = splat_idx(4, 5, 6, 7, 4);
+  const __m512i pair = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);  // NAT: 16-group -> 32-group
+  for (int64_t c = 0; c < C; ++c, xq += 256 * M, xd += 8 * M, xs += 16 * M) {
     const uint8_t* b = w + c * chunk_bytes(T);
     if (c == full) {
       std::memset(tail, 0, sizeof(tail));
@@ -750,25 +760,29 @@ void row(const uint8_t* w, int64_t K, const X& x, int64_t m0, float* out) {
     dec<T>(b, D);
 #pragma GCC unroll 8
     for (int m = 0; m < MB_; ++m) {
-      const int8_t* q = xq + m * Kp + 256 * c;
-      const float* dl = xd + m * (Kp / 4) + 64 * c;
+      const int8_t* q = xq + 256 * m;
+      const __m512 xs8 = _mm512_zextps256_ps512(_mm256_loadu_ps(xd + 8 * m));
       __m512 t;
       if constexpr (L == L32) {  // both zmm of 4 blocks share their lanes' scales: sum in int32 first
         const __m512i i0 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), D.c[0], _mm512_loadu_si512(q)),
                                                D.c[1], _mm512_loadu_si512(q + 64));
         const __m512i i1 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), D.c[2], _mm512_loadu_si512(q + 128)),
                                                D.c[3], _mm512_loadu_si512(q + 192));
-        t = _mm512_mul_ps(_mm512_cvtepi32_ps(i0), _mm512_mul_ps(D.s[0], _mm512_loadu_ps(dl)));
-        t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i1), _mm512_mul_ps(D.s[2], _mm512_loadu_ps(dl + 32)), t);
+        const __m512 p = _mm512_mul_ps(D.w, xs8);
+        t = _mm512_mul_ps(_mm512_cvtepi32_ps(i0), _mm512_permutexvar_ps(g0, p));
+        t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i1), _mm512_permutexvar_ps(g1, p), t);
       } else {
-        t = _mm512_mul_ps(dot(D.c[0], q), _mm512_mul_ps(D.s[0], _mm512_loadu_ps(dl)));
+        const __m512 p = _mm512_mul_ps(D.w, _mm512_permutexvar_ps(pair, xs8));
+        t = _mm512_mul_ps(dot(D.c[0], q), _mm512_permutexvar_ps(splat_idx(0, 1, 2, 3, 4), p));
 #pragma GCC unroll 3
-        for (int z = 1; z < 4; ++z) t = _mm512_fmadd_ps(dot(D.c[z], q + 64 * z), _mm512_mul_ps(D.s[z], _mm512_loadu_ps(dl + 16 * z)), t);
+        for (int z = 1; z < 4; ++z)
+          t = _mm512_fmadd_ps(dot(D.c[z], q + 64 * z), _mm512_permutexvar_ps(splat_idx(4 * z, 4 * z + 1, 4 * z + 2, 4 * z + 3, 4), p), t);
       }
-      t = _mm512_fmadd_ps(D.coef, _mm512_loadu_ps(xs + (m * C + c) * 16), t);
+      t = _mm512_fmadd_ps(D.coef, _mm512_loadu_ps(xs + 16 * m), t);
       acc[m] = _mm512_add_ps(acc[m], t);
     }
   }
+#pragma GCC unroll 8
   for (int m = 0; m < MB_; ++m) out[m] = _mm512_reduce_add_ps(acc[m]);
 }
 
