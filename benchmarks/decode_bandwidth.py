@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from kernels.cpu import name as cpu_name
+
 
 def readers(gib: float = 2.0):
     """Two independent plain reads of a 2 GiB buffer, each a function that returns its GB/s: torch's sum
@@ -115,12 +117,6 @@ def main() -> None:
           f"same round's read: median {ratio[len(ratio) // 2]:.0%} (rounds {ratio[0]:.0%}-{ratio[-1]:.0%})")
     print(f"  cost of a forward over 2 tokens / 1 token: {t2 / t1:.2f}; over 11 tokens / 1 token: {t11 / t1:.2f}")
 
-
-def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "unknown CPU"
 
 
 if __name__ == "__main__":

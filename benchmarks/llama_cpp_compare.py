@@ -35,16 +35,12 @@ from pathlib import Path
 
 import torch
 
+from kernels.cpu import name as cpu_name
+
 DECODED = re.compile(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds")
 EVAL = re.compile(r"(?<!prompt )eval time =\s+([\d.]+) ms /\s+(\d+) (?:runs|tokens)")
 ACCEPT = re.compile(r"accept\s+=\s+([\d.]+)%")
 
-
-def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "unknown CPU"
 
 
 def llama(tool: Path, model: Path, args: list[str], prompt: str, n: int) -> tuple[float, int, str]:

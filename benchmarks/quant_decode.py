@@ -31,12 +31,8 @@ from pathlib import Path
 
 import torch
 
+from kernels.cpu import name as cpu_name
 
-def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "unknown CPU"
 
 
 def find_gguf(entry, gguf_dir: Path, fetch: bool) -> Path | None:

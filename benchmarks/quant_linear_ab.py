@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from kernels.cpu import name as cpu_name
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -99,12 +101,6 @@ def main() -> None:
             print(f"  {qtype} [{M}, {K}] x [{N}, {K}]: {rev} {o * 1e6:7.0f} us  tree {n * 1e6:7.0f} us  "
                   f"{rev}/tree {o / n:.2f}x   (tree: {M} rows / 1 row {n / med[(qtype, a.rows[0], 'tree')]:.2f})")
 
-
-def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "unknown CPU"
 
 
 if __name__ == "__main__":

@@ -40,6 +40,21 @@ def _cpuinfo_flags() -> frozenset[str]:
     return frozenset()
 
 
+@lru_cache(maxsize=1)
+def name() -> str:
+    """The CPU's model name as /proc/cpuinfo gives it ("AMD EPYC", "Intel(R) Xeon(R) ..."): every figure a
+    benchmark prints names it (the machines are of one kind, not of one CPU model)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine() or "unknown CPU"
+
+
 def flags() -> set[str]:
     return set(_cpuinfo_flags()) - _hidden
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import gc
 import json
-import platform
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -170,14 +169,9 @@ class BenchReport:
 
 
 def machine_header(loaded: LoadedModel, max_new_tokens: int, temperature: float) -> dict:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    from kernels.cpu import name as cpu_name
+
+    cpu = cpu_name()
     dev = loaded.device
     return {
         "model": str(loaded.path), "dtype": str(loaded.dtype).removeprefix("torch."), "device": str(dev),
