@@ -17,23 +17,13 @@ import specctl
 
 specctl.process_defaults()  # OpenMP settings (GOMP_SPINCOUNT) before torch loads
 
-import platform
 import time
 
 import torch
 import torch.nn.functional as F
 
 from kernels import skinny_linear
-
-
-def cpu_name() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "?"
+from kernels.cpu import name as cpu_name
 
 
 def best(fn, reps: int = 5) -> float:

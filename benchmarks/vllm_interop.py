@@ -314,6 +314,7 @@ def main(argv: list[str] | None = None) -> int:
         _worker(args.worker)
         return 0
 
+    from kernels.cpu import name as cpu_name
     from specctl.workloads import load_workload, render_prompt
     from specctl.config import SpecConfig
     from specctl.models import resolve_model
@@ -351,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
         log(f"vLLM could not run the target itself: {plain.get('error')}")
         return 1
     installed = set(plain.get("spec_fields", [])) - VLLM_INTERNAL_FIELDS  # config objects vLLM fills itself
-    results = {"target": target, "dtype": args.dtype, "vllm_version": plain.get("vllm_version"), "cpu": _cpu_name(),
+    results = {"target": target, "dtype": args.dtype, "vllm_version": plain.get("vllm_version"), "cpu": cpu_name(),
                "cores": os.cpu_count(),
                "prompts": len(prompt_ids), "max_new_tokens": args.max_new_tokens, "steps": args.steps,
                "schema": {"recorded_for": VLLM_VERSION_RECORDED,
@@ -397,16 +398,6 @@ def main(argv: list[str] | None = None) -> int:
     ok = all(d.get("loaded") and d.get("greedy_equal", "0/1").split("/")[0] == d.get("greedy_equal", "0/1").split("/")[1]
              for d in results["drafts"].values()) and results.get("serve", {"ok": True}).get("ok", False)
     return 0 if ok else 1
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "?"
 
 
 def render(res: dict) -> str:
