@@ -329,6 +329,10 @@ def test_kernels_option_picks_the_bf16_cpu_path_and_is_recorded(tiny_model_dir, 
     from kernels import cpu
 
     assert h["kernels"] == "auto" and h["cpu_kernels"] == (None if cpu.bf16_path() == "torch" else cpu.bf16_path())
+    assert h["machine"] == cpu.name()  # the CPU named beside the figures: /proc/cpuinfo's model name
+    if os.path.exists("/proc/cpuinfo"):
+        with open("/proc/cpuinfo") as f:
+            assert f"model name\t: {cpu.name()}" in f.read()
     r = run_cli(*args[:4], "float32", *args[5:], "--kernels", "fused", env_extra=env)
     assert r.returncode == 2 and "--kernels fused" in r.stderr and "bfloat16" in r.stderr
     r = run_cli(*args, "--kernels", "fast", env_extra=env)
