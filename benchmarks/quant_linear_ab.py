@@ -102,6 +102,5 @@ def main() -> None:
                   f"{rev}/tree {o / n:.2f}x   (tree: {M} rows / 1 row {n / med[(qtype, a.rows[0], 'tree')]:.2f})")
 
 
-
 if __name__ == "__main__":
     main()

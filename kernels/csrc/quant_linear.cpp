@@ -571,7 +571,7 @@ struct X {  // M rows of x quantized; Kp = K rounded up to a chunk (zeros past K
   std::vector<float> d;              // [M][Kp / 32] scales
   // What the kernel reads, chunk-major (chunk c of every row, then chunk c + 1): a weight row's chunk
   // meets its MB x rows at constant offsets from one pointer, so 8 x rows do not take 24 registers
-  // for their addresses (row-major, GCC spilled them: 2.2x slower at 8 rows, measured)
+  // for their addresses (row-major, GCC spilled them at 8 rows)
   std::vector<int8_t> qb[3];         // [Kp / 256][M][256] codes in layout L
   std::vector<float> d8;             // [Kp / 256][M][8] the scales of the chunk's 8 groups of 32 (0 past K)
   std::vector<float> xs32, xs16;     // [Kp / 256][M][16]: lanes 8-15 sums of the 32-groups (0-7 zero); 16-groups
@@ -653,14 +653,13 @@ inline __m512i gather4(const uint8_t* b) {
 // codes; weight scales (L32: lanes 0-7, one per group of 32; NAT: 16, one per 16); offset coefficients
 struct Dec { __m512i c[4]; __m512 w; __m512 coef; };
 
-// One chunk (8 blocks of 32, or 1 super-block) at b -> Dec. For L32, s[1] = s[0], s[3] = s[2] (unset).
+// One chunk (8 blocks of 32, or 1 super-block) at b -> Dec.
 template <int T>
 __attribute__((always_inline)) inline void dec(const uint8_t* b, Dec& D) {
   const __m512i n4 = _mm512_set1_epi8(15);
   if constexpr (T == Q4_0 || T == Q4_1 || T == Q5_0 || T == Q8_0) {
     constexpr int BY = bytes_of(T);
     const __m256 d = halves8<BY>(b, 0);
-    const __m512 dz = _mm512_castps256_ps512(d);
     D.w = _mm512_zextps256_ps512(d);
     const __m256 co = T == Q4_1 ? halves8<BY>(b, 2) : _mm256_mul_ps(d, _mm256_set1_ps(T == Q4_0 ? -8.0f : T == Q5_0 ? -16.0f : -128.0f));
     D.coef = _mm512_castpd_ps(_mm512_insertf64x4(_mm512_setzero_pd(), _mm256_castps_pd(co), 1));
@@ -735,7 +734,7 @@ template <int T, int MB_>
 void row(const uint8_t* w, int64_t K, const X& x, int64_t m0, float* out) {
   constexpr int L = layout_of(T);
   const int64_t C = x.Kp / 256, full = K / 256;
-  const int64_t M = x.M;  // chunk c of x row m: codes at (c M + m) 256, lane scales (c M + m) 64, sums (c M + m) 16
+  const int64_t M = x.M;  // chunk c of x row m: codes at (c M + m) 256, group scales (c M + m) 8, sums (c M + m) 16
   const int8_t* xq = x.q(L) + m0 * 256;
   const float* xd = x.d8.data() + m0 * 8;
   const float* xs = (T == Q6_K ? x.xs16 : x.xs32).data() + m0 * 16;
@@ -773,7 +772,7 @@ void row(const uint8_t* w, int64_t K, const X& x, int64_t m0, float* out) {
         t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i1), _mm512_permutexvar_ps(g1, p), t);
       } else {
         const __m512 p = _mm512_mul_ps(D.w, _mm512_permutexvar_ps(pair, xs8));
-        t = _mm512_mul_ps(dot(D.c[0], q), _mm512_permutexvar_ps(splat_idx(0, 1, 2, 3, 4), p));
+        t = _mm512_mul_ps(dot(D.c[0], q), _mm512_permutexvar_ps(g0, p));
 #pragma GCC unroll 3
         for (int z = 1; z < 4; ++z)
           t = _mm512_fmadd_ps(dot(D.c[z], q + 64 * z), _mm512_permutexvar_ps(splat_idx(4 * z, 4 * z + 1, 4 * z + 2, 4 * z + 3, 4), p), t);

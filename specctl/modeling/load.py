@@ -106,7 +106,7 @@ def weights_on_huge_pages(model: "Transformer") -> None:
             if _dense_bf16(layer):
                 layer.weight = moved(layer.weight)
     head = model.embed if model.lm_head is None else model.lm_head
-    if model.quant_head is None and head.weight.dtype is torch.bfloat16 and head.weight.device.type == "cpu":
+    if model.quant_head is None and _dense_bf16(head):
         head.weight = moved(head.weight)
 
 
