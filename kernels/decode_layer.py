@@ -10,6 +10,11 @@ the skinny linear (same arithmetic as kernels/skinny_linear, one shared core: cs
 ``layer_ragged`` does the same for many requests' rows at once, each request with its own cache,
 length and draft tree (the batched engine).
 
+``load_quant()`` builds the same block over GGUF quantized weights as stored (``-DSPECCTL_QUANT``: the
+int8 core kernels/quant_linear.py runs, csrc/gguf_q8.h, so each projection equals its QuantLinear bit for
+bit; CPUs with AVX512-VNNI and AVX512-BF16); ``layer``/``layer_ragged`` take it for a block whose linears
+are ``specctl.runtime.quant.QuantLinear`` on the "avx512_vnni" path (``fits_quant``).
+
 ``eagle3_layer(...)`` runs EAGLE-3's draft layer the same way: its attention reads
 cat(emb_norm(emb), in_norm(x)) [2H] while x stays the residual (specctl.runtime.proposers.eagle).
 """
@@ -23,6 +28,8 @@ from kernels._build import build
 
 _ext = None
 _tried = False
+_ext_q = None
+_tried_q = False
 MAX_ROWS = 64  # a chain's k+1 rows, or a draft tree's nodes
 AVX512 = ["-mavx512f", "-mavx512bf16", "-mavx512vl", "-mavx512bw"]
 
@@ -40,6 +47,27 @@ def load():
     return _ext
 
 
+def load_quant():
+    """The quantized block's build (None where the CPU lacks AVX512-VNNI or AVX512-BF16, or no compiler)."""
+    global _ext_q, _tried_q
+    if not _tried_q:
+        _tried_q = True
+        _ext_q = build("specctl_decode_layer_q8", "decode_layer.cpp", ("avx512_bf16", "avx512_vnni", "avx512bw", "f16c"),
+                       ["-DSPECCTL_QUANT", *AVX512, "-mavx512vnni", "-mfma", "-mf16c", "-ffp-contract=off"])
+    return _ext_q
+
+
+def fits_quant(block) -> bool:
+    """Whether ``block``'s projections are GGUF blocks the quantized build takes (the int8 path's)."""
+    linears = (block.qkv, block.o, block.gate_up, block.down)
+    return (all(getattr(l, "quantized", False) and l.path == "avx512_vnni" and not l.out_fp32 for l in linears)
+            and block.gate_up.bias is None and block.down.bias is None and load_quant() is not None)
+
+
+def _q(lin) -> tuple[list[torch.Tensor], list[int]]:
+    return lin.parts, lin._type_ids
+
+
 def kind() -> str | None:
     """"amx" or "avx512_bf16": the weights the loaded build takes (None: it cannot run here)."""
     ext = load()
@@ -52,6 +80,10 @@ def layer(block, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache:
           v_cache: torch.Tensor, start: int, tree: torch.Tensor | None = None) -> torch.Tensor:
     """``tree`` [T, W] bool: the rows are a draft tree (see decode_attention.attention)."""
     a = block.a
+    if getattr(block.qkv, "quantized", False):
+        return _ext_q.decode_layer(x.contiguous(), block.input_norm.weight, block.post_norm.weight, a.rms_norm_eps,
+                                   _q(block.qkv), block.qkv.bias, _q(block.o), block.o.bias, _q(block.gate_up),
+                                   _q(block.down), cos, sin, k_cache, v_cache, start, a.num_heads, a.num_kv_heads, tree)
     return _ext.decode_layer(x.contiguous(), block.input_norm.weight, block.post_norm.weight, a.rms_norm_eps,
                              block.qkv.weight, block.qkv.bias, block.o.weight, block.o.bias,
                              block.gate_up.weight, block.down.weight, cos, sin, k_cache, v_cache, start,
@@ -66,9 +98,11 @@ def layer_ragged(block, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, i
     segment None or a [2, nkv, S] fp32 tensor that receives the attention weights of its first and
     last row, summed over each kv head's query heads (a by-product: the outputs do not change)."""
     a = block.a
-    return _ext.decode_layer_ragged(x.contiguous(), block.input_norm.weight, block.post_norm.weight, a.rms_norm_eps,
-                                    block.qkv.weight, block.qkv.bias, block.o.weight, block.o.bias,
-                                    block.gate_up.weight, block.down.weight, cos, sin,
+    q = getattr(block.qkv, "quantized", False)
+    w = ((_q(block.qkv), _q(block.o), _q(block.gate_up), _q(block.down)) if q else
+         (block.qkv.weight, block.o.weight, block.gate_up.weight, block.down.weight))
+    return (_ext_q if q else _ext).decode_layer_ragged(x.contiguous(), block.input_norm.weight, block.post_norm.weight,
+                                    a.rms_norm_eps, w[0], block.qkv.bias, w[1], block.o.bias, w[2], w[3], cos, sin,
                                     [s.cache.k[index] for s in segs], [s.cache.v[index] for s in segs],
                                     [s.start for s in segs], [s.n for s in segs], [s.tree for s in segs],
                                     a.num_heads, a.num_kv_heads, weights_out or [])

@@ -17,13 +17,22 @@
 // AMX (an AMD EPYC: row-major weights through skinny_gemm.h, the skinny linear's own core). On such a
 // CPU the per-op path pays a thread-pool wake-up per linear, 4-5 per block (under OMP_WAIT_POLICY=PASSIVE
 // in a VM: a 1.5B decode step took 110-143 ms per-op, 77-84 ms fused).
+//
+// A third build, SPECCTL_QUANT, takes GGUF quantized weights as stored (the int8 AVX512-VNNI core of
+// gguf_q8.h, the one quant_linear.cpp runs): each projection's x is rounded to int8 by every thread for
+// itself (a few microseconds; no extra barrier), then the weight rows are shared out as above. A
+// projection's outputs equal quant_linear's bit for bit; the block spares the per-op path's ~100 torch ops
+// and 4 thread-pool wake-ups per block.
 #include <torch/extension.h>
 #include <omp.h>
 #include <algorithm>
 #include <atomic>
 #include <thread>
 #include <vector>
-#ifdef SPECCTL_SKINNY
+#if defined(SPECCTL_QUANT)
+#include "bf16.h"
+#include "gguf_q8.h"
+#elif defined(SPECCTL_SKINNY)
 #include "skinny_gemm.h"
 #else
 #include "amx_gemm.h"
@@ -89,9 +98,34 @@ inline void rope_head(const uint16_t* v, const uint16_t* cos, const uint16_t* si
 // its core leaves its share to the others instead of holding everyone at the next barrier. (Who
 // computes a group changes nothing in its result.) N outputs of y = x w^T (+ b) (+ r); AMX: w packed in
 // blocks of 16 outputs; skinny: w row-major [N, K].
+#if defined(SPECCTL_QUANT)
+namespace gg = specctl::gguf;
+struct Lin {  // a projection as GGUF blocks: its parts side by side (q|k|v of different types)
+  std::vector<gg::Part> parts;
+  int need = 0;  // the x layouts its types read
+};
+struct Ctx { gg::q8::X x; };  // per thread: the projection's x as int8
+inline void gemm_dynamic(std::atomic<int64_t>& next, const uint16_t* x, int64_t M, int64_t K, const Lin& w,
+                         int64_t N, const uint16_t* b, uint16_t* y, const uint16_t* r, int64_t ldy, Ctx& ctx) {
+  gg::q8::quantize(x, true, M, K, w.need, ctx.x, [](int64_t n, auto f) { f(0, n); });
+  // a quarter of a thread's share a fetch: each fetch a long contiguous stretch of rows (16-row fetches
+  // interleave the threads' reads, and the prefetchers lose the streams: measured 1.5x slower), yet a
+  // thread that lost its core leaves most of its share to the others
+  const int64_t chunk = std::max<int64_t>(16, N / (4 * omp_get_num_threads()));
+  for (int64_t n0 = next.fetch_add(chunk); n0 < N; n0 = next.fetch_add(chunk))
+    gg::q8::range(ctx.x, K, w.parts, n0, std::min(N, n0 + chunk), [&](int64_t m, int64_t g, float v) {
+      if (b) v += from_bf16(b[g]);  // as quant_linear's output, then (x + linear(x)) as torch rounds it
+      const uint16_t o = to_bf16(v);
+      y[m * ldy + g] = r ? to_bf16(from_bf16(r[m * ldy + g]) + from_bf16(o)) : o;
+    });
+}
+inline void tiles_done() {}
+#else
+using Lin = const uint16_t*;
+struct Ctx { int configured = -1; };
 #ifdef SPECCTL_SKINNY
 inline void gemm_dynamic(std::atomic<int64_t>& next, const uint16_t* x, int64_t M, int64_t K, const uint16_t* w,
-                         int64_t N, const uint16_t* b, uint16_t* y, const uint16_t* r, int64_t ldy, int&) {
+                         int64_t N, const uint16_t* b, uint16_t* y, const uint16_t* r, int64_t ldy, Ctx&) {
   constexpr int64_t chunk = 32;  // weight rows a fetch (8 groups of 4; 96 KiB at K = 1536)
   for (int64_t n0 = next.fetch_add(chunk); n0 < N; n0 = next.fetch_add(chunk))
     specctl::skinny::rows(x, M, K, w, b, y, r, ldy, n0, std::min(N, n0 + chunk));
@@ -99,12 +133,14 @@ inline void gemm_dynamic(std::atomic<int64_t>& next, const uint16_t* x, int64_t 
 inline void tiles_done() {}
 #else
 inline void gemm_dynamic(std::atomic<int64_t>& next, const uint16_t* x, int64_t M, int64_t K, const uint16_t* w,
-                         int64_t N, const uint16_t* b, uint16_t* y, const uint16_t* r, int64_t ldy, int& configured) {
+                         int64_t N, const uint16_t* b, uint16_t* y, const uint16_t* r, int64_t ldy, Ctx& ctx) {
   const int64_t NB = N / 16, total = specctl::amx::num_groups(NB), chunk = 2;
   for (int64_t g0 = next.fetch_add(chunk); g0 < total; g0 = next.fetch_add(chunk))
-    specctl::amx::groups(x, M, K, w, NB, b, y, r, ldy, g0, std::min(total, g0 + chunk), configured);
+    specctl::amx::groups(x, M, K, w, NB, b, y, r, ldy, g0, std::min(total, g0 + chunk), ctx.configured);
 }
 inline void tiles_done() { _tile_release(); }
+#endif
+
 #endif
 
 inline void share(int64_t n, int tid, int nt, int64_t& a, int64_t& b) {
@@ -127,7 +163,13 @@ struct AttItem {
 };
 
 struct Weights {
-  const uint16_t *n1, *n2, *wq, *bq, *wo, *bo, *wgu, *wd, *ne;
+  const uint16_t *n1, *n2;
+  Lin wq;
+  const uint16_t* bq;
+  Lin wo;
+  const uint16_t* bo;
+  Lin wgu, wd;
+  const uint16_t* ne;
   float eps;
   int64_t H, Hin, Nqkv, I, I2, nh, nkv, hd;
 };
@@ -181,7 +223,8 @@ void run_block(const Weights& w, std::vector<Seg>& segs, const uint16_t* xp, con
 #pragma omp parallel num_threads(want)
   {
     const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
-    int sense = 0, configured = -1;
+    int sense = 0;
+    Ctx ctx;
     int64_t a, b;
     std::vector<float> scores;
     // 1. norm (EAGLE-3: [normed emb | normed x])
@@ -191,7 +234,7 @@ void run_block(const Weights& w, std::vector<Seg>& segs, const uint16_t* xp, con
     }
     bar.wait(nt, sense);
     // 2. q|k|v
-    gemm_dynamic(next_qkv, xnp, M, Hin, w.wq, Nqkv, w.bq, qp, nullptr, Nqkv, configured);
+    gemm_dynamic(next_qkv, xnp, M, Hin, w.wq, Nqkv, w.bq, qp, nullptr, Nqkv, ctx);
     bar.wait(nt, sense);
     // 3. rotary on q (in place, via a copy of the head) and k; k and v into each request's caches
     const int64_t heads = nh + 2 * nkv;
@@ -236,13 +279,13 @@ void run_block(const Weights& w, std::vector<Seg>& segs, const uint16_t* xp, con
     }
     bar.wait(nt, sense);
     // 5. output projection + residual
-    gemm_dynamic(next_o, ap, M, nh * hd, w.wo, H, w.bo, hp, xp, H, configured);
+    gemm_dynamic(next_o, ap, M, nh * hd, w.wo, H, w.bo, hp, xp, H, ctx);
     bar.wait(nt, sense);
     // 6. norm
     for (int64_t m = tid; m < M; m += nt) rmsnorm_row(hp + m * H, w.n2, w.eps, H, xnp + m * H);
     bar.wait(nt, sense);
     // 7. gate|up
-    gemm_dynamic(next_gu, xnp, M, H, w.wgu, I2, nullptr, gup, nullptr, I2, configured);
+    gemm_dynamic(next_gu, xnp, M, H, w.wgu, I2, nullptr, gup, nullptr, I2, ctx);
     bar.wait(nt, sense);
     // 8. SiLU(gate) x up, rounded as torch: bf16(bf16(silu(g)) * u)
     share(M * (I / 16), tid, nt, a, b);
@@ -257,7 +300,7 @@ void run_block(const Weights& w, std::vector<Seg>& segs, const uint16_t* xp, con
     }
     bar.wait(nt, sense);
     // 9. down projection + residual
-    gemm_dynamic(next_down, actp, M, I, w.wd, H, nullptr, op, hp, H, configured);
+    gemm_dynamic(next_down, actp, M, I, w.wd, H, nullptr, op, hp, H, ctx);
     tiles_done();
   }
 }
@@ -265,6 +308,51 @@ void run_block(const Weights& w, std::vector<Seg>& segs, const uint16_t* xp, con
 const uint16_t* ptr_or_null(const c10::optional<torch::Tensor>& t) {
   return t.has_value() && t->defined() ? reinterpret_cast<const uint16_t*>(t->data_ptr()) : nullptr;
 }
+
+#if defined(SPECCTL_QUANT)
+// A projection's parts as Python gives them: (blocks [N_p, row_bytes] uint8 per part, ggml type ids).
+using WArg = std::tuple<std::vector<torch::Tensor>, std::vector<int64_t>>;
+
+Lin lin_of(const WArg& a, int64_t K, int64_t N, const char* what) {
+  const auto& [ws, types] = a;
+  TORCH_CHECK(!ws.empty() && ws.size() == types.size(), what, ": one ggml type per part");
+  Lin l;
+  int64_t n = 0;
+  for (size_t i = 0; i < ws.size(); ++i) {
+    const int t = static_cast<int>(types[i]), by = gg::bytes_of(t), qk = gg::qk_of(t);
+    TORCH_CHECK(by > 0 && K % qk == 0, what, ": unsupported ggml type ", t, " for ", K, " inputs");
+    TORCH_CHECK(ws[i].scalar_type() == at::kByte && ws[i].dim() == 2 && ws[i].is_contiguous() &&
+                ws[i].size(1) == K / qk * by, what, ": parts are contiguous uint8 [N, row_bytes]");
+    l.parts.push_back({ws[i].data_ptr<uint8_t>(), t, ws[i].size(0), ws[i].size(1)});
+    l.need |= 1 << gg::q8::layout_of(t);
+    n += ws[i].size(0);
+  }
+  TORCH_CHECK(N < 0 || n == N, what, ": ", n, " output rows, expected ", N);
+  return l;
+}
+
+Weights weights(const torch::Tensor& in_norm, const torch::Tensor& post_norm, double eps, const WArg& qkv_w,
+                const c10::optional<torch::Tensor>& qkv_b, const WArg& o_w,
+                const c10::optional<torch::Tensor>& o_b, const WArg& gate_up_w, const WArg& down_w,
+                int64_t H, int64_t hd, int64_t nh, int64_t nkv, bool eagle3,
+                const c10::optional<torch::Tensor>& emb_norm) {
+  TORCH_CHECK(!eagle3, "the quantized block has no EAGLE-3 input");
+  auto P = [](const torch::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr()); };
+  const int64_t Nqkv = (nh + 2 * nkv) * hd;
+  Lin gu = lin_of(gate_up_w, H, -1, "gate_up");
+  int64_t I2 = 0;
+  for (const auto& p : gu.parts) I2 += p.n;
+  TORCH_CHECK(I2 % 32 == 0, "gate_up rows: 2 x a multiple of 16");
+  for (const auto* b : {&qkv_b, &o_b})
+    TORCH_CHECK(!b->has_value() || !(*b)->defined() || ((*b)->scalar_type() == at::kBFloat16 && (*b)->is_contiguous()),
+                "biases contiguous bf16");
+  TORCH_CHECK(hd % 32 == 0 && hd <= 256 && nh % nkv == 0, "head dim / heads");
+  return Weights{P(in_norm), P(post_norm), lin_of(qkv_w, H, Nqkv, "qkv"), ptr_or_null(qkv_b),
+                 lin_of(o_w, nh * hd, H, "o"), ptr_or_null(o_b), std::move(gu), lin_of(down_w, I2 / 2, H, "down"),
+                 nullptr, static_cast<float>(eps), H, H, Nqkv, I2 / 2, I2, nh, nkv, hd};
+}
+#else
+using WArg = torch::Tensor;
 
 // A weight's shape per output row and input column: AMX packs 16 outputs x 32 inputs a tile row.
 #ifdef SPECCTL_SKINNY
@@ -291,6 +379,8 @@ Weights weights(const torch::Tensor& in_norm, const torch::Tensor& post_norm, do
   return w;
 }
 
+#endif
+
 Seg make_seg(torch::Tensor& k_cache, torch::Tensor& v_cache, int64_t b, int64_t start, int64_t T, int64_t crow,
              const c10::optional<torch::Tensor>& tree) {
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes() &&
@@ -308,8 +398,8 @@ Seg make_seg(torch::Tensor& k_cache, torch::Tensor& v_cache, int64_t b, int64_t 
 }  // namespace
 
 torch::Tensor decode_layer(torch::Tensor x, torch::Tensor in_norm, torch::Tensor post_norm, double eps,
-                           torch::Tensor qkv_w, c10::optional<torch::Tensor> qkv_b, torch::Tensor o_w,
-                           c10::optional<torch::Tensor> o_b, torch::Tensor gate_up_w, torch::Tensor down_w,
+                           WArg qkv_w, c10::optional<torch::Tensor> qkv_b, WArg o_w,
+                           c10::optional<torch::Tensor> o_b, WArg gate_up_w, WArg down_w,
                            torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache, torch::Tensor v_cache,
                            int64_t start, int64_t num_heads, int64_t num_kv_heads, c10::optional<torch::Tensor> tree,
                            c10::optional<torch::Tensor> emb, c10::optional<torch::Tensor> emb_norm) {
@@ -338,8 +428,8 @@ torch::Tensor decode_layer(torch::Tensor x, torch::Tensor in_norm, torch::Tensor
 // has lens[s] rows written at starts[s] of its own caches k_caches[s] / v_caches[s] ([1, nkv, S, hd]),
 // and optionally a draft tree trees[s] [T, T]. Each row is computed exactly as the one-request call.
 torch::Tensor decode_layer_ragged(torch::Tensor x, torch::Tensor in_norm, torch::Tensor post_norm, double eps,
-                                  torch::Tensor qkv_w, c10::optional<torch::Tensor> qkv_b, torch::Tensor o_w,
-                                  c10::optional<torch::Tensor> o_b, torch::Tensor gate_up_w, torch::Tensor down_w,
+                                  WArg qkv_w, c10::optional<torch::Tensor> qkv_b, WArg o_w,
+                                  c10::optional<torch::Tensor> o_b, WArg gate_up_w, WArg down_w,
                                   torch::Tensor cos, torch::Tensor sin, std::vector<torch::Tensor> k_caches,
                                   std::vector<torch::Tensor> v_caches, std::vector<int64_t> starts,
                                   std::vector<int64_t> lens, std::vector<c10::optional<torch::Tensor>> trees,

@@ -141,6 +141,8 @@ def enable_exact_bf16(model: "Transformer") -> bool:
                 weights_fit = all(getattr(l, "amx_packed", False) for l in linears)
             else:  # its AVX512-BF16 build the skinny linear's row-major ones (None: no build)
                 weights_fit = fused_kind == "avx512_bf16" and all(_dense_bf16(l) for l in linears)
+            # GGUF blocks (specctl.runtime.quant) on the int8 path: the block's quantized build
+            weights_fit = weights_fit or decode_layer.fits_quant(block)
             block.fused = (block.exact_attention and weights_fit
                            and block.gate_up.bias is None and block.down.bias is None
                            and a.sliding_window is None and a.head_dim <= 256

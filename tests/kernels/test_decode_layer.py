@@ -1,6 +1,6 @@
 """The fused decode block (kernels/decode_layer), each build (AMX; AVX512-BF16 without AMX, as on an AMD
-EPYC): the same block as the per-op path to bf16 rounding, the same keys and values in the cache, and
-rows independent of how many share the call."""
+EPYC; GGUF quantized weights on AVX512-VNNI): the same block as the per-op path to bf16 rounding, the same
+keys and values in the cache, and rows independent of how many share the call."""
 
 from __future__ import annotations
 
@@ -12,12 +12,27 @@ from specctl.modeling import KVCache, load_transformer
 from specctl.runtime.runner import tree_attention_mask, tree_depths
 
 # the fused block's builds -> (CPU features each needs, features hidden so that the CPU selects it)
-BUILDS = {"amx": (cpu.AMX, ()), "avx512_bf16": (cpu.AVX512_BF16, ("amx_bf16", "amx_tile"))}
+BUILDS = {"amx": (cpu.AMX, ()), "avx512_bf16": (cpu.AVX512_BF16, ("amx_bf16", "amx_tile")),
+          "gguf": (("avx512_bf16", "avx512_vnni", "avx512bw"), ())}
 
 
 @pytest.fixture(scope="module", params=list(BUILDS))
-def model(request, tiny_model_factory):
+def model(request, tiny_model_factory, tmp_path_factory):
     needs, hide = BUILDS[request.param]
+    if request.param == "gguf":  # Q4_K | Q8_0 blocks (conftest's write_quant_gguf), run as stored
+        pytest.importorskip("gguf")
+        from specctl.runtime.quant import load_gguf_transformer
+        from tests.conftest import TINY_QUANT_SHAPE, write_quant_gguf
+
+        if cpu.why_not(needs) or decode_layer.load_quant() is None:
+            pytest.skip("the quantized build of the fused block needs AVX512-VNNI, AVX512-BF16 and a C++ compiler")
+        folder = tiny_model_factory("qwen2", initializer_range=0.05, **TINY_QUANT_SHAPE)
+        path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
+        write_quant_gguf(folder, path)
+        m = load_gguf_transformer(path, torch.bfloat16)
+        assert m.cpu_kernels == "gguf-avx512_vnni" and all(b.fused for b in m.layers)
+        yield m
+        return
     if cpu.why_not(needs):
         pytest.skip(f"the {request.param} build {cpu.why_not(needs)}")
     with cpu.hidden(*hide):
@@ -63,6 +78,29 @@ def test_rows_equal_rows_alone(model):
     alone = torch.cat([blk(x[:, i:i + 1], cos[i:i + 1].contiguous(), sin[i:i + 1].contiguous(), c.k[1], c.v[1], 20 + i, None)
                        for i in range(9)], 1)
     assert torch.equal(full, alone)
+
+
+def test_ragged_rows_equal_each_request_alone(model):
+    """Two requests' rows (a verify block and a decode row, each in its own cache) in one ragged call:
+    each equals its own call, bit for bit, and so do the keys and values written."""
+    from specctl.modeling import Segment
+
+    a, blk = model.args, model.layers[0]
+    g = torch.Generator().manual_seed(11)
+    x = (torch.randn(1, 5, a.hidden_size, generator=g) * 0.5).bfloat16()
+    caches = [KVCache(a, 1, 64, torch.bfloat16, "cpu") for _ in range(4)]
+    for c in caches:
+        c.k.normal_(generator=torch.Generator().manual_seed(3))
+        c.v.normal_(generator=torch.Generator().manual_seed(4))
+    starts = (20, 7)
+    cos1, sin1 = model.rope(starts[0], 4, torch.bfloat16)
+    cos2, sin2 = model.rope(starts[1], 1, torch.bfloat16)
+    segs = [Segment(caches[0], starts[0], 4, None), Segment(caches[1], starts[1], 1, None)]
+    both = blk.forward_ragged(x, torch.cat([cos1, cos2]), torch.cat([sin1, sin2]), 0, segs)
+    one = blk(x[:, :4], cos1, sin1, caches[2].k[0], caches[2].v[0], starts[0], None)
+    two = blk(x[:, 4:], cos2, sin2, caches[3].k[0], caches[3].v[0], starts[1], None)
+    assert torch.equal(both, torch.cat([one, two], 1))
+    assert torch.equal(caches[0].k, caches[2].k) and torch.equal(caches[1].v, caches[3].v)
 
 
 @pytest.mark.parametrize("parents", [[-1, 0, 0, 1, 2, 2, 4], [-1] + [0] * 8 + list(range(1, 9)) + [9, 17, 18]])

@@ -258,17 +258,23 @@ def test_int8_path_on_whole_chunks_and_outliers(path):
 
 
 def test_parts_side_by_side_equal_separate_calls():
-    """q|k|v of different types in one call = each part alone, concatenated (bit for bit)."""
+    """q|k|v of different types in one call = each part alone, concatenated (bit for bit), at 1 and 2
+    x rows (where a call takes several weight rows at once; the parts' row counts are not multiples of
+    that) and at 6."""
     path = ql.best_path(torch.bfloat16)
     if path is None:
         pytest.skip("no C++ compiler here")
     K = 512
-    parts = [(random_blocks("Q4_K", 64, K, seed=7), "Q4_K"), (random_blocks("Q6_K", 16, K, seed=8), "Q6_K"),
-             (random_blocks("Q8_0", 16, K, seed=9), "Q8_0")]
+    parts = [(random_blocks("Q4_K", 61, K, seed=7), "Q4_K"), (random_blocks("Q6_K", 13, K, seed=8), "Q6_K"),
+             (random_blocks("Q8_0", 7, K, seed=9), "Q8_0")]
     x = torch.randn(2, 3, K, generator=torch.Generator().manual_seed(10)).bfloat16()  # [B, T, K]
     y = ql.linear(x, parts, K)
-    assert y.shape == (2, 3, 96)
+    assert y.shape == (2, 3, 81)
     assert torch.equal(y, torch.cat([ql.linear(x, [p], K) for p in parts], -1))
+    for rows in (x[0, :1], x[0, :2]):
+        y = ql.linear(rows, parts, K)
+        assert torch.equal(y, torch.cat([ql.linear(rows, [p], K) for p in parts], -1))
+        assert torch.equal(y, torch.cat([ql.linear(r[None], parts, K) for r in rows]))
 
 
 def test_refuses_bad_shapes():
