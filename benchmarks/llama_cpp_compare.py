@@ -1,7 +1,7 @@
 """specctl against llama.cpp's own tools on the same GGUF files and prompts, in one run.
 
     python benchmarks/llama_cpp_compare.py --target Q15.gguf [--draft Q05.gguf] --llama-bin DIR
-        [-w code-edit -w chat] [-n 4] [--max-new-tokens 128] [--kernels-path PATH]
+        [-w code-edit -w chat] [-n 4] [--max-new-tokens 128] [--repeats 3]
 
 llama.cpp runs as its users run it: its command-line tools, built from the llama.cpp sources that the
 llama-cpp-python sdist carries (README: "llama.cpp peer"), with 2 threads and its own defaults, in the
@@ -15,7 +15,9 @@ environment the user gave (nothing specctl's process sets, such as GOMP_SPINCOUN
 specctl runs the same files quantized (``--quantization gguf``: blocks as stored), plain, ngram and
 draft_model (the draft GGUF quantized too), greedy, adaptive draft length up to k. Each prompt (a
 workload's request rendered with the model's chat template; llama.cpp gets the text and tokenizes it
-with the special tokens) runs through every engine in turn, so the machine's drift hits all alike.
+with the special tokens) runs through every engine in turn, ``--repeats`` times (engines interleaved in each
+repeat), so the machine's drift hits all alike; a prompt's figure is the median of its repeats (this
+machine is shared: one engine's rate on one prompt moved 1.7x between two runs in a row).
 Prints decode tok/s per engine and workload (tokens after the first over the decode time, as
 llama.cpp reports them), and the ratios the issue asks for, with the CPU's name.
 """
@@ -76,6 +78,7 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("-k", type=int, default=4, help="the draft model's most draft tokens (llama.cpp also runs --spec-draft-n-max k)")
     ap.add_argument("--ngram-k", type=int, default=8, help="n-gram's most draft tokens (llama-lookup also runs with it)")
+    ap.add_argument("--repeats", type=int, default=3, help="runs of every engine on every prompt (median reported)")
     a = ap.parse_args()
     workloads = a.workload or ["code-edit", "chat"]
 
@@ -112,7 +115,8 @@ def main() -> None:
     kernels = getattr(target.model, "cpu_kernels", None)
     print(f"# {cpu_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}; specctl kernels {kernels}")
     print(f"# target {a.target.name}" + (f", draft {a.draft.name}" if a.draft else "") +
-          f"; {a.num_prompts} prompts per workload, {a.max_new_tokens} new tokens, greedy; llama.cpp tools in {a.llama_bin}")
+          f"; {a.num_prompts} prompts per workload, {a.max_new_tokens} new tokens, greedy, median of {a.repeats} runs a "
+          f"prompt; llama.cpp tools in {a.llama_bin}")
     params = SamplingParams(max_new_tokens=a.max_new_tokens)
     for dec in decoders.values():  # first calls out of the timing
         dec.generate(chat.render(target.tokenizer, [{"role": "user", "content": "hi"}]),
@@ -124,17 +128,21 @@ def main() -> None:
         for r in reqs:
             ids = chat.render(target.tokenizer, r.messages)
             text = target.tokenizer.decode(ids, skip_special_tokens=False)
-            for name, dec in decoders.items():
-                res = dec.generate(ids, params)
-                rates.setdefault(f"specctl {name}", []).append(res.decode_tokens_per_s)
-                if res.stats.num_draft_tokens:
-                    notes.setdefault(f"specctl {name}", []).append(
-                        f"{100 * res.stats.num_accepted_tokens / res.stats.num_draft_tokens:.0f}%")
-            for name, (tool, extra) in peers.items():
-                tps, _, acc = llama(tool, a.target, extra, text, a.max_new_tokens)
-                rates.setdefault(f"llama.cpp {name}", []).append(tps)
-                if acc:
-                    notes.setdefault(f"llama.cpp {name}", []).append(acc)
+            runs: dict[str, list[float]] = {}
+            for _ in range(a.repeats):
+                for name, dec in decoders.items():
+                    res = dec.generate(ids, params)
+                    runs.setdefault(f"specctl {name}", []).append(res.decode_tokens_per_s)
+                    if res.stats.num_draft_tokens and len(runs[f"specctl {name}"]) == 1:
+                        notes.setdefault(f"specctl {name}", []).append(
+                            f"{100 * res.stats.num_accepted_tokens / res.stats.num_draft_tokens:.0f}%")
+                for name, (tool, extra) in peers.items():
+                    tps, _, acc = llama(tool, a.target, extra, text, a.max_new_tokens)
+                    runs.setdefault(f"llama.cpp {name}", []).append(tps)
+                    if acc and len(runs[f"llama.cpp {name}"]) == 1:
+                        notes.setdefault(f"llama.cpp {name}", []).append(acc)
+            for k, v in runs.items():
+                rates.setdefault(k, []).append(sorted(v)[len(v) // 2])
         print(f"\n## {w}")
         mean = {k: sum(v) / len(v) for k, v in rates.items()}
         for k, v in mean.items():

@@ -192,12 +192,18 @@ __attribute__((always_inline)) inline void dec(const uint8_t* b, Dec& D) {
       }
     }
   } else if constexpr (T == Q4_K) {
-    uint32_t u[3];
-    std::memcpy(u, b + 4, 12);
-    const uint32_t sm[4] = {u[0] & 0x3f3f3f3fu, (u[2] & 0x0f0f0f0fu) | ((u[0] >> 2) & 0x30303030u),
-                            u[1] & 0x3f3f3f3fu, ((u[2] >> 4) & 0x0f0f0f0fu) | ((u[1] >> 2) & 0x30303030u)};
-    const __m512 dd = _mm512_mask_blend_ps(0xff00, _mm512_set1_ps(half(b)), _mm512_set1_ps(half(b + 2)));
-    const __m512 sc = _mm512_mul_ps(dd, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)sm))));
+    // ggml's get_scale_min_k4 for the 8 sub-blocks at once, in one xmm (u0..u2: the 12 scale bytes as
+    // 32-bit words): [u0 & 3f.., (u2 & 0f..) | ((u0 >> 2) & 30..), u1 & 3f.., ((u2 >> 4) & 0f..) | ((u1 >> 2) & 30..)]
+    // = 6-bit scales, then mins (scalar code went through the stack: a store-forwarding stall a chunk)
+    const __m128i u = _mm_loadu_si128((const __m128i*)(b + 4));  // 12 scale bytes and 4 of the codes
+    const __m128i A = _mm_shuffle_epi32(u, _MM_SHUFFLE(2, 1, 2, 0)), B = _mm_shuffle_epi32(u, _MM_SHUFFLE(1, 1, 0, 0));
+    const __m128i sm = _mm_or_si128(
+        _mm_and_si128(_mm_srlv_epi32(A, _mm_setr_epi32(0, 0, 0, 4)), _mm_setr_epi32(0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f)),
+        _mm_and_si128(_mm_srli_epi32(B, 2), _mm_setr_epi32(0, 0x30303030, 0, 0x30303030)));
+    // d (lanes 0-7) and dmin (8-15): both fp16s converted at once
+    const __m512 dd = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
+                                            _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(u32at(b))))));
+    const __m512 sc = _mm512_mul_ps(dd, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(sm)));
     D.w = sc;  // as L32: sub-blocks in place of blocks (lanes 8-15, dmin * m_j, unused there)
     D.coef = _mm512_maskz_sub_ps(0xff00, _mm512_setzero_ps(), sc);  // -(dmin * m_j) in lanes 8-15
     // 64 bytes: 16-byte lanes (sub-block 4h | 4h+1 codes 0-15 | 16-31, then 4h+2 | 4h+3) -> zmm 2h: codes
