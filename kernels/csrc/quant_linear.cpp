@@ -509,21 +509,7 @@ void run(const uint16_t* x, const float* xs, int64_t M, int64_t K, int64_t Kp, c
 #endif
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-// ---- int8 path (the "avx512_vnni" build). x is quantized per row, per 32 values (llama.cpp's Q8_0):
-// d = max|x| / 127, q = round-half-even(x * (127 / max|x|)) in [-127, 127]. A weight row is decoded 256
-// weights (a chunk) at a time into 4 zmm of unsigned byte codes (0..15, 0..31, 0..63; Q8_0's signed
-// codes + 128, i.e. the x-as-signed / w-as-unsigned trick) plus the fp32 scale of each weight group (8
-// of 32, or Q6_K's 16 of 16). vpdpbusd (u8 w x s8 x -> s32, exact) sums 4 products a lane; a lane's int32
-// is converted (exact) and multiplied by (weight scale * x scale) of its group, one FMA per lane a zmm
-// (the chunk's products in one multiply per x row, spread over the lanes by a permute). A type's offset
-// (Q4_0's -8, Q5_0's -16, Q8_0's -128, Q6_K's -32, Q4_1's m, Q4_K's -dmin*m) is one coefficient per
-// x group times that group's x sum (d * sum q over 32 values, over 16 for Q6_K), one FMA a chunk.
-// The x codes are laid out in the order the weight codes come out of their blocks ("layouts"): L32 (Q4_0,
-// Q4_1, Q5_0, Q8_0, and Q4_K with its sub-blocks of 32 as blocks): a zmm holds codes 0-15 (or 16-31) of
-// 4 blocks, so both zmm of 4 blocks share their lanes' scales and their two vpdpbusd sum in int32 first
-// (Q4_K's nibbles are moved into that order by 2 vpermt2q per 64 bytes: 6 fewer ops per x row a chunk);
-// NAT (Q6_K, scales per 16): natural order. Per (x row, weight row) one zmm
-// running sum over the chunks in order: row-independent like the other paths.
+// ---- int8 path (the "avx512_vnni" build): csrc/gguf_q8.h's q8 core over ATen's threads.
 namespace int8 {  // the quantized linear over specctl::gguf::q8
 using namespace specctl::gguf::q8;
 void run(const void* xp, bool bf16, int64_t M, int64_t K, const std::vector<Part>& parts, const Out& out) {
