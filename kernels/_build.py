@@ -9,6 +9,7 @@ compiler; callers then keep torch's path. Every kernel is built with OpenMP: ATe
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
 from kernels import cpu
@@ -16,12 +17,33 @@ from kernels import cpu
 CSRC = Path(__file__).parent / "csrc"
 
 
+STALE_LOCK_S = 600  # a kernel builds in 1-2 minutes; a lock this old was left by a build that was killed
+
+
+def clear_stale_lock(build_dir: Path, max_age_s: float = STALE_LOCK_S) -> bool:
+    """Remove ``build_dir/lock`` if it is older than ``max_age_s``: torch takes the lock while it builds an
+    extension and waits, silently and forever, while it exists, so a build interrupted once (Ctrl-C, a
+    killed job) would hang every later run. Returns whether a lock was removed."""
+    lock = build_dir / "lock"
+    try:
+        if time.time() - lock.stat().st_mtime < max_age_s:
+            return False
+        lock.unlink()
+    except OSError:  # no lock (the usual case), or another process just took it away
+        return False
+    print(f"specctl: removed a stale build lock left by an interrupted build ({lock})", file=sys.stderr)
+    return True
+
+
 def build(name: str, source: str, needs: tuple[str, ...], cflags: list[str]):
     missing = [f for f in needs if f not in cpu.flags()]
     if missing:
         return None
     try:
+        from torch.utils.cpp_extension import _get_build_directory
         from torch.utils.cpp_extension import load as load_ext
+
+        clear_stale_lock(Path(_get_build_directory(name, verbose=False)))
 
         return load_ext(name=name, sources=[str(CSRC / source)], extra_include_paths=[str(CSRC)],
                         extra_cflags=["-O3", "-fopenmp", "-std=c++17", *cflags], extra_ldflags=["-fopenmp"],

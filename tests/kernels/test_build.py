@@ -37,3 +37,29 @@ def test_quant_linear_builds_where_the_cpu_runs_it(path):
     if shutil.which("c++") is None and shutil.which("g++") is None:
         pytest.skip("no C++ compiler here")
     assert quant_linear.load(path) is not None
+
+
+def test_quantized_block_builds_where_the_cpu_runs_it():
+    needs = ("avx512_bf16", "avx512_vnni", "avx512bw", "f16c")
+    if any(not cpu.has(f) for f in needs):
+        pytest.skip(cpu.why_not(needs, built=False))
+    if shutil.which("c++") is None and shutil.which("g++") is None:
+        pytest.skip("no C++ compiler here")
+    assert decode_layer.load_quant() is not None
+
+
+def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path, capsys):
+    """torch waits forever on the lock an interrupted build left; one older than a build can take goes."""
+    import os
+    import time
+
+    from kernels._build import STALE_LOCK_S, clear_stale_lock
+
+    lock = tmp_path / "lock"
+    lock.touch()
+    assert not clear_stale_lock(tmp_path) and lock.exists()  # a build in progress keeps its lock
+    old = time.time() - STALE_LOCK_S - 5
+    os.utime(lock, (old, old))
+    assert clear_stale_lock(tmp_path) and not lock.exists()
+    assert "stale build lock" in capsys.readouterr().err
+    assert not clear_stale_lock(tmp_path)  # no lock: nothing to do
