@@ -8,6 +8,7 @@ compiler; callers then keep torch's path. Every kernel is built with OpenMP: ATe
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from pathlib import Path
@@ -39,11 +40,13 @@ def build(name: str, source: str, needs: tuple[str, ...], cflags: list[str]):
     missing = [f for f in needs if f not in cpu.flags()]
     if missing:
         return None
-    try:
+    # torch's own build folder (a private helper): a torch without it only loses the stale-lock check
+    with contextlib.suppress(Exception):
         from torch.utils.cpp_extension import _get_build_directory
-        from torch.utils.cpp_extension import load as load_ext
 
         clear_stale_lock(Path(_get_build_directory(name, verbose=False)))
+    try:
+        from torch.utils.cpp_extension import load as load_ext
 
         return load_ext(name=name, sources=[str(CSRC / source)], extra_include_paths=[str(CSRC)],
                         extra_cflags=["-O3", "-fopenmp", "-std=c++17", *cflags], extra_ldflags=["-fopenmp"],

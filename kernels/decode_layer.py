@@ -61,11 +61,16 @@ def fits_quant(block) -> bool:
     """Whether ``block``'s projections are GGUF blocks the quantized build takes (the int8 path's)."""
     linears = (block.qkv, block.o, block.gate_up, block.down)
     return (all(getattr(l, "quantized", False) and l.path == "avx512_vnni" and not l.out_fp32 for l in linears)
-            and block.gate_up.bias is None and block.down.bias is None and load_quant() is not None)
+            and load_quant() is not None)
 
 
-def _q(lin) -> tuple[list[torch.Tensor], list[int]]:
-    return lin.parts, lin._type_ids
+def _build_and_weights(block):
+    """The build that runs ``block`` and its projections as that build takes them (qkv, o, gate_up, down):
+    GGUF parts and type ids for the quantized build, the dense (or AMX-packed) weights otherwise."""
+    linears = (block.qkv, block.o, block.gate_up, block.down)
+    if getattr(block.qkv, "quantized", False):
+        return _ext_q, [(l.parts, l._type_ids) for l in linears]
+    return _ext, [l.weight for l in linears]
 
 
 def kind() -> str | None:
@@ -80,14 +85,10 @@ def layer(block, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache:
           v_cache: torch.Tensor, start: int, tree: torch.Tensor | None = None) -> torch.Tensor:
     """``tree`` [T, W] bool: the rows are a draft tree (see decode_attention.attention)."""
     a = block.a
-    if getattr(block.qkv, "quantized", False):
-        return _ext_q.decode_layer(x.contiguous(), block.input_norm.weight, block.post_norm.weight, a.rms_norm_eps,
-                                   _q(block.qkv), block.qkv.bias, _q(block.o), block.o.bias, _q(block.gate_up),
-                                   _q(block.down), cos, sin, k_cache, v_cache, start, a.num_heads, a.num_kv_heads, tree)
-    return _ext.decode_layer(x.contiguous(), block.input_norm.weight, block.post_norm.weight, a.rms_norm_eps,
-                             block.qkv.weight, block.qkv.bias, block.o.weight, block.o.bias,
-                             block.gate_up.weight, block.down.weight, cos, sin, k_cache, v_cache, start,
-                             a.num_heads, a.num_kv_heads, tree)
+    ext, w = _build_and_weights(block)
+    return ext.decode_layer(x.contiguous(), block.input_norm.weight, block.post_norm.weight, a.rms_norm_eps,
+                            w[0], block.qkv.bias, w[1], block.o.bias, w[2], w[3], cos, sin, k_cache, v_cache, start,
+                            a.num_heads, a.num_kv_heads, tree)
 
 
 def layer_ragged(block, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, index: int, segs,
@@ -98,14 +99,12 @@ def layer_ragged(block, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, i
     segment None or a [2, nkv, S] fp32 tensor that receives the attention weights of its first and
     last row, summed over each kv head's query heads (a by-product: the outputs do not change)."""
     a = block.a
-    q = getattr(block.qkv, "quantized", False)
-    w = ((_q(block.qkv), _q(block.o), _q(block.gate_up), _q(block.down)) if q else
-         (block.qkv.weight, block.o.weight, block.gate_up.weight, block.down.weight))
-    return (_ext_q if q else _ext).decode_layer_ragged(x.contiguous(), block.input_norm.weight, block.post_norm.weight,
-                                    a.rms_norm_eps, w[0], block.qkv.bias, w[1], block.o.bias, w[2], w[3], cos, sin,
-                                    [s.cache.k[index] for s in segs], [s.cache.v[index] for s in segs],
-                                    [s.start for s in segs], [s.n for s in segs], [s.tree for s in segs],
-                                    a.num_heads, a.num_kv_heads, weights_out or [])
+    ext, w = _build_and_weights(block)
+    return ext.decode_layer_ragged(x.contiguous(), block.input_norm.weight, block.post_norm.weight,
+                                   a.rms_norm_eps, w[0], block.qkv.bias, w[1], block.o.bias, w[2], w[3], cos, sin,
+                                   [s.cache.k[index] for s in segs], [s.cache.v[index] for s in segs],
+                                   [s.start for s in segs], [s.n for s in segs], [s.tree for s in segs],
+                                   a.num_heads, a.num_kv_heads, weights_out or [])
 
 
 def eagle3_layer(w, x: torch.Tensor, emb: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,

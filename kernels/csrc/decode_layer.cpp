@@ -109,7 +109,7 @@ inline void gemm_dynamic(std::atomic<int64_t>& next, const uint16_t* x, int64_t 
                          int64_t N, const uint16_t* b, uint16_t* y, const uint16_t* r, int64_t ldy, Ctx& ctx) {
   gg::q8::quantize(x, true, M, K, w.need, ctx.x, [](int64_t n, auto f) { f(0, n); });
   // a quarter of a thread's share a fetch: each fetch a long contiguous stretch of rows (16-row fetches
-  // interleave the threads' reads, and the prefetchers lose the streams: measured 1.5x slower), yet a
+  // interleave the threads' reads, and the prefetchers lose the streams: measured 1.3x slower), yet a
   // thread that lost its core leaves most of its share to the others
   const int64_t chunk = std::max<int64_t>(16, N / (4 * omp_get_num_threads()));
   for (int64_t n0 = next.fetch_add(chunk); n0 < N; n0 = next.fetch_add(chunk))
