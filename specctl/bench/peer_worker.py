@@ -19,8 +19,10 @@ Then, one JSON object a line on stdin, one answer a line on stdout:
 vllm:spec_decode_num_drafts, _num_draft_tokens, _num_accepted_tokens, _num_accepted_tokens_per_pos)
 counted over the full generation, under specctl's SpecStats names.
 
-An engine is built per mode and kept while requests of that mode follow (send them grouped by
-mode). Timing as for transformers' peer: decode time = a full generation minus a one-token
+vLLM builds an engine per mode and keeps it while requests of that mode follow (send them grouped by
+mode: two vLLM engines may not fit together). llama.cpp keeps an engine per mode for the whole run
+(each maps the same GGUF file, so a second engine costs its context, not the weights): bench sends
+its requests in step with specctl's own, prompt by prompt. Timing as for transformers' peer: decode time = a full generation minus a one-token
 generation of the same prompt (prefill + first token), measured just before; prefix caching is
 off, so the second prefill costs what the first did.
 
@@ -98,6 +100,8 @@ def counted_between(before: dict, after: dict) -> dict:
 
 
 class LlamaCppEngine:
+    keeps_modes = True  # the engines of every mode stay loaded side by side (one mapped file)
+
     def __init__(self, spec: dict, mode: dict):
         from llama_cpp import Llama
 
@@ -144,19 +148,22 @@ def main() -> None:
     out = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
     sys.stdout = sys.stderr
-    engine, engine_mode = None, None
+    cls = ENGINES[spec["engine"]]
+    engines: dict[str, object] = {}  # mode (as JSON) -> its engine
     for line in sys.stdin:
         if not line.strip():
             continue
         req = json.loads(line)
         try:
-            if req["mode"] != engine_mode:
-                if engine is not None:
-                    engine.close()
-                    gc.collect()
-                engine, engine_mode = None, None
-                engine = ENGINES[spec["engine"]](spec, req["mode"])
-                engine_mode = req["mode"]
+            mode = json.dumps(req["mode"], sort_keys=True)
+            if mode not in engines and engines and not getattr(cls, "keeps_modes", False):
+                for old in engines.values():
+                    old.close()
+                engines.clear()
+                gc.collect()
+            if mode not in engines:
+                engines[mode] = cls(spec, req["mode"])
+            engine = engines[mode]
             ids, n, stop = req["prompt_ids"], req["max_new_tokens"], req.get("stop_token_ids", [])
             counters = getattr(engine, "spec_counters", None) if req["mode"]["kind"] != "plain" else None
             t0 = time.perf_counter()

@@ -304,6 +304,31 @@ def run_bench(
             groups.append(ExternalPeers("llama.cpp", str(peer_gguf), loaded.dtype, runner.max_len, k))
     inline = [g for g in groups if not getattr(g, "deferred", False)]
     deferred_jobs: list[tuple] = []  # (group, peer, run, ids, baseline result): run after specctl's rows
+    peer_rows: dict[int, list[MethodRun]] = {}  # id(peer) -> its rows so far
+    failed: dict[int, str] = {}  # id(peer) -> why it failed: its rows say so, and the run goes on
+
+    def fail(peer, e: Exception) -> None:
+        """A peer that fails loses its rows (a part of a run is no figure), not the run: specctl's
+        rows are measured, and the other peers go on."""
+        msg = str(e) if isinstance(e, UsageError) else f"{type(e).__name__}: {e}"
+        failed[id(peer)] = msg
+        for run in peer_rows.get(id(peer), []):
+            run.error = msg
+            run.rep_tokens.clear()
+            run.rep_s.clear()
+        if warn is not None:
+            warn(f"{peer.name}: {msg}")
+
+    def run_peer(g, peer, run, ids, base_res, rep, desc) -> None:
+        """One prompt by one peer, counted in ``run``; nothing once the peer has failed."""
+        if id(peer) not in failed:
+            say(0, desc)
+            try:
+                run.add(g.run(peer, ids, params.max_new_tokens, loaded.stop_token_ids),
+                        base_res if params.greedy else None, rep)
+            except Exception as e:  # noqa: BLE001 - any engine failure
+                fail(peer, e)
+        say(1, desc)
 
     num_turns = sum(req.num_turns for reqs in prompts.values() for req, _ in reqs)
     total = num_turns * (len(entries) + sum(len(g.peers) for g in groups)) * runs
@@ -315,7 +340,10 @@ def run_bench(
         _draft_timing(e.decoder)  # the warm-up's draft time is not counted
     for g in inline:
         for peer in g.peers:
-            g.run(peer, warm_ids, 8, loaded.stop_token_ids)
+            try:
+                g.run(peer, warm_ids, 8, loaded.stop_token_ids)  # builds the engine (llama.cpp), warms it up
+            except Exception as e:  # noqa: BLE001 - any engine failure
+                fail(peer, e)
 
     runs_out: list[MethodRun] = []
     for w, reqs in prompts.items():
@@ -324,8 +352,12 @@ def run_bench(
         labels = list(dict.fromkeys(_label(w, req, t) for req, _ in reqs for t in range(1, req.num_turns + 1)))
         wruns = {lab: [MethodRun(e.label, lab, 0 if e.config is None else e.config.num_speculative_tokens,
                                  {} if e.config is None else e.config.to_dict()) for e in entries] for lab in labels}
-        peer_runs = {lab: [MethodRun(p.name, lab, p.kwargs.get("prompt_lookup_num_tokens", 0), p.config)
+        peer_runs = {lab: [MethodRun(p.name, lab, p.kwargs.get("prompt_lookup_num_tokens", 0), p.config,
+                                     error=failed.get(id(p)))
                            for g in groups for p in g.peers] for lab in labels}
+        for lab in labels:
+            for p, run in zip([p for g in groups for p in g.peers], peer_runs[lab]):
+                peer_rows.setdefault(id(p), []).append(run)
         for rep in range(runs):
             # a proposer that learns across requests (suffix) starts each repetition fresh, so a
             # repetition does not find its own earlier answers in the cache
@@ -352,13 +384,11 @@ def run_bench(
                             run.add(res, baseline_res if params.greedy else None, rep, _draft_timing(dec))
                         say(1, f"{lab} · {e.label} · {what}")
                     for (g, peer), run in zip([(g, p) for g in groups for p in g.peers], peer_runs[lab]):
+                        job = (g, peer, run, ids, baseline_res, rep, f"{lab} · {peer.name} · {what}")
                         if getattr(g, "deferred", False):
-                            deferred_jobs.append((g, peer, run, ids, baseline_res, rep, f"{lab} · {peer.name} · {what}"))
-                            continue
-                        say(0, f"{lab} · {peer.name} · {what}")
-                        run.add(g.run(peer, ids, params.max_new_tokens, loaded.stop_token_ids),
-                                baseline_res if params.greedy else None, rep)
-                        say(1, f"{lab} · {peer.name} · {what}")
+                            deferred_jobs.append(job)
+                        else:
+                            run_peer(*job)
                     if turn < req.num_turns:
                         answers.append(_answer_text(tok, baseline_res.token_ids, loaded.stop_token_ids))
         for lab in labels:
@@ -376,27 +406,14 @@ def run_bench(
         for g in groups:
             for peer in g.peers:
                 jobs = [j for j in deferred_jobs if j[0] is g and j[1] is peer]
-                done = 0
-                try:
-                    if jobs:
-                        say(0, f"{peer.name} · loading")
+                if jobs:
+                    say(0, f"{peer.name} · loading")
+                    try:
                         g.run(peer, warm_ids, 8, loaded.stop_token_ids)  # builds the engine, warms it up
-                    for _, _, run, ids, base_res, rep, desc in jobs:
-                        say(0, desc)
-                        run.add(g.run(peer, ids, params.max_new_tokens, loaded.stop_token_ids),
-                                base_res if params.greedy else None, rep)
-                        say(1, desc)
-                        done += 1
-                except Exception as e:  # noqa: BLE001 - any engine failure
-                    # a peer that fails loses its own rows, not the run: specctl's rows are already measured
-                    msg = str(e) if isinstance(e, UsageError) else f"{type(e).__name__}: {e}"
-                    for _, _, run, *_ in jobs:
-                        run.error = msg
-                        run.rep_tokens.clear()  # a part of a run is no figure
-                        run.rep_s.clear()
-                    say(len(jobs) - done, f"{peer.name} · failed")
-                    if warn is not None:
-                        warn(f"{peer.name}: {msg}")
+                    except Exception as e:  # noqa: BLE001 - any engine failure
+                        fail(peer, e)
+                for job in jobs:
+                    run_peer(*job)
             if hasattr(g, "close"):
                 g.close()  # frees its memory before the next engine loads
     finally:

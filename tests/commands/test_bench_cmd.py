@@ -218,7 +218,7 @@ def test_missing_peer_engines_fail_fast_with_the_fix(args, needle, tmp_path):
 
 # A stand-in for llama-cpp-python with its API (Llama, generate, LlamaPromptLookupDecoding), greedy
 # decoding through transformers on the tiny model: it drives the real peer worker process and the
-# deferred peer path of the suite without building llama.cpp in the tests.
+# peer path of the suite (in step with specctl's rows) without building llama.cpp in the tests.
 _LLAMA_STANDIN = '''
 import os, torch
 from transformers import AutoModelForCausalLM
@@ -227,6 +227,8 @@ class Llama:
     def __init__(self, model_path, n_ctx=512, n_threads=None, n_batch=512, verbose=False, seed=0, draft_model=None,
                  logits_all=False):
         assert open(model_path, "rb").read(4) == b"GGUF"
+        with open(os.environ["STANDIN_LOG"], "a") as f:  # one line per engine built
+            f.write(("ngram" if draft_model else "plain") + " ")
         assert logits_all or draft_model is None  # llama-cpp-python needs every row's logits to verify drafts
         self.model = AutoModelForCausalLM.from_pretrained(os.environ["STANDIN_HF_DIR"], dtype=torch.float32).eval()
         self.draft_model = draft_model
@@ -261,12 +263,14 @@ def _bench_with_llama_standin(tiny_model_dir, prompts_file, tmp_path, lookup_ini
     return run_cli("bench", "--model", str(tiny_model_dir), "--dtype", "float32", "-w", str(prompts_file), "-n", "2",
                    "--max-new-tokens", "10", "--peer", "llama.cpp", "--peer-gguf", str(gguf), "--json",
                    env_extra={"SPECCTL_CACHE": str(tmp_path / "cache"), "PYTHONPATH": str(tmp_path / "standin"),
-                              "STANDIN_HF_DIR": str(tiny_model_dir)})
+                              "STANDIN_HF_DIR": str(tiny_model_dir), "STANDIN_LOG": str(tmp_path / "engines.log")})
 
 
-def test_llama_cpp_peer_runs_in_its_worker_after_specctl_rows(tiny_model_dir, prompts_file, tmp_path):
+def test_llama_cpp_peer_runs_in_its_worker_in_step_with_specctl_rows(tiny_model_dir, prompts_file, tmp_path):
     r = _bench_with_llama_standin(tiny_model_dir, prompts_file, tmp_path, "self.k = num_pred_tokens")
     assert r.returncode == 0, r.stderr
+    # prompt by prompt, plain and prompt lookup alternate: each engine is built once and kept
+    assert sorted((tmp_path / "engines.log").read_text().split()) == ["ngram", "plain"]
     rows = {x["method"]: x for x in json.loads(r.stdout)["results"]}
     assert list(rows) == ["baseline", "ngram", "llama.cpp:plain", "llama.cpp:prompt-lookup"]
     for name in ("llama.cpp:plain", "llama.cpp:prompt-lookup"):
