@@ -1,6 +1,6 @@
 """Plain decode against the machine's memory bandwidth, both measured in this run.
 
-    python benchmarks/decode_bandwidth.py [--model qwen2.5-coder-1.5b] [--steps 48] [--rounds 6]
+    python benchmarks/decode_bandwidth.py [--model qwen2.5-coder-1.5b] [--steps 48] [--rounds 6] [--llama-gguf F.gguf]
 
 Bandwidth: two independent plain reads of a 2 GiB buffer, torch's sum and kernels/csrc/membw.cpp (all
 threads, 4 streams each, prefetch, huge pages), the faster counting. Decode: one-token forwards after a
@@ -9,6 +9,11 @@ embedding row read is negligible) plus the KV cache read. Reads and decode steps
 and each round's decode is held against that round's read: on a shared machine the bandwidth drifts
 (seen on an AMD EPYC: 37 to 63 GB/s between runs minutes apart). Prints GB/s of each, their ratio
 (median and range over rounds), and the 2- and 11-token forward costs against one token.
+
+``--llama-gguf``: a GGUF of the same weights (e.g. bf16, llama.cpp's convert_hf_to_gguf.py) decoded by
+llama.cpp in every round too (llama-cpp-python, as ``bench --peer llama.cpp`` runs it: this Python or
+SPECCTL_LLAMA_CPP_PYTHON), an independent reader of the same bytes: where llama.cpp's decode reads
+faster than the probe, the probe is weak, and the decode's ratio is held against llama.cpp's figure.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ specctl.process_defaults()  # OpenMP settings (GOMP_SPINCOUNT) before torch load
 
 import argparse
 import time
+from pathlib import Path
 
 import torch
 
@@ -64,6 +70,7 @@ def main() -> None:
     ap.add_argument("--model", default="qwen2.5-coder-1.5b")
     ap.add_argument("--steps", type=int, default=48, help="decode steps of each size, over all rounds")
     ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--llama-gguf", help="a GGUF of the same weights: llama.cpp decodes it in every round too")
     a = ap.parse_args()
 
     from specctl.models import resolve_model
@@ -95,12 +102,20 @@ def main() -> None:
     steps(1, 4)
     per = max(1, a.steps // a.rounds)
     kv_bytes = 2 * m.args.num_layers * m.args.num_kv_heads * m.args.head_dim * base * 2
-    rows = []
-    for _ in range(a.rounds):
-        bw_sum = max(torch_sum(), torch_sum())
-        bw_raw = max(membw(), membw()) if membw else 0.0
-        t1, t2, t11 = (sorted(steps(T, per))[per // 4] for T in (1, 2, 11))
-        rows.append((bw_sum, max(bw_sum, bw_raw), t1, t2, t11))
+    llama = llama_reader(a.llama_gguf, per) if a.llama_gguf else None
+    rows, llama_s = [], []
+    try:
+        for _ in range(a.rounds):
+            bw_sum = max(torch_sum(), torch_sum())
+            bw_raw = max(membw(), membw()) if membw else 0.0
+            one = steps(1, per)
+            t1, t2, t11 = (sorted(steps(T, per) if T > 1 else one)[per // 4] for T in (1, 2, 11))
+            rows.append((bw_sum, max(bw_sum, bw_raw), t1, t2, t11))
+            if llama:  # its mean time a token, held against specctl's mean step of this round
+                llama_s.append((llama(), sum(one) / len(one)))
+    finally:
+        if llama:
+            llama.close()
 
     def med(i: int) -> float:
         return sorted(r[i] for r in rows)[len(rows) // 2]
@@ -115,6 +130,34 @@ def main() -> None:
     print(f"  plain decode: {t1 * 1e3:6.1f} ms/token = {1 / t1:5.2f} tok/s = {decode_gbs:6.1f} GB/s; against the "
           f"same round's read: median {ratio[len(ratio) // 2]:.0%} (rounds {ratio[0]:.0%}-{ratio[-1]:.0%})")
     print(f"  cost of a forward over 2 tokens / 1 token: {t2 / t1:.2f}; over 11 tokens / 1 token: {t11 / t1:.2f}")
+    if llama_s:  # llama.cpp reads the same weights (and its KV cache, a few MB): its GB/s per round
+        lgbs = [(weight_bytes + kv_bytes) / t / 1e9 for t, _ in llama_s]
+        vs_probe = sorted(g / r[1] for g, r in zip(lgbs, rows))
+        vs_llama = sorted(t / mine for t, mine in llama_s)  # llama.cpp's mean time a token / specctl's
+        print(f"  llama.cpp decoding {Path(a.llama_gguf).name} (an independent reader of the same weights): "
+              f"{sorted(lgbs)[len(lgbs) // 2]:6.1f} GB/s, {vs_probe[len(vs_probe) // 2]:.0%} of the same round's read "
+              f"(rounds {vs_probe[0]:.0%}-{vs_probe[-1]:.0%}); specctl's plain decode is "
+              f"{vs_llama[len(vs_llama) // 2]:.2f}x its speed (rounds {vs_llama[0]:.2f}-{vs_llama[-1]:.2f})")
+        if vs_probe[len(vs_probe) // 2] > 1:
+            print("  the probe reads slower than llama.cpp decodes: it is weak here, and the ratio above flatters")
+
+
+def llama_reader(gguf: str, tokens: int):
+    """A function that decodes ``tokens`` tokens with llama.cpp (plain, one prompt) and returns the seconds
+    a token of decoding took; ``.close()`` ends its worker. The worker and its environment are bench's."""
+    from specctl.bench.peers import ExternalPeers
+
+    g = ExternalPeers("llama.cpp", gguf, torch.bfloat16, 1024)
+    plain = g.peers[0]
+    prompt = list(range(100, 356))  # a 256-token prompt, as specctl's steps have
+    g.run(plain, prompt, 8, [])  # loads, warms up
+
+    def run() -> float:
+        res = g.run(plain, prompt, tokens + 1, [])
+        return res.decode_s / max(1, len(res.token_ids) - 1)
+
+    run.close = g.close
+    return run
 
 
 if __name__ == "__main__":
