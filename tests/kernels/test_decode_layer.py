@@ -80,6 +80,31 @@ def test_rows_equal_rows_alone(model):
     assert torch.equal(full, alone)
 
 
+@pytest.mark.parametrize("threads", [1, 3, 5])
+def test_block_does_not_depend_on_how_many_threads_share_it(model, threads):
+    # the weight rows are split into per-thread shares (skinny build) or handed out in chunks: every
+    # row computed once, the same way, whatever the split (5 threads on 2 cores: shares taken over)
+    a, blk = model.args, model.layers[0]
+    x = (torch.randn(1, 5, a.hidden_size, generator=torch.Generator().manual_seed(3)) * 0.5).bfloat16()
+    cos, sin = model.rope(12, 5, torch.bfloat16)
+    mask = torch.ones(5, 17, dtype=torch.bool).tril(12)
+
+    def run():
+        c = KVCache(a, 1, 64, torch.bfloat16, "cpu")
+        c.k.normal_(generator=torch.Generator().manual_seed(1))
+        c.v.normal_(generator=torch.Generator().manual_seed(2))
+        return blk(x, cos, sin, c.k[0], c.v[0], 12, mask), c
+
+    before = torch.get_num_threads()
+    ref, ref_cache = run()
+    try:
+        torch.set_num_threads(threads)
+        out, cache = run()
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(out, ref) and torch.equal(cache.k, ref_cache.k) and torch.equal(cache.v, ref_cache.v)
+
+
 def test_ragged_rows_equal_each_request_alone(model):
     """Two requests' rows (a verify block and a decode row, each in its own cache) in one ragged call:
     each equals its own call, bit for bit, and so do the keys and values written."""
