@@ -8,7 +8,8 @@ threads, 4 streams each, prefetch, huge pages), the faster counting. Decode: one
 embedding row read is negligible) plus the KV cache read. Reads and decode steps alternate in rounds,
 and each round's decode is held against that round's read: on a shared machine the bandwidth drifts
 (seen on an AMD EPYC: 37 to 63 GB/s between runs minutes apart). Prints GB/s of each, their ratio
-(median and range over rounds), and the 2- and 11-token forward costs against one token.
+(median and range over rounds), and the 2-, 8- and 11-token forward costs against one token (each round's
+against that round's one token: a forward over many rows costs more against one row when memory is fast).
 
 ``--llama-gguf``: a GGUF of the same weights (e.g. bf16, llama.cpp's convert_hf_to_gguf.py) decoded by
 llama.cpp in every round too (llama-cpp-python, as ``bench --peer llama.cpp`` runs it: this Python or
@@ -96,7 +97,7 @@ def main() -> None:
             runner.rollback(base)
         return ts
 
-    # rounds of (both reads, decode steps of 1, 2 and 11 tokens): this machine's bandwidth drifts by
+    # rounds of (both reads, decode steps of 1, 2, 8 and 11 tokens): this machine's bandwidth drifts by
     # 1.5x over minutes (other tenants), so decode is compared with the reads of its own round
     torch_sum, membw = readers()
     steps(1, 4)
@@ -109,8 +110,8 @@ def main() -> None:
             bw_sum = max(torch_sum(), torch_sum())
             bw_raw = max(membw(), membw()) if membw else 0.0
             one = steps(1, per)
-            t1, t2, t11 = (sorted(steps(T, per) if T > 1 else one)[per // 4] for T in (1, 2, 11))
-            rows.append((bw_sum, max(bw_sum, bw_raw), t1, t2, t11))
+            t1, t2, t8, t11 = (sorted(steps(T, per) if T > 1 else one)[per // 4] for T in (1, 2, 8, 11))
+            rows.append((bw_sum, max(bw_sum, bw_raw), t1, t2, t8, t11))
             if llama:  # its mean time a token, held against specctl's mean step of this round
                 llama_s.append((llama(), sum(one) / len(one)))
     finally:
@@ -121,7 +122,7 @@ def main() -> None:
         return sorted(r[i] for r in rows)[len(rows) // 2]
 
     ratio = sorted((weight_bytes + kv_bytes) / r[2] / 1e9 / r[1] for r in rows)
-    t1, t2, t11 = med(2), med(3), med(4)
+    t1 = med(2)
     decode_gbs = (weight_bytes + kv_bytes) / t1 / 1e9
     print(f"{loaded.path.name}: {weight_bytes / 1e9:.2f} GB of weights per step, {torch.get_num_threads()} threads, "
           f"{cpu_name()}, bf16 path {getattr(m, 'cpu_kernels', None)}; {a.rounds} rounds of reads and decode steps")
@@ -129,7 +130,11 @@ def main() -> None:
           f"(torch's sum alone: {med(0):.1f} GB/s); range over rounds {min(r[1] for r in rows):.1f}-{max(r[1] for r in rows):.1f}")
     print(f"  plain decode: {t1 * 1e3:6.1f} ms/token = {1 / t1:5.2f} tok/s = {decode_gbs:6.1f} GB/s; against the "
           f"same round's read: median {ratio[len(ratio) // 2]:.0%} (rounds {ratio[0]:.0%}-{ratio[-1]:.0%})")
-    print(f"  cost of a forward over 2 tokens / 1 token: {t2 / t1:.2f}; over 11 tokens / 1 token: {t11 / t1:.2f}")
+    costs = []
+    for i, T in ((3, 2), (4, 8), (5, 11)):
+        c = sorted(r[i] / r[2] for r in rows)
+        costs.append(f"{T} tokens {c[len(c) // 2]:.2f} (rounds {c[0]:.2f}-{c[-1]:.2f})")
+    print(f"  cost of a forward against one token: {'; '.join(costs)}")
     if llama_s:  # llama.cpp reads the same weights (and its KV cache, a few MB): its GB/s per round
         lgbs = [(weight_bytes + kv_bytes) / t / 1e9 for t, _ in llama_s]
         vs_probe = sorted(g / r[1] for g, r in zip(lgbs, rows))
