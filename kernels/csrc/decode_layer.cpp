@@ -103,9 +103,8 @@ inline void rope_head(const uint16_t* v, const uint16_t* cos, const uint16_t* si
 // weight rows front to back, 32 rows a fetch, and a thread done with its share helps the others from
 // the front of what they have left (so a thread that lost its core still holds no one up). One long
 // stream a thread reads faster than 32-row chunks taken in turn by all (the threads' streams
-// interleave): measured on an AMD EPYC, the LM head's matrix alone 4-10 % faster a token.
+// interleave): measured on an AMD EPYC, a [151936, 1536] matrix alone 4-10 % faster, a 1.5B step 1-8 %.
 struct Rows {
-  std::atomic<int64_t> next{0};
 #ifdef SPECCTL_SKINNY
   int64_t N;
   std::vector<std::atomic<int64_t>> front;  // share t: rows [edge(t), edge(t + 1)), the next one at front[t]
@@ -117,6 +116,7 @@ struct Rows {
     return t >= nt ? N : N * t / nt / 4 * 4;
   }
 #else
+  std::atomic<int64_t> next{0};  // one shared counter
   Rows(int64_t, int) {}
 #endif
 };

@@ -22,9 +22,9 @@ counted over the full generation, under specctl's SpecStats names.
 vLLM builds an engine per mode and keeps it while requests of that mode follow (send them grouped by
 mode: two vLLM engines may not fit together). llama.cpp keeps an engine per mode for the whole run
 (each maps the same GGUF file, so a second engine costs its context, not the weights): bench sends
-its requests in step with specctl's own, prompt by prompt. Timing as for transformers' peer: decode time = a full generation minus a one-token
-generation of the same prompt (prefill + first token), measured just before; prefix caching is
-off, so the second prefill costs what the first did.
+its requests in step with specctl's own, prompt by prompt. Timing as for transformers' peer: decode
+time = a full generation minus a one-token generation of the same prompt (prefill + first token),
+measured just before; prefix caching is off, so the second prefill costs what the first did.
 
 vLLM runs as its CPU users run it (docs/getting_started/installation/cpu.md): ``dtype`` given
 explicitly (bfloat16 by default, as vLLM recommends on CPU), its default compilation (on CPU, vLLM

@@ -303,7 +303,8 @@ def run_bench(
                 raise UsageError(f"--peer-gguf {peer_gguf} does not exist", "pass the path of a .gguf file")
             groups.append(ExternalPeers("llama.cpp", str(peer_gguf), loaded.dtype, runner.max_len, k))
     inline = [g for g in groups if not getattr(g, "deferred", False)]
-    deferred_jobs: list[tuple] = []  # (group, peer, run, ids, baseline result): run after specctl's rows
+    all_peers = [(g, p) for g in groups for p in g.peers]
+    deferred_jobs: list[tuple] = []  # run_peer's arguments: run after specctl's rows
     peer_rows: dict[int, list[MethodRun]] = {}  # id(peer) -> its rows so far
     failed: dict[int, str] = {}  # id(peer) -> why it failed: its rows say so, and the run goes on
 
@@ -354,9 +355,9 @@ def run_bench(
                                  {} if e.config is None else e.config.to_dict()) for e in entries] for lab in labels}
         peer_runs = {lab: [MethodRun(p.name, lab, p.kwargs.get("prompt_lookup_num_tokens", 0), p.config,
                                      error=failed.get(id(p)))
-                           for g in groups for p in g.peers] for lab in labels}
+                           for _, p in all_peers] for lab in labels}
         for lab in labels:
-            for p, run in zip([p for g in groups for p in g.peers], peer_runs[lab]):
+            for (_, p), run in zip(all_peers, peer_runs[lab]):
                 peer_rows.setdefault(id(p), []).append(run)
         for rep in range(runs):
             # a proposer that learns across requests (suffix) starts each repetition fresh, so a
@@ -383,7 +384,7 @@ def run_bench(
                         else:
                             run.add(res, baseline_res if params.greedy else None, rep, _draft_timing(dec))
                         say(1, f"{lab} · {e.label} · {what}")
-                    for (g, peer), run in zip([(g, p) for g in groups for p in g.peers], peer_runs[lab]):
+                    for (g, peer), run in zip(all_peers, peer_runs[lab]):
                         job = (g, peer, run, ids, baseline_res, rep, f"{lab} · {peer.name} · {what}")
                         if getattr(g, "deferred", False):
                             deferred_jobs.append(job)
