@@ -3,7 +3,7 @@
     python benchmarks/quant_linear_ab.py [--rev HEAD] [--rows 1 4 8 9] [--rounds 5]
 
 Builds kernels/csrc/quant_linear.cpp twice (the avx512_vnni path: the one bf16 x takes on VNNI CPUs), from
-``git show REV:...`` and from the working tree, and times both on Qwen2.5-Coder-1.5B's shapes (gate|up
+the revision's kernels/csrc (``git show REV:...``, headers included) and from the working tree, and times both on Qwen2.5-Coder-1.5B's shapes (gate|up
 [8960, 1536] Q4_K, down [1536, 8960] Q6_K; random blocks with small scales) at each row count, calls of the
 two builds alternated in rounds (this machine is shared and noisy: each figure is the median over rounds
 of a round's lower quartile). Checks that both give the same outputs bit for bit, and prints the CPU,
@@ -30,11 +30,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def build(name: str, source: Path):
+    """``source`` built against the headers beside it (a revision's own gguf_q8.h, not the tree's)."""
     from torch.utils.cpp_extension import load
 
     from kernels import quant_linear as ql
 
-    return load(name=name, sources=[str(source)], extra_include_paths=[str(ROOT / "kernels/csrc")],
+    return load(name=name, sources=[str(source)], extra_include_paths=[str(source.parent)],
                 extra_cflags=["-O3", "-fopenmp", "-std=c++17", *ql._FLAGS["avx512_vnni"], "-ffp-contract=off"],
                 extra_ldflags=["-fopenmp"])
 
@@ -63,13 +64,15 @@ def main() -> None:
     a = ap.parse_args()
     if any(not cpu.has(f) for f in ql.NEEDS["avx512_vnni"]):
         raise SystemExit("this CPU lacks AVX512-VNNI: the int8 path does not run here")
-    src = subprocess.run(["git", "show", f"{a.rev}:kernels/csrc/quant_linear.cpp"], cwd=ROOT, check=True,
-                         capture_output=True, text=True).stdout
-    tmp = Path(tempfile.mkdtemp()) / "quant_linear.cpp"
-    tmp.write_text(src)
+    tmp = Path(tempfile.mkdtemp())  # the revision's kernels/csrc, headers included
+    names = subprocess.run(["git", "ls-tree", "--name-only", f"{a.rev}:kernels/csrc"], cwd=ROOT, check=True,
+                           capture_output=True, text=True).stdout.split()
+    for f in names:
+        (tmp / f).write_bytes(subprocess.run(["git", "show", f"{a.rev}:kernels/csrc/{f}"], cwd=ROOT, check=True,
+                                             capture_output=True).stdout)
     rev = subprocess.run(["git", "rev-parse", "--short", a.rev], cwd=ROOT, check=True, capture_output=True,
                          text=True).stdout.strip()
-    exts = {rev: build(f"specctl_ql_ab_{rev}", tmp), "tree": build("specctl_ql_ab_tree", ROOT / "kernels/csrc/quant_linear.cpp")}
+    exts = {rev: build(f"specctl_ql_ab_{rev}", tmp / "quant_linear.cpp"), "tree": build("specctl_ql_ab_tree", ROOT / "kernels/csrc/quant_linear.cpp")}
     g = torch.Generator().manual_seed(0)
     cases = [("Q4_K", 8960, 1536), ("Q6_K", 1536, 8960)]
     ws = {c: blocks(c[0], c[1], c[2], g) for c in cases}

@@ -328,20 +328,37 @@ void row_any(const uint8_t* w, int64_t K, const X& x, int64_t m0, int mb, float*
   }
 }
 
-// Outputs [g0, g1) of the parts side by side against every row of x: put(m, g, v) for each.
+// Outputs [g0, g1) of the parts side by side against every row of x: put(m, g, v) for each. Up to XB rows
+// of x (decode, verify), each weight row meets them all in turn. Past that (a prefill's hundreds of rows),
+// x is taken XB rows at a time under a group of GB weight rows, so that the x rows in use stay in cache while
+// the group passes over them: one weight row over all of a 512-row prefill's x read 4.6 MB at K = 8960, from
+// L3 or memory, for every weight row (a Q6_K [1536, 8960] linear over 512 rows 1.9x faster blocked, on an
+// AMX Xeon; 16 rows measured no worse than 8, 32 or 64). Which rows share a call changes nothing in an
+// output (see row).
+constexpr int64_t XB = 16, GB = 16;
 template <class Put>
 void range(const X& x, int64_t K, const std::vector<Part>& parts, int64_t g0, int64_t g1, Put put) {
+  float v[MB];
+  const int64_t xb = x.M <= XB ? x.M : XB, gb = x.M <= XB ? g1 - g0 : GB;
   int64_t base = 0;
   size_t pi = 0;
-  float v[MB];
-  for (int64_t g = g0; g < g1; ++g) {
-    while (g >= base + parts[pi].n) base += parts[pi++].n;
-    const Part& P = parts[pi];
-    const uint8_t* w = P.w + (g - base) * P.row_bytes;
-    for (int64_t m0 = 0; m0 < x.M; m0 += MB) {
-      const int mb = static_cast<int>(std::min<int64_t>(MB, x.M - m0));
-      with_type(P.type, [&](auto T) { row_any<T()>(w, K, x, m0, mb, v); });
-      for (int m = 0; m < mb; ++m) put(m0 + m, g, v[m]);
+  for (int64_t h0 = g0; h0 < g1; h0 += gb) {
+    const int64_t h1 = std::min(g1, h0 + gb);
+    while (h0 >= base + parts[pi].n) base += parts[pi++].n;
+    for (int64_t x0 = 0; x0 < x.M; x0 += xb) {
+      const int64_t x1 = std::min(x.M, x0 + xb);
+      int64_t b = base;
+      size_t i = pi;
+      for (int64_t g = h0; g < h1; ++g) {
+        while (g >= b + parts[i].n) b += parts[i++].n;
+        const Part& P = parts[i];
+        const uint8_t* w = P.w + (g - b) * P.row_bytes;
+        for (int64_t m0 = x0; m0 < x1; m0 += MB) {
+          const int mb = static_cast<int>(std::min<int64_t>(MB, x1 - m0));
+          with_type(P.type, [&](auto T) { row_any<T()>(w, K, x, m0, mb, v); });
+          for (int m = 0; m < mb; ++m) put(m0 + m, g, v[m]);
+        }
+      }
     }
   }
 }

@@ -260,7 +260,7 @@ def test_int8_path_on_whole_chunks_and_outliers(path):
 def test_parts_side_by_side_equal_separate_calls():
     """q|k|v of different types in one call = each part alone, concatenated (bit for bit), at 1 and 2
     x rows (where a call takes several weight rows at once; the parts' row counts are not multiples of
-    that) and at 6."""
+    that), at 6 and at 37 (past 16 rows x is taken in blocks under groups of 16 weight rows)."""
     path = ql.best_path(torch.bfloat16)
     if path is None:
         pytest.skip("no C++ compiler here")
@@ -271,8 +271,9 @@ def test_parts_side_by_side_equal_separate_calls():
     y = ql.linear(x, parts, K)
     assert y.shape == (2, 3, 81)
     assert torch.equal(y, torch.cat([ql.linear(x, [p], K) for p in parts], -1))
-    for rows in (x[0, :1], x[0, :2]):
-        y = ql.linear(rows, parts, K)
+    many = torch.randn(37, K, generator=torch.Generator().manual_seed(11)).bfloat16()  # a prefill's rows: x in blocks
+    for rows in (x[0, :1], x[0, :2], many):                                           # under groups of weight rows
+        y = ql.linear(rows, parts, K)                                                 # that straddle the parts
         assert torch.equal(y, torch.cat([ql.linear(rows, [p], K) for p in parts], -1))
         assert torch.equal(y, torch.cat([ql.linear(r[None], parts, K) for r in rows]))
 
