@@ -3,7 +3,8 @@
     python benchmarks/quant_linear_ab.py [--rev HEAD] [--rows 1 4 8 9] [--rounds 5]
 
 Builds kernels/csrc/quant_linear.cpp twice (the avx512_vnni path: the one bf16 x takes on VNNI CPUs), from
-the revision's kernels/csrc (``git show REV:...``, headers included) and from the working tree, and times both on Qwen2.5-Coder-1.5B's shapes (gate|up
+the revision's kernels/csrc (``git show REV:...``, headers included) and from the working tree, and times
+both on Qwen2.5-Coder-1.5B's shapes (gate|up
 [8960, 1536] Q4_K, down [1536, 8960] Q6_K; random blocks with small scales) at each row count, calls of the
 two builds alternated in rounds (this machine is shared and noisy: each figure is the median over rounds
 of a round's lower quartile). Checks that both give the same outputs bit for bit, and prints the CPU,
@@ -72,7 +73,8 @@ def main() -> None:
                                              capture_output=True).stdout)
     rev = subprocess.run(["git", "rev-parse", "--short", a.rev], cwd=ROOT, check=True, capture_output=True,
                          text=True).stdout.strip()
-    exts = {rev: build(f"specctl_ql_ab_{rev}", tmp / "quant_linear.cpp"), "tree": build("specctl_ql_ab_tree", ROOT / "kernels/csrc/quant_linear.cpp")}
+    exts = {rev: build(f"specctl_ql_ab_{rev}", tmp / "quant_linear.cpp"),
+            "tree": build("specctl_ql_ab_tree", ROOT / "kernels/csrc/quant_linear.cpp")}
     g = torch.Generator().manual_seed(0)
     cases = [("Q4_K", 8960, 1536), ("Q6_K", 1536, 8960)]
     ws = {c: blocks(c[0], c[1], c[2], g) for c in cases}
