@@ -67,18 +67,14 @@ def weight_bytes(model) -> int:
     return total
 
 
-def use_path(model, path: str):
-    """Every QuantLinear of ``model`` runs on kernel ``path``; the model reports it in cpu_kernels."""
+def use_path(file: Path, path: str):
+    """The GGUF loaded with every QuantLinear on kernel ``path`` (a packed path packs its weights at load)."""
     from kernels import quant_linear as ql
-    from specctl.runtime.quant import QuantLinear
+    from specctl.runtime.quant import load_gguf_transformer
 
     if ql.load(path) is None:
         raise SystemExit(f"the quant_linear path {path} does not run on this CPU")
-    for mod in model.modules():
-        if isinstance(mod, QuantLinear):
-            mod.path, mod._ext = path, ql.load(path)
-    model.cpu_kernels = f"gguf-{path}"
-    return model
+    return load_gguf_transformer(file, torch.bfloat16, quant_path=path)
 
 
 def micro(paths: list[str], reps: int = 30) -> None:
@@ -148,8 +144,7 @@ def main() -> None:
         t = time.perf_counter()
         quant = load_gguf_transformer(path, torch.bfloat16)
         load_s = time.perf_counter() - t
-        quants = [use_path(quant if i == 0 else load_gguf_transformer(path, torch.bfloat16), p)
-                  for i, p in enumerate(paths)]
+        quants = [quant if p == quant.cpu_kernels.removeprefix("gguf-") else use_path(path, p) for p in paths]
         models = {"dense bf16": dense.model, **{f"GGUF ({m.cpu_kernels})": m for m in quants}}
         prompt = torch.randint(0, 1000, (1, 256), generator=torch.Generator().manual_seed(0))
         runners = {k: TargetRunner(m, 1024) for k, m in models.items()}

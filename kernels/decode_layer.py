@@ -28,8 +28,7 @@ from kernels._build import build
 
 _ext = None
 _tried = False
-_ext_q = None
-_tried_q = False
+_ext_q: dict[str, object] = {}  # quant_linear int8 path -> the quantized block's build for it (or None)
 MAX_ROWS = 64  # a chain's k+1 rows, or a draft tree's nodes
 AVX512 = ["-mavx512f", "-mavx512bf16", "-mavx512vl", "-mavx512bw"]
 
@@ -47,29 +46,39 @@ def load():
     return _ext
 
 
-def load_quant():
-    """The quantized block's build (None where the CPU lacks AVX512-VNNI or AVX512-BF16, or no compiler)."""
-    global _ext_q, _tried_q
-    if not _tried_q:
-        _tried_q = True
-        _ext_q = build("specctl_decode_layer_q8", "decode_layer.cpp", ("avx512_bf16", "avx512_vnni", "avx512bw", "f16c"),
-                       ["-DSPECCTL_QUANT", *AVX512, "-mavx512vnni", "-mfma", "-mf16c", "-ffp-contract=off"])
-    return _ext_q
+def load_quant(path: str = "avx512_vnni"):
+    """The quantized block's build for a quant_linear int8 ``path`` ("avx512_vnni", or "amx_int8": its
+    AMX-INT8 panels), None where the CPU lacks what it needs or there is no compiler."""
+    if path not in _ext_q:
+        needs = ("avx512_bf16", "avx512_vnni", "avx512bw", "f16c")
+        flags = ["-DSPECCTL_QUANT", *AVX512, "-mavx512vnni", "-mfma", "-mf16c", "-ffp-contract=off"]
+        if path == "amx_int8":  # the OS grants AMX state to the process when quant_linear's build loads
+            from kernels import quant_linear
+
+            _ext_q[path] = None if quant_linear.load(path) is None else build(
+                "specctl_decode_layer_q8amx", "decode_layer.cpp", (*needs, "amx_tile", "amx_int8"),
+                [*flags, "-mamx-tile", "-mamx-int8"])
+        else:
+            _ext_q[path] = build("specctl_decode_layer_q8", "decode_layer.cpp", needs, flags)
+    return _ext_q[path]
 
 
 def fits_quant(block) -> bool:
-    """Whether ``block``'s projections are GGUF blocks the quantized build takes (the int8 path's)."""
+    """Whether ``block``'s projections are GGUF blocks the quantized build takes (an int8 path's, one for all)."""
     linears = (block.qkv, block.o, block.gate_up, block.down)
-    return (all(getattr(l, "quantized", False) and l.path == "avx512_vnni" and not l.out_fp32 for l in linears)
-            and load_quant() is not None)
+    if not all(getattr(l, "quantized", False) and not l.out_fp32 for l in linears):
+        return False
+    path = linears[0].path
+    return path in ("avx512_vnni", "amx_int8") and all(l.path == path for l in linears) and load_quant(path) is not None
 
 
 def _build_and_weights(block):
     """The build that runs ``block`` and its projections as that build takes them (qkv, o, gate_up, down):
-    GGUF parts and type ids for the quantized build, the dense (or AMX-packed) weights otherwise."""
+    GGUF parts (or their AMX-INT8 panels) and type ids for the quantized build, the dense (or AMX-packed)
+    weights otherwise."""
     linears = (block.qkv, block.o, block.gate_up, block.down)
     if getattr(block.qkv, "quantized", False):
-        return _ext_q, [(l.parts, l._type_ids) for l in linears]
+        return _ext_q[block.qkv.path], [l.kernel_parts for l in linears]
     return _ext, [l.weight for l in linears]
 
 

@@ -27,18 +27,23 @@ import torch
 
 from kernels import cpu
 from kernels._build import build
+from kernels.amx_linear import huge_empty
 
 # ggml type name -> (ggml type id, weights per block, bytes per block)
 TYPES: dict[str, tuple[int, int, int]] = {
     "Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q5_0": (6, 32, 22), "Q8_0": (8, 32, 34),
     "Q4_K": (12, 256, 144), "Q6_K": (14, 256, 210),
 }
-PATHS = ("avx512_vnni", "avx512_bf16", "avx512", "avx2", "scalar")
-INT8_PATHS = ("avx512_vnni",)  # x rounded to int8 per 32 values (llama.cpp's Q8_0): not exact vs fp32 x
-NEEDS = {"avx512_vnni": ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "f16c"),
+PATHS = ("amx_int8", "avx512_vnni", "avx512_bf16", "avx512", "avx2", "scalar")
+INT8_PATHS = ("amx_int8", "avx512_vnni")  # x rounded to int8 per 32 values (llama.cpp's Q8_0): not exact vs fp32 x
+PACKED_PATHS = ("amx_int8",)  # weights repacked once (``pack``) into 16-row panels; parts' rows in multiples of 16
+PACKED = 256  # a type id + PACKED: the part is packed
+NEEDS = {"amx_int8": ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "f16c", "amx_tile", "amx_int8"),
+         "avx512_vnni": ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "f16c"),
          "avx512_bf16": ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "f16c"),
          "avx512": ("avx512f", "avx512bw", "f16c"), "avx2": ("avx2", "fma", "f16c"), "scalar": ()}
-_FLAGS = {"avx512_vnni": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mfma", "-mf16c"],
+_FLAGS = {"amx_int8": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mfma", "-mf16c", "-mamx-tile", "-mamx-int8"],
+          "avx512_vnni": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mfma", "-mf16c"],
           "avx512_bf16": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma", "-mf16c"],
           "avx512": ["-mavx512f", "-mavx512bw", "-mfma", "-mf16c"], "avx2": ["-mavx2", "-mfma", "-mf16c"], "scalar": []}
 _ext: dict[str, object] = {}
@@ -50,12 +55,12 @@ def load(path: str = "avx512"):
     if any(not cpu.has(f) for f in NEEDS[path]):
         return None
     if path not in _ext:
-        _ext[path] = build(f"specctl_quant_linear_{path}", "quant_linear.cpp", NEEDS[path],
-                           [*_FLAGS[path], "-ffp-contract=off"])
+        ext = build(f"specctl_quant_linear_{path}", "quant_linear.cpp", NEEDS[path], [*_FLAGS[path], "-ffp-contract=off"])
+        _ext[path] = None if ext is None or not getattr(ext, "amx_ready", True) else ext  # the OS may refuse AMX state
     return _ext[path]
 
 
-def best_path(dtype: torch.dtype = torch.bfloat16) -> str | None:
+def best_path(dtype: torch.dtype = torch.bfloat16, packed: bool = True) -> str | None:
     """The path x of ``dtype`` takes on this CPU, or None without a compiler.
 
     bf16 x takes the int8 path where the CPU has AVX512-VNNI: it decodes a weight to a byte code in
@@ -68,7 +73,7 @@ def best_path(dtype: torch.dtype = torch.bfloat16) -> str | None:
     AVX512-BF16 path only without AMX: on AMX CPUs (Sapphire Rapids) vdpbf16ps runs ~0.4 a cycle
     against fp32 FMA's 2 (measured), so the fp32 path is the faster one there; on AMD Zen 4 vdpbf16ps
     is as fast as an FMA and does twice the work (and Zen 4 has VNNI, so takes the int8 path)."""
-    order = list(PATHS)
+    order = [p for p in PATHS if packed or p not in PACKED_PATHS]
     if dtype is not torch.bfloat16:
         order = [p for p in order if p not in INT8_PATHS]
     if dtype is not torch.bfloat16 or cpu.has("amx_bf16"):
@@ -85,14 +90,53 @@ def row_bytes(qtype: str, K: int) -> int:
 
 def linear(x: torch.Tensor, parts: list[tuple[torch.Tensor, str]], K: int, bias: torch.Tensor | None = None,
            out_fp32: bool = False, path: str | None = None) -> torch.Tensor:
-    """x [..., K] (bf16/fp32) @ [part blocks...]^T (+ bias [N]) -> [..., N]; ``path`` forces a kernel."""
-    ext = load(path or best_path(x.dtype) or "scalar")
+    """x [..., K] (bf16/fp32) @ [part blocks...]^T (+ bias [N]) -> [..., N]; ``path`` forces a kernel. A
+    packed path packs the parts on every call (each padded to 16 rows with zero rows): for tests; a model
+    packs once (specctl.runtime.quant.QuantLinear)."""
+    path = path or best_path(x.dtype) or "scalar"
+    ext = load(path)
     if ext is None:
-        raise RuntimeError(f"the quant_linear kernel ({path or 'any path'}) cannot run on this machine")
+        raise RuntimeError(f"the quant_linear kernel ({path}) cannot run on this machine")
     rows = x.numel() // K
-    y = ext.quant_linear(x.reshape(rows, K), [b for b, _ in parts], [TYPES[t][0] for _, t in parts],
-                         K, bias, out_fp32)
+    ws, ids = [b for b, _ in parts], [TYPES[t][0] for _, t in parts]
+    if path in PACKED_PATHS:
+        ns = [b.shape[0] for b in ws]
+        ws = [pack(torch.cat([b, b.new_zeros(-b.shape[0] % 16, b.shape[1])]), t, K) for b, t in zip(ws, [t for _, t in parts])]
+        ids = [i + PACKED for i in ids]
+        if bias is not None:  # bias beside the padded rows too
+            bias = torch.cat([torch.cat([c, c.new_zeros(-n % 16)]) for c, n in zip(bias.split(ns), ns)])
+    y = ext.quant_linear(x.reshape(rows, K), ws, ids, K, bias, out_fp32)
+    if path in PACKED_PATHS and any(n % 16 for n in ns):
+        y = torch.cat([c[:, :n] for c, n in zip(y.split([n + -n % 16 for n in ns], dim=1), ns)], dim=1)
     return y.view(*x.shape[:-1], y.shape[-1])
+
+
+# bytes of a panel chunk (16 rows x 256 weights) per type: csrc/gguf_q8.h amx8::rec_bytes
+_REC_BYTES = {"Q4_0": 2304, "Q4_1": 2560, "Q5_0": 2816, "Q8_0": 4352, "Q4_K": 2368, "Q6_K": 3392}
+
+
+def pack(blocks: torch.Tensor, qtype: str, K: int, huge: bool = False) -> torch.Tensor:
+    """GGUF rows [N, row_bytes] (N a multiple of 16) -> the amx_int8 path's panels [N / 16, ...] uint8
+    (lossless: ``unpack`` gives the rows back). ``huge``: on transparent huge pages, as weights streamed
+    every step want (numpy puts the GGUF rows it reads there too: measured, 4 KiB pages made a 1.5B
+    Q4_K_M decode step 11 % slower)."""
+    ext = load("amx_int8")
+    if ext is None:
+        raise RuntimeError("the amx_int8 quant_linear path cannot run on this machine (it needs AMX-INT8)")
+    if blocks.shape[0] % 16:
+        raise ValueError(f"the amx_int8 panels take 16 rows at a time; these blocks have {blocks.shape[0]}")
+    shape = (blocks.shape[0] // 16, (K + 255) // 256 * _REC_BYTES[qtype])
+    out = huge_empty(shape, torch.uint8) if huge else torch.empty(shape, dtype=torch.uint8)
+    ext.pack(blocks.contiguous(), TYPES[qtype][0], K, out)
+    return out
+
+
+def unpack(packed: torch.Tensor, qtype: str, K: int) -> torch.Tensor:
+    """``pack``'s inverse: panels -> GGUF rows [N, row_bytes], bit for bit."""
+    ext = load("amx_int8")
+    if ext is None:
+        raise RuntimeError("the amx_int8 quant_linear path cannot run on this machine (it needs AMX-INT8)")
+    return ext.unpack(packed.contiguous(), TYPES[qtype][0], K)
 
 
 def quantize_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -134,13 +134,18 @@ inline void gemm_dynamic(Rows& rows, const uint16_t* x, int64_t M, int64_t K, co
   // a quarter of a thread's share a fetch: each fetch a long contiguous stretch of rows (16-row fetches
   // interleave the threads' reads, and the prefetchers lose the streams: measured 1.3x slower), yet a
   // thread that lost its core leaves most of its share to the others
-  const int64_t chunk = std::max<int64_t>(16, N / (4 * omp_get_num_threads()));
-  for (int64_t n0 = next.fetch_add(chunk); n0 < N; n0 = next.fetch_add(chunk))
-    gg::q8::range(ctx.x, K, w.parts, n0, std::min(N, n0 + chunk), [&](int64_t m, int64_t g, float v) {
-      if (b) v += from_bf16(b[g]);  // as quant_linear's output, then (x + linear(x)) as torch rounds it
-      const uint16_t o = to_bf16(v);
-      y[m * ldy + g] = r ? to_bf16(from_bf16(r[m * ldy + g]) + from_bf16(o)) : o;
-    });
+  const int64_t chunk = (std::max<int64_t>(16, N / (4 * omp_get_num_threads())) + 15) / 16 * 16;  // whole panels
+  auto put = [&](int64_t m, int64_t g, float v) {
+    if (b) v += from_bf16(b[g]);  // as quant_linear's output, then (x + linear(x)) as torch rounds it
+    const uint16_t o = to_bf16(v);
+    y[m * ldy + g] = r ? to_bf16(from_bf16(r[m * ldy + g]) + from_bf16(o)) : o;
+  };
+  for (int64_t n0 = next.fetch_add(chunk); n0 < N; n0 = next.fetch_add(chunk)) {
+#if defined(__AMX_INT8__)
+    if (w.parts[0].packed) { gg::amx8::range(ctx.x, K, w.parts, n0, std::min(N, n0 + chunk), put); continue; }
+#endif
+    gg::q8::range(ctx.x, K, w.parts, n0, std::min(N, n0 + chunk), put);
+  }
 }
 inline void tiles_done() {}
 #else
@@ -349,6 +354,19 @@ Lin lin_of(const WArg& a, int64_t K, int64_t N, const char* what) {
   Lin l;
   int64_t n = 0;
   for (size_t i = 0; i < ws.size(); ++i) {
+#if defined(__AMX_INT8__)
+    if (types[i] >= 256) {  // AMX-INT8 panels (kernels/quant_linear.py pack): [N / 16, chunks * record bytes]
+      const int t = static_cast<int>(types[i] - 256);
+      TORCH_CHECK(gg::bytes_of(t) > 0 && K % gg::qk_of(t) == 0, what, ": unsupported ggml type ", t, " for ", K, " inputs");
+      TORCH_CHECK(ws[i].scalar_type() == at::kByte && ws[i].dim() == 2 && ws[i].is_contiguous() &&
+                  ws[i].size(1) == gg::amx8::chunks(K) * gg::amx8::rec_bytes(t) && (i == 0 || l.parts[0].packed),
+                  what, ": packed parts are contiguous uint8 [N / 16, chunks * record bytes], all packed or none");
+      l.parts.push_back({ws[i].data_ptr<uint8_t>(), t, ws[i].size(0) * 16, ws[i].size(1), true});
+      l.need |= gg::amx8::need_of(t);
+      n += ws[i].size(0) * 16;
+      continue;
+    }
+#endif
     const int t = static_cast<int>(types[i]), by = gg::bytes_of(t), qk = gg::qk_of(t);
     TORCH_CHECK(by > 0 && K % qk == 0, what, ": unsupported ggml type ", t, " for ", K, " inputs");
     TORCH_CHECK(ws[i].scalar_type() == at::kByte && ws[i].dim() == 2 && ws[i].is_contiguous() &&

@@ -55,7 +55,8 @@ inline float half(const uint8_t* p) {  // IEEE fp16 (little endian) -> fp32, exa
 #endif
 }
 
-struct Part { const uint8_t* w; int type; int64_t n, row_bytes; };  // one weight of the parts side by side
+// one weight of the parts side by side; `packed`: in the AMX-INT8 path's panels (namespace amx8), not GGUF rows
+struct Part { const uint8_t* w; int type; int64_t n, row_bytes; bool packed = false; };
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 // ---- The int8 path (quant_linear's "avx512_vnni" build, decode_layer's SPECCTL_QUANT build). x is quantized
@@ -94,6 +95,9 @@ struct X {  // M rows of x quantized; Kp = K rounded up to a chunk (zeros past K
   std::vector<int8_t> qb[3];         // [Kp / 256][M][256] codes in layout L
   std::vector<float> d8;             // [Kp / 256][M][8] the scales of the chunk's 8 groups of 32 (0 past K)
   std::vector<float> xs32, xs16;     // [Kp / 256][M][16]: lanes 8-15 sums of the 32-groups (0-7 zero); 16-groups
+  // The AMX path's x for few rows (M * gpk <= 16, need bit 4 + e): [Kp / 64][M * gpk][64], gpk = 2 << e groups
+  // a 64-code span: row m * gpk + j holds x row m's codes of group j of the span, zeros elsewhere
+  std::vector<int8_t> xe[2];
   const int8_t* q(int L) const { return qb[L].data(); }
 };
 
@@ -109,7 +113,7 @@ template <class For>
 inline void quantize(const void* x, bool bf16, int64_t M, int64_t K, int need, X& X_, For for_rows) {
   const int64_t Kp = (K + 255) / 256 * 256, G = Kp / 32, C = Kp / 256;
   X_.M = M, X_.Kp = Kp;
-  X_.nat.assign(M * Kp, 0);
+  X_.nat.assign((M + 15) / 16 * 16 * Kp, 0);  // rows past M zero: the AMX path loads x 16 rows a tile
   X_.d.assign(M * G, 0.0f);
   X_.xs32.assign(M * C * 16, 0.0f);
   X_.xs16.assign(M * C * 16, 0.0f);
@@ -136,6 +140,15 @@ inline void quantize(const void* x, bool bf16, int64_t M, int64_t K, int need, X
         s[1] = d * static_cast<float>(sb);
       }
   });
+  for (int e = 0; e < 2; ++e) {
+    const int gpk = 2 << e, R = static_cast<int>(M) * gpk, w = 64 / gpk;
+    if (!(need >> (4 + e) & 1) || R > 16 || M == 1) continue;  // one row takes vpdpbusd on nat
+    X_.xe[e].assign(Kp * R, 0);
+    for (int64_t sp = 0; sp < Kp / 64; ++sp)
+      for (int64_t m = 0; m < M; ++m)
+        for (int j = 0; j < gpk; ++j)
+          std::memcpy(X_.xe[e].data() + (sp * R + m * gpk + j) * 64 + j * w, X_.nat.data() + m * Kp + 64 * sp + j * w, w);
+  }
   for (int L = 0; L < 3; ++L) {
     if (!(need >> L & 1)) continue;
     X_.qb[L].resize(M * Kp);
@@ -363,6 +376,393 @@ void range(const X& x, int64_t K, const std::vector<Part>& parts, int64_t g0, in
   }
 }
 }  // namespace q8
+#endif
+
+#if defined(__AMX_INT8__) && defined(__AMX_TILE__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+// ---- The AMX-INT8 path (quant_linear's "amx_int8" build, decode_layer's SPECCTL_QUANT_AMX build): the same
+// int8 x as the int8 path (q8::quantize), weights repacked once at load into panels of 16 weight rows, so
+// that one tdpbsud (x signed as the A tile, weight codes unsigned as the B tile) gives the exact int32 dot
+// products of a group (32 weights; Q6_K: 16) for 16 weight rows and up to 16 x rows at once. Then per x row
+// and group one convert and two FMAs over the 16 weight rows: acc += float(dot) * (w scale * x scale) +
+// w offset coefficient * x group sum, in group order. The int8 path spends ~13 vector ops per x row and 256
+// weights of a row; here a 16-row panel's 256 weights cost ~11 ops a row to unpack, whatever the x rows, and
+// ~2 a row per x row: verify rows and prefill cost little more than the weights' read.
+//
+// Each output (x row m, weight row n) is one fp32 sum in a fixed order (chunks, then groups) of terms that
+// depend on row m of x only: a row alone equals the row among any others, bit for bit, at any row count (1
+// row included: AMX CPUs take this path for decode too, so verification equals decoding). The sums differ
+// from the int8 path's in fp32 order only (the int8 path sums 4 lanes of partial dots per group).
+//
+// Panel layout: a part [N, K] (N a multiple of 16) -> [N / 16][Kp / 256][rec_bytes(T)]: per panel and chunk
+// of 256 weights, the codes, then the scale fields. The 4096 codes of a panel chunk, unpacked (U), are the
+// B tiles of its groups in order: U[512 g + 64 r + 4 n + i] = code of weight row n, input 32 g + 4 r + i
+// (Q6_K's group of 16 h: the 256 bytes from 256 h). Stored: Q8_0 U itself (codes + 128); 4-bit types
+// byte j = U[j] | U[j + 2048] << 4 (2048 B); Q5_0 those and 512 B of fifth bits (bit b of byte j: U[j + 512 b]);
+// Q6_K those and 1024 B of top 2 bits (byte j: U[j] at bits 4-5, U[j + 1024] 6-7, U[j + 2048] 0-1, U[j + 3072]
+// 2-3, so each comes out with one shift and one mask). Scales as GGUF stores them, transposed to [group][16
+// rows]: fp16 d (Q4_0, Q5_0, Q8_0), d and m (Q4_1); Q4_K: fp16 d[16], dmin[16], 6-bit scales and mins as
+// bytes [8][16] each; Q6_K: fp16 d[16], int8 scales [16][16]. The packing is lossless (unpack gives the GGUF
+// rows back).
+namespace amx8 {
+using q8::X;
+using q8::u32at;
+constexpr int rec_codes(int t) { return t == Q8_0 ? 4096 : t == Q5_0 ? 2048 + 512 : t == Q6_K ? 2048 + 1024 : 2048; }
+constexpr int rec_scales(int t) { return t == Q4_1 ? 512 : t == Q4_K ? 320 : t == Q6_K ? 288 : 256; }
+constexpr int rec_bytes(int t) { return (rec_codes(t) + rec_scales(t) + 63) / 64 * 64; }
+constexpr int64_t chunks(int64_t K) { return (K + 255) / 256; }
+
+inline void scale_min_k4(int j, const uint8_t* s, int& sc, int& m) {  // ggml's get_scale_min_k4
+  if (j < 4) { sc = s[j] & 63; m = s[j + 4] & 63; }
+  else { sc = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4); m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4); }
+}
+inline int uidx(int n, int k) { return 512 * (k / 32) + 64 * (k % 32 / 4) + 4 * n + k % 4; }
+
+// Weight row `row` (GGUF, K inputs), chunk c -> its codes into U (column n) and its scale fields into sc.
+inline void pack_row(const uint8_t* row, int t, int64_t c, int64_t K, int n, uint8_t* U, uint8_t* sc) {
+  uint8_t q[256] = {};
+  if (qk_of(t) == 32) {
+    const int by = bytes_of(t);
+    for (int g = 0; g < 8 && (c * 8 + g) * 32 < K; ++g) {
+      const uint8_t* b = row + (c * 8 + g) * by;
+      std::memcpy(sc + 2 * (16 * g + n), b, 2);
+      if (t == Q4_1) std::memcpy(sc + 256 + 2 * (16 * g + n), b + 2, 2);
+      const uint8_t* qs = b + (t == Q4_1 ? 4 : t == Q5_0 ? 6 : 2);
+      const uint32_t qh = t == Q5_0 ? u32at(b + 2) : 0;
+      for (int k = 0; k < 32; ++k)
+        q[32 * g + k] = t == Q8_0 ? static_cast<uint8_t>(qs[k] ^ 0x80)
+                                  : static_cast<uint8_t>((k < 16 ? qs[k] & 15 : qs[k - 16] >> 4) | ((qh >> k) & 1) << 4);
+    }
+  } else if (t == Q4_K) {
+    const uint8_t* b = row + c * 144;
+    std::memcpy(sc + 2 * n, b, 2);
+    std::memcpy(sc + 32 + 2 * n, b + 2, 2);
+    for (int j = 0; j < 8; ++j) {
+      int s, m;
+      scale_min_k4(j, b + 4, s, m);
+      sc[64 + 16 * j + n] = static_cast<uint8_t>(s);
+      sc[192 + 16 * j + n] = static_cast<uint8_t>(m);
+    }
+    for (int i = 0; i < 4; ++i)
+      for (int l = 0; l < 32; ++l) {
+        q[64 * i + l] = b[16 + 32 * i + l] & 15;
+        q[64 * i + 32 + l] = b[16 + 32 * i + l] >> 4;
+      }
+  } else {  // Q6_K: ql[128], qh[64], int8 scales[16], fp16 d; weight k's scale is k / 16
+    const uint8_t* b = row + c * 210;
+    std::memcpy(sc + 2 * n, b + 208, 2);
+    for (int j = 0; j < 16; ++j) sc[32 + 16 * j + n] = b[192 + j];
+    for (int k = 0; k < 256; ++k) {
+      const int h = k / 128, qu = k % 128 / 32, l = k % 32;
+      q[k] = static_cast<uint8_t>(((b[64 * h + l + 32 * (qu & 1)] >> (4 * (qu >> 1))) & 15) |
+                                  ((b[128 + 32 * h + l] >> (2 * qu)) & 3) << 4);
+    }
+  }
+  for (int k = 0; k < 256; ++k) U[uidx(n, k)] = q[k];
+}
+
+// The inverse: column n of U and sc -> weight row `row`'s chunk c as GGUF stores it.
+inline void unpack_row(const uint8_t* U, const uint8_t* sc, int t, int64_t c, int64_t K, int n, uint8_t* row) {
+  uint8_t q[256];
+  for (int k = 0; k < 256; ++k) q[k] = U[uidx(n, k)];
+  if (qk_of(t) == 32) {
+    const int by = bytes_of(t);
+    for (int g = 0; g < 8 && (c * 8 + g) * 32 < K; ++g) {
+      uint8_t* b = row + (c * 8 + g) * by;
+      std::memcpy(b, sc + 2 * (16 * g + n), 2);
+      if (t == Q4_1) std::memcpy(b + 2, sc + 256 + 2 * (16 * g + n), 2);
+      uint8_t* qs = b + (t == Q4_1 ? 4 : t == Q5_0 ? 6 : 2);
+      uint32_t qh = 0;
+      for (int k = 0; k < 32; ++k) {
+        const uint8_t v = q[32 * g + k];
+        if (t == Q8_0) { qs[k] = v ^ 0x80; continue; }
+        if (k < 16) qs[k] = v & 15; else qs[k - 16] |= (v & 15) << 4;
+        qh |= uint32_t(v >> 4 & 1) << k;
+      }
+      if (t == Q5_0) std::memcpy(b + 2, &qh, 4);
+    }
+  } else if (t == Q4_K) {
+    uint8_t* b = row + c * 144;
+    std::memcpy(b, sc + 2 * n, 2);
+    std::memcpy(b + 2, sc + 32 + 2 * n, 2);
+    uint8_t* s = b + 4;
+    std::memset(s, 0, 12);
+    for (int j = 0; j < 8; ++j) {
+      const int scv = sc[64 + 16 * j + n], mv = sc[192 + 16 * j + n];
+      if (j < 4) { s[j] |= scv; s[j + 4] |= mv; }
+      else { s[j + 4] = (scv & 15) | (mv & 15) << 4; s[j - 4] |= (scv >> 4) << 6; s[j] |= (mv >> 4) << 6; }
+    }
+    for (int i = 0; i < 4; ++i)
+      for (int l = 0; l < 32; ++l) b[16 + 32 * i + l] = q[64 * i + l] | q[64 * i + 32 + l] << 4;
+  } else {
+    uint8_t* b = row + c * 210;
+    std::memset(b, 0, 192);
+    std::memcpy(b + 208, sc + 2 * n, 2);
+    for (int j = 0; j < 16; ++j) b[192 + j] = sc[32 + 16 * j + n];
+    for (int k = 0; k < 256; ++k) {
+      const int h = k / 128, qu = k % 128 / 32, l = k % 32;
+      b[64 * h + l + 32 * (qu & 1)] |= (q[k] & 15) << (4 * (qu >> 1));
+      b[128 + 32 * h + l] |= (q[k] >> 4) << (2 * qu);
+    }
+  }
+}
+
+// U (4096 codes) -> the record's code bytes, and back
+inline void store_codes(const uint8_t* U, int t, uint8_t* r) {
+  if (t == Q8_0) { std::memcpy(r, U, 4096); return; }
+  for (int j = 0; j < 2048; ++j) r[j] = (U[j] & 15) | (U[j + 2048] & 15) << 4;
+  if (t == Q5_0)
+    for (int j = 0; j < 512; ++j) {
+      uint8_t v = 0;
+      for (int b = 0; b < 8; ++b) v |= (U[j + 512 * b] >> 4 & 1) << b;
+      r[2048 + j] = v;
+    }
+  if (t == Q6_K)
+    for (int j = 0; j < 1024; ++j)
+      r[2048 + j] = static_cast<uint8_t>((U[j] >> 4 & 3) << 4 | (U[j + 1024] >> 4 & 3) << 6 | (U[j + 2048] >> 4 & 3) |
+                                         (U[j + 3072] >> 4 & 3) << 2);
+}
+
+// The panel chunk's scales: ws[g], co[g] over the 16 weight rows, the factor of the group's int32 dot and the
+// coefficient of the x group's sum (as dec: d * sc, -(dmin * m), d * -8, ...).
+template <int T>
+__attribute__((always_inline)) inline void scales(const uint8_t* r, __m512* ws, __m512* co) {
+  const uint8_t* s = r + rec_codes(T);
+  auto h16 = [](const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); };
+  if constexpr (T == Q4_K) {
+    const __m512 d = h16(s), dm = h16(s + 32);
+#pragma GCC unroll 8
+    for (int g = 0; g < 8; ++g) {
+      ws[g] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(s + 64 + 16 * g)))));
+      co[g] = _mm512_sub_ps(_mm512_setzero_ps(),
+                            _mm512_mul_ps(dm, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(s + 192 + 16 * g))))));
+    }
+  } else if constexpr (T == Q6_K) {
+    const __m512 d = h16(s);
+#pragma GCC unroll 16
+    for (int h = 0; h < 16; ++h) {
+      ws[h] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(s + 32 + 16 * h)))));
+      co[h] = _mm512_mul_ps(ws[h], _mm512_set1_ps(-32.0f));
+    }
+  } else {
+#pragma GCC unroll 8
+    for (int g = 0; g < 8; ++g) {
+      ws[g] = h16(s + 32 * g);
+      co[g] = T == Q4_1 ? h16(s + 256 + 32 * g)
+                        : _mm512_mul_ps(ws[g], _mm512_set1_ps(T == Q4_0 ? -8.0f : T == Q5_0 ? -16.0f : -128.0f));
+    }
+  }
+}
+
+constexpr int PF = 2048;  // prefetch distance in bytes, as the int8 path's
+// A line (two past 4 KiB of codes) of the record PF bytes ahead per vector of codes read: spread over the chunk,
+// the prefetches keep up with the reads (issued at once, 37-68 a chunk, they made a 191 MB Q6_K LM head stream
+// 8 % slower than one spread this way, on an AMX Xeon)
+template <int T>
+__attribute__((always_inline)) inline void prefetch_at(const uint8_t* r, int j) {
+  constexpr int S = rec_bytes(T), H = T == Q8_0 ? 4096 : 2048;
+  _mm_prefetch((const char*)r + PF + j, _MM_HINT_T0);
+  if (H + j < S) _mm_prefetch((const char*)r + PF + H + j, _MM_HINT_T0);
+}
+
+// The panel chunk's 4096 codes, 64 at a time: f(j, v) with v = U[j, j + 64) (one B-tile row: dword n = 4 codes
+// of weight row n), for j = 0, 64, ..., 4032 (in the order the bytes come out: j and j + 2048 together).
+template <int T, class F>
+__attribute__((always_inline)) inline void codes(const uint8_t* r, F f) {
+  if constexpr (T == Q8_0) {
+#pragma GCC unroll 64
+    for (int j = 0; j < 4096; j += 64) {
+      f(j, _mm512_loadu_si512(r + j));
+      prefetch_at<T>(r, j);
+    }
+    return;
+  }
+  const __m512i n4 = _mm512_set1_epi8(15), k30 = _mm512_set1_epi8(0x30);
+#pragma GCC unroll 32
+  for (int j = 0; j < 2048; j += 64) {  // unrolled: j constant, so f's register indices and the branches fold
+    const __m512i v = _mm512_loadu_si512(r + j);
+    __m512i lo = _mm512_and_si512(v, n4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), n4);
+    if constexpr (T == Q5_0) {
+      const __m512i p = _mm512_loadu_si512(r + 2048 + j % 512), k16 = _mm512_set1_epi8(16);
+      const int b = j / 512;
+      lo = _mm512_mask_add_epi8(lo, _mm512_test_epi8_mask(p, _mm512_set1_epi8(static_cast<char>(1 << b))), lo, k16);
+      hi = _mm512_mask_add_epi8(hi, _mm512_test_epi8_mask(p, _mm512_set1_epi8(static_cast<char>(1 << (b + 4)))), hi, k16);
+    } else if constexpr (T == Q6_K) {
+      const __m512i p = _mm512_loadu_si512(r + 2048 + j % 1024);
+      const __m512i a = j < 1024 ? p : _mm512_srli_epi16(p, 2);                            // U[j] or U[j + 1024]
+      const __m512i b = j < 1024 ? _mm512_slli_epi16(p, 4) : _mm512_slli_epi16(p, 2);      // + 2048
+      lo = _mm512_ternarylogic_epi32(lo, a, k30, 0xF8);  // lo | (a & 0x30)
+      hi = _mm512_ternarylogic_epi32(hi, b, k30, 0xF8);
+    }
+    f(j, lo);
+    prefetch_at<T>(r, j);
+    f(j + 2048, hi);
+  }
+}
+
+// The panel chunk's codes unpacked into U (Q8_0: the record itself) and its scales.
+template <int T>
+__attribute__((always_inline)) inline const uint8_t* unpack(const uint8_t* r, uint8_t* U, __m512* ws, __m512* co) {
+  scales<T>(r, ws, co);
+  if constexpr (T == Q8_0) return r;
+  codes<T>(r, [&](int j, __m512i v) { _mm512_store_si512(U + j, v); });
+  return U;
+}
+
+struct alignas(64) Cfg { uint8_t palette = 1, start = 0, r0[14] = {}; uint16_t colsb[16] = {}; uint8_t rows[16] = {}; };
+inline int gpk_of(int t) { return t == Q6_K ? 4 : 2; }  // groups in a 64-code span
+inline int need_of(int t) { return 1 << (4 + (t == Q6_K)); }  // the quantize `need` bit of its few-rows x
+// Two ways to lay the tiles, the same int32 dots (exact), so the same outputs bit for bit:
+// - few rows (M * gpk <= 16, "spans"): one tdpbsud per 64 codes, the A tile's rows (x row, group of the
+//   span) each holding one group's codes (X.xe): 4 a chunk. A tdpbsud costs the same for 1 row as for 16
+//   (measured: ~16 cycles each at 1 row), so at decode this is 2x (Q6_K: 4x) fewer than one per group.
+// - more rows ("groups"): one tdpbsud per group for up to 16 x rows: A x rows x 32 (16) codes.
+// Tiles: spans 0 A (M * gpk x 64), 1 B (16 x 64), 2 C (M * gpk x 16 int32); groups 0, 3 A (mb x 32), 1, 4 B
+// (8 x 64), 2, 5 C (mb x 16), 6 Q6_K's A (mb x 16), 7 its B (4 x 64).
+inline void configure(int mode, int mb) {  // mode 0: groups (mb x rows); else spans of `mode` rows
+  Cfg c;
+  if (mode) {
+    c.rows[0] = mode, c.colsb[0] = 64;
+    c.rows[1] = 16, c.colsb[1] = 64;
+    c.rows[2] = mode, c.colsb[2] = 64;
+  } else {
+    for (int t : {0, 3}) c.rows[t] = mb, c.colsb[t] = 32;
+    for (int t : {1, 4}) c.rows[t] = 8, c.colsb[t] = 64;
+    for (int t : {2, 5}) c.rows[t] = mb, c.colsb[t] = 64;
+    c.rows[6] = mb, c.colsb[6] = 16;
+    c.rows[7] = 4, c.colsb[7] = 64;
+  }
+  _tile_loadconfig(&c);
+}
+
+// One panel (16 weight rows, C chunks of records from rec) against every row of x: out [M][16] (fp32).
+// cb: 16 KiB for the int32 dots of a chunk; acc: M * 64 floats.
+// Every output is the same fp32 arithmetic whichever way its dots were made: four running sums, group g of
+// every chunk into sum g % 4 (a += float(dot) * (ws * xd); a += co * xs), then (s0 + s1) + (s2 + s3). Four
+// chains, not one: one sum took 2 dependent FMAs a group, 64 (Q6_K 128) cycles of latency a chunk.
+#define SPECCTL_AMX8_TERM(A, g, DOT, XD, XS)                                       \
+  {                                                                               \
+    const __m512 p_ = _mm512_mul_ps(ws[g], _mm512_set1_ps(XD));                   \
+    A[(g) % 4] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(DOT), p_, A[(g) % 4]);        \
+    A[(g) % 4] = _mm512_fmadd_ps(co[g], _mm512_set1_ps(XS), A[(g) % 4]);          \
+  }
+template <int T>
+void panel(const uint8_t* rec, int64_t C, const X& x, int mb, float* out, float* acc, int32_t* cb) {
+  constexpr int S = rec_bytes(T), NG = T == Q6_K ? 16 : 8, GPK = T == Q6_K ? 4 : 2;
+  const int64_t M = x.M, Kp = x.Kp, G = Kp / 32;
+  const int R = static_cast<int>(M) * GPK;
+  const bool spans = R <= 16;
+  const int8_t* xe = spans ? x.xe[GPK == 4].data() : nullptr;
+  alignas(64) uint8_t U[4096];
+  __m512 ws[NG], co[NG];
+  if (M == 1) {  // one row: vpdpbusd against x's dwords broadcast, the same exact dots, the same sums
+    __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    for (int64_t c = 0; c < C; ++c) {
+      const uint8_t* r = rec + c * S;
+      scales<T>(r, ws, co);
+      const int32_t* xw = reinterpret_cast<const int32_t*>(x.nat.data() + 256 * c);  // dword k / 4 of the chunk
+      __m512i dot[NG];
+#pragma GCC unroll 16
+      for (int g = 0; g < NG; ++g) dot[g] = _mm512_setzero_si512();
+      codes<T>(r, [&](int j, __m512i v) {  // j: group j / 512, its dword row j % 512 / 64
+        const int g = j / 512, row = j % 512 / 64, k = NG == 16 ? 2 * g + row / 4 : g;
+        dot[k] = _mm512_dpbusd_epi32(dot[k], v, _mm512_set1_epi32(xw[8 * g + row]));
+      });
+      const float* xd = x.d.data() + 8 * c;
+      const float* xsm = (T == Q6_K ? x.xs16 : x.xs32).data() + c * 16 + (T == Q6_K ? 0 : 8);
+#pragma GCC unroll 16
+      for (int g = 0; g < NG; ++g) SPECCTL_AMX8_TERM(a, g, dot[g], xd[T == Q6_K ? g / 2 : g], xsm[g])
+    }
+    _mm512_storeu_ps(out, _mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3])));
+    return;
+  }
+  std::fill(acc, acc + M * 64, 0.0f);
+  for (int64_t c = 0; c < C; ++c) {
+    const uint8_t* r = rec + c * S;
+    const uint8_t* u = unpack<T>(r, U, ws, co);
+    const float* xs = (T == Q6_K ? x.xs16 : x.xs32).data() + c * M * 16 + (T == Q6_K ? 0 : 8);
+    for (int64_t x0 = 0; x0 < M; x0 += mb) {
+      if (spans) {  // C row (m, j) of span sp: group GPK sp + j; cb [4][R][16]
+#pragma GCC unroll 4
+        for (int sp = 0; sp < 4; ++sp) {
+          _tile_loadd(0, xe + ((4 * c + sp) * R) * 64, 64);
+          _tile_loadd(1, u + 1024 * sp, 64);
+          _tile_zero(2);
+          _tile_dpbsud(2, 0, 1);
+          _tile_stored(2, cb + sp * R * 16, 64);
+        }
+      } else {
+        const int8_t* xa = x.nat.data() + x0 * Kp + 256 * c;
+        if constexpr (T == Q6_K) {
+#pragma GCC unroll 16
+          for (int h = 0; h < 16; ++h) {
+            _tile_loadd(6, xa + 16 * h, Kp);
+            _tile_loadd(7, u + 256 * h, 64);
+            if (h & 1) { _tile_zero(5); _tile_dpbsud(5, 6, 7); _tile_stored(5, cb + 256 * h, 64); }
+            else { _tile_zero(2); _tile_dpbsud(2, 6, 7); _tile_stored(2, cb + 256 * h, 64); }
+          }
+        } else {
+#pragma GCC unroll 8
+          for (int g = 0; g < 8; ++g) {
+            if (g & 1) {
+              _tile_loadd(3, xa + 32 * g, Kp); _tile_loadd(4, u + 512 * g, 64);
+              _tile_zero(5); _tile_dpbsud(5, 3, 4); _tile_stored(5, cb + 256 * g, 64);
+            } else {
+              _tile_loadd(0, xa + 32 * g, Kp); _tile_loadd(1, u + 512 * g, 64);
+              _tile_zero(2); _tile_dpbsud(2, 0, 1); _tile_stored(2, cb + 256 * g, 64);
+            }
+          }
+        }
+      }
+      const int64_t mr = std::min<int64_t>(mb, M - x0);
+      for (int64_t i = 0; i < mr; ++i) {
+        const int64_t m = x0 + i;
+        const float* xd = x.d.data() + m * G + 8 * c;
+        const float* xsm = xs + m * 16;
+        float* am = acc + m * 64;
+        __m512 a[4] = {_mm512_loadu_ps(am), _mm512_loadu_ps(am + 16), _mm512_loadu_ps(am + 32), _mm512_loadu_ps(am + 48)};
+#pragma GCC unroll 16
+        for (int g = 0; g < NG; ++g) {
+          const int32_t* dot = spans ? cb + ((g / GPK) * R + m * GPK + g % GPK) * 16 : cb + 256 * g + 16 * i;
+          SPECCTL_AMX8_TERM(a, g, _mm512_loadu_si512(dot), xd[T == Q6_K ? g / 2 : g], xsm[g])
+        }
+        for (int q = 0; q < 4; ++q) _mm512_storeu_ps(am + 16 * q, a[q]);
+      }
+    }
+  }
+  for (int64_t m = 0; m < M; ++m) {
+    const float* am = acc + m * 64;
+    _mm512_storeu_ps(out + m * 16, _mm512_add_ps(_mm512_add_ps(_mm512_loadu_ps(am), _mm512_loadu_ps(am + 16)),
+                                                 _mm512_add_ps(_mm512_loadu_ps(am + 32), _mm512_loadu_ps(am + 48))));
+  }
+}
+#undef SPECCTL_AMX8_TERM
+
+// Outputs [g0, g1) of the packed parts side by side (each part's n a multiple of 16; g0, g1 multiples of 16
+// or the end) against every row of x (quantized with need_of each part's type): put(m, g, v). Configures this
+// thread's tiles.
+template <class Put>
+void range(const X& x, int64_t K, const std::vector<Part>& parts, int64_t g0, int64_t g1, Put put) {
+  const int mb = static_cast<int>(std::min<int64_t>(16, x.M));
+  std::vector<float> out(x.M * 16), acc(x.M * 64);
+  alignas(64) int32_t cb[16 * 256];
+  const int64_t C = chunks(K);
+  int64_t base = 0;
+  size_t pi = 0;
+  int mode = -1;
+  for (int64_t g = g0 / 16 * 16; g < g1; g += 16) {
+    while (g >= base + parts[pi].n) base += parts[pi++].n;
+    const Part& P = parts[pi];
+    const int R = static_cast<int>(x.M) * gpk_of(P.type), want = R <= 16 ? R : 0;
+    if (x.M > 1 && want != mode) configure(mode = want, mb);  // one row takes no tiles
+    with_type(P.type, [&](auto T) {
+      panel<T()>(P.w + (g - base) / 16 * C * rec_bytes(T()), C, x, mb, out.data(), acc.data(), cb);
+    });
+    for (int64_t m = 0; m < x.M; ++m)
+      for (int n = 0; n < 16; ++n)
+        if (g + n >= g0 && g + n < g1) put(m, g + n, out[m * 16 + n]);
+  }
+}
+}  // namespace amx8
 #endif
 
 }  // namespace specctl::gguf

@@ -41,6 +41,10 @@
 #include <immintrin.h>
 #endif
 #include "gguf_q8.h"
+#if defined(__AMX_INT8__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 namespace {
 using namespace specctl::gguf;
@@ -514,9 +518,22 @@ namespace int8 {  // the quantized linear over specctl::gguf::q8
 using namespace specctl::gguf::q8;
 void run(const void* xp, bool bf16, int64_t M, int64_t K, const std::vector<Part>& parts, const Out& out) {
   int need = 0;
-  for (const auto& p : parts) need |= 1 << layout_of(p.type);
+  for (const auto& p : parts) {
+#if defined(__AMX_INT8__)
+    if (p.packed) { need |= specctl::gguf::amx8::need_of(p.type); continue; }
+#endif
+    need |= 1 << layout_of(p.type);
+  }
   X x;
   quantize(xp, bf16, M, K, need, x, [](int64_t n, auto f) { at::parallel_for(0, n, 1, f); });
+#if defined(__AMX_INT8__)
+  if (parts[0].packed) {  // AMX-INT8 panels (parts_of: all packed or none)
+    at::parallel_for(0, out.N / 16, 1, [&](int64_t p0, int64_t p1) {
+      specctl::gguf::amx8::range(x, K, parts, 16 * p0, 16 * p1, [&](int64_t m, int64_t g, float v) { out.put(m, g, v); });
+    });
+    return;
+  }
+#endif
   at::parallel_for(0, out.N, 8, [&](int64_t g0, int64_t g1) {
     range(x, K, parts, g0, g1, [&](int64_t m, int64_t g, float v) { out.put(m, g, v); });
   });
@@ -541,11 +558,30 @@ std::vector<torch::Tensor> quantize_x(torch::Tensor x) {
 }  // namespace int8
 #endif
 
+// A type id + PACKED: the part is in the AMX-INT8 path's panels ([N / 16, chunks * rec_bytes], see gguf_q8.h amx8).
+constexpr int64_t PACKED = 256;
+
 std::vector<Part> parts_of(const std::vector<torch::Tensor>& ws, const std::vector<int64_t>& types, int64_t K) {
   TORCH_CHECK(!ws.empty() && ws.size() == types.size(), "quant_linear: one type per weight part");
   std::vector<Part> parts;
   for (size_t i = 0; i < ws.size(); ++i) {
     const auto& w = ws[i];
+    if (types[i] >= PACKED) {
+#if defined(__AMX_INT8__)
+      const int t = static_cast<int>(types[i] - PACKED);
+      TORCH_CHECK(bytes_of(t) > 0, "quant_linear: unsupported ggml type ", t);
+      TORCH_CHECK(K % qk_of(t) == 0, "quant_linear: in_features ", K, " is not a multiple of the block size ", qk_of(t));
+      TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous() && !w.is_cuda() &&
+                  w.size(1) == specctl::gguf::amx8::chunks(K) * specctl::gguf::amx8::rec_bytes(t),
+                  "quant_linear: packed weights are contiguous uint8 [N / 16, chunks * record bytes] (from pack)");
+      TORCH_CHECK(i == 0 || parts[0].packed, "quant_linear: parts are all packed or none");
+      parts.push_back({w.data_ptr<uint8_t>(), t, w.size(0) * 16, w.size(1), true});
+      continue;
+#else
+      TORCH_CHECK(false, "quant_linear: packed (AMX-INT8) weights need the amx_int8 build");
+#endif
+    }
+    TORCH_CHECK(parts.empty() || !parts[0].packed, "quant_linear: parts are all packed or none");
     const int t = static_cast<int>(types[i]), qk = qk_of(t), by = bytes_of(t);
     TORCH_CHECK(by > 0, "quant_linear: unsupported ggml type ", t);
     TORCH_CHECK(K % qk == 0, "quant_linear: in_features ", K, " is not a multiple of the block size ", qk);
@@ -625,10 +661,63 @@ torch::Tensor dequantize(torch::Tensor w, int64_t type, int64_t K, at::ScalarTyp
   return out;
 }
 
+#if defined(__AMX_INT8__)
+// A part's GGUF rows [N, row_bytes] (N a multiple of 16) -> its AMX-INT8 panels, written into `out`
+// [N / 16, chunks * rec_bytes] uint8 (the caller's: on huge pages, for weights streamed every step)
+void pack(torch::Tensor w, int64_t type, int64_t K, torch::Tensor out) {
+  namespace A = specctl::gguf::amx8;
+  const Part P = parts_of({w}, {type}, K)[0];
+  TORCH_CHECK(P.n % 16 == 0, "pack: the AMX-INT8 panels take 16 rows at a time; this part has ", P.n);
+  const int t = P.type, S = A::rec_bytes(t);
+  const int64_t C = A::chunks(K);
+  TORCH_CHECK(out.scalar_type() == at::kByte && out.is_contiguous() && out.dim() == 2 && out.size(0) == P.n / 16 &&
+              out.size(1) == C * S, "pack: out is contiguous uint8 [", P.n / 16, ", ", C * S, "]");
+  at::parallel_for(0, P.n / 16, 1, [&](int64_t p0, int64_t p1) {
+    alignas(64) uint8_t U[4096];
+    for (int64_t p = p0; p < p1; ++p)
+      for (int64_t c = 0; c < C; ++c) {
+        uint8_t* r = out.data_ptr<uint8_t>() + (p * C + c) * S;
+        std::memset(U, 0, sizeof(U));
+        std::memset(r, 0, S);
+        for (int n = 0; n < 16; ++n) A::pack_row(P.w + (16 * p + n) * P.row_bytes, t, c, K, n, U, r + A::rec_codes(t));
+        A::store_codes(U, t, r);
+      }
+  });
+}
+
+// The inverse: panels -> GGUF rows [N, row_bytes], bit for bit the rows pack was given.
+torch::Tensor unpack(torch::Tensor wp, int64_t type, int64_t K) {
+  namespace A = specctl::gguf::amx8;
+  const Part P = parts_of({wp}, {type + PACKED}, K)[0];
+  const int t = P.type, S = A::rec_bytes(t);
+  const int64_t C = A::chunks(K), rb = K / qk_of(t) * bytes_of(t);
+  auto out = torch::zeros({P.n, rb}, wp.options());
+  at::parallel_for(0, P.n / 16, 1, [&](int64_t p0, int64_t p1) {
+    alignas(64) uint8_t U[4096];
+    __m512 ws[16], co[16];
+    for (int64_t p = p0; p < p1; ++p)
+      for (int64_t c = 0; c < C; ++c) {
+        const uint8_t* r = P.w + (p * C + c) * S;
+        const uint8_t* u = nullptr;
+        with_type(t, [&](auto T) { u = A::unpack<T()>(r, U, ws, co); });
+        for (int n = 0; n < 16; ++n) A::unpack_row(u, r + A::rec_codes(t), t, c, K, n, out.data_ptr<uint8_t>() + (16 * p + n) * rb);
+      }
+  });
+  return out;
+}
+#endif
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_linear", &quant_linear, "y = x @ W^T with W as GGUF blocks");
   m.def("dequantize", &dequantize, "GGUF blocks -> dense weights");
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if defined(__AMX_INT8__)
+  m.def("quantize_x", &int8::quantize_x, "x -> its int8 codes and per-32 scales (the int8 path's x)");
+  m.def("pack", &pack, "GGUF rows -> AMX-INT8 panels (into out)");
+  m.def("unpack", &unpack, "AMX-INT8 panels -> GGUF rows");
+  // the OS gives a process AMX tile state only when asked (Linux 5.16+): asked once, at import
+  m.def("isa", []() { return std::string("amx_int8"); });
+  m.attr("amx_ready") = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
+#elif defined(__AVX512VNNI__) && defined(__AVX512BW__)
   m.def("quantize_x", &int8::quantize_x, "x -> its int8 codes and per-32 scales (the int8 path's x)");
   m.def("isa", []() { return std::string("avx512_vnni"); });
 #elif defined(__AVX512BF16__)

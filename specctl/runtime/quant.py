@@ -51,37 +51,49 @@ class QuantLinear(nn.Module):
         for i, (b, t) in enumerate(parts):
             if b.dtype != torch.uint8 or b.dim() != 2 or b.shape[1] != ql.row_bytes(t, in_features):
                 raise ValueError(f"part {i}: {t} blocks for {in_features} inputs are uint8 [N, {ql.row_bytes(t, in_features)}]")
-            self.register_buffer(f"blocks{i}", b.contiguous())  # [N_p, row_bytes] uint8
         self.out_features = sum(b.shape[0] for b, _ in parts)
         self.register_buffer("bias", None if bias is None else bias.to(dtype))  # [N]
         self.path = path or ql.best_path(dtype)
+        if self.path in ql.PACKED_PATHS and any(b.shape[0] % 16 for b, _ in parts):
+            self.path = ql.best_path(dtype, packed=False)  # panels take 16 rows at a time
         if self.path is None:
             raise ModelError("GGUF quantized weights need specctl's C++ kernel, which did not build here",
                              "install a C++ compiler (g++), or load the GGUF dequantized (without --quantization gguf)")
+        self.packed = self.path in ql.PACKED_PATHS
+        for i, (b, t) in enumerate(parts):  # [N_p, row_bytes] uint8 GGUF rows, or their panels (packed once, here)
+            self.register_buffer(f"blocks{i}", ql.pack(b, t, in_features, huge=True) if self.packed else b.contiguous())
         self._ext = ql.load(self.path)
-        self._type_ids = [ql.TYPES[t][0] for t in self.types]
+        self._type_ids = [ql.TYPES[t][0] + (ql.PACKED if self.packed else 0) for t in self.types]
         self._dense: torch.Tensor | None = None
 
     @property
+    def kernel_parts(self) -> tuple[list[torch.Tensor], list[int]]:
+        """(part tensors, type ids) as the kernels take them: GGUF rows, or panels (type id + ql.PACKED)."""
+        return [getattr(self, f"blocks{i}") for i in range(len(self.types))], self._type_ids
+
+    @property
     def parts(self) -> list[torch.Tensor]:
-        return [getattr(self, f"blocks{i}") for i in range(len(self.types))]
+        """The GGUF rows [N_p, row_bytes] of each part (unpacked from the panels on a packed path)."""
+        ws = self.kernel_parts[0]
+        return [ql.unpack(w, t, self.in_features) for w, t in zip(ws, self.types)] if self.packed else ws
 
     @property
     def nbytes(self) -> int:
         """Bytes of weights one forward reads."""
-        return sum(b.numel() for b in self.parts)
+        return sum(b.numel() for b in self.kernel_parts[0])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., in_features] -> [..., out_features]
         rows = x.numel() // self.in_features
-        y = self._ext.quant_linear(x.reshape(rows, self.in_features), self.parts, self._type_ids, self.in_features,
+        y = self._ext.quant_linear(x.reshape(rows, self.in_features), *self.kernel_parts, self.in_features,
                                    self.bias, self.out_fp32)
         return y.view(*x.shape[:-1], self.out_features)
 
     @property
     def weight(self) -> torch.Tensor:
         if self._dense is None:  # [out_features, in_features]
-            self._dense = torch.cat([ql.dequantize(b, t, self.in_features, self.dtype, path=self.path)
+            path = None if self.packed else self.path
+            self._dense = torch.cat([ql.dequantize(b, t, self.in_features, self.dtype, path=path)
                                      for b, t in zip(self.parts, self.types)])
         return self._dense
 
@@ -162,7 +174,7 @@ class _Tensors:
 
 
 def _linear(parts: list[tuple[torch.Tensor, str]], K: int, bias: torch.Tensor | None, dtype: torch.dtype,
-            name: str, out_fp32: bool = False) -> nn.Module:
+            name: str, out_fp32: bool = False, path: str | None = None) -> nn.Module:
     """QuantLinear over quantized parts; nn.Linear where every part is stored dense."""
     if all(t in DENSE_TYPES for _, t in parts):
         lin = nn.Linear(K, sum(w.shape[0] for w, _ in parts), bias=bias is not None)
@@ -173,14 +185,15 @@ def _linear(parts: list[tuple[torch.Tensor, str]], K: int, bias: torch.Tensor | 
     if any(t in DENSE_TYPES for _, t in parts):
         raise ModelError(f"{name} mixes dense and quantized parts ({', '.join(t for _, t in parts)})",
                          "load this GGUF dequantized (without --quantization gguf)")
-    return QuantLinear(parts, K, bias, dtype, out_fp32=out_fp32)
+    return QuantLinear(parts, K, bias, dtype, out_fp32=out_fp32, path=path)
 
 
 def load_gguf_transformer(path: str | Path, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu",
-                          kernels: str | None = None) -> Transformer:
+                          kernels: str | None = None, quant_path: str | None = None) -> Transformer:
     """The own Transformer over a GGUF file's quantized weights (see the module docstring).
     ``kernels``: the attention path of a bf16 model, as ``load_transformer``'s (the projections
-    always take the quantized kernel)."""
+    always take the quantized kernel). ``quant_path``: the quant_linear path of every projection
+    (default: kernels.quant_linear.best_path)."""
     from gguf import GGUFReader
 
     path = Path(path)
@@ -209,7 +222,7 @@ def load_gguf_transformer(path: str | Path, dtype: torch.dtype = torch.bfloat16,
         ts.used.discard("token_embd.weight")
         head = ts.take("token_embd.weight")
     if head[1] in ql.TYPES:
-        model.quant_head = QuantLinear([head], H, None, dtype, out_fp32=True)
+        model.quant_head = QuantLinear([head], H, None, dtype, out_fp32=True, path=quant_path)
         if not args.tie_word_embeddings:
             model.lm_head = model.quant_head
     elif not args.tie_word_embeddings:
@@ -225,11 +238,14 @@ def load_gguf_transformer(path: str | Path, dtype: torch.dtype = torch.bfloat16,
             if bias is not None:
                 bias[0], bias[1] = _unpermute(bias[0], nh), _unpermute(bias[1], nkv)
         block.qkv = _linear([q, k, ts.take(p + "attn_v.weight")], H, None if bias is None else torch.cat(bias),
-                            dtype, p + "attn_qkv")
+                            dtype, p + "attn_qkv", path=quant_path)
         block.o = _linear([ts.take(p + "attn_output.weight")], nh * args.head_dim,
-                          ts.take(p + "attn_output.bias")[0] if args.o_bias else None, dtype, p + "attn_output")
-        block.gate_up = _linear([ts.take(p + "ffn_gate.weight"), ts.take(p + "ffn_up.weight")], H, None, dtype, p + "ffn")
-        block.down = _linear([ts.take(p + "ffn_down.weight")], args.intermediate_size, None, dtype, p + "ffn_down")
+                          ts.take(p + "attn_output.bias")[0] if args.o_bias else None, dtype, p + "attn_output",
+                          path=quant_path)
+        block.gate_up = _linear([ts.take(p + "ffn_gate.weight"), ts.take(p + "ffn_up.weight")], H, None, dtype, p + "ffn",
+                                path=quant_path)
+        block.down = _linear([ts.take(p + "ffn_down.weight")], args.intermediate_size, None, dtype, p + "ffn_down",
+                             path=quant_path)
         state[f"layers.{i}.input_norm.weight"] = dense(p + "attn_norm.weight")
         state[f"layers.{i}.post_norm.weight"] = dense(p + "ffn_norm.weight")
     inv_freq = rope_inv_freq(args)
@@ -247,7 +263,8 @@ def load_gguf_transformer(path: str | Path, dtype: torch.dtype = torch.bfloat16,
     model = model.eval().requires_grad_(False)
     if dtype == torch.bfloat16 and (kernels or "auto") != "torch":
         enable_exact_bf16(model)  # the row-independent attention (the projections are quantized)
-    model.cpu_kernels = f"gguf-{ql.best_path(dtype)}"
+    paths = [m.path for m in model.modules() if isinstance(m, QuantLinear)]
+    model.cpu_kernels = f"gguf-{max(set(paths), key=paths.count) if paths else ql.best_path(dtype)}"  # most projections' path
     model.quantization = "gguf"  # what bench's header records (a dense Transformer has none)
     return model
 

@@ -12,25 +12,28 @@ from specctl.modeling import KVCache, load_transformer
 from specctl.runtime.runner import tree_attention_mask, tree_depths
 
 # the fused block's builds -> (CPU features each needs, features hidden so that the CPU selects it)
+# (gguf: the quantized build on the int8 path, "gguf_amx" on the AMX-INT8 panels)
 BUILDS = {"amx": (cpu.AMX, ()), "avx512_bf16": (cpu.AVX512_BF16, ("amx_bf16", "amx_tile")),
-          "gguf": (("avx512_bf16", "avx512_vnni", "avx512bw"), ())}
+          "gguf": (("avx512_bf16", "avx512_vnni", "avx512bw"), ()),
+          "gguf_amx": (("avx512_bf16", "avx512_vnni", "avx512bw", "amx_tile", "amx_int8"), ())}
 
 
 @pytest.fixture(scope="module", params=list(BUILDS))
 def model(request, tiny_model_factory, tmp_path_factory):
     needs, hide = BUILDS[request.param]
-    if request.param == "gguf":  # Q4_K | Q8_0 blocks (conftest's write_quant_gguf), run as stored
+    if request.param.startswith("gguf"):  # Q4_K | Q8_0 blocks (conftest's write_quant_gguf), run as stored
         pytest.importorskip("gguf")
         from specctl.runtime.quant import load_gguf_transformer
         from tests.conftest import TINY_QUANT_SHAPE, write_quant_gguf
 
-        if cpu.why_not(needs) or decode_layer.load_quant() is None:
-            pytest.skip("the quantized build of the fused block needs AVX512-VNNI, AVX512-BF16 and a C++ compiler")
+        qpath = "amx_int8" if request.param == "gguf_amx" else "avx512_vnni"
+        if cpu.why_not(needs) or decode_layer.load_quant(qpath) is None:
+            pytest.skip(f"the quantized build of the fused block needs {', '.join(needs)} and a C++ compiler")
         folder = tiny_model_factory("qwen2", initializer_range=0.05, **TINY_QUANT_SHAPE)
         path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
         write_quant_gguf(folder, path)
-        m = load_gguf_transformer(path, torch.bfloat16)
-        assert m.cpu_kernels == "gguf-avx512_vnni" and all(b.fused for b in m.layers)
+        m = load_gguf_transformer(path, torch.bfloat16, quant_path=qpath)
+        assert m.cpu_kernels == f"gguf-{qpath}" and all(b.fused for b in m.layers)
         yield m
         return
     if cpu.why_not(needs):

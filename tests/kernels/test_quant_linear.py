@@ -278,6 +278,34 @@ def test_parts_side_by_side_equal_separate_calls():
         assert torch.equal(y, torch.cat([ql.linear(r[None], parts, K) for r in rows]))
 
 
+# ---- the packed (AMX-INT8) path
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_pack_is_lossless(qtype):
+    """Panels hold every bit of the GGUF rows: unpack(pack(rows)) == rows, with a padded chunk tail."""
+    path_or_skip("amx_int8")
+    K = 512 if ql.TYPES[qtype][1] == 256 else 352  # 352: a chunk of 256 and a tail of 96
+    b = random_blocks(qtype, 48, K, seed=21)
+    p = ql.pack(b, qtype, K)
+    assert p.shape[0] == 3 and torch.equal(ql.unpack(p, qtype, K), b)
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_packed_path_takes_one_arithmetic_for_every_row_count(qtype):
+    """One row (vpdpbusd against x broadcast), few rows (a tile row per x row and group of a 64-code span)
+    and many (a tile row per x row, a tile per group; past 16 rows, x in blocks of 16) compute the same
+    exact int32 dots and the same fp32 sums: row r of any call equals it alone, bit for bit, in each of the
+    row counts where the way changes (Q4 types 8/9 rows, Q6_K 4/5, 16/17)."""
+    path_or_skip("amx_int8")
+    K = 768 if ql.TYPES[qtype][1] == 256 else 352
+    b = random_blocks(qtype, 32, K, seed=22)
+    x = torch.randn(20, K, generator=torch.Generator().manual_seed(23)).bfloat16()
+    alone = torch.cat([ql.linear(x[i:i + 1], [(b, qtype)], K, path="amx_int8", out_fp32=True) for i in range(20)])
+    for M in (2, 4, 5, 8, 9, 16, 17, 20):
+        assert torch.equal(ql.linear(x[:M], [(b, qtype)], K, path="amx_int8", out_fp32=True), alone[:M]), M
+    check_int8(alone, x, b, qtype, None)
+
+
 def test_refuses_bad_shapes():
     path = ql.best_path(torch.float32)
     if path is None:

@@ -187,3 +187,23 @@ def test_draft_model_runs_a_quantized_draft_from_the_config_key(ggufs, repetitiv
     fp8 = SpecConfig.from_dict({"method": "draft_model", "model": str(ggufs["draft"][1]), "quantization": "fp8"})
     with pytest.raises(ConfigError, match="'fp8' is vLLM's"):
         build_proposer(fp8, MAX_LEN, target=target)
+
+
+def test_quant_linear_packs_once_on_the_amx_path():
+    """On an AMX-INT8 CPU a QuantLinear keeps its weights as panels (packed at construction), gives the GGUF
+    rows back (``parts``), computes what ``ql.linear`` computes on that path, and takes the unpacked int8
+    path where a part's rows are not a multiple of 16."""
+    if ql.load("amx_int8") is None:
+        pytest.skip("needs AMX-INT8 (amx_tile, amx_int8) and a C++ compiler")
+    from tests.kernels.test_quant_linear import random_blocks
+
+    K = 512
+    parts = [(random_blocks("Q4_K", 32, K, seed=1), "Q4_K"), (random_blocks("Q6_K", 16, K, seed=2), "Q6_K")]
+    lin = QuantLinear(parts, K, torch.randn(48), path="amx_int8")
+    assert lin.packed and lin.kernel_parts[1] == [12 + ql.PACKED, 14 + ql.PACKED]
+    assert all(torch.equal(a, b) for a, (b, _) in zip(lin.parts, parts))
+    x = torch.randn(3, K).bfloat16()
+    assert torch.equal(lin(x), ql.linear(x, parts, K, lin.bias, path="amx_int8"))
+    odd = QuantLinear([(random_blocks("Q8_0", 24, K, seed=3), "Q8_0")], K, path="amx_int8")
+    assert not odd.packed and odd.path == ql.best_path(torch.bfloat16, packed=False)
+
