@@ -1,7 +1,7 @@
 """specctl against llama.cpp's own tools on the same GGUF files and prompts, in one run.
 
     python benchmarks/llama_cpp_compare.py --target Q15.gguf [--draft Q05.gguf] --llama-bin DIR
-        [-w code-edit -w chat] [-n 4] [--max-new-tokens 128] [--repeats 3]
+        [-w code-edit -w chat] [-n 4] [--max-new-tokens 128] [--repeats 3] [--hide amx_int8]
 
 llama.cpp runs as its users run it: its command-line tools, built from the llama.cpp sources that the
 llama-cpp-python sdist carries (README: "llama.cpp peer"), with 2 threads and its own defaults, in the
@@ -79,6 +79,8 @@ def main() -> None:
     ap.add_argument("-k", type=int, default=4, help="the draft model's most draft tokens (llama.cpp also runs --spec-draft-n-max k)")
     ap.add_argument("--ngram-k", type=int, default=8, help="n-gram's most draft tokens (llama-lookup also runs with it)")
     ap.add_argument("--repeats", type=int, default=3, help="runs of every engine on every prompt (median reported)")
+    ap.add_argument("--hide", default="", help="also run specctl as a CPU without these features runs it (e.g. "
+                    "amx_int8: the quantized kernels' int8 path instead of the AMX-INT8 panels), in the same loop")
     a = ap.parse_args()
     workloads = a.workload or ["code-edit", "chat"]
 
@@ -94,17 +96,29 @@ def main() -> None:
     if missing:
         raise SystemExit(f"error: llama.cpp tools not found: {', '.join(missing)}; build them (README: llama.cpp peer) "
                          "and pass --llama-bin DIR")
-    target = load_model(a.target, "bfloat16")
     max_len = 4096
-    decoders = {"plain": SpecDecoder(TargetRunner(target.model, max_len))}
-    ngram = SpecConfig.from_dict({"method": "ngram", "num_speculative_tokens": a.ngram_k})
-    decoders["ngram"] = SpecDecoder(TargetRunner(target.model, max_len), build_proposer(ngram, max_len, target), a.ngram_k,
-                                    adaptive=True)
-    if a.draft:
-        dm = SpecConfig.from_dict({"method": "draft_model", "model": str(a.draft), "quantization": "gguf",
-                                   "num_speculative_tokens": a.k})
-        decoders["draft_model"] = SpecDecoder(TargetRunner(target.model, max_len), build_proposer(dm, max_len, target),
-                                              a.k, adaptive=True)
+
+    def specctl_decoders(hide: str = ""):
+        """specctl's engines on the target (and draft) loaded here; with ``hide``, named "<engine> (<kernels>)"."""
+        target = load_model(a.target, "bfloat16")
+        sfx = f" ({target.model.cpu_kernels}, no {hide})" if hide else ""
+        decoders = {"plain" + sfx: SpecDecoder(TargetRunner(target.model, max_len))}
+        ngram = SpecConfig.from_dict({"method": "ngram", "num_speculative_tokens": a.ngram_k})
+        decoders["ngram" + sfx] = SpecDecoder(TargetRunner(target.model, max_len), build_proposer(ngram, max_len, target),
+                                              a.ngram_k, adaptive=True)
+        if a.draft:
+            dm = SpecConfig.from_dict({"method": "draft_model", "model": str(a.draft), "quantization": "gguf",
+                                       "num_speculative_tokens": a.k})
+            decoders["draft_model" + sfx] = SpecDecoder(TargetRunner(target.model, max_len),
+                                                        build_proposer(dm, max_len, target), a.k, adaptive=True)
+        return target, decoders
+
+    target, decoders = specctl_decoders()
+    if a.hide:
+        from kernels import cpu
+
+        with cpu.hidden(*a.hide.split(",")):  # the models loaded here keep the kernels such a CPU takes
+            decoders.update(specctl_decoders(a.hide)[1])
     peers = {"plain": (tools["llama-completion"], ["-no-cnv"]),
              "ngram": (tools["llama-lookup"], []),
              f"ngram --spec-draft-n-max {a.ngram_k}": (tools["llama-lookup"], ["--spec-draft-n-max", str(a.ngram_k)])}
@@ -156,6 +170,9 @@ def main() -> None:
             best_spec = max(v for k, v in mean.items() if k.startswith("llama.cpp draft_model"))
             print(f"  specctl draft_model / llama.cpp speculative (its better setting): "
                   f"{mean['specctl draft_model'] / best_spec:.2f}x")
+        for k in [k for k in mean if k.startswith("specctl ") and k.endswith(f", no {a.hide})")]:
+            base = k.split(" (")[0]
+            print(f"  {base} / {k.removeprefix('specctl ')}: {mean[base] / mean[k]:.2f}x")
 
 
 if __name__ == "__main__":

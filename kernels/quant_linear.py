@@ -7,6 +7,10 @@ parts' outputs side by side (q|k|v or gate|up of different types in one call). x
 part's dense weights, bit for bit what gguf-py's ``gguf.quants.dequantize`` gives.
 
 The C++ kernel (``csrc/quant_linear.cpp``) is built once per path from one source (``PATHS``):
+``"amx_int8"`` (the int8 x below against the weights repacked once, ``pack``, into panels of 16 rows:
+AMX-INT8 tiles give a group's exact int32 dot products for 16 weight rows and up to 16 x rows in one
+instruction, so verify rows and prefill cost little more than one row; one row takes vpdpbusd on the same
+panels and the same fp32 epilogue, bit for bit what it gets among other rows; see csrc/gguf_q8.h amx8),
 ``"avx512_vnni"`` (x rounded to int8 per row and 32 values, as llama.cpp's Q8_0; integer dot products
 with vpdpbusd, the scales applied in fp32 once per 4 weights a lane), ``"avx512_bf16"`` (bf16 x
 through vdpbf16ps; fp32 x as "avx512"), ``"avx512"`` and ``"avx2"`` (x in fp32 FMAs against weights
@@ -61,8 +65,13 @@ def load(path: str = "avx512"):
 
 
 def best_path(dtype: torch.dtype = torch.bfloat16, packed: bool = True) -> str | None:
-    """The path x of ``dtype`` takes on this CPU, or None without a compiler.
+    """The path x of ``dtype`` takes on this CPU, or None without a compiler (``packed=False``: not a
+    path that repacks the weights, for parts whose rows are not a multiple of 16).
 
+    bf16 x takes the AMX-INT8 panels where the CPU has them: on an AMX Xeon, a Qwen2.5-Coder-1.5B Q4_K_M
+    verify forward over 9 rows costs ~1.8x one row there against ~2.9x on the int8 path below, a
+    512-token prefill is ~2.5x faster, and one row decodes within a few per cent of the int8 path
+    (benchmarks/quant_decode.py, benchmarks/llama_cpp_compare.py --hide amx_int8; README).
     bf16 x takes the int8 path where the CPU has AVX512-VNNI: it decodes a weight to a byte code in
     1-2 instructions per 64 and multiplies 64 a vpdpbusd, where the float paths spend an fp32 (or
     bf16) multiply per 16 (32) weights; measured 1.5-1.8x a single-row Q4_K/Q6_K linear and 1.46x a
