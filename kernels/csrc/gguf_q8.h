@@ -1,6 +1,7 @@
-// GGUF blocks (ggml's byte layouts) and the int8 (AVX512-VNNI) dot products over them: the core shared by
-// quant_linear.cpp (every quantized linear) and decode_layer.cpp's quantized build (the fused block over
-// GGUF weights), so that both compute every output the same way, bit for bit.
+// GGUF blocks (ggml's byte layouts) and the int8 dot products over them: the core shared by quant_linear.cpp
+// (every quantized linear) and decode_layer.cpp's quantized builds (the fused block over GGUF weights), so
+// that both compute every output the same way, bit for bit. Two ways: namespace q8 (AVX512-VNNI on the GGUF
+// rows as stored) and namespace amx8 (AMX-INT8 tiles on the rows repacked once into 16-row panels).
 //
 // Types (ggml's layouts, QK weights a block): Q4_0 (fp16 d, 16 B nibbles), Q4_1 (fp16 d, fp16 m, 16 B
 // nibbles), Q5_0 (fp16 d, 4 B high bits, 16 B nibbles), Q8_0 (fp16 d, 32 int8), Q4_K (QK 256: fp16 d,
