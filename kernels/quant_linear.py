@@ -69,9 +69,9 @@ def best_path(dtype: torch.dtype = torch.bfloat16, packed: bool = True) -> str |
     path that repacks the weights, for parts whose rows are not a multiple of 16).
 
     bf16 x takes the AMX-INT8 panels where the CPU has them: on an AMX Xeon, a Qwen2.5-Coder-1.5B Q4_K_M
-    verify forward over 9 rows costs ~1.8x one row there against ~2.9x on the int8 path below, a
-    512-token prefill is ~2.5x faster, and one row decodes within a few per cent of the int8 path
-    (benchmarks/quant_decode.py, benchmarks/llama_cpp_compare.py --hide amx_int8; README).
+    verify forward over 9 rows costs 2.0x one row there against 2.8x on the int8 path below and a
+    512-token prefill is 2.2x faster, while one row decodes 3-7 % slower (benchmarks/quant_decode.py,
+    benchmarks/quant_prefill.py, benchmarks/llama_cpp_compare.py --hide amx_int8; README).
     bf16 x takes the int8 path where the CPU has AVX512-VNNI: it decodes a weight to a byte code in
     1-2 instructions per 64 and multiplies 64 a vpdpbusd, where the float paths spend an fp32 (or
     bf16) multiply per 16 (32) weights; measured 1.5-1.8x a single-row Q4_K/Q6_K linear and 1.46x a
@@ -108,20 +108,18 @@ def linear(x: torch.Tensor, parts: list[tuple[torch.Tensor, str]], K: int, bias:
         raise RuntimeError(f"the quant_linear kernel ({path}) cannot run on this machine")
     rows = x.numel() // K
     ws, ids = [b for b, _ in parts], [TYPES[t][0] for _, t in parts]
+    ns = [b.shape[0] for b in ws]
+    padded = ns
     if path in PACKED_PATHS:
-        ns = [b.shape[0] for b in ws]
-        ws = [pack(torch.cat([b, b.new_zeros(-b.shape[0] % 16, b.shape[1])]), t, K) for b, t in zip(ws, [t for _, t in parts])]
+        padded = [n + -n % 16 for n in ns]
+        ws = [pack(torch.cat([b, b.new_zeros(p - n, b.shape[1])]), t, K) for (b, t), n, p in zip(parts, ns, padded)]
         ids = [i + PACKED for i in ids]
         if bias is not None:  # bias beside the padded rows too
-            bias = torch.cat([torch.cat([c, c.new_zeros(-n % 16)]) for c, n in zip(bias.split(ns), ns)])
+            bias = torch.cat([torch.cat([c, c.new_zeros(p - n)]) for c, n, p in zip(bias.split(ns), ns, padded)])
     y = ext.quant_linear(x.reshape(rows, K), ws, ids, K, bias, out_fp32)
-    if path in PACKED_PATHS and any(n % 16 for n in ns):
-        y = torch.cat([c[:, :n] for c, n in zip(y.split([n + -n % 16 for n in ns], dim=1), ns)], dim=1)
+    if padded != ns:
+        y = torch.cat([c[:, :n] for c, n in zip(y.split(padded, dim=1), ns)], dim=1)
     return y.view(*x.shape[:-1], y.shape[-1])
-
-
-# bytes of a panel chunk (16 rows x 256 weights) per type: csrc/gguf_q8.h amx8::rec_bytes
-_REC_BYTES = {"Q4_0": 2304, "Q4_1": 2560, "Q5_0": 2816, "Q8_0": 4352, "Q4_K": 2368, "Q6_K": 3392}
 
 
 def pack(blocks: torch.Tensor, qtype: str, K: int, huge: bool = False) -> torch.Tensor:
@@ -134,7 +132,7 @@ def pack(blocks: torch.Tensor, qtype: str, K: int, huge: bool = False) -> torch.
         raise RuntimeError("the amx_int8 quant_linear path cannot run on this machine (it needs AMX-INT8)")
     if blocks.shape[0] % 16:
         raise ValueError(f"the amx_int8 panels take 16 rows at a time; these blocks have {blocks.shape[0]}")
-    shape = (blocks.shape[0] // 16, (K + 255) // 256 * _REC_BYTES[qtype])
+    shape = (blocks.shape[0] // 16, (K + 255) // 256 * ext.rec_bytes(TYPES[qtype][0]))
     out = huge_empty(shape, torch.uint8) if huge else torch.empty(shape, dtype=torch.uint8)
     ext.pack(blocks.contiguous(), TYPES[qtype][0], K, out)
     return out

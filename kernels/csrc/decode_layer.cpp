@@ -355,15 +355,11 @@ Lin lin_of(const WArg& a, int64_t K, int64_t N, const char* what) {
   int64_t n = 0;
   for (size_t i = 0; i < ws.size(); ++i) {
 #if defined(__AMX_INT8__)
-    if (types[i] >= 256) {  // AMX-INT8 panels (kernels/quant_linear.py pack): [N / 16, chunks * record bytes]
-      const int t = static_cast<int>(types[i] - 256);
-      TORCH_CHECK(gg::bytes_of(t) > 0 && K % gg::qk_of(t) == 0, what, ": unsupported ggml type ", t, " for ", K, " inputs");
-      TORCH_CHECK(ws[i].scalar_type() == at::kByte && ws[i].dim() == 2 && ws[i].is_contiguous() &&
-                  ws[i].size(1) == gg::amx8::chunks(K) * gg::amx8::rec_bytes(t) && (i == 0 || l.parts[0].packed),
-                  what, ": packed parts are contiguous uint8 [N / 16, chunks * record bytes], all packed or none");
-      l.parts.push_back({ws[i].data_ptr<uint8_t>(), t, ws[i].size(0) * 16, ws[i].size(1), true});
-      l.need |= gg::amx8::need_of(t);
-      n += ws[i].size(0) * 16;
+    if (types[i] >= gg::amx8::PACKED) {  // AMX-INT8 panels (kernels/quant_linear.py pack)
+      TORCH_CHECK(i == 0 || l.parts[0].packed, what, ": parts are all packed or none");
+      l.parts.push_back(gg::amx8::packed_part(ws[i], types[i], K, what));
+      l.need |= gg::amx8::need_of(l.parts.back().type);
+      n += l.parts.back().n;
       continue;
     }
 #endif

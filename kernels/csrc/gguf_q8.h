@@ -14,6 +14,7 @@
 // int32 dot products, fp32 scales once per 4 (or 8) products. Each output is one running vector sum over
 // the row's chunks in order, reduced in a fixed order: the same whatever other rows share the call.
 #pragma once
+#include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
 #include <immintrin.h>
 #include <algorithm>
@@ -411,6 +412,17 @@ constexpr int rec_codes(int t) { return t == Q8_0 ? 4096 : t == Q5_0 ? 2048 + 51
 constexpr int rec_scales(int t) { return t == Q4_1 ? 512 : t == Q4_K ? 320 : t == Q6_K ? 288 : 256; }
 constexpr int rec_bytes(int t) { return (rec_codes(t) + rec_scales(t) + 63) / 64 * 64; }
 constexpr int64_t chunks(int64_t K) { return (K + 255) / 256; }
+constexpr int64_t PACKED = 256;  // a ggml type id + PACKED: the part is in panels (kernels/quant_linear.py pack)
+
+// A packed part as the kernels take it (type id + PACKED), checked: [N / 16, chunks * rec_bytes] uint8
+inline Part packed_part(const at::Tensor& w, int64_t id, int64_t K, const char* what) {
+  const int t = static_cast<int>(id - PACKED);
+  TORCH_CHECK(bytes_of(t) > 0 && K % qk_of(t) == 0, what, ": unsupported ggml type ", t, " for ", K, " inputs");
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous() && !w.is_cuda() &&
+              w.size(1) == chunks(K) * rec_bytes(t),
+              what, ": packed weights are contiguous uint8 [N / 16, chunks * record bytes] (from pack)");
+  return {w.data_ptr<uint8_t>(), t, w.size(0) * 16, w.size(1), true};
+}
 
 inline void scale_min_k4(int j, const uint8_t* s, int& sc, int& m) {  // ggml's get_scale_min_k4
   if (j < 4) { sc = s[j] & 63; m = s[j + 4] & 63; }
@@ -554,7 +566,7 @@ __attribute__((always_inline)) inline void scales(const uint8_t* r, __m512* ws, 
   }
 }
 
-constexpr int PF = 2048;  // prefetch distance in bytes, as the int8 path's
+using q8::PF;  // prefetch distance in bytes, the int8 path's
 // A line (two past 4 KiB of codes) of the record PF bytes ahead per vector of codes read: spread over the chunk,
 // the prefetches keep up with the reads (issued at once, 37-68 a chunk, they made a 191 MB Q6_K LM head stream
 // 8 % slower than one spread this way, on an AMX Xeon)

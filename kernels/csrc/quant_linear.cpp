@@ -558,8 +558,7 @@ std::vector<torch::Tensor> quantize_x(torch::Tensor x) {
 }  // namespace int8
 #endif
 
-// A type id + PACKED: the part is in the AMX-INT8 path's panels ([N / 16, chunks * rec_bytes], see gguf_q8.h amx8).
-constexpr int64_t PACKED = 256;
+constexpr int64_t PACKED = 256;  // = specctl::gguf::amx8::PACKED (a type id + PACKED: the part is in panels)
 
 std::vector<Part> parts_of(const std::vector<torch::Tensor>& ws, const std::vector<int64_t>& types, int64_t K) {
   TORCH_CHECK(!ws.empty() && ws.size() == types.size(), "quant_linear: one type per weight part");
@@ -568,14 +567,9 @@ std::vector<Part> parts_of(const std::vector<torch::Tensor>& ws, const std::vect
     const auto& w = ws[i];
     if (types[i] >= PACKED) {
 #if defined(__AMX_INT8__)
-      const int t = static_cast<int>(types[i] - PACKED);
-      TORCH_CHECK(bytes_of(t) > 0, "quant_linear: unsupported ggml type ", t);
-      TORCH_CHECK(K % qk_of(t) == 0, "quant_linear: in_features ", K, " is not a multiple of the block size ", qk_of(t));
-      TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous() && !w.is_cuda() &&
-                  w.size(1) == specctl::gguf::amx8::chunks(K) * specctl::gguf::amx8::rec_bytes(t),
-                  "quant_linear: packed weights are contiguous uint8 [N / 16, chunks * record bytes] (from pack)");
+      static_assert(PACKED == specctl::gguf::amx8::PACKED);
       TORCH_CHECK(i == 0 || parts[0].packed, "quant_linear: parts are all packed or none");
-      parts.push_back({w.data_ptr<uint8_t>(), t, w.size(0) * 16, w.size(1), true});
+      parts.push_back(specctl::gguf::amx8::packed_part(w, types[i], K, "quant_linear"));
       continue;
 #else
       TORCH_CHECK(false, "quant_linear: packed (AMX-INT8) weights need the amx_int8 build");
@@ -714,6 +708,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quantize_x", &int8::quantize_x, "x -> its int8 codes and per-32 scales (the int8 path's x)");
   m.def("pack", &pack, "GGUF rows -> AMX-INT8 panels (into out)");
   m.def("unpack", &unpack, "AMX-INT8 panels -> GGUF rows");
+  m.def("rec_bytes", [](int64_t type) { return specctl::gguf::amx8::rec_bytes(static_cast<int>(type)); },
+        "bytes of a panel chunk (16 rows x 256 weights) of a ggml type");
   // the OS gives a process AMX tile state only when asked (Linux 5.16+): asked once, at import
   m.def("isa", []() { return std::string("amx_int8"); });
   m.attr("amx_ready") = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
