@@ -35,9 +35,10 @@ def build(name: str, source: Path):
     from torch.utils.cpp_extension import load
 
     from kernels import quant_linear as ql
+    from kernels._build import CFLAGS
 
     return load(name=name, sources=[str(source)], extra_include_paths=[str(source.parent)],
-                extra_cflags=["-O3", "-fopenmp", "-std=c++17", *ql._FLAGS["avx512_vnni"], "-ffp-contract=off"],
+                extra_cflags=[*CFLAGS, *ql._FLAGS["avx512_vnni"], "-ffp-contract=off"],
                 extra_ldflags=["-fopenmp"])
 
 

@@ -18,6 +18,14 @@ from kernels import cpu
 CSRC = Path(__file__).parent / "csrc"
 
 
+# Every build's own functions stay inside its .so (-fvisibility=hidden; pybind11 still exports PyInit).
+# Without it the headers' inline functions and templates (skinny_gemm.h, gguf_q8.h, ...) are exported as
+# weak symbols, and the dynamic linker binds every later-loaded build to the first-loaded build's copy
+# (seen: quant_linear's builds and the quantized block's shared gguf_q8.h's 57 such functions, the skinny
+# linear and the AVX512-BF16 block skinny_gemm.h's 23; an A/B of two revisions' builds in one process,
+# as benchmarks/quant_linear_ab.py runs, timed the first-loaded revision's kernels twice).
+CFLAGS = ["-O3", "-fopenmp", "-std=c++17", "-fvisibility=hidden"]
+
 STALE_LOCK_S = 600  # a kernel builds in 1-2 minutes; a lock this old was left by a build that was killed
 
 
@@ -49,7 +57,7 @@ def build(name: str, source: str, needs: tuple[str, ...], cflags: list[str]):
         from torch.utils.cpp_extension import load as load_ext
 
         return load_ext(name=name, sources=[str(CSRC / source)], extra_include_paths=[str(CSRC)],
-                        extra_cflags=["-O3", "-fopenmp", "-std=c++17", *cflags], extra_ldflags=["-fopenmp"],
+                        extra_cflags=[*CFLAGS, *cflags], extra_ldflags=["-fopenmp"],
                         verbose=False)
     except Exception as e:  # noqa: BLE001 - any build failure means: use torch's path
         print(f"specctl: kernel {name} unavailable ({type(e).__name__}: {str(e)[:200]}); using torch's path",

@@ -160,7 +160,7 @@ inline void gemm_dynamic(Rows& rows, const uint16_t* x, int64_t M, int64_t K, co
     const int t = (omp_get_thread_num() + i) % shares;
     const int64_t end = rows.edge(t + 1);
     for (int64_t n0 = rows.front[t].fetch_add(chunk); n0 < end; n0 = rows.front[t].fetch_add(chunk))
-      specctl::skinny::rows(x, M, K, w, b, y, r, ldy, n0, std::min(end, n0 + chunk));
+      specctl::skinny::rows(x, M, K, w, b, y, r, ldy, n0, std::min(end, n0 + chunk), end);
   }
 }
 inline void tiles_done() {}

@@ -9,6 +9,13 @@
 // x is taken in tiles of at most 16 rows (one kernel per tile size, registers blocked 4 x rows by 4 weight
 // rows), and every tile sweeps a chunk of weight rows while it is in L1/L2: the weights stream from
 // memory once whatever M is.
+//
+// While a group of 4 weight rows is computed, the next group's rows are prefetched line by line, spread
+// over the group's ceil(M / 4) passes over x, up to the end of the caller's stream (pf_end). Without it
+// the stream stalls while x's later passes compute from L1 and the two never overlap: a forward over
+// 8 rows cost the time of one row plus the time of the arithmetic. Measured on an Intel Xeon with
+// AVX512-BF16 as a CPU without AMX runs it (1 GiB of [N, 1536] weights, 2 threads): 1 row 39.4 ->
+// 34.9 ms, 8 rows 82.5 -> 48.9 ms, 16 rows 133 -> 90 ms.
 #pragma once
 #include <immintrin.h>
 #include "bf16.h"
@@ -24,10 +31,11 @@ constexpr int MAX_M = 16;
 // at most 1.1 MiB, in L2).
 constexpr int64_t N_CHUNK = 64;
 
-// One group: x rows [M0, M0 + MB) against NB weight rows.
-template <int MB, int NB>
+// One pass: x rows [M0, M0 + MB) against NB weight rows; prefetches rows [J0, J1) of pf (the next group)
+// at the same k, one line a load, where pf is given.
+template <int MB, int NB, int J0 = 0, int J1 = NB>
 inline void block(const uint16_t* x, const uint16_t* wr, int64_t K, int64_t kfull, __mmask32 tail, float* out,
-                  int ostride) {
+                  int ostride, const uint16_t* pf) {
   __m512 acc[NB][MB];
 #pragma GCC unroll 4
   for (int j = 0; j < NB; ++j)
@@ -37,6 +45,10 @@ inline void block(const uint16_t* x, const uint16_t* wr, int64_t K, int64_t kful
     __m512bh wv[NB];
 #pragma GCC unroll 4
     for (int j = 0; j < NB; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(wr + j * K + k);
+    if (pf) {
+#pragma GCC unroll 4
+      for (int j = J0; j < J1; ++j) _mm_prefetch(reinterpret_cast<const char*>(pf + j * K + k), _MM_HINT_T0);
+    }
 #pragma GCC unroll 4
     for (int m = 0; m < MB; ++m) {
       __m512bh xv = (__m512bh)_mm512_loadu_si512(x + m * K + k);
@@ -57,11 +69,15 @@ inline void block(const uint16_t* x, const uint16_t* wr, int64_t K, int64_t kful
 }
 
 template <int M, int NB, int M0>
-inline void group(const uint16_t* x, const uint16_t* wr, int64_t K, int64_t kfull, __mmask32 tail, float out[][M]) {
+inline void group(const uint16_t* x, const uint16_t* wr, int64_t K, int64_t kfull, __mmask32 tail, float out[][M],
+                  const uint16_t* pf) {
   if constexpr (M0 < M) {
     constexpr int MB = (M - M0) < 4 ? (M - M0) : 4;
-    block<MB, NB>(x + M0 * K, wr, K, kfull, tail, &out[0][M0], M);
-    group<M, NB, M0 + MB>(x, wr, K, kfull, tail, out);
+    // the next group's rows are prefetched a share a pass, spread over all ceil(M / 4) passes
+    constexpr int P = (M + 3) / 4, I = M0 / 4;
+    block<MB, NB, I * NB / P, (I + 1) * NB / P>(x + M0 * K, wr, K, kfull, tail, &out[0][M0], M,
+                                              (I * NB / P) < ((I + 1) * NB / P) ? pf : nullptr);
+    group<M, NB, M0 + MB>(x, wr, K, kfull, tail, out, pf);
   }
 }
 
@@ -70,43 +86,45 @@ inline uint16_t finish(float acc, const uint16_t* b, int64_t n, const uint16_t* 
   return r ? to_bf16(from_bf16(r[n]) + from_bf16(y)) : y;
 }
 
-// M rows of x (row stride K) against weight rows [n0, n1): y row m at y + m * ldy (r likewise).
+// M rows of x (row stride K) against weight rows [n0, n1): y row m at y + m * ldy (r likewise); the
+// rows after n1 up to pf_end are the caller's next (prefetched as the stream runs on).
 template <int M>
 void rows_kernel(const uint16_t* x, const uint16_t* w, const uint16_t* b, uint16_t* y, const uint16_t* r,
-                 int64_t ldy, int64_t K, int64_t n0, int64_t n1) {
+                 int64_t ldy, int64_t K, int64_t n0, int64_t n1, int64_t pf_end) {
   constexpr int NB = 4;
   const int64_t kfull = K / 32 * 32;
   const __mmask32 tail = (K - kfull) ? ((__mmask32)((1ull << (K - kfull)) - 1)) : 0;
   int64_t n = n0;
   for (; n + NB <= n1; n += NB) {
     float out[NB][M];
-    group<M, NB, 0>(x, w + n * K, K, kfull, tail, out);
+    group<M, NB, 0>(x, w + n * K, K, kfull, tail, out, n + 2 * NB <= pf_end ? w + (n + NB) * K : nullptr);
     for (int j = 0; j < NB; ++j)
       for (int m = 0; m < M; ++m) y[m * ldy + n + j] = finish(out[j][m], b, n + j, r ? r + m * ldy : nullptr);
   }
   for (; n < n1; ++n) {
     float out[1][M];
-    group<M, 1, 0>(x, w + n * K, K, kfull, tail, out);
+    group<M, 1, 0>(x, w + n * K, K, kfull, tail, out, nullptr);
     for (int m = 0; m < M; ++m) y[m * ldy + n] = finish(out[0][m], b, n, r ? r + m * ldy : nullptr);
   }
 }
 
 using Fn = void (*)(const uint16_t*, const uint16_t*, const uint16_t*, uint16_t*, const uint16_t*, int64_t, int64_t,
-                    int64_t, int64_t);
+                    int64_t, int64_t, int64_t);
 template <int... Ms>
 constexpr auto make_table(std::integer_sequence<int, Ms...>) {
   return std::array<Fn, sizeof...(Ms)>{&rows_kernel<Ms + 1>...};
 }
 inline const auto TABLE = make_table(std::make_integer_sequence<int, MAX_M>{});
 
-// y = x w^T (+ b) (+ r) for x [M, K] and weight rows [n0, n1): one thread's share.
+// y = x w^T (+ b) (+ r) for x [M, K] and weight rows [n0, n1): one thread's share, part of a stream of
+// rows that it reads on to pf_end (>= n1; prefetched ahead across calls).
 inline void rows(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, const uint16_t* b, uint16_t* y,
-                 const uint16_t* r, int64_t ldy, int64_t n0, int64_t n1) {
+                 const uint16_t* r, int64_t ldy, int64_t n0, int64_t n1, int64_t pf_end) {
   for (int64_t c0 = n0; c0 < n1; c0 += N_CHUNK) {
     const int64_t c1 = std::min(c0 + N_CHUNK, n1);
     for (int64_t m0 = 0; m0 < M; m0 += MAX_M) {
       const int64_t mt = std::min<int64_t>(MAX_M, M - m0);
-      TABLE[mt - 1](x + m0 * K, w, b, y + m0 * ldy, r ? r + m0 * ldy : nullptr, ldy, K, c0, c1);
+      TABLE[mt - 1](x + m0 * K, w, b, y + m0 * ldy, r ? r + m0 * ldy : nullptr, ldy, K, c0, c1, m0 == 0 ? pf_end : 0);
     }
   }
 }

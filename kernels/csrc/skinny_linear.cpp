@@ -17,7 +17,9 @@
 namespace {
 
 void run(const uint16_t* x, const uint16_t* w, const uint16_t* b, uint16_t* y, int64_t M, int64_t N, int64_t K) {
-  at::parallel_for(0, N, 96, [&](int64_t n0, int64_t n1) { specctl::skinny::rows(x, M, K, w, b, y, nullptr, N, n0, n1); });
+  at::parallel_for(0, N, 96, [&](int64_t n0, int64_t n1) {
+    specctl::skinny::rows(x, M, K, w, b, y, nullptr, N, n0, n1, n1);
+  });
 }
 
 }  // namespace

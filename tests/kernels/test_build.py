@@ -63,3 +63,25 @@ def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path, capsys):
     assert clear_stale_lock(tmp_path) and not lock.exists()
     assert "stale build lock" in capsys.readouterr().err
     assert not clear_stale_lock(tmp_path)  # no lock: nothing to do
+
+
+def test_no_build_exports_the_kernels_functions():
+    """Each build keeps its functions to itself (-fvisibility=hidden): exported, the headers' inline
+    functions and templates of a later-loaded build bind to the first-loaded build's copies (another ISA's
+    code, or another revision's in an A/B)."""
+    import subprocess
+
+    nm = shutil.which("nm")
+    if nm is None:
+        pytest.skip("no nm here")
+    exts = [decode_attention.load(), skinny_linear.load(), amx_linear.load(), decode_layer.load(),
+            decode_layer.load_quant("avx512_vnni"), decode_layer.load_quant("amx_int8"),
+            *(quant_linear.load(p) for p in quant_linear.PATHS)]
+    exts = [e for e in exts if e is not None]
+    if not exts:
+        pytest.skip("no kernel builds here")
+    for ext in exts:
+        out = subprocess.run([nm, "-D", "--defined-only", ext.__file__], capture_output=True, text=True, check=True)
+        ours = [line.split()[-1] for line in out.stdout.splitlines() if "7specctl" in line]
+        assert not ours, f"{ext.__name__} exports {len(ours)} of its functions, e.g. {ours[0]}"
+        assert any("PyInit_" in line for line in out.stdout.splitlines())  # and still its module
