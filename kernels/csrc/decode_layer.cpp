@@ -99,21 +99,32 @@ inline void rope_head(const uint16_t* v, const uint16_t* cos, const uint16_t* si
 // computes a group changes nothing in its result.) N outputs of y = x w^T (+ b) (+ r); AMX: w packed in
 // blocks of 16 outputs; skinny: w row-major [N, K].
 //
-// The skinny build hands out shares instead: each thread streams its own contiguous share of the
-// weight rows front to back, 32 rows a fetch, and a thread done with its share helps the others from
-// the front of what they have left (so a thread that lost its core still holds no one up). One long
-// stream a thread reads faster than 32-row chunks taken in turn by all (the threads' streams
-// interleave): measured on an AMD EPYC, a [151936, 1536] matrix alone 4-10 % faster, a 1.5B step 1-8 %.
+// The skinny and quantized builds hand out shares instead: each thread streams its own contiguous share
+// of the weight rows front to back, a fetch at a time, and a thread done with its share helps the others
+// from the front of what they have left (so a thread that lost its core still holds no one up). One long
+// stream a thread reads faster than chunks taken in turn by all (the threads' streams interleave).
 struct Rows {
-#ifdef SPECCTL_SKINNY
+#if defined(SPECCTL_SKINNY) || defined(SPECCTL_QUANT)
   int64_t N;
   std::vector<std::atomic<int64_t>> front;  // share t: rows [edge(t), edge(t + 1)), the next one at front[t]
   Rows(int64_t n, int shares) : N(n), front(shares) {
     for (int t = 0; t < shares; ++t) front[t].store(edge(t), std::memory_order_relaxed);
   }
-  int64_t edge(int t) const {
+  int64_t edge(int t) const {  // whole panels of 16 rows (the AMX-INT8 panels; the skinny kernel's groups of 4)
     const int64_t nt = static_cast<int64_t>(front.size());
-    return t >= nt ? N : N * t / nt / 4 * 4;
+    return t >= nt ? N : N * t / nt / 16 * 16;
+  }
+  // f(n0, n1, end) over fetches of `chunk` rows (a multiple of 16): this thread's share first, then the
+  // others' (end: the end of the share the fetch is from)
+  template <class F>
+  void each(int64_t chunk, F f) {
+    const int shares = static_cast<int>(front.size());
+    for (int i = 0; i < shares; ++i) {
+      const int t = (omp_get_thread_num() + i) % shares;
+      const int64_t end = edge(t + 1);
+      for (int64_t n0 = front[t].fetch_add(chunk); n0 < end; n0 = front[t].fetch_add(chunk))
+        f(n0, std::min(end, n0 + chunk), end);
+    }
   }
 #else
   std::atomic<int64_t> next{0};  // one shared counter
@@ -129,23 +140,21 @@ struct Lin {  // a projection as GGUF blocks: its parts side by side (q|k|v of d
 struct Ctx { gg::q8::X x; };  // per thread: the projection's x as int8
 inline void gemm_dynamic(Rows& rows, const uint16_t* x, int64_t M, int64_t K, const Lin& w,
                          int64_t N, const uint16_t* b, uint16_t* y, const uint16_t* r, int64_t ldy, Ctx& ctx) {
-  std::atomic<int64_t>& next = rows.next;
   gg::q8::quantize(x, true, M, K, w.need, ctx.x, [](int64_t n, auto f) { f(0, n); });
-  // a quarter of a thread's share a fetch: each fetch a long contiguous stretch of rows (16-row fetches
-  // interleave the threads' reads, and the prefetchers lose the streams: measured 1.3x slower), yet a
-  // thread that lost its core leaves most of its share to the others
-  const int64_t chunk = (std::max<int64_t>(16, N / (4 * omp_get_num_threads())) + 15) / 16 * 16;  // whole panels
+  // a quarter of a thread's share a fetch, whole panels (fetches of 32 rows made a 1.5B Q4_K_M step 4 %
+  // slower on an AMX Xeon: each fetch pays amx8::range's set-up)
+  const int64_t chunk = (std::max<int64_t>(16, N / (4 * omp_get_num_threads())) + 15) / 16 * 16;
   auto put = [&](int64_t m, int64_t g, float v) {
     if (b) v += from_bf16(b[g]);  // as quant_linear's output, then (x + linear(x)) as torch rounds it
     const uint16_t o = to_bf16(v);
     y[m * ldy + g] = r ? to_bf16(from_bf16(r[m * ldy + g]) + from_bf16(o)) : o;
   };
-  for (int64_t n0 = next.fetch_add(chunk); n0 < N; n0 = next.fetch_add(chunk)) {
+  rows.each(chunk, [&](int64_t n0, int64_t n1, int64_t) {
 #if defined(__AMX_INT8__)
-    if (w.parts[0].packed) { gg::amx8::range(ctx.x, K, w.parts, n0, std::min(N, n0 + chunk), put); continue; }
+    if (w.parts[0].packed) { gg::amx8::range(ctx.x, K, w.parts, n0, n1, put); return; }
 #endif
-    gg::q8::range(ctx.x, K, w.parts, n0, std::min(N, n0 + chunk), put);
-  }
+    gg::q8::range(ctx.x, K, w.parts, n0, n1, put);
+  });
 }
 inline void tiles_done() {}
 #else
@@ -155,13 +164,9 @@ struct Ctx { int configured = -1; };
 inline void gemm_dynamic(Rows& rows, const uint16_t* x, int64_t M, int64_t K, const uint16_t* w,
                          int64_t N, const uint16_t* b, uint16_t* y, const uint16_t* r, int64_t ldy, Ctx&) {
   constexpr int64_t chunk = 32;  // weight rows a fetch (8 groups of 4; 96 KiB at K = 1536)
-  const int shares = static_cast<int>(rows.front.size());
-  for (int i = 0; i < shares; ++i) {  // its own share first, then the others'
-    const int t = (omp_get_thread_num() + i) % shares;
-    const int64_t end = rows.edge(t + 1);
-    for (int64_t n0 = rows.front[t].fetch_add(chunk); n0 < end; n0 = rows.front[t].fetch_add(chunk))
-      specctl::skinny::rows(x, M, K, w, b, y, r, ldy, n0, std::min(end, n0 + chunk), end);
-  }
+  rows.each(chunk, [&](int64_t n0, int64_t n1, int64_t end) {
+    specctl::skinny::rows(x, M, K, w, b, y, r, ldy, n0, n1, end);
+  });
 }
 inline void tiles_done() {}
 #else
