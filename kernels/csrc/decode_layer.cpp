@@ -94,42 +94,42 @@ inline void rope_head(const uint16_t* v, const uint16_t* cos, const uint16_t* si
   }
 }
 
-// Output groups handed out in chunks from a shared counter: on a busy machine a thread that lost
-// its core leaves its share to the others instead of holding everyone at the next barrier. (Who
-// computes a group changes nothing in its result.) N outputs of y = x w^T (+ b) (+ r); AMX: w packed in
-// blocks of 16 outputs; skinny: w row-major [N, K].
-//
-// The skinny and quantized builds hand out shares instead: each thread streams its own contiguous share
-// of the weight rows front to back, a fetch at a time, and a thread done with its share helps the others
-// from the front of what they have left (so a thread that lost its core still holds no one up). One long
-// stream a thread reads faster than chunks taken in turn by all (the threads' streams interleave).
+// Each thread streams its own contiguous share of a projection's weights front to back, a fetch at a
+// time, and a thread done with its share helps the others from the front of what they have left: on a
+// busy machine a thread that lost its core leaves its share to the others instead of holding everyone at
+// the next barrier (who computes an output changes nothing in its result). One long stream a thread
+// reads faster than chunks taken in turn by all (the threads' streams interleave), and the prefetch runs
+// on to the end of the share. Items: weight rows (the skinny and quantized builds; shares in whole
+// panels of 16) or AMX groups of G blocks of 16 outputs.
 struct Rows {
 #if defined(SPECCTL_SKINNY) || defined(SPECCTL_QUANT)
+  static int64_t items(int64_t n) { return n; }
+  static constexpr int64_t ALIGN = 16;
+#else
+  static int64_t items(int64_t n) { return specctl::amx::num_groups(n / 16); }
+  static constexpr int64_t ALIGN = 1;
+#endif
   int64_t N;
-  std::vector<std::atomic<int64_t>> front;  // share t: rows [edge(t), edge(t + 1)), the next one at front[t]
-  Rows(int64_t n, int shares) : N(n), front(shares) {
+  std::vector<std::atomic<int64_t>> front;  // share t: items [edge(t), edge(t + 1)), the next one at front[t]
+  Rows(int64_t n, int shares) : N(items(n)), front(shares) {
     for (int t = 0; t < shares; ++t) front[t].store(edge(t), std::memory_order_relaxed);
   }
-  int64_t edge(int t) const {  // whole panels of 16 rows (the AMX-INT8 panels; the skinny kernel's groups of 4)
+  int64_t edge(int t) const {
     const int64_t nt = static_cast<int64_t>(front.size());
-    return t >= nt ? N : N * t / nt / 16 * 16;
+    return t >= nt ? N : N * t / nt / ALIGN * ALIGN;
   }
-  // f(n0, n1, end) over fetches of `chunk` rows (a multiple of 16): this thread's share first, then the
-  // others' (end: the end of the share the fetch is from)
+  // f(i0, i1, end) over fetches of `chunk` items (a multiple of ALIGN): this thread's share first, then
+  // the others' (end: the end of the share the fetch is from)
   template <class F>
   void each(int64_t chunk, F f) {
     const int shares = static_cast<int>(front.size());
     for (int i = 0; i < shares; ++i) {
       const int t = (omp_get_thread_num() + i) % shares;
       const int64_t end = edge(t + 1);
-      for (int64_t n0 = front[t].fetch_add(chunk); n0 < end; n0 = front[t].fetch_add(chunk))
-        f(n0, std::min(end, n0 + chunk), end);
+      for (int64_t i0 = front[t].fetch_add(chunk); i0 < end; i0 = front[t].fetch_add(chunk))
+        f(i0, std::min(end, i0 + chunk), end);
     }
   }
-#else
-  std::atomic<int64_t> next{0};  // one shared counter
-  Rows(int64_t, int) {}
-#endif
 };
 #if defined(SPECCTL_QUANT)
 namespace gg = specctl::gguf;
@@ -172,10 +172,9 @@ inline void tiles_done() {}
 #else
 inline void gemm_dynamic(Rows& rows, const uint16_t* x, int64_t M, int64_t K, const uint16_t* w,
                          int64_t N, const uint16_t* b, uint16_t* y, const uint16_t* r, int64_t ldy, Ctx& ctx) {
-  std::atomic<int64_t>& next = rows.next;
-  const int64_t NB = N / 16, total = specctl::amx::num_groups(NB), chunk = 2;
-  for (int64_t g0 = next.fetch_add(chunk); g0 < total; g0 = next.fetch_add(chunk))
-    specctl::amx::groups(x, M, K, w, NB, b, y, r, ldy, g0, std::min(total, g0 + chunk), ctx.configured);
+  rows.each(2, [&](int64_t g0, int64_t g1, int64_t end) {  // 2 groups a fetch
+    specctl::amx::groups(x, M, K, w, N / 16, b, y, r, ldy, g0, g1, ctx.configured, end);
+  });
 }
 inline void tiles_done() { _tile_release(); }
 #endif
