@@ -33,16 +33,35 @@ MAX_ROWS = 64  # a chain's k+1 rows, or a draft tree's nodes
 AVX512 = ["-mavx512f", "-mavx512bf16", "-mavx512vl", "-mavx512bw"]
 
 
+def build_spec(kind: str) -> tuple[str, tuple[str, ...], list[str]]:
+    """(extension name, CPU features, compiler flags) of the block's build for ``kind``: "amx", "avx512_bf16",
+    or a quant_linear int8 path ("avx512_vnni", "amx_int8": the quantized block)."""
+    if kind == "amx":
+        return "specctl_decode_layer", ("amx_bf16", "amx_tile", "avx512_bf16"), ["-mamx-tile", "-mamx-bf16", *AVX512]
+    if kind == "avx512_bf16":
+        return "specctl_decode_layer_avx512", ("avx512_bf16",), ["-DSPECCTL_SKINNY", *AVX512]
+    needs = ("avx512_bf16", "avx512_vnni", "avx512bw", "f16c")
+    flags = ["-DSPECCTL_QUANT", *AVX512, "-mavx512vnni", "-mfma", "-mf16c", "-ffp-contract=off"]
+    if kind == "amx_int8":
+        return "specctl_decode_layer_q8amx", (*needs, "amx_tile", "amx_int8"), [*flags, "-mamx-tile", "-mamx-int8"]
+    if kind == "avx512_vnni":
+        return "specctl_decode_layer_q8", needs, flags
+    raise ValueError(f"no fused block build for {kind!r}")
+
+
+def _build(kind: str):
+    name, needs, flags = build_spec(kind)
+    return build(name, "decode_layer.cpp", needs, flags)
+
+
 def load():
     global _ext, _tried
     if not _tried:
         _tried = True
         if amx_linear.load() is not None:  # asks the OS for AMX tile state
-            _ext = build("specctl_decode_layer", "decode_layer.cpp", ("amx_bf16", "amx_tile", "avx512_bf16"),
-                         ["-mamx-tile", "-mamx-bf16", *AVX512])
+            _ext = _build("amx")
         elif skinny_linear.load() is not None:
-            _ext = build("specctl_decode_layer_avx512", "decode_layer.cpp", ("avx512_bf16",),
-                         ["-DSPECCTL_SKINNY", *AVX512])
+            _ext = _build("avx512_bf16")
     return _ext
 
 
@@ -50,16 +69,12 @@ def load_quant(path: str = "avx512_vnni"):
     """The quantized block's build for a quant_linear int8 ``path`` ("avx512_vnni", or "amx_int8": its
     AMX-INT8 panels), None where the CPU lacks what it needs or there is no compiler."""
     if path not in _ext_q:
-        needs = ("avx512_bf16", "avx512_vnni", "avx512bw", "f16c")
-        flags = ["-DSPECCTL_QUANT", *AVX512, "-mavx512vnni", "-mfma", "-mf16c", "-ffp-contract=off"]
         if path == "amx_int8":  # the OS grants AMX state to the process when quant_linear's build loads
             from kernels import quant_linear
 
-            _ext_q[path] = None if quant_linear.load(path) is None else build(
-                "specctl_decode_layer_q8amx", "decode_layer.cpp", (*needs, "amx_tile", "amx_int8"),
-                [*flags, "-mamx-tile", "-mamx-int8"])
+            _ext_q[path] = None if quant_linear.load(path) is None else _build(path)
         else:
-            _ext_q[path] = build("specctl_decode_layer_q8", "decode_layer.cpp", needs, flags)
+            _ext_q[path] = _build(path)
     return _ext_q[path]
 
 

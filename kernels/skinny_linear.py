@@ -24,6 +24,7 @@ from kernels._build import build
 _ext = None
 _tried = False
 ENABLED = False  # set by the model loader in exact-bf16 mode
+FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512bf16"]
 
 
 def load():
@@ -31,8 +32,7 @@ def load():
     global _ext, _tried
     if not _tried:
         _tried = True
-        _ext = build("specctl_skinny_linear", "skinny_linear.cpp", ("avx512_bf16",),
-                     ["-mavx512f", "-mavx512bw", "-mavx512bf16"])
+        _ext = build("specctl_skinny_linear", "skinny_linear.cpp", ("avx512_bf16",), FLAGS)
     return _ext
 
 
