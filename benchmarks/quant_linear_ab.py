@@ -18,8 +18,6 @@ import specctl
 specctl.process_defaults()  # OpenMP settings (GOMP_SPINCOUNT) before torch loads
 
 import argparse
-import subprocess
-import tempfile
 import time
 from pathlib import Path
 
@@ -66,14 +64,9 @@ def main() -> None:
     a = ap.parse_args()
     if any(not cpu.has(f) for f in ql.NEEDS["avx512_vnni"]):
         raise SystemExit("this CPU lacks AVX512-VNNI: the int8 path does not run here")
-    tmp = Path(tempfile.mkdtemp())  # the revision's kernels/csrc, headers included
-    names = subprocess.run(["git", "ls-tree", "--name-only", f"{a.rev}:kernels/csrc"], cwd=ROOT, check=True,
-                           capture_output=True, text=True).stdout.split()
-    for f in names:
-        (tmp / f).write_bytes(subprocess.run(["git", "show", f"{a.rev}:kernels/csrc/{f}"], cwd=ROOT, check=True,
-                                             capture_output=True).stdout)
-    rev = subprocess.run(["git", "rev-parse", "--short", a.rev], cwd=ROOT, check=True, capture_output=True,
-                         text=True).stdout.strip()
+    from block_ab import sources  # beside this script
+
+    tmp, rev = sources(a.rev)  # the revision's kernels/csrc, headers included
     exts = {rev: build(f"specctl_ql_ab_{rev}", tmp / "quant_linear.cpp"),
             "tree": build("specctl_ql_ab_tree", ROOT / "kernels/csrc/quant_linear.cpp")}
     g = torch.Generator().manual_seed(0)

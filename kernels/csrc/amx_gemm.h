@@ -120,12 +120,12 @@ inline void group(const uint16_t* xp, int64_t M, int64_t K, const uint16_t* w, i
 
 
 // Output groups [g0, g1) (G blocks of 16 outputs each) of y = x wp^T (+ b) (+ r): one thread's share, part
-// of a stream of groups that it reads on to pf_end (>= g1; -1: g1), prefetched ahead across calls.
+// of a stream of groups that it reads on to pf_end (>= g1), prefetched ahead across calls.
 inline void groups(const uint16_t* xp, int64_t M, int64_t K, const uint16_t* w, int64_t NB, const uint16_t* bp,
                    uint16_t* yp, const uint16_t* rp, int64_t ldy, int64_t g0, int64_t g1, int& configured,
-                   int64_t pf_end = -1) {
+                   int64_t pf_end) {
   alignas(64) float cbuf[G * 256];
-  const int64_t KB = K / 32, nb_end = std::min(NB, (pf_end < 0 ? g1 : pf_end) * G);  // prefetch within the stream
+  const int64_t KB = K / 32, nb_end = std::min(NB, pf_end * G);  // prefetch within the stream
   for (int64_t gi = g0; gi < g1; ++gi) {
     const int64_t nb = gi * G;
     switch (std::min<int64_t>(G, NB - nb)) {

@@ -31,7 +31,7 @@ torch::Tensor amx_linear(torch::Tensor x, torch::Tensor wp, c10::optional<torch:
   }
   at::parallel_for(0, num_groups(NB), 1, [&](int64_t g0, int64_t g1) {
     int configured = -1;
-    groups(xp, M, K, w, NB, bp, yp, nullptr, N, g0, g1, configured);
+    groups(xp, M, K, w, NB, bp, yp, nullptr, N, g0, g1, configured, g1);
     _tile_release();
   });
   return y;

@@ -75,8 +75,7 @@ inline void group(const uint16_t* x, const uint16_t* wr, int64_t K, int64_t kful
     constexpr int MB = (M - M0) < 4 ? (M - M0) : 4;
     // the next group's rows are prefetched a share a pass, spread over all ceil(M / 4) passes
     constexpr int P = (M + 3) / 4, I = M0 / 4;
-    block<MB, NB, I * NB / P, (I + 1) * NB / P>(x + M0 * K, wr, K, kfull, tail, &out[0][M0], M,
-                                              (I * NB / P) < ((I + 1) * NB / P) ? pf : nullptr);
+    block<MB, NB, I * NB / P, (I + 1) * NB / P>(x + M0 * K, wr, K, kfull, tail, &out[0][M0], M, pf);
     group<M, NB, M0 + MB>(x, wr, K, kfull, tail, out, pf);
   }
 }
