@@ -4,10 +4,12 @@
 
 - ``"amx"``: AMX tiles (amx_bf16) for every linear and the fused decode block;
 - ``"avx512_bf16"``: the AVX512-BF16 skinny kernel for every linear, the row-independent attention;
-- ``"torch"``: neither, so torch's own kernels, where a row's rounding can depend on how many rows
+- ``"avx512"``: AVX-512 without BF16 (Intel Skylake-SP, Cascade Lake, Ice Lake): the same kernels with
+  vdpbf16ps's arithmetic in fp32 FMAs, bit for bit the ``"avx512_bf16"`` path's results (csrc/bf16.h);
+- ``"torch"``: none of these, so torch's own kernels, where a row's rounding can depend on how many rows
   share its forward (bf16 greedy speculation then matches plain decoding except at near-ties).
 
-The first two are row-independent: a row forwarded among any number of others (a verify block, a
+The first three are row-independent: a row forwarded among any number of others (a verify block, a
 draft tree, a batch) equals, bit for bit, the same row forwarded alone.
 
 ``hidden(*names)`` hides features for a while, as if the CPU lacked them: the kernel loaders then
@@ -25,6 +27,7 @@ from pathlib import Path
 
 AMX = ("amx_bf16", "amx_tile", "avx512_bf16")
 AVX512_BF16 = ("avx512_bf16",)
+AVX512 = ("avx512f", "avx512bw", "avx512vl")
 _hidden: set[str] = {f for f in os.environ.get("SPECCTL_CPU_HIDE", "").split(",") if f}
 
 
@@ -74,15 +77,13 @@ def why_not(features: tuple[str, ...], built: bool = True) -> str:
 
 
 def bf16_path() -> str:
-    """"amx", "avx512_bf16" or "torch": the bf16 path that the CPU's features select (and the
+    """"amx", "avx512_bf16", "avx512" or "torch": the bf16 path that the CPU's features select (and the
     compiler allows: a kernel that cannot build counts as absent)."""
     from kernels import amx_linear, skinny_linear
 
     if amx_linear.available():
         return "amx"
-    if skinny_linear.available():
-        return "avx512_bf16"
-    return "torch"
+    return skinny_linear.path() or "torch"
 
 
 def _kernel_modules():

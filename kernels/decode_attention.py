@@ -1,4 +1,4 @@
-"""Row-independent bf16 attention for decode and verification forwards (AVX512-BF16 CPUs).
+"""Row-independent bf16 attention for decode and verification forwards (AVX-512 CPUs, with or without BF16).
 
 ``attention(q, k_cache, v_cache, start)`` with q [B, nh, T, hd] (rows at positions start..start+T-1)
 returns [B, T, nh * hd]: row i attends to cache positions [0, start + i], computed exactly as a
@@ -14,6 +14,7 @@ import math
 
 import torch
 
+from kernels import skinny_linear
 from kernels._build import build
 
 _ext = None
@@ -24,8 +25,10 @@ def load():
     global _ext, _tried
     if not _tried:
         _tried = True
-        _ext = build("specctl_decode_attention", "decode_attention.cpp", ("avx512_bf16",),
-                     ["-mavx512f", "-mavx512bw", "-mavx512bf16"])
+        p = skinny_linear.vector_path()  # the same builds as the skinny linear's ("avx512": FMA form)
+        if p is not None:
+            _ext = build(f"specctl_decode_attention{'_avx512f' if p == 'avx512' else ''}", "decode_attention.cpp",
+                         skinny_linear.BUILDS[p][1], skinny_linear.BUILDS[p][2])
     return _ext
 
 

@@ -1,12 +1,13 @@
-"""One transformer block per call for decode and verification forwards (bf16; AMX, or AVX512-BF16 without AMX).
+"""One transformer block per call for decode and verification forwards (bf16; AMX, or AVX-512 without AMX).
 
 ``layer(block, x, cos, sin, k_cache, v_cache, start)`` runs specctl.modeling.Block for a few
 rows (batch x tokens <= 64) in one C++ call and one parallel region (``csrc/decode_layer.cpp``):
 the same arithmetic as the AMX linears and the row-independent attention, without ~25 torch
 dispatches and 5 thread-pool wake-ups per block. ``load()`` returns None where it cannot run (neither
 AMX nor AVX512-BF16, or no compiler); callers keep the per-op path. ``kind()`` says which build runs:
-``"amx"`` takes the AMX-packed weights (kernels/amx_linear), ``"avx512_bf16"`` the row-major ones of
-the skinny linear (same arithmetic as kernels/skinny_linear, one shared core: csrc/skinny_gemm.h).
+``"amx"`` takes the AMX-packed weights (kernels/amx_linear), ``"avx512_bf16"`` and ``"avx512"`` (its FMA
+form for AVX-512 without BF16) the row-major ones of the skinny linear (same arithmetic as
+kernels/skinny_linear, one shared core: csrc/skinny_gemm.h).
 ``layer_ragged`` does the same for many requests' rows at once, each request with its own cache,
 length and draft tree (the batched engine).
 
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels import amx_linear, skinny_linear
+from kernels import amx_linear, cpu, skinny_linear
 from kernels._build import build
 
 _ext = None
@@ -35,11 +36,13 @@ AVX512 = ["-mavx512f", "-mavx512bf16", "-mavx512vl", "-mavx512bw"]
 
 def build_spec(kind: str) -> tuple[str, tuple[str, ...], list[str]]:
     """(extension name, CPU features, compiler flags) of the block's build for ``kind``: "amx", "avx512_bf16",
-    or a quant_linear int8 path ("avx512_vnni", "amx_int8": the quantized block)."""
+    "avx512", or a quant_linear int8 path ("avx512_vnni", "amx_int8": the quantized block)."""
     if kind == "amx":
         return "specctl_decode_layer", ("amx_bf16", "amx_tile", "avx512_bf16"), ["-mamx-tile", "-mamx-bf16", *AVX512]
     if kind == "avx512_bf16":
         return "specctl_decode_layer_avx512", ("avx512_bf16",), ["-DSPECCTL_SKINNY", *AVX512]
+    if kind == "avx512":
+        return "specctl_decode_layer_avx512f", cpu.AVX512, ["-DSPECCTL_SKINNY", "-mavx512f", "-mavx512vl", "-mavx512bw"]
     needs = ("avx512_bf16", "avx512_vnni", "avx512bw", "f16c")
     flags = ["-DSPECCTL_QUANT", *AVX512, "-mavx512vnni", "-mfma", "-mf16c", "-ffp-contract=off"]
     if kind == "amx_int8":
@@ -61,7 +64,7 @@ def load():
         if amx_linear.load() is not None:  # asks the OS for AMX tile state
             _ext = _build("amx")
         elif skinny_linear.load() is not None:
-            _ext = _build("avx512_bf16")
+            _ext = _build(skinny_linear.path())
     return _ext
 
 
@@ -98,11 +101,12 @@ def _build_and_weights(block):
 
 
 def kind() -> str | None:
-    """"amx" or "avx512_bf16": the weights the loaded build takes (None: it cannot run here)."""
+    """"amx", "avx512_bf16" or "avx512": the build that runs, and so the weights it takes (None: it cannot run
+    here)."""
     ext = load()
     if ext is None:
         return None
-    return "avx512_bf16" if ext.__name__.endswith("_avx512") else "amx"
+    return next(k for k in ("amx", "avx512_bf16", "avx512") if ext.__name__ == build_spec(k)[0])
 
 
 def layer(block, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,

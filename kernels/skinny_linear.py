@@ -1,9 +1,11 @@
-"""Skinny bf16 linear (decode / verification GEMV) for x86 CPUs with AVX512-BF16.
+"""Skinny bf16 linear (decode / verification GEMV) for x86 CPUs with AVX-512.
 
 ``linear(x, w, b)`` computes F.linear for bf16 inputs of any number of rows with the C++ kernel in
 ``csrc/skinny_linear.cpp`` (compiled once with torch's cpp_extension, cached in torch's extension
-dir), and falls back to F.linear everywhere else: other dtypes, CUDA, a CPU without avx512_bf16,
-or no compiler. ``available()`` says which path runs.
+dir), and falls back to F.linear everywhere else: other dtypes, CUDA, a CPU without AVX-512, or no
+compiler. ``available()`` says whether it runs, ``path()`` which build: ``"avx512_bf16"`` (vdpbf16ps)
+or, on a CPU with AVX-512 but no AVX512-BF16 (Intel Skylake-SP to Ice Lake), ``"avx512"``: the same
+arithmetic in fp32 FMAs, equal to the first bit for bit under flush-to-zero (csrc/bf16.h).
 
 Why it exists: decode is memory bound, and torch's bf16 GEMV on CPU reads weights well below the
 memory bandwidth; and each output is reduced in an order independent of the row count, so a row
@@ -19,12 +21,22 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels import cpu
 from kernels._build import build
 
 _ext = None
 _tried = False
 ENABLED = False  # set by the model loader in exact-bf16 mode
 FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512bf16"]
+FLAGS_AVX512 = ["-mavx512f", "-mavx512bw", "-mavx512vl"]  # no -mavx512bf16: csrc/bf16.h's FMA form
+# path -> (extension name, CPU features, compiler flags), in order of preference
+BUILDS = {"avx512_bf16": ("specctl_skinny_linear", cpu.AVX512_BF16, FLAGS),
+          "avx512": ("specctl_skinny_linear_avx512f", cpu.AVX512, FLAGS_AVX512)}
+
+
+def vector_path() -> str | None:
+    """The row-major kernels' build this CPU takes ("avx512_bf16", "avx512"), by its features alone."""
+    return next((p for p, (_, needs, _) in BUILDS.items() if cpu.has(*needs)), None)
 
 
 def load():
@@ -32,12 +44,19 @@ def load():
     global _ext, _tried
     if not _tried:
         _tried = True
-        _ext = build("specctl_skinny_linear", "skinny_linear.cpp", ("avx512_bf16",), FLAGS)
+        p = vector_path()
+        _ext = None if p is None else build(BUILDS[p][0], "skinny_linear.cpp", BUILDS[p][1], BUILDS[p][2])
     return _ext
 
 
 def available() -> bool:
     return load() is not None
+
+
+def path() -> str | None:
+    """"avx512_bf16" or "avx512": the build that runs (None: none can run here)."""
+    ext = load()
+    return None if ext is None else next(p for p, b in BUILDS.items() if ext.__name__ == b[0])
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:

@@ -23,8 +23,9 @@ Fixtures (all offline, seeded, CPU, fp32):
 
 ``bf16_path`` (function, parametrized)
     Runs a test once per CPU bf16 path, as the CPU that selects it would: ``"amx"``, ``"avx512_bf16"``
-    (AMX hidden) and ``"torch"`` (AMX and AVX512-BF16 hidden: an AVX2-only CPU), each skipped with
-    the missing feature named where this CPU cannot run it. Load models inside the test.
+    (AMX hidden), ``"avx512"`` (AMX and AVX512-BF16 hidden: AVX-512 alone, as on an Intel Ice Lake) and
+    ``"torch"`` (AVX-512 hidden too: an AVX2-only CPU), each skipped with the missing feature named where
+    this CPU cannot run it. Load models inside the test.
 
 ``tiny_quant_gguf`` (session)
     A tiny llama (``TINY_QUANT_SHAPE``: hidden 256, so the Q4_K/Q8_0 blocks fit) written as a
@@ -209,7 +210,8 @@ def target_runner(make_runner):
 BF16_PATHS = {
     "amx": (("amx_bf16", "amx_tile", "avx512_bf16"), ()),
     "avx512_bf16": (("avx512_bf16",), ("amx_bf16", "amx_tile")),
-    "torch": ((), ("amx_bf16", "amx_tile", "avx512_bf16")),
+    "avx512": (("avx512f", "avx512bw", "avx512vl"), ("amx_bf16", "amx_tile", "avx512_bf16")),
+    "torch": ((), ("amx_bf16", "amx_tile", "avx512_bf16", "avx512f")),
 }
 
 
@@ -384,3 +386,17 @@ def tiny_quant_gguf(tiny_model_factory, tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("quant-gguf") / "tiny-q.gguf"
     write_quant_gguf(folder, path)
     return path
+
+
+def fma_form(module):
+    """``module``'s build as a CPU with AVX-512 but no AVX512-BF16 takes it (vdpbf16ps's arithmetic in fp32
+    FMAs, csrc/bf16.h), beside the AVX512-BF16 build that ``module`` loads here; skips unless both run."""
+    from kernels import cpu, skinny_linear
+
+    if skinny_linear.path() != "avx512_bf16":
+        pytest.skip("needs a CPU with AVX512-BF16, to compare the two forms")
+    with cpu.hidden("amx_bf16", "amx_tile", "avx512_bf16"):
+        ext = module.load()
+        assert skinny_linear.path() == "avx512" and ext is not None
+    return ext
+

@@ -78,8 +78,7 @@ inline void pv(const float* const* p, const int64_t* L, const uint16_t* vc, int 
   for (int g = 0; g < GB; ++g) {
     const __m512 iv = _mm512_set1_ps(inv[g]);
     for (int c = 0; c < CW; c += 2) {
-      const __m512bh pair = _mm512_cvtne2ps_pbh(_mm512_mul_ps(acc[g][c + 1], iv), _mm512_mul_ps(acc[g][c], iv));
-      _mm512_storeu_si512(out[g] + 16 * (c0 + c), (__m512i)pair);
+      _mm512_storeu_si512(out[g] + 16 * (c0 + c), cvt_bf16x32(_mm512_mul_ps(acc[g][c + 1], iv), _mm512_mul_ps(acc[g][c], iv)));
     }
   }
 }
@@ -135,13 +134,13 @@ inline void item(const uint16_t* q, int64_t q_hstride, const uint16_t* kc, const
   const int64_t Lmax = L + T - 1;
   s.resize(static_cast<size_t>(n) * Lmax);
   const int chunks = hd / 32;
-  __m512bh qv[MAX_Q][MAX_HD / 32];
+  bf16x32 qv[MAX_Q][MAX_HD / 32];
   int64_t len[MAX_Q];
   for (int i = 0; i < T; ++i)
     for (int g = 0; g < G; ++g) {
       len[i * G + g] = L + i;
       for (int c = 0; c < chunks; ++c)
-        qv[i * G + g][c] = (__m512bh)_mm512_loadu_si512(q + i * q_rstride + g * q_hstride + 32 * c);
+        qv[i * G + g][c] = load_bf16x32(q + i * q_rstride + g * q_hstride + 32 * c);
     }
   float mx[MAX_Q];
   for (int u = 0; u < n; ++u) mx[u] = -INFINITY;
@@ -157,7 +156,7 @@ inline void item(const uint16_t* q, int64_t q_hstride, const uint16_t* kc, const
         __m512 acc[16];
         for (int t = 0; t < 16; ++t) {
           __m512 a = _mm512_setzero_ps();
-          for (int c = 0; c < chunks; ++c) a = _mm512_dpbf16_ps(a, qv[u][c], (__m512bh)_mm512_loadu_si512(kj[t] + 32 * c));
+          for (int c = 0; c < chunks; ++c) a = dot_bf16(a, qv[u][c], load_bf16x32(kj[t] + 32 * c));
           acc[t] = a;
         }
         const __m512 v = _mm512_mul_ps(hsum16(acc), sc);
@@ -168,14 +167,14 @@ inline void item(const uint16_t* q, int64_t q_hstride, const uint16_t* kc, const
     for (int u = 0; u < n; ++u) mx[u] = _mm512_reduce_max_ps(mxv[u]);
   }
   for (int64_t j = j0; j < Lmax; ++j) {  // the rest, key by key, in the same summation tree
-    __m512bh kv[MAX_HD / 32];
+    bf16x32 kv[MAX_HD / 32];
     const uint16_t* kj = kc + row(j) * hd;
-    for (int c = 0; c < chunks; ++c) kv[c] = (__m512bh)_mm512_loadu_si512(kj + 32 * c);
+    for (int c = 0; c < chunks; ++c) kv[c] = load_bf16x32(kj + 32 * c);
     for (int u = 0; u < n; ++u) {
       if (j >= len[u]) continue;
       __m512 one[16];
       one[0] = _mm512_setzero_ps();
-      for (int c = 0; c < chunks; ++c) one[0] = _mm512_dpbf16_ps(one[0], qv[u][c], kv[c]);
+      for (int c = 0; c < chunks; ++c) one[0] = dot_bf16(one[0], qv[u][c], kv[c]);
       for (int t = 1; t < 16; ++t) one[t] = _mm512_setzero_ps();
       const float v = _mm512_cvtss_f32(hsum16(one)) * scale;
       s[u * Lmax + j] = v;

@@ -43,6 +43,7 @@ namespace {
 
 using specctl::from_bf16;
 using specctl::load_bf16x16;
+using specctl::cvt_bf16x16;
 using specctl::to_bf16;
 
 // A sense-reversing barrier for the threads of one parallel region: they are all running, so a
@@ -78,9 +79,9 @@ inline void rmsnorm_row(const uint16_t* x, const uint16_t* w, float eps, int64_t
   const float r = 1.0f / std::sqrt(sum / static_cast<float>(H) + eps);
   const __m512 rv = _mm512_set1_ps(r);
   for (i = 0; i + 16 <= H; i += 16) {
-    const __m256bh n = _mm512_cvtneps_pbh(_mm512_mul_ps(load_bf16x16(x + i), rv));
+    const __m256i n = cvt_bf16x16(_mm512_mul_ps(load_bf16x16(x + i), rv));
     const __m512 o = _mm512_mul_ps(load_bf16x16(w + i), load_bf16x16(reinterpret_cast<const uint16_t*>(&n)));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + i), (__m256i)_mm512_cvtneps_pbh(o));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + i), cvt_bf16x16(o));
   }
   for (; i < H; ++i) y[i] = to_bf16(from_bf16(w[i]) * from_bf16(to_bf16(from_bf16(x[i]) * r)));
 }
@@ -333,9 +334,9 @@ void run_block(const Weights& w, std::vector<Seg>& segs, const uint16_t* xp, con
       const __m512 g = load_bf16x16(gup + m * I2 + j), u = load_bf16x16(gup + m * I2 + I + j);
       const __m512 sg = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f),
                                                       specctl::attn::exp512(_mm512_sub_ps(_mm512_setzero_ps(), g))));
-      const __m256bh sgb = _mm512_cvtneps_pbh(sg);
+      const __m256i sgb = cvt_bf16x16(sg);
       const __m512 prod = _mm512_mul_ps(load_bf16x16(reinterpret_cast<const u16*>(&sgb)), u);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(actp + m * I + j), (__m256i)_mm512_cvtneps_pbh(prod));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(actp + m * I + j), cvt_bf16x16(prod));
     }
     bar.wait(nt, sense);
     // 9. down projection + residual

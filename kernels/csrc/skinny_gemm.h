@@ -42,26 +42,26 @@ inline void block(const uint16_t* x, const uint16_t* wr, int64_t K, int64_t kful
 #pragma GCC unroll 4
     for (int m = 0; m < MB; ++m) acc[j][m] = _mm512_setzero_ps();
   for (int64_t k = 0; k < kfull; k += 32) {
-    __m512bh wv[NB];
+    bf16x32 wv[NB];
 #pragma GCC unroll 4
-    for (int j = 0; j < NB; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(wr + j * K + k);
+    for (int j = 0; j < NB; ++j) wv[j] = load_bf16x32(wr + j * K + k);
     if (pf) {
 #pragma GCC unroll 4
       for (int j = J0; j < J1; ++j) _mm_prefetch(reinterpret_cast<const char*>(pf + j * K + k), _MM_HINT_T0);
     }
 #pragma GCC unroll 4
     for (int m = 0; m < MB; ++m) {
-      __m512bh xv = (__m512bh)_mm512_loadu_si512(x + m * K + k);
+      const bf16x32 xv = load_bf16x32(x + m * K + k);
 #pragma GCC unroll 4
-      for (int j = 0; j < NB; ++j) acc[j][m] = _mm512_dpbf16_ps(acc[j][m], xv, wv[j]);
+      for (int j = 0; j < NB; ++j) acc[j][m] = dot_bf16(acc[j][m], xv, wv[j]);
     }
   }
   if (tail) {
-    __m512bh wv[NB];
-    for (int j = 0; j < NB; ++j) wv[j] = (__m512bh)_mm512_maskz_loadu_epi16(tail, wr + j * K + kfull);
+    bf16x32 wv[NB];
+    for (int j = 0; j < NB; ++j) wv[j] = as_bf16x32(_mm512_maskz_loadu_epi16(tail, wr + j * K + kfull));
     for (int m = 0; m < MB; ++m) {
-      __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(tail, x + m * K + kfull);
-      for (int j = 0; j < NB; ++j) acc[j][m] = _mm512_dpbf16_ps(acc[j][m], xv, wv[j]);
+      const bf16x32 xv = as_bf16x32(_mm512_maskz_loadu_epi16(tail, x + m * K + kfull));
+      for (int j = 0; j < NB; ++j) acc[j][m] = dot_bf16(acc[j][m], xv, wv[j]);
     }
   }
   for (int j = 0; j < NB; ++j)

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from kernels import cpu, decode_attention
 from specctl.runtime.runner import tree_attention_mask
 
-pytestmark = pytest.mark.skipif(decode_attention.load() is None, reason=cpu.why_not(cpu.AVX512_BF16, built=False))
+pytestmark = pytest.mark.skipif(decode_attention.load() is None, reason=cpu.why_not(cpu.AVX512, built=False))
 
 
 @pytest.mark.parametrize("nh,nkv,hd", [(4, 2, 32), (9, 3, 64), (12, 2, 128), (6, 6, 96)])
@@ -113,3 +113,19 @@ def test_rows_sharing_a_read_of_the_keys_equal_rows_alone(nh, nkv, hd, T):
                                                     vc[:, :, :start + i + 1].float(), enable_gqa=True)
                      for i in range(T)], 2).transpose(1, 2).reshape(1, T, nh * hd)
     torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("nh,nkv,hd,T", [(14, 2, 64, 5), (4, 4, 128, 20)])
+def test_fma_form_equals_avx512_bf16_bit_for_bit(nh, nkv, hd, T):
+    """The build for AVX-512 without BF16 (scores by FMAs, csrc/bf16.h) equals the AVX512-BF16 build."""
+    from tests.conftest import fma_form
+
+    fma = fma_form(decode_attention)
+    g = torch.Generator().manual_seed(T)
+    S, start = 120, 41
+    kc = torch.randn(1, nkv, S, hd, generator=g).bfloat16()
+    vc = torch.randn(1, nkv, S, hd, generator=g).bfloat16()
+    q = torch.randn(1, nh, T, hd, generator=g).bfloat16()
+    for st in (0, start):
+        assert torch.equal(fma.decode_attention(q, kc, vc, st, 0.125, None),
+                           decode_attention.attention(q, kc, vc, st, 0.125))

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from kernels import cpu, skinny_linear
 
-needs_kernel = pytest.mark.skipif(not skinny_linear.available(), reason=cpu.why_not(cpu.AVX512_BF16, built=False))
+needs_kernel = pytest.mark.skipif(not skinny_linear.available(), reason=cpu.why_not(cpu.AVX512, built=False))
 
 
 @needs_kernel
@@ -60,3 +60,24 @@ def test_linear_falls_back_outside_its_domain(monkeypatch):
     monkeypatch.setattr(skinny_linear, "ENABLED", False)  # not in exact-bf16 mode: torch's path
     xb, wb = torch.randn(32, 64, generator=g).bfloat16(), w.bfloat16()
     assert torch.equal(skinny_linear.linear(xb, wb), F.linear(xb, wb))
+
+
+def test_fma_form_equals_avx512_bf16_bit_for_bit():
+    """The "avx512" build (Intel Skylake-SP to Ice Lake) computes what the "avx512_bf16" build computes,
+    bit for bit, for every row count and K tail, over values spanning 2^-40..2^40 (both flush subnormals
+    as specctl's runtime runs them)."""
+    from tests.conftest import fma_form
+
+    fma = fma_form(skinny_linear)
+    flush = torch.is_flush_denormal_enabled() if hasattr(torch, "is_flush_denormal_enabled") else False
+    torch.set_flush_denormal(True)
+    try:
+        g = torch.Generator().manual_seed(7)
+        for K in (32, 1000, 1536):
+            w = (torch.randn(203, K, generator=g) * torch.exp2(torch.randint(-20, 21, (203, K), generator=g))).bfloat16()
+            b = torch.randn(203, generator=g).bfloat16()
+            for M in (1, 2, 4, 5, 8, 16, 17, 33):
+                x = (torch.randn(M, K, generator=g) * torch.exp2(torch.randint(-20, 21, (M, K), generator=g))).bfloat16()
+                assert torch.equal(fma.skinny_linear(x, w, b), skinny_linear._ext.skinny_linear(x, w, b)), (K, M)
+    finally:
+        torch.set_flush_denormal(flush)
