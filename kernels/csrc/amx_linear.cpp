@@ -1,6 +1,5 @@
 // Python entry point of the AMX bf16 linear (see amx_gemm.h for the kernel and why).
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "torch_ext.h"
 #include <sys/syscall.h>
 #include <unistd.h>
 #include "amx_gemm.h"
@@ -10,7 +9,7 @@ using namespace specctl::amx;
 bool amx_init() {
   return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
 }
-torch::Tensor amx_linear(torch::Tensor x, torch::Tensor wp, c10::optional<torch::Tensor> b) {
+at::Tensor amx_linear(at::Tensor x, at::Tensor wp, c10::optional<at::Tensor> b) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && wp.scalar_type() == at::kBFloat16, "bf16 only");
   TORCH_CHECK(x.dim() == 2 && wp.dim() == 5 && wp.size(2) == 16 && wp.size(3) == 16 && wp.size(4) == 2,
               "x [M, K], wp [N/16, K/32, 16, 16, 2]");
@@ -18,12 +17,12 @@ torch::Tensor amx_linear(torch::Tensor x, torch::Tensor wp, c10::optional<torch:
   x = x.contiguous();
   const int64_t M = x.size(0), K = x.size(1), NB = wp.size(0), KB = wp.size(1), N = NB * 16;
   TORCH_CHECK(K == KB * 32, "K mismatch");
-  auto y = torch::empty({M, N}, x.options());
+  auto y = at::empty({M, N}, x.options());
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
   const uint16_t* w = reinterpret_cast<const uint16_t*>(wp.data_ptr());
   uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
   const uint16_t* bp = nullptr;
-  torch::Tensor bc;
+  at::Tensor bc;
   if (b.has_value() && b->defined()) {
     bc = b->contiguous();
     TORCH_CHECK(bc.scalar_type() == at::kBFloat16 && bc.numel() == N, "bias [N] bf16");

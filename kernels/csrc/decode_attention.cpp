@@ -1,12 +1,11 @@
 // Python entry point of the row-independent decode/verify attention (see decode_attention.h).
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "torch_ext.h"
 #include "tree_rows.h"
 
 using namespace specctl::attn;
 
-torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, int64_t start,
-                               double scale, c10::optional<torch::Tensor> tree) {
+at::Tensor decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, int64_t start,
+                               double scale, c10::optional<at::Tensor> tree) {
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16 &&
               v_cache.scalar_type() == at::kBFloat16, "bf16 only");
   TORCH_CHECK(q.dim() == 4 && k_cache.dim() == 4 && v_cache.dim() == 4, "q [B, nh, T, hd], caches [B, nkv, S, hd]");
@@ -23,7 +22,7 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Te
   const int64_t W = specctl::attn::read_tree(tree, T, start, anc, cnt), P = start + T - W;
   // the query rows of one (b, kv head, row) item must sit hd apart... or any fixed stride: use strides
   auto qc = q.transpose(1, 2).contiguous();  // [B, T, nh, hd]: one item's G heads are contiguous
-  auto out = torch::empty({B, T, nh * hd}, q.options());
+  auto out = at::empty({B, T, nh * hd}, q.options());
   const uint16_t* qp = reinterpret_cast<const uint16_t*>(qc.data_ptr());
   const uint16_t* kp = reinterpret_cast<const uint16_t*>(k_cache.data_ptr());
   const uint16_t* vp = reinterpret_cast<const uint16_t*>(v_cache.data_ptr());

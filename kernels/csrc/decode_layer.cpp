@@ -23,7 +23,7 @@
 // itself (a few microseconds; no extra barrier), then the weight rows are shared out as above. A
 // projection's outputs equal quant_linear's bit for bit; the block spares the per-op path's ~100 torch ops
 // and 4 thread-pool wake-ups per block.
-#include <torch/extension.h>
+#include "torch_ext.h"
 #include <omp.h>
 #include <algorithm>
 #include <atomic>
@@ -216,13 +216,13 @@ struct Weights {
 // The block over M rows (x, emb: [M, H]; cos/sin: [rows, hd]) of the segments, in one parallel
 // region; rows are the segments' rows in order.
 void run_block(const Weights& w, std::vector<Seg>& segs, const uint16_t* xp, const uint16_t* ep, const uint16_t* cp,
-               const uint16_t* sp, int64_t M, uint16_t* op, const torch::TensorOptions& opt) {
+               const uint16_t* sp, int64_t M, uint16_t* op, const at::TensorOptions& opt) {
   const int64_t H = w.H, Hin = w.Hin, Nqkv = w.Nqkv, I = w.I, I2 = w.I2, nh = w.nh, nkv = w.nkv, hd = w.hd;
   const bool eagle3 = ep != nullptr;
-  auto xn = torch::empty({M, Hin}, opt), qkv = torch::empty({M, Nqkv}, opt), att = torch::empty({M, nh * hd}, opt);
-  auto h = torch::empty({M, H}, opt), gu = torch::empty({M, I2}, opt), act = torch::empty({M, I}, opt);
+  auto xn = at::empty({M, Hin}, opt), qkv = at::empty({M, Nqkv}, opt), att = at::empty({M, nh * hd}, opt);
+  auto h = at::empty({M, H}, opt), gu = at::empty({M, I2}, opt), act = at::empty({M, I}, opt);
   using u16 = uint16_t;
-  auto P = [](const torch::Tensor& t) { return reinterpret_cast<u16*>(t.data_ptr()); };
+  auto P = [](const at::Tensor& t) { return reinterpret_cast<u16*>(t.data_ptr()); };
   u16 *xnp = P(xn), *qp = P(qkv), *ap = P(att), *hp = P(h), *gup = P(gu), *actp = P(act);
   std::vector<int32_t> seg_of(M), row_of(M);
   for (int64_t s = 0, m = 0; s < static_cast<int64_t>(segs.size()); ++s)
@@ -345,13 +345,13 @@ void run_block(const Weights& w, std::vector<Seg>& segs, const uint16_t* xp, con
   }
 }
 
-const uint16_t* ptr_or_null(const c10::optional<torch::Tensor>& t) {
+const uint16_t* ptr_or_null(const c10::optional<at::Tensor>& t) {
   return t.has_value() && t->defined() ? reinterpret_cast<const uint16_t*>(t->data_ptr()) : nullptr;
 }
 
 #if defined(SPECCTL_QUANT)
 // A projection's parts as Python gives them: (blocks [N_p, row_bytes] uint8 per part, ggml type ids).
-using WArg = std::tuple<std::vector<torch::Tensor>, std::vector<int64_t>>;
+using WArg = std::tuple<std::vector<at::Tensor>, std::vector<int64_t>>;
 
 Lin lin_of(const WArg& a, int64_t K, int64_t N, const char* what) {
   const auto& [ws, types] = a;
@@ -380,13 +380,13 @@ Lin lin_of(const WArg& a, int64_t K, int64_t N, const char* what) {
   return l;
 }
 
-Weights weights(const torch::Tensor& in_norm, const torch::Tensor& post_norm, double eps, const WArg& qkv_w,
-                const c10::optional<torch::Tensor>& qkv_b, const WArg& o_w,
-                const c10::optional<torch::Tensor>& o_b, const WArg& gate_up_w, const WArg& down_w,
+Weights weights(const at::Tensor& in_norm, const at::Tensor& post_norm, double eps, const WArg& qkv_w,
+                const c10::optional<at::Tensor>& qkv_b, const WArg& o_w,
+                const c10::optional<at::Tensor>& o_b, const WArg& gate_up_w, const WArg& down_w,
                 int64_t H, int64_t hd, int64_t nh, int64_t nkv, bool eagle3,
-                const c10::optional<torch::Tensor>& emb_norm) {
+                const c10::optional<at::Tensor>& emb_norm) {
   TORCH_CHECK(!eagle3, "the quantized block has no EAGLE-3 input");
-  auto P = [](const torch::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr()); };
+  auto P = [](const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr()); };
   const int64_t Nqkv = (nh + 2 * nkv) * hd;
   Lin gu = lin_of(gate_up_w, H, -1, "gate_up");
   int64_t I2 = 0;
@@ -401,7 +401,7 @@ Weights weights(const torch::Tensor& in_norm, const torch::Tensor& post_norm, do
                  nullptr, static_cast<float>(eps), H, H, Nqkv, I2 / 2, I2, nh, nkv, hd};
 }
 #else
-using WArg = torch::Tensor;
+using WArg = at::Tensor;
 
 // A weight's shape per output row and input column: AMX packs 16 outputs x 32 inputs a tile row.
 #ifdef SPECCTL_SKINNY
@@ -410,19 +410,19 @@ constexpr int64_t ROWS = 1, COLS = 1;
 constexpr int64_t ROWS = 16, COLS = 32;
 #endif
 
-Weights weights(const torch::Tensor& in_norm, const torch::Tensor& post_norm, double eps, const torch::Tensor& qkv_w,
-                const c10::optional<torch::Tensor>& qkv_b, const torch::Tensor& o_w,
-                const c10::optional<torch::Tensor>& o_b, const torch::Tensor& gate_up_w, const torch::Tensor& down_w,
+Weights weights(const at::Tensor& in_norm, const at::Tensor& post_norm, double eps, const at::Tensor& qkv_w,
+                const c10::optional<at::Tensor>& qkv_b, const at::Tensor& o_w,
+                const c10::optional<at::Tensor>& o_b, const at::Tensor& gate_up_w, const at::Tensor& down_w,
                 int64_t H, int64_t hd, int64_t nh, int64_t nkv, bool eagle3,
-                const c10::optional<torch::Tensor>& emb_norm) {
-  auto P = [](const torch::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr()); };
+                const c10::optional<at::Tensor>& emb_norm) {
+  auto P = [](const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr()); };
   Weights w{P(in_norm), P(post_norm), P(qkv_w), ptr_or_null(qkv_b), P(o_w), ptr_or_null(o_b), P(gate_up_w),
             P(down_w), eagle3 ? P(*emb_norm) : nullptr, static_cast<float>(eps),
             H, eagle3 ? 2 * H : H, (nh + 2 * nkv) * hd, gate_up_w.size(0) * ROWS / 2, gate_up_w.size(0) * ROWS, nh, nkv, hd};
   TORCH_CHECK(qkv_w.size(0) * ROWS == w.Nqkv && qkv_w.size(1) * COLS == w.Hin, "qkv weight shape");
   TORCH_CHECK(o_w.size(0) * ROWS == H && o_w.size(1) * COLS == nh * hd, "o weight shape");
   TORCH_CHECK(down_w.size(0) * ROWS == H && down_w.size(1) * COLS == w.I, "down weight shape");
-  for (const torch::Tensor* t : {&qkv_w, &o_w, &gate_up_w, &down_w})
+  for (const at::Tensor* t : {&qkv_w, &o_w, &gate_up_w, &down_w})
     TORCH_CHECK(t->is_contiguous() && t->scalar_type() == at::kBFloat16, "weights contiguous bf16");
   TORCH_CHECK(hd % 32 == 0 && hd <= 256 && nh % nkv == 0, "head dim / heads");
   return w;
@@ -430,8 +430,8 @@ Weights weights(const torch::Tensor& in_norm, const torch::Tensor& post_norm, do
 
 #endif
 
-Seg make_seg(torch::Tensor& k_cache, torch::Tensor& v_cache, int64_t b, int64_t start, int64_t T, int64_t crow,
-             const c10::optional<torch::Tensor>& tree) {
+Seg make_seg(at::Tensor& k_cache, at::Tensor& v_cache, int64_t b, int64_t start, int64_t T, int64_t crow,
+             const c10::optional<at::Tensor>& tree) {
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes() &&
               k_cache.dim() == 4, "caches [B, nkv, S, hd] contiguous");
   const int64_t nkv = k_cache.size(1), S = k_cache.size(2), hd = k_cache.size(3);
@@ -446,12 +446,12 @@ Seg make_seg(torch::Tensor& k_cache, torch::Tensor& v_cache, int64_t b, int64_t 
 
 }  // namespace
 
-torch::Tensor decode_layer(torch::Tensor x, torch::Tensor in_norm, torch::Tensor post_norm, double eps,
-                           WArg qkv_w, c10::optional<torch::Tensor> qkv_b, WArg o_w,
-                           c10::optional<torch::Tensor> o_b, WArg gate_up_w, WArg down_w,
-                           torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache, torch::Tensor v_cache,
-                           int64_t start, int64_t num_heads, int64_t num_kv_heads, c10::optional<torch::Tensor> tree,
-                           c10::optional<torch::Tensor> emb, c10::optional<torch::Tensor> emb_norm) {
+at::Tensor decode_layer(at::Tensor x, at::Tensor in_norm, at::Tensor post_norm, double eps,
+                           WArg qkv_w, c10::optional<at::Tensor> qkv_b, WArg o_w,
+                           c10::optional<at::Tensor> o_b, WArg gate_up_w, WArg down_w,
+                           at::Tensor cos, at::Tensor sin, at::Tensor k_cache, at::Tensor v_cache,
+                           int64_t start, int64_t num_heads, int64_t num_kv_heads, c10::optional<at::Tensor> tree,
+                           c10::optional<at::Tensor> emb, c10::optional<at::Tensor> emb_norm) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 3 && x.is_contiguous(), "x [B, T, H] bf16 contiguous");
   const int64_t B = x.size(0), T = x.size(1), H = x.size(2), M = B * T;
   TORCH_CHECK(M <= 64, "at most 64 rows");
@@ -466,8 +466,8 @@ torch::Tensor decode_layer(torch::Tensor x, torch::Tensor in_norm, torch::Tensor
   TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.size(0) == T && cos.size(1) == w.hd, "cos/sin [T, hd]");
   std::vector<Seg> segs;
   for (int64_t b = 0; b < B; ++b) segs.push_back(make_seg(k_cache, v_cache, b, start, T, 0, tree));
-  auto out = torch::empty({B, T, H}, x.options());
-  auto P = [](const torch::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr()); };
+  auto out = at::empty({B, T, H}, x.options());
+  auto P = [](const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr()); };
   run_block(w, segs, P(x), eagle3 ? P(*emb) : nullptr, P(cos), P(sin), M, reinterpret_cast<uint16_t*>(out.data_ptr()),
             x.options());
   return out;
@@ -476,14 +476,14 @@ torch::Tensor decode_layer(torch::Tensor x, torch::Tensor in_norm, torch::Tensor
 // Many requests' rows in one call: x [1, M, H] (segment after segment), cos/sin [M, hd]; segment s
 // has lens[s] rows written at starts[s] of its own caches k_caches[s] / v_caches[s] ([1, nkv, S, hd]),
 // and optionally a draft tree trees[s] [T, T]. Each row is computed exactly as the one-request call.
-torch::Tensor decode_layer_ragged(torch::Tensor x, torch::Tensor in_norm, torch::Tensor post_norm, double eps,
-                                  WArg qkv_w, c10::optional<torch::Tensor> qkv_b, WArg o_w,
-                                  c10::optional<torch::Tensor> o_b, WArg gate_up_w, WArg down_w,
-                                  torch::Tensor cos, torch::Tensor sin, std::vector<torch::Tensor> k_caches,
-                                  std::vector<torch::Tensor> v_caches, std::vector<int64_t> starts,
-                                  std::vector<int64_t> lens, std::vector<c10::optional<torch::Tensor>> trees,
+at::Tensor decode_layer_ragged(at::Tensor x, at::Tensor in_norm, at::Tensor post_norm, double eps,
+                                  WArg qkv_w, c10::optional<at::Tensor> qkv_b, WArg o_w,
+                                  c10::optional<at::Tensor> o_b, WArg gate_up_w, WArg down_w,
+                                  at::Tensor cos, at::Tensor sin, std::vector<at::Tensor> k_caches,
+                                  std::vector<at::Tensor> v_caches, std::vector<int64_t> starts,
+                                  std::vector<int64_t> lens, std::vector<c10::optional<at::Tensor>> trees,
                                   int64_t num_heads, int64_t num_kv_heads,
-                                  std::vector<c10::optional<torch::Tensor>> weights_out) {
+                                  std::vector<c10::optional<at::Tensor>> weights_out) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 3 && x.size(0) == 1 && x.is_contiguous(),
               "x [1, M, H] bf16 contiguous");
   const int64_t M = x.size(1), H = x.size(2), n = static_cast<int64_t>(k_caches.size());
@@ -500,7 +500,7 @@ torch::Tensor decode_layer_ragged(torch::Tensor x, torch::Tensor in_norm, torch:
                 "each cache [1, nkv, S, hd]");
     segs.push_back(make_seg(k_caches[s], v_caches[s], 0, starts[s], lens[s], rows, trees[s]));
     if (s < static_cast<int64_t>(weights_out.size()) && weights_out[s].has_value() && weights_out[s]->defined()) {
-      const torch::Tensor& wo = *weights_out[s];  // [2, nkv, S] fp32: the segment's rows' attention weights
+      const at::Tensor& wo = *weights_out[s];  // [2, nkv, S] fp32: the segment's rows' attention weights
       TORCH_CHECK(wo.scalar_type() == at::kFloat && wo.is_contiguous() && wo.dim() == 3 && wo.size(0) == 2 &&
                   wo.size(1) == num_kv_heads && wo.size(2) == segs.back().S && segs.back().W == 0,
                   "weights_out [2, nkv, S] fp32 contiguous, for a chain");
@@ -509,8 +509,8 @@ torch::Tensor decode_layer_ragged(torch::Tensor x, torch::Tensor in_norm, torch:
     rows += lens[s];
   }
   TORCH_CHECK(rows == M, "the segments' lengths must add up to x's rows");
-  auto out = torch::empty({1, M, H}, x.options());
-  auto P = [](const torch::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr()); };
+  auto out = at::empty({1, M, H}, x.options());
+  auto P = [](const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr()); };
   run_block(w, segs, P(x), nullptr, P(cos), P(sin), M, reinterpret_cast<uint16_t*>(out.data_ptr()), x.options());
   return out;
 }
@@ -526,5 +526,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("o_w"), py::arg("o_b"), py::arg("gate_up_w"), py::arg("down_w"), py::arg("cos"), py::arg("sin"),
         py::arg("k_caches"), py::arg("v_caches"), py::arg("starts"), py::arg("lens"), py::arg("trees"),
         py::arg("num_heads"), py::arg("num_kv_heads"),
-        py::arg("weights_out") = std::vector<c10::optional<torch::Tensor>>());
+        py::arg("weights_out") = std::vector<c10::optional<at::Tensor>>());
 }

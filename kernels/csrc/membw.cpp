@@ -1,12 +1,12 @@
 // A memory read-bandwidth probe for benchmarks/decode_bandwidth.py: the fastest plain read of a
 // buffer this machine does (all threads, 4 streams per thread, software prefetch, AVX-512 loads).
 // Decode is judged against this figure, so it must not be a weak reader (torch's sum reads slower).
-#include <torch/extension.h>
+#include "torch_ext.h"
 #include <immintrin.h>
 #include <omp.h>
 #include <cstdint>
 
-double stream_read(torch::Tensor buf) {
+double stream_read(at::Tensor buf) {
   TORCH_CHECK(buf.is_contiguous() && buf.scalar_type() == at::kByte, "a contiguous uint8 buffer");
   const char* p = reinterpret_cast<const char*>(buf.data_ptr());
   const int64_t n = buf.numel() / 1024 * 1024;

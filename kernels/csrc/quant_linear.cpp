@@ -27,8 +27,7 @@
 //   rounded x up to fp32 summation order (see namespace q8). Not exact against fp32 x.
 //
 // One source, five builds: +AVX512-VNNI, +AVX512-BF16, -mavx512f (16 lanes), -mavx2 (8 lanes), none.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "torch_ext.h"
 #include <algorithm>
 #include <array>
 #include <cmath>
@@ -540,15 +539,15 @@ void run(const void* xp, bool bf16, int64_t M, int64_t K, const std::vector<Part
 }
 
 // x [M, K] -> (codes [M, K] int8, scales [M, K / 32] fp32): what the int8 path multiplies (for tests).
-std::vector<torch::Tensor> quantize_x(torch::Tensor x) {
+std::vector<at::Tensor> quantize_x(at::Tensor x) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) % 32 == 0 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
               "quantize_x: x is [M, K] fp32 or bf16, K a multiple of 32");
-  const torch::Tensor xc = x.contiguous();
+  const at::Tensor xc = x.contiguous();
   const int64_t M = x.size(0), K = x.size(1);
   X X_;
   quantize(xc.data_ptr(), x.scalar_type() == at::kBFloat16, M, K, 0, X_, [](int64_t n, auto f) { f(0, n); });
-  auto q = torch::empty({M, K}, x.options().dtype(at::kChar));
-  auto d = torch::empty({M, K / 32}, x.options().dtype(at::kFloat));
+  auto q = at::empty({M, K}, x.options().dtype(at::kChar));
+  auto d = at::empty({M, K / 32}, x.options().dtype(at::kFloat));
   for (int64_t m = 0; m < M; ++m) {
     std::memcpy(q.data_ptr<int8_t>() + m * K, X_.nat.data() + m * X_.Kp, K);
     std::memcpy(d.data_ptr<float>() + m * (K / 32), X_.d.data() + m * (X_.Kp / 32), K / 32 * 4);
@@ -560,7 +559,7 @@ std::vector<torch::Tensor> quantize_x(torch::Tensor x) {
 
 constexpr int64_t PACKED = 256;  // = specctl::gguf::amx8::PACKED (a type id + PACKED: the part is in panels)
 
-std::vector<Part> parts_of(const std::vector<torch::Tensor>& ws, const std::vector<int64_t>& types, int64_t K) {
+std::vector<Part> parts_of(const std::vector<at::Tensor>& ws, const std::vector<int64_t>& types, int64_t K) {
   TORCH_CHECK(!ws.empty() && ws.size() == types.size(), "quant_linear: one type per weight part");
   std::vector<Part> parts;
   for (size_t i = 0; i < ws.size(); ++i) {
@@ -590,28 +589,28 @@ std::vector<Part> parts_of(const std::vector<torch::Tensor>& ws, const std::vect
 
 }  // namespace
 
-torch::Tensor quant_linear(torch::Tensor x, std::vector<torch::Tensor> ws, std::vector<int64_t> types, int64_t K,
-                           c10::optional<torch::Tensor> bias, bool out_fp32) {
+at::Tensor quant_linear(at::Tensor x, std::vector<at::Tensor> ws, std::vector<int64_t> types, int64_t K,
+                           c10::optional<at::Tensor> bias, bool out_fp32) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "quant_linear: x is [M, K]");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat, "quant_linear: x is bf16 or fp32");
   const auto parts = parts_of(ws, types, K);
   int64_t N = 0;
   for (const auto& p : parts) N += p.n;
   const int64_t M = x.size(0);
-  torch::Tensor bc;
+  at::Tensor bc;
   if (bias.has_value() && bias->defined()) {
     bc = bias->contiguous();
     TORCH_CHECK(bc.numel() == N && (bc.scalar_type() == at::kFloat || bc.scalar_type() == at::kBFloat16),
                 "quant_linear: bias is [N] fp32 or bf16");
   }
   const bool y_bf16 = !out_fp32 && x.scalar_type() == at::kBFloat16;
-  auto y = torch::empty({M, N}, x.options().dtype(y_bf16 ? at::kBFloat16 : at::kFloat));
+  auto y = at::empty({M, N}, x.options().dtype(y_bf16 ? at::kBFloat16 : at::kFloat));
   if (M == 0) return y;
   const Out out{y.data_ptr(), y_bf16, bc.defined() ? bc.data_ptr() : nullptr,
                 bc.defined() && bc.scalar_type() == at::kBFloat16, N};
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
   {
-    const torch::Tensor xc = x.contiguous();
+    const at::Tensor xc = x.contiguous();
     int8::run(xc.data_ptr(), x.scalar_type() == at::kBFloat16, M, K, parts, out);
     return y;
   }
@@ -619,10 +618,10 @@ torch::Tensor quant_linear(torch::Tensor x, std::vector<torch::Tensor> ws, std::
 #if defined(__AVX512BF16__)
   if (x.scalar_type() == at::kBFloat16) {
     const int64_t Kp = (K + 255) / 256 * 256;
-    torch::Tensor xb = torch::zeros({M, Kp}, x.options());
+    at::Tensor xb = at::zeros({M, Kp}, x.options());
     xb.narrow(1, 0, K).copy_(x);
     const auto* xp = reinterpret_cast<const uint16_t*>(xb.data_ptr());
-    torch::Tensor xs = torch::empty({M, Kp / 32}, x.options().dtype(at::kFloat));  // x . 1 over each group
+    at::Tensor xs = at::empty({M, Kp / 32}, x.options().dtype(at::kFloat));  // x . 1 over each group
     for (int64_t i = 0; i < M * Kp / 32; ++i)
       xs.data_ptr<float>()[i] = _mm512_reduce_add_ps(_mm512_dpbf16_ps(
           _mm512_setzero_ps(), (__m512bh)_mm512_loadu_si512(xp + 32 * i), (__m512bh)_mm512_set1_epi16(0x3f80)));
@@ -630,17 +629,17 @@ torch::Tensor quant_linear(torch::Tensor x, std::vector<torch::Tensor> ws, std::
     return y;
   }
 #endif
-  const torch::Tensor xf = x.to(at::kFloat).contiguous();  // exact for bf16
+  const at::Tensor xf = x.to(at::kFloat).contiguous();  // exact for bf16
   run_f32(xf.data_ptr<float>(), M, K, parts, out);
   return y;
 }
 
 // The weights [N, K] of one part, decoded as the fp32 path does (gguf-py's dequantize bit for bit),
 // written as `dtype` (float32 or bfloat16).
-torch::Tensor dequantize(torch::Tensor w, int64_t type, int64_t K, at::ScalarType dtype) {
+at::Tensor dequantize(at::Tensor w, int64_t type, int64_t K, at::ScalarType dtype) {
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "dequantize: dtype is float32 or bfloat16");
   const Part P = parts_of({w}, {type}, K)[0];
-  auto out = torch::empty({P.n, K}, w.options().dtype(dtype));
+  auto out = at::empty({P.n, K}, w.options().dtype(dtype));
   at::parallel_for(0, P.n, 16, [&](int64_t r0, int64_t r1) {
     std::vector<float> row(K);
     for (int64_t r = r0; r < r1; ++r) {
@@ -658,7 +657,7 @@ torch::Tensor dequantize(torch::Tensor w, int64_t type, int64_t K, at::ScalarTyp
 #if defined(__AMX_INT8__)
 // A part's GGUF rows [N, row_bytes] (N a multiple of 16) -> its AMX-INT8 panels, written into `out`
 // [N / 16, chunks * rec_bytes] uint8 (the caller's: on huge pages, for weights streamed every step)
-void pack(torch::Tensor w, int64_t type, int64_t K, torch::Tensor out) {
+void pack(at::Tensor w, int64_t type, int64_t K, at::Tensor out) {
   namespace A = specctl::gguf::amx8;
   const Part P = parts_of({w}, {type}, K)[0];
   TORCH_CHECK(P.n % 16 == 0, "pack: the AMX-INT8 panels take 16 rows at a time; this part has ", P.n);
@@ -680,12 +679,12 @@ void pack(torch::Tensor w, int64_t type, int64_t K, torch::Tensor out) {
 }
 
 // The inverse: panels -> GGUF rows [N, row_bytes], bit for bit the rows pack was given.
-torch::Tensor unpack(torch::Tensor wp, int64_t type, int64_t K) {
+at::Tensor unpack(at::Tensor wp, int64_t type, int64_t K) {
   namespace A = specctl::gguf::amx8;
   const Part P = parts_of({wp}, {type + PACKED}, K)[0];
   const int t = P.type, S = A::rec_bytes(t);
   const int64_t C = A::chunks(K), rb = K / qk_of(t) * bytes_of(t);
-  auto out = torch::zeros({P.n, rb}, wp.options());
+  auto out = at::zeros({P.n, rb}, wp.options());
   at::parallel_for(0, P.n / 16, 1, [&](int64_t p0, int64_t p1) {
     alignas(64) uint8_t U[4096];
     __m512 ws[16], co[16];

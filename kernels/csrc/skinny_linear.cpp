@@ -9,8 +9,7 @@
 // alone, bit for bit: greedy speculative output equals plain greedy output in bf16 too.
 // Weight rows are split over ATen's thread pool; the core (skinny_gemm.h) is shared with the fused
 // decode block.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "torch_ext.h"
 #include <immintrin.h>
 #include "skinny_gemm.h"
 
@@ -24,16 +23,16 @@ void run(const uint16_t* x, const uint16_t* w, const uint16_t* b, uint16_t* y, i
 
 }  // namespace
 
-torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> b) {
+at::Tensor skinny_linear(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> b) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16, "bf16 only");
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "x [M, K], w [N, K]");
   TORCH_CHECK(x.size(0) >= 1, "x needs at least one row");
   TORCH_CHECK(w.is_contiguous(), "w must be contiguous");
   x = x.contiguous();
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  auto y = torch::empty({M, N}, x.options());
+  auto y = at::empty({M, N}, x.options());
   const uint16_t* bp = nullptr;
-  torch::Tensor bc;
+  at::Tensor bc;
   if (b.has_value() && b->defined()) {
     bc = b->contiguous();
     TORCH_CHECK(bc.scalar_type() == at::kBFloat16 && bc.numel() == N, "bias [N] bf16");
