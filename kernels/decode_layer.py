@@ -42,7 +42,7 @@ def build_spec(kind: str) -> tuple[str, tuple[str, ...], list[str]]:
     if kind == "avx512_bf16":
         return "specctl_decode_layer_avx512", ("avx512_bf16",), ["-DSPECCTL_SKINNY", *AVX512]
     if kind == "avx512":
-        return "specctl_decode_layer_avx512f", cpu.AVX512, ["-DSPECCTL_SKINNY", "-mavx512f", "-mavx512vl", "-mavx512bw"]
+        return "specctl_decode_layer_avx512f", cpu.AVX512, ["-DSPECCTL_SKINNY", *skinny_linear.FLAGS_AVX512]
     needs = ("avx512_bf16", "avx512_vnni", "avx512bw", "f16c")
     flags = ["-DSPECCTL_QUANT", *AVX512, "-mavx512vnni", "-mfma", "-mf16c", "-ffp-contract=off"]
     if kind == "amx_int8":

@@ -399,4 +399,3 @@ def fma_form(module):
         ext = module.load()
         assert skinny_linear.path() == "avx512" and ext is not None
     return ext
-
