@@ -20,6 +20,8 @@ from kernels._build import build
 _ext = None
 _tried = False
 FLAGS = ["-mamx-tile", "-mamx-bf16", "-mavx512f", "-mavx512bf16", "-mavx512vl"]
+# (extension name, source, CPU features, compiler flags): what load() builds (kernels.prebuild builds it ahead)
+SPEC = ("specctl_amx_linear", "amx_linear.cpp", ("amx_bf16", "amx_tile", "avx512_bf16"), FLAGS)
 
 
 def load():
@@ -28,7 +30,7 @@ def load():
     if _tried:
         return _ext
     _tried = True
-    ext = build("specctl_amx_linear", "amx_linear.cpp", ("amx_bf16", "amx_tile", "avx512_bf16"), FLAGS)
+    ext = build(*SPEC)
     if ext is not None and not ext.amx_init():
         print("specctl: the OS refused AMX tile state; using torch's linear", file=sys.stderr)
         ext = None

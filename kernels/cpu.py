@@ -6,10 +6,12 @@
 - ``"avx512_bf16"``: the AVX512-BF16 skinny kernel for every linear, the row-independent attention;
 - ``"avx512"``: AVX-512 without BF16 (Intel Skylake-SP, Cascade Lake, Ice Lake): the same kernels with
   vdpbf16ps's arithmetic in fp32 FMAs, bit for bit the ``"avx512_bf16"`` path's results (csrc/bf16.h);
+- ``"avx2"``: AVX2 and FMA alone (AMD Zen 2/3, Intel Haswell to Comet Lake): those kernels again, each
+  zmm operation as two ymm ones, bit for bit the same results (csrc/vec16.h);
 - ``"torch"``: none of these, so torch's own kernels, where a row's rounding can depend on how many rows
   share its forward (bf16 greedy speculation then matches plain decoding except at near-ties).
 
-The first three are row-independent: a row forwarded among any number of others (a verify block, a
+The first four are row-independent: a row forwarded among any number of others (a verify block, a
 draft tree, a batch) equals, bit for bit, the same row forwarded alone.
 
 ``hidden(*names)`` hides features for a while, as if the CPU lacked them: the kernel loaders then
@@ -28,6 +30,7 @@ from pathlib import Path
 AMX = ("amx_bf16", "amx_tile", "avx512_bf16")
 AVX512_BF16 = ("avx512_bf16",)
 AVX512 = ("avx512f", "avx512bw", "avx512vl")
+AVX2 = ("avx2", "fma")
 _hidden: set[str] = {f for f in os.environ.get("SPECCTL_CPU_HIDE", "").split(",") if f}
 
 
@@ -77,7 +80,7 @@ def why_not(features: tuple[str, ...], built: bool = True) -> str:
 
 
 def bf16_path() -> str:
-    """"amx", "avx512_bf16", "avx512" or "torch": the bf16 path that the CPU's features select (and the
+    """"amx", "avx512_bf16", "avx512", "avx2" or "torch": the bf16 path that the CPU's features select (and the
     compiler allows: a kernel that cannot build counts as absent)."""
     from kernels import amx_linear, skinny_linear
 

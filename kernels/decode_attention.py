@@ -1,4 +1,4 @@
-"""Row-independent bf16 attention for decode and verification forwards (AVX-512 CPUs, with or without BF16).
+"""Row-independent bf16 attention for decode and verification forwards (AVX-512 CPUs, with or without BF16, and AVX2).
 
 ``attention(q, k_cache, v_cache, start)`` with q [B, nh, T, hd] (rows at positions start..start+T-1)
 returns [B, T, nh * hd]: row i attends to cache positions [0, start + i], computed exactly as a
@@ -21,14 +21,21 @@ _ext = None
 _tried = False
 
 
+def spec(p: str) -> tuple[str, str, tuple[str, ...], list[str]]:
+    """(extension name, source, CPU features, compiler flags) of the build for the skinny linear's path ``p``
+    (the same features and flags: "avx512" and "avx2" are its FMA forms)."""
+    _, needs, flags = skinny_linear.BUILDS[p]
+    suffix = {"avx512_bf16": "", "avx512": "_avx512f", "avx2": "_avx2"}[p]
+    return f"specctl_decode_attention{suffix}", "decode_attention.cpp", needs, flags
+
+
 def load():
     global _ext, _tried
     if not _tried:
         _tried = True
-        p = skinny_linear.vector_path()  # the same builds as the skinny linear's ("avx512": FMA form)
+        p = skinny_linear.vector_path()
         if p is not None:
-            _ext = build(f"specctl_decode_attention{'_avx512f' if p == 'avx512' else ''}", "decode_attention.cpp",
-                         skinny_linear.BUILDS[p][1], skinny_linear.BUILDS[p][2])
+            _ext = build(*spec(p))
     return _ext
 
 

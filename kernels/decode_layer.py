@@ -1,12 +1,12 @@
-"""One transformer block per call for decode and verification forwards (bf16; AMX, or AVX-512 without AMX).
+"""One transformer block per call for decode and verification forwards (bf16; AMX, AVX-512 or AVX2).
 
 ``layer(block, x, cos, sin, k_cache, v_cache, start)`` runs specctl.modeling.Block for a few
 rows (batch x tokens <= 64) in one C++ call and one parallel region (``csrc/decode_layer.cpp``):
 the same arithmetic as the AMX linears and the row-independent attention, without ~25 torch
 dispatches and 5 thread-pool wake-ups per block. ``load()`` returns None where it cannot run (neither
 AMX nor AVX512-BF16, or no compiler); callers keep the per-op path. ``kind()`` says which build runs:
-``"amx"`` takes the AMX-packed weights (kernels/amx_linear), ``"avx512_bf16"`` and ``"avx512"`` (its FMA
-form for AVX-512 without BF16) the row-major ones of the skinny linear (same arithmetic as
+``"amx"`` takes the AMX-packed weights (kernels/amx_linear), ``"avx512_bf16"``, ``"avx512"`` and ``"avx2"``
+(its FMA form for AVX-512 without BF16, and for AVX2) the row-major ones of the skinny linear (same arithmetic as
 kernels/skinny_linear, one shared core: csrc/skinny_gemm.h).
 ``layer_ragged`` does the same for many requests' rows at once, each request with its own cache,
 length and draft tree (the batched engine).
@@ -43,6 +43,8 @@ def build_spec(kind: str) -> tuple[str, tuple[str, ...], list[str]]:
         return "specctl_decode_layer_avx512", ("avx512_bf16",), ["-DSPECCTL_SKINNY", *AVX512]
     if kind == "avx512":
         return "specctl_decode_layer_avx512f", cpu.AVX512, ["-DSPECCTL_SKINNY", *skinny_linear.FLAGS_AVX512]
+    if kind == "avx2":
+        return "specctl_decode_layer_avx2", cpu.AVX2, ["-DSPECCTL_SKINNY", *skinny_linear.FLAGS_AVX2]
     needs = ("avx512_bf16", "avx512_vnni", "avx512bw", "f16c")
     flags = ["-DSPECCTL_QUANT", *AVX512, "-mavx512vnni", "-mfma", "-mf16c", "-ffp-contract=off"]
     if kind == "amx_int8":
@@ -101,12 +103,12 @@ def _build_and_weights(block):
 
 
 def kind() -> str | None:
-    """"amx", "avx512_bf16" or "avx512": the build that runs, and so the weights it takes (None: it cannot run
+    """"amx", "avx512_bf16", "avx512" or "avx2": the build that runs, and so the weights it takes (None: it cannot run
     here)."""
     ext = load()
     if ext is None:
         return None
-    return next(k for k in ("amx", "avx512_bf16", "avx512") if ext.__name__ == build_spec(k)[0])
+    return next(k for k in ("amx", "avx512_bf16", "avx512", "avx2") if ext.__name__ == build_spec(k)[0])
 
 
 def layer(block, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,

@@ -53,13 +53,18 @@ _FLAGS = {"amx_int8": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", 
 _ext: dict[str, object] = {}
 
 
+def spec(path: str) -> tuple[str, str, tuple[str, ...], list[str]]:
+    """(extension name, source, CPU features, compiler flags) of ``path``'s build."""
+    return f"specctl_quant_linear_{path}", "quant_linear.cpp", NEEDS[path], [*_FLAGS[path], "-ffp-contract=off"]
+
+
 def load(path: str = "avx512"):
     """The extension built for ``path``, or None where this CPU lacks its features or it cannot
     build (built once per path; the CPU's features are asked on every call, see kernels.cpu.hidden)."""
     if any(not cpu.has(f) for f in NEEDS[path]):
         return None
     if path not in _ext:
-        ext = build(f"specctl_quant_linear_{path}", "quant_linear.cpp", NEEDS[path], [*_FLAGS[path], "-ffp-contract=off"])
+        ext = build(*spec(path))
         _ext[path] = None if ext is None or not getattr(ext, "amx_ready", True) else ext  # the OS may refuse AMX state
     return _ext[path]
 

@@ -1,11 +1,13 @@
-"""Skinny bf16 linear (decode / verification GEMV) for x86 CPUs with AVX-512.
+"""Skinny bf16 linear (decode / verification GEMV) for x86 CPUs with AVX-512 or AVX2.
 
 ``linear(x, w, b)`` computes F.linear for bf16 inputs of any number of rows with the C++ kernel in
 ``csrc/skinny_linear.cpp`` (compiled once with torch's cpp_extension, cached in torch's extension
-dir), and falls back to F.linear everywhere else: other dtypes, CUDA, a CPU without AVX-512, or no
-compiler. ``available()`` says whether it runs, ``path()`` which build: ``"avx512_bf16"`` (vdpbf16ps)
-or, on a CPU with AVX-512 but no AVX512-BF16 (Intel Skylake-SP to Ice Lake), ``"avx512"``: the same
-arithmetic in fp32 FMAs, equal to the first bit for bit under flush-to-zero (csrc/bf16.h).
+dir), and falls back to F.linear everywhere else: other dtypes, CUDA, a CPU without AVX2 and FMA, or
+no compiler. ``available()`` says whether it runs, ``path()`` which build: ``"avx512_bf16"``
+(vdpbf16ps); on a CPU with AVX-512 but no AVX512-BF16 (Intel Skylake-SP to Ice Lake) ``"avx512"``: the
+same arithmetic in fp32 FMAs, equal to the first bit for bit under flush-to-zero (csrc/bf16.h); on a
+CPU with AVX2 alone (AMD Zen 2/3, Intel Haswell to Comet Lake) ``"avx2"``: that FMA form with every
+zmm operation as two ymm ones (csrc/vec16.h), again bit for bit.
 
 Why it exists: decode is memory bound, and torch's bf16 GEMV on CPU reads weights well below the
 memory bandwidth; and each output is reduced in an order independent of the row count, so a row
@@ -29,13 +31,23 @@ _tried = False
 ENABLED = False  # set by the model loader in exact-bf16 mode
 FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512bf16"]
 FLAGS_AVX512 = ["-mavx512f", "-mavx512bw", "-mavx512vl"]  # no -mavx512bf16: csrc/bf16.h's FMA form
+# no AVX-512 at all: csrc/vec16.h's two-ymm form of every zmm operation (no contraction of a * b + c into an
+# FMA that the AVX-512 builds would not make)
+FLAGS_AVX2 = ["-mavx2", "-mfma", "-ffp-contract=off"]
 # path -> (extension name, CPU features, compiler flags), in order of preference
 BUILDS = {"avx512_bf16": ("specctl_skinny_linear", cpu.AVX512_BF16, FLAGS),
-          "avx512": ("specctl_skinny_linear_avx512f", cpu.AVX512, FLAGS_AVX512)}
+          "avx512": ("specctl_skinny_linear_avx512f", cpu.AVX512, FLAGS_AVX512),
+          "avx2": ("specctl_skinny_linear_avx2", cpu.AVX2, FLAGS_AVX2)}
+
+
+def spec(p: str) -> tuple[str, str, tuple[str, ...], list[str]]:
+    """(extension name, source, CPU features, compiler flags) of path ``p``'s build."""
+    name, needs, flags = BUILDS[p]
+    return name, "skinny_linear.cpp", needs, flags
 
 
 def vector_path() -> str | None:
-    """The row-major kernels' build this CPU takes ("avx512_bf16", "avx512"), by its features alone."""
+    """The row-major kernels' build this CPU takes ("avx512_bf16", "avx512", "avx2"), by its features alone."""
     return next((p for p, (_, needs, _) in BUILDS.items() if cpu.has(*needs)), None)
 
 
@@ -45,7 +57,7 @@ def load():
     if not _tried:
         _tried = True
         p = vector_path()
-        _ext = None if p is None else build(BUILDS[p][0], "skinny_linear.cpp", BUILDS[p][1], BUILDS[p][2])
+        _ext = None if p is None else build(*spec(p))
     return _ext
 
 
@@ -54,7 +66,7 @@ def available() -> bool:
 
 
 def path() -> str | None:
-    """"avx512_bf16" or "avx512": the build that runs (None: none can run here)."""
+    """"avx512_bf16", "avx512" or "avx2": the build that runs (None: none can run here)."""
     ext = load()
     return None if ext is None else next(p for p, b in BUILDS.items() if ext.__name__ == b[0])
 

@@ -23,9 +23,9 @@ Fixtures (all offline, seeded, CPU, fp32):
 
 ``bf16_path`` (function, parametrized)
     Runs a test once per CPU bf16 path, as the CPU that selects it would: ``"amx"``, ``"avx512_bf16"``
-    (AMX hidden), ``"avx512"`` (AMX and AVX512-BF16 hidden: AVX-512 alone, as on an Intel Ice Lake) and
-    ``"torch"`` (AVX-512 hidden too: an AVX2-only CPU), each skipped with the missing feature named where
-    this CPU cannot run it. Load models inside the test.
+    (AMX hidden), ``"avx512"`` (AMX and AVX512-BF16 hidden: AVX-512 alone, as on an Intel Ice Lake),
+    ``"avx2"`` (AVX-512 hidden too: an AMD Zen 3) and ``"torch"`` (AVX2 hidden too: no kernel path), each
+    skipped with the missing feature named where this CPU cannot run it. Load models inside the test.
 
 ``tiny_quant_gguf`` (session)
     A tiny llama (``TINY_QUANT_SHAPE``: hidden 256, so the Q4_K/Q8_0 blocks fit) written as a
@@ -53,6 +53,8 @@ model can emit decodes. The weights are initialised with ``initializer_range=0.2
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -65,6 +67,26 @@ _TESTS = Path(__file__).resolve().parent
 # thread keeps the suite fast when other processes share the (two) cores: with torch's default of
 # one thread per core, a busy neighbour makes every forward wait on the slowest thread (~40x slower).
 torch.set_num_threads(1)
+
+_prebuild: subprocess.Popen | None = None
+
+
+def pytest_sessionstart(session):
+    """Under pytest -n (pyproject's default), the controller compiles the C++ kernels in one background process
+    (kernels.prebuild) while the workers start on the tests: a worker that needs a kernel not built yet waits on
+    torch's build lock for that build, instead of each worker compiling them one after another as it meets them."""
+    global _prebuild
+    cfg = session.config
+    if hasattr(cfg, "workerinput") or not cfg.getoption("numprocesses", None):
+        return
+    _prebuild = subprocess.Popen([sys.executable, "-m", "kernels.prebuild", "--jobs", "1"], cwd=_TESTS.parent,
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def pytest_sessionfinish(session):
+    # not killed: a build killed midway leaves torch's lock behind, which stalls the next run's load
+    if _prebuild is not None:
+        _prebuild.wait()
 
 
 TINY_VOCAB_SIZE = 128
@@ -211,7 +233,8 @@ BF16_PATHS = {
     "amx": (("amx_bf16", "amx_tile", "avx512_bf16"), ()),
     "avx512_bf16": (("avx512_bf16",), ("amx_bf16", "amx_tile")),
     "avx512": (("avx512f", "avx512bw", "avx512vl"), ("amx_bf16", "amx_tile", "avx512_bf16")),
-    "torch": ((), ("amx_bf16", "amx_tile", "avx512_bf16", "avx512f")),
+    "avx2": (("avx2", "fma"), ("amx_bf16", "amx_tile", "avx512_bf16", "avx512f")),
+    "torch": ((), ("amx_bf16", "amx_tile", "avx512_bf16", "avx512f", "avx2")),
 }
 
 
@@ -388,14 +411,18 @@ def tiny_quant_gguf(tiny_model_factory, tmp_path_factory) -> Path:
     return path
 
 
-def fma_form(module):
-    """``module``'s build as a CPU with AVX-512 but no AVX512-BF16 takes it (vdpbf16ps's arithmetic in fp32
-    FMAs, csrc/bf16.h), beside the AVX512-BF16 build that ``module`` loads here; skips unless both run."""
+FMA_FORMS = {"avx512": ("amx_bf16", "amx_tile", "avx512_bf16"), "avx2": ("amx_bf16", "amx_tile", "avx512_bf16", "avx512f")}
+
+
+def fma_form(module, path: str = "avx512"):
+    """``module``'s build as a CPU with AVX-512 but no AVX512-BF16 takes it (``path`` "avx512": vdpbf16ps's
+    arithmetic in fp32 FMAs, csrc/bf16.h), or one with AVX2 alone ("avx2": that form on two ymm halves,
+    csrc/vec16.h), beside the AVX512-BF16 build that ``module`` loads here; skips unless both run."""
     from kernels import cpu, skinny_linear
 
     if skinny_linear.path() != "avx512_bf16":
         pytest.skip("needs a CPU with AVX512-BF16, to compare the two forms")
-    with cpu.hidden("amx_bf16", "amx_tile", "avx512_bf16"):
+    with cpu.hidden(*FMA_FORMS[path]):
         ext = module.load()
-        assert skinny_linear.path() == "avx512" and ext is not None
+        assert skinny_linear.path() == path and ext is not None
     return ext

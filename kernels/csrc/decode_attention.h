@@ -13,6 +13,8 @@
 #pragma once
 #include <immintrin.h>
 #include "bf16.h"
+#include "vec16.h"
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -20,24 +22,23 @@
 namespace specctl::attn {
 
 
-inline __m512 exp512(__m512 x) {
+inline f32x16 exp16(f32x16 x) {
   // e^x = 2^n * e^r, r = x - n ln2 in [-ln2/2, ln2/2]; degree-6 polynomial for e^r (~1 ulp)
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 720);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
+  x = max(x, set16(-87.0f));
+  const f32x16 n = round_nearest(mul(x, set16(1.44269504088896341f)));
+  f32x16 r = fnmadd(n, set16(0.693359375f), x);
+  r = fnmadd(n, set16(-2.12194440e-4f), r);
+  f32x16 p = set16(1.0f / 720);
+  p = fmadd(p, r, set16(1.0f / 120));
+  p = fmadd(p, r, set16(1.0f / 24));
+  p = fmadd(p, r, set16(1.0f / 6));
+  p = fmadd(p, r, set16(0.5f));
+  p = fmadd(p, r, set16(1.0f));
+  p = fmadd(p, r, set16(1.0f));
+  return scalef(p, n);
 }
 
-using specctl::load_bf16x16;
+using namespace specctl;  // f32x16 and its operations (vec16.h), the bf16 loads and dot (bf16.h)
 
 constexpr int MAX_G = 16;    // query heads per kv head
 constexpr int MAX_HD = 256;  // head dim
@@ -60,26 +61,24 @@ struct TreeRows {
 template <int GB, int CW, class Row>
 inline void pv(const float* const* p, const int64_t* L, const uint16_t* vc, int hd, int c0, const float* inv,
                uint16_t* const* out, Row row) {
-  __m512 acc[GB][CW];
+  f32x16 acc[GB][CW];
   for (int g = 0; g < GB; ++g)
-    for (int c = 0; c < CW; ++c) acc[g][c] = _mm512_setzero_ps();
+    for (int c = 0; c < CW; ++c) acc[g][c] = zero16();
   int64_t lo = L[0], hi = L[0];
   for (int g = 1; g < GB; ++g) { lo = L[g] < lo ? L[g] : lo; hi = L[g] > hi ? L[g] : hi; }
   for (int64_t t = 0; t < hi; ++t) {
-    __m512 v[CW];
+    f32x16 v[CW];
     const uint16_t* vt = vc + row(t) * hd;
     for (int c = 0; c < CW; ++c) v[c] = load_bf16x16(vt + 16 * (c0 + c));
     for (int g = 0; g < GB; ++g) {
       if (t >= lo && t >= L[g]) continue;
-      const __m512 pt = _mm512_set1_ps(p[g][t]);
-      for (int c = 0; c < CW; ++c) acc[g][c] = _mm512_fmadd_ps(pt, v[c], acc[g][c]);
+      const f32x16 pt = set16(p[g][t]);
+      for (int c = 0; c < CW; ++c) acc[g][c] = fmadd(pt, v[c], acc[g][c]);
     }
   }
   for (int g = 0; g < GB; ++g) {
-    const __m512 iv = _mm512_set1_ps(inv[g]);
-    for (int c = 0; c < CW; c += 2) {
-      _mm512_storeu_si512(out[g] + 16 * (c0 + c), cvt_bf16x32(_mm512_mul_ps(acc[g][c + 1], iv), _mm512_mul_ps(acc[g][c], iv)));
-    }
+    const f32x16 iv = set16(inv[g]);
+    for (int c = 0; c < CW; c += 2) store_bf16x32(out[g] + 16 * (c0 + c), mul(acc[g][c + 1], iv), mul(acc[g][c], iv));
   }
 }
 
@@ -100,7 +99,8 @@ inline void pv_dispatch(int gb, const float* const* p, const int64_t* L, const u
 // and lane shuffles (25 shuffles and 15 adds for 16 sums, where 16 separate reductions cost ~8x more).
 // Each key's 16 products are summed in one fixed tree, whichever of the 16 places it takes: a key's
 // score does not depend on L, T, its neighbours or the batch.
-inline __m512 hsum16(const __m512* a) {
+#if defined(__AVX512F__)
+inline f32x16 hsum16(const f32x16* a) {
   __m512 s8[8], s4[4], s2[2];
   for (int i = 0; i < 8; ++i)  // blocks 0-1: key 2i's 8 partial sums, blocks 2-3: key 2i+1's
     s8[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44),
@@ -116,6 +116,33 @@ inline __m512 hsum16(const __m512* a) {
   const __m512i key_order = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
   return _mm512_permutexvar_ps(key_order, r);
 }
+#else
+// The same tree on two ymm halves (blocks 0-1 and 2-3 of the zmm form): every sum adds the same two
+// partial sums as the AVX-512 form, so each key's score is the same to the bit.
+inline f32x16 hsum16(const f32x16* a) {
+  f32x16 s8[8], s4[4], s2[2];
+  for (int i = 0; i < 8; ++i) s8[i] = {_mm256_add_ps(a[2 * i].lo, a[2 * i].hi), _mm256_add_ps(a[2 * i + 1].lo, a[2 * i + 1].hi)};
+  for (int i = 0; i < 4; ++i) {
+    const f32x16 c = s8[2 * i], d = s8[2 * i + 1];
+    s4[i] = {_mm256_add_ps(_mm256_permute2f128_ps(c.lo, c.hi, 0x20), _mm256_permute2f128_ps(c.lo, c.hi, 0x31)),
+             _mm256_add_ps(_mm256_permute2f128_ps(d.lo, d.hi, 0x20), _mm256_permute2f128_ps(d.lo, d.hi, 0x31))};
+  }
+  for (int i = 0; i < 2; ++i) {
+    const f32x16 e = s4[2 * i], f = s4[2 * i + 1];
+    s2[i] = {_mm256_add_ps(_mm256_unpacklo_ps(e.lo, f.lo), _mm256_unpackhi_ps(e.lo, f.lo)),
+             _mm256_add_ps(_mm256_unpacklo_ps(e.hi, f.hi), _mm256_unpackhi_ps(e.hi, f.hi))};
+  }
+  auto pairs = [](__m256 x, __m256 y) {
+    return _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(_mm256_castps_pd(x), _mm256_castps_pd(y))),
+                         _mm256_castpd_ps(_mm256_unpackhi_pd(_mm256_castps_pd(x), _mm256_castps_pd(y))));
+  };
+  const __m256 rlo = pairs(s2[0].lo, s2[1].lo), rhi = pairs(s2[0].hi, s2[1].hi);  // r lanes 0-7, 8-15
+  // lane t of the result is r[(t % 4) * 4 + t / 4]: lanes 0-7 take r 0 4 8 12 1 5 9 13, lanes 8-15 r 2 6 10 14 3 7 11 15
+  const __m256i first = _mm256_setr_epi32(0, 4, 0, 4, 1, 5, 1, 5), second = _mm256_setr_epi32(2, 6, 2, 6, 3, 7, 3, 7);
+  return {_mm256_blend_ps(_mm256_permutevar8x32_ps(rlo, first), _mm256_permutevar8x32_ps(rhi, first), 0xCC),
+          _mm256_blend_ps(_mm256_permutevar8x32_ps(rlo, second), _mm256_permutevar8x32_ps(rhi, second), 0xCC)};
+}
+#endif
 
 constexpr int MAX_Q = 64;  // query vectors (rows x heads) of one item
 
@@ -146,25 +173,25 @@ inline void item(const uint16_t* q, int64_t q_hstride, const uint16_t* kc, const
   for (int u = 0; u < n; ++u) mx[u] = -INFINITY;
   int64_t j0 = 0;
   if (chunks <= 4) {  // keys 16 at a time (those every row sees): 16 accumulators per query, one reduction
-    __m512 mxv[MAX_Q];
-    for (int u = 0; u < n; ++u) mxv[u] = _mm512_set1_ps(-INFINITY);
-    const __m512 sc = _mm512_set1_ps(scale);
+    f32x16 mxv[MAX_Q];
+    for (int u = 0; u < n; ++u) mxv[u] = set16(-INFINITY);
+    const f32x16 sc = set16(scale);
     for (; j0 + 16 <= L; j0 += 16) {
       const uint16_t* kj[16];
       for (int t = 0; t < 16; ++t) kj[t] = kc + row(j0 + t) * hd;
       for (int u = 0; u < n; ++u) {
-        __m512 acc[16];
+        f32x16 acc[16];
         for (int t = 0; t < 16; ++t) {
-          __m512 a = _mm512_setzero_ps();
+          f32x16 a = zero16();
           for (int c = 0; c < chunks; ++c) a = dot_bf16(a, qv[u][c], load_bf16x32(kj[t] + 32 * c));
           acc[t] = a;
         }
-        const __m512 v = _mm512_mul_ps(hsum16(acc), sc);
-        _mm512_storeu_ps(s.data() + u * Lmax + j0, v);
-        mxv[u] = _mm512_max_ps(mxv[u], v);
+        const f32x16 v = mul(hsum16(acc), sc);
+        storeu(s.data() + u * Lmax + j0, v);
+        mxv[u] = max(mxv[u], v);
       }
     }
-    for (int u = 0; u < n; ++u) mx[u] = _mm512_reduce_max_ps(mxv[u]);
+    for (int u = 0; u < n; ++u) mx[u] = reduce_max(mxv[u]);
   }
   for (int64_t j = j0; j < Lmax; ++j) {  // the rest, key by key, in the same summation tree
     bf16x32 kv[MAX_HD / 32];
@@ -172,11 +199,11 @@ inline void item(const uint16_t* q, int64_t q_hstride, const uint16_t* kc, const
     for (int c = 0; c < chunks; ++c) kv[c] = load_bf16x32(kj + 32 * c);
     for (int u = 0; u < n; ++u) {
       if (j >= len[u]) continue;
-      __m512 one[16];
-      one[0] = _mm512_setzero_ps();
+      f32x16 one[16];
+      one[0] = zero16();
       for (int c = 0; c < chunks; ++c) one[0] = dot_bf16(one[0], qv[u][c], kv[c]);
-      for (int t = 1; t < 16; ++t) one[t] = _mm512_setzero_ps();
-      const float v = _mm512_cvtss_f32(hsum16(one)) * scale;
+      for (int t = 1; t < 16; ++t) one[t] = zero16();
+      const float v = lane0(hsum16(one)) * scale;
       s[u * Lmax + j] = v;
       mx[u] = v > mx[u] ? v : mx[u];
     }
@@ -185,21 +212,21 @@ inline void item(const uint16_t* q, int64_t q_hstride, const uint16_t* kc, const
   for (int u = 0; u < n; ++u) {
     float* sg = s.data() + u * Lmax;
     const int64_t Lu = len[u];
-    const __m512 m = _mm512_set1_ps(mx[u]);
-    __m512 sum = _mm512_setzero_ps();
+    const f32x16 m = set16(mx[u]);
+    f32x16 sum = zero16();
     int64_t j = 0;
     for (; j + 16 <= Lu; j += 16) {
-      const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(sg + j), m));
-      _mm512_storeu_ps(sg + j, e);
-      sum = _mm512_add_ps(sum, e);
+      const f32x16 e = exp16(sub(loadu(sg + j), m));
+      storeu(sg + j, e);
+      sum = add(sum, e);
     }
     if (j < Lu) {
-      const __mmask16 mk = static_cast<__mmask16>((1u << (Lu - j)) - 1);
-      const __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, sg + j), m));
-      _mm512_mask_storeu_ps(sg + j, mk, e);
-      sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(mk, e));
+      const int r = static_cast<int>(Lu - j);
+      const f32x16 e = exp16(sub(load_n(sg + j, r), m));
+      store_n(sg + j, e, r);
+      sum = add(sum, first_n(e, r));
     }
-    inv[u] = 1.0f / _mm512_reduce_add_ps(sum);
+    inv[u] = 1.0f / reduce_add(sum);
   }
   for (int pass = 0; pass < 2; ++pass) {  // the attention weights of the rows asked for
     float* dst = pass ? w_last : w_first;
@@ -207,11 +234,10 @@ inline void item(const uint16_t* q, int64_t q_hstride, const uint16_t* kc, const
     if (dst == nullptr || i < 0 || i >= T) continue;
     const int64_t Li = L + i;
     for (int64_t j = 0; j < Li; j += 16) {
-      const __mmask16 mk = Li - j >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (Li - j)) - 1);
-      __m512 acc = _mm512_setzero_ps();
-      for (int g = 0; g < G; ++g)
-        acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mk, s.data() + (i * G + g) * Lmax + j), _mm512_set1_ps(inv[i * G + g]), acc);
-      _mm512_mask_storeu_ps(dst + j, mk, acc);
+      const int r = static_cast<int>(std::min<int64_t>(16, Li - j));
+      f32x16 acc = zero16();
+      for (int g = 0; g < G; ++g) acc = fmadd(load_n(s.data() + (i * G + g) * Lmax + j, r), set16(inv[i * G + g]), acc);
+      store_n(dst + j, acc, r);
     }
   }
   // out = P V: (row, head) pairs in groups of at most 6, head dim in passes of CW 16-float chunks, so

@@ -13,8 +13,9 @@
 // whatever M is (AMX tiles per row, per-row attention, per-row norms), so verification rows equal
 // decode rows bit for bit, as in amx_gemm.h and decode_attention.h.
 //
-// Two builds: AMX (weights packed in tiles, amx_gemm.h) and, with SPECCTL_SKINNY, AVX512-BF16 without
-// AMX (an AMD EPYC: row-major weights through skinny_gemm.h, the skinny linear's own core). On such a
+// Two builds: AMX (weights packed in tiles, amx_gemm.h) and, with SPECCTL_SKINNY, CPUs without AMX (an AMD
+// EPYC with AVX512-BF16; AVX-512 or AVX2 alone through bf16.h / vec16.h's FMA form, bit for bit the same:
+// row-major weights through skinny_gemm.h, the skinny linear's own core). On such a
 // CPU the per-op path pays a thread-pool wake-up per linear, 4-5 per block (under OMP_WAIT_POLICY=PASSIVE
 // in a VM: a 1.5B decode step took 110-143 ms per-op, 77-84 ms fused).
 //
@@ -68,19 +69,20 @@ struct SpinBarrier {
 
 // y = w * bf16(x * rsqrt(mean(x^2) + eps)) in bf16, as specctl.modeling.RMSNorm; one row.
 inline void rmsnorm_row(const uint16_t* x, const uint16_t* w, float eps, int64_t H, uint16_t* y) {
-  __m512 ss = _mm512_setzero_ps();
+  using namespace specctl;
+  f32x16 ss = zero16();
   int64_t i = 0;
   for (; i + 16 <= H; i += 16) {
-    const __m512 v = load_bf16x16(x + i);
-    ss = _mm512_fmadd_ps(v, v, ss);
+    const f32x16 v = load_bf16x16(x + i);
+    ss = fmadd(v, v, ss);
   }
-  float sum = _mm512_reduce_add_ps(ss);
+  float sum = reduce_add(ss);
   for (; i < H; ++i) sum += from_bf16(x[i]) * from_bf16(x[i]);
   const float r = 1.0f / std::sqrt(sum / static_cast<float>(H) + eps);
-  const __m512 rv = _mm512_set1_ps(r);
+  const f32x16 rv = set16(r);
   for (i = 0; i + 16 <= H; i += 16) {
-    const __m256i n = cvt_bf16x16(_mm512_mul_ps(load_bf16x16(x + i), rv));
-    const __m512 o = _mm512_mul_ps(load_bf16x16(w + i), load_bf16x16(reinterpret_cast<const uint16_t*>(&n)));
+    const __m256i n = cvt_bf16x16(mul(load_bf16x16(x + i), rv));
+    const f32x16 o = mul(load_bf16x16(w + i), load_bf16x16(reinterpret_cast<const uint16_t*>(&n)));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + i), cvt_bf16x16(o));
   }
   for (; i < H; ++i) y[i] = to_bf16(from_bf16(w[i]) * from_bf16(to_bf16(from_bf16(x[i]) * r)));
@@ -331,11 +333,11 @@ void run_block(const Weights& w, std::vector<Seg>& segs, const uint16_t* xp, con
     share(M * (I / 16), tid, nt, a, b);
     for (int64_t c = a; c < b; ++c) {
       const int64_t m = c / (I / 16), j = (c % (I / 16)) * 16;
-      const __m512 g = load_bf16x16(gup + m * I2 + j), u = load_bf16x16(gup + m * I2 + I + j);
-      const __m512 sg = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f),
-                                                      specctl::attn::exp512(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+      using namespace specctl;
+      const f32x16 g = load_bf16x16(gup + m * I2 + j), u = load_bf16x16(gup + m * I2 + I + j);
+      const f32x16 sg = div(g, add(set16(1.0f), attn::exp16(sub(zero16(), g))));
       const __m256i sgb = cvt_bf16x16(sg);
-      const __m512 prod = _mm512_mul_ps(load_bf16x16(reinterpret_cast<const u16*>(&sgb)), u);
+      const f32x16 prod = mul(load_bf16x16(reinterpret_cast<const u16*>(&sgb)), u);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(actp + m * I + j), cvt_bf16x16(prod));
     }
     bar.wait(nt, sense);

@@ -1,7 +1,8 @@
-// The AVX512-BF16 skinny GEMM core: y[m, n] = bf16(sum_k x[m, k] w[n, k] + b[n]) for weight rows [n0, n1),
-// w row-major [N, K] bf16, optionally + a residual: bf16(r[m, n] + bf16(...)) (as x + linear(x) rounds in
-// torch). Shared by skinny_linear.cpp (every bf16 linear on a CPU with AVX512-BF16 and no AMX) and
-// decode_layer.cpp's build for such CPUs (the fused block).
+// The skinny GEMM core: y[m, n] = bf16(sum_k x[m, k] w[n, k] + b[n]) for weight rows [n0, n1), w row-major
+// [N, K] bf16, optionally + a residual: bf16(r[m, n] + bf16(...)) (as x + linear(x) rounds in torch). Shared
+// by skinny_linear.cpp (every bf16 linear on a CPU without AMX) and decode_layer.cpp's build for such CPUs
+// (the fused block); built for AVX512-BF16, for AVX-512 alone and for AVX2 (bf16.h, vec16.h: the same
+// arithmetic in each, so the same outputs).
 //
 // Every output is one fp32 dot product accumulated in a fixed order (32 lanes of vdpbf16ps over k, then a
 // fixed lane reduction), rounded to bf16 once. The order depends neither on M nor on how the weight rows
@@ -27,6 +28,11 @@
 namespace specctl::skinny {
 
 constexpr int MAX_M = 16;
+// x rows a pass takes against 4 weight rows: 4 x 4 accumulators fill half of AVX-512's 32 zmm registers. On
+// AVX2 (each accumulator two of its 16 ymm) they spill, and still beat 4 x 1 and 4 x 2 (an AVX2 build on an
+// Intel Xeon, 192 MiB of weights, 2 threads: 8 rows 41.8 ms at 4 x 1, 33.8 at 4 x 2, 29.4 at 4 x 4; 1 row
+// 9.3-10.3 ms in all three).
+constexpr int MB_MAX = 4;
 // Weight rows per chunk that every row tile sweeps before the next chunk (64 rows of K <= 8960 bf16:
 // at most 1.1 MiB, in L2).
 constexpr int64_t N_CHUNK = 64;
@@ -34,13 +40,13 @@ constexpr int64_t N_CHUNK = 64;
 // One pass: x rows [M0, M0 + MB) against NB weight rows; prefetches rows [J0, J1) of pf (the next group)
 // at the same k, one line a load, where pf is given.
 template <int MB, int NB, int J0 = 0, int J1 = NB>
-inline void block(const uint16_t* x, const uint16_t* wr, int64_t K, int64_t kfull, __mmask32 tail, float* out,
+inline void block(const uint16_t* x, const uint16_t* wr, int64_t K, int64_t kfull, int tail, float* out,
                   int ostride, const uint16_t* pf) {
-  __m512 acc[NB][MB];
+  f32x16 acc[NB][MB];
 #pragma GCC unroll 4
   for (int j = 0; j < NB; ++j)
 #pragma GCC unroll 4
-    for (int m = 0; m < MB; ++m) acc[j][m] = _mm512_setzero_ps();
+    for (int m = 0; m < MB; ++m) acc[j][m] = zero16();
   for (int64_t k = 0; k < kfull; k += 32) {
     bf16x32 wv[NB];
 #pragma GCC unroll 4
@@ -58,23 +64,23 @@ inline void block(const uint16_t* x, const uint16_t* wr, int64_t K, int64_t kful
   }
   if (tail) {
     bf16x32 wv[NB];
-    for (int j = 0; j < NB; ++j) wv[j] = as_bf16x32(_mm512_maskz_loadu_epi16(tail, wr + j * K + kfull));
+    for (int j = 0; j < NB; ++j) wv[j] = load_bf16x32_n(wr + j * K + kfull, tail);
     for (int m = 0; m < MB; ++m) {
-      const bf16x32 xv = as_bf16x32(_mm512_maskz_loadu_epi16(tail, x + m * K + kfull));
+      const bf16x32 xv = load_bf16x32_n(x + m * K + kfull, tail);
       for (int j = 0; j < NB; ++j) acc[j][m] = dot_bf16(acc[j][m], xv, wv[j]);
     }
   }
   for (int j = 0; j < NB; ++j)
-    for (int m = 0; m < MB; ++m) out[j * ostride + m] = _mm512_reduce_add_ps(acc[j][m]);
+    for (int m = 0; m < MB; ++m) out[j * ostride + m] = reduce_add(acc[j][m]);
 }
 
 template <int M, int NB, int M0>
-inline void group(const uint16_t* x, const uint16_t* wr, int64_t K, int64_t kfull, __mmask32 tail, float out[][M],
+inline void group(const uint16_t* x, const uint16_t* wr, int64_t K, int64_t kfull, int tail, float out[][M],
                   const uint16_t* pf) {
   if constexpr (M0 < M) {
-    constexpr int MB = (M - M0) < 4 ? (M - M0) : 4;
-    // the next group's rows are prefetched a share a pass, spread over all ceil(M / 4) passes
-    constexpr int P = (M + 3) / 4, I = M0 / 4;
+    constexpr int MB = (M - M0) < MB_MAX ? (M - M0) : MB_MAX;
+    // the next group's rows are prefetched a share a pass, spread over all ceil(M / MB_MAX) passes
+    constexpr int P = (M + MB_MAX - 1) / MB_MAX, I = M0 / MB_MAX;
     block<MB, NB, I * NB / P, (I + 1) * NB / P>(x + M0 * K, wr, K, kfull, tail, &out[0][M0], M, pf);
     group<M, NB, M0 + MB>(x, wr, K, kfull, tail, out, pf);
   }
@@ -92,7 +98,7 @@ void rows_kernel(const uint16_t* x, const uint16_t* w, const uint16_t* b, uint16
                  int64_t ldy, int64_t K, int64_t n0, int64_t n1, int64_t pf_end) {
   constexpr int NB = 4;
   const int64_t kfull = K / 32 * 32;
-  const __mmask32 tail = (K - kfull) ? ((__mmask32)((1ull << (K - kfull)) - 1)) : 0;
+  const int tail = static_cast<int>(K - kfull);
   int64_t n = n0;
   for (; n + NB <= n1; n += NB) {
     float out[NB][M];

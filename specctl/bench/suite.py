@@ -177,7 +177,7 @@ def machine_header(loaded: LoadedModel, max_new_tokens: int, temperature: float)
         "model": str(loaded.path), "dtype": str(loaded.dtype).removeprefix("torch."), "device": str(dev),
         "machine": torch.cuda.get_device_name(dev) if dev.type == "cuda" else cpu,
         "threads": torch.get_num_threads(), "torch": torch.__version__,
-        # the CPU path of bf16 linears: "amx", "avx512_bf16" (row-independent) or None (torch's kernels)
+        # the CPU path of bf16 linears: "amx", "avx512_bf16", "avx512", "avx2" (row-independent) or None (torch's kernels)
         "cpu_kernels": loaded.model.cpu_kernels,
         # "gguf": the weights are a GGUF's blocks as stored (--quantization gguf); "none": dense in ``dtype``
         "quantization": getattr(loaded.model, "quantization", None) or "none",

@@ -115,19 +115,19 @@ def enable_exact_bf16(model: "Transformer") -> bool:
     then equals plain decoding bit for bit, and decode reads the weights faster than torch's oneDNN
     GEMV (see benchmarks/decode_bandwidth.py). On by default for bf16 on CPU; ``--kernels torch``
     keeps torch's F.linear. Returns whether a row-independent path is active; where the CPU has
-    neither AMX nor AVX-512 (or no compiler), says so once on stderr and returns False."""
+    none of AMX, AVX-512 or AVX2 (or no compiler), says so once on stderr and returns False."""
     global _told_inexact
     exact = pack_for_amx(model)
     if exact:
         model.cpu_kernels = "amx"
     elif skinny_linear.load() is not None:
         skinny_linear.ENABLED = True
-        model.cpu_kernels = skinny_linear.path()  # "avx512_bf16", or "avx512" (its FMA form, same results)
+        model.cpu_kernels = skinny_linear.path()  # "avx512_bf16", or "avx512"/"avx2" (its FMA form, same results)
         weights_on_huge_pages(model)
         exact = True
     if not exact and not _told_inexact:
         _told_inexact = True
-        print("specctl: this CPU has neither AMX nor AVX-512 (or no compiler), so bf16 runs on torch's "
+        print("specctl: this CPU has neither AMX, AVX-512 nor AVX2 (or no compiler), so bf16 runs on torch's "
               "kernels: greedy speculative output equals plain output except at near-ties (use --dtype float32 "
               "for token-exact output)", file=sys.stderr)
     if exact and decode_attention.load() is not None:
@@ -139,8 +139,8 @@ def enable_exact_bf16(model: "Transformer") -> bool:
             linears = (block.qkv, block.o, block.gate_up, block.down)
             if fused_kind == "amx":  # the fused block's AMX build takes the packed weights
                 weights_fit = all(getattr(l, "amx_packed", False) for l in linears)
-            else:  # its AVX-512 builds the skinny linear's row-major ones (None: no build)
-                weights_fit = fused_kind in ("avx512_bf16", "avx512") and all(_dense_bf16(l) for l in linears)
+            else:  # its other builds the skinny linear's row-major ones (None: no build)
+                weights_fit = fused_kind in ("avx512_bf16", "avx512", "avx2") and all(_dense_bf16(l) for l in linears)
             # GGUF blocks (specctl.runtime.quant) on the int8 path: the block's quantized build
             weights_fit = weights_fit or decode_layer.fits_quant(block)
             block.fused = (block.exact_attention and weights_fit

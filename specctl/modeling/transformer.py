@@ -220,7 +220,7 @@ class Transformer(nn.Module):
         self.aux_out: torch.Tensor | None = None
         self.head_packed: torch.Tensor | None = None  # the LM head in AMX tiles (pack_for_amx)
         self.quant_head: nn.Module | None = None  # the LM head as GGUF blocks (specctl.runtime.quant), fp32 logits
-        # the row-independent C++ path its bf16 linears take on a CPU ("amx" or "avx512_bf16"; see
+        # the row-independent C++ path its bf16 linears take on a CPU ("amx", "avx512_bf16", "avx512", "avx2"; see
         # kernels/cpu.py), or None for torch's own kernels
         self.cpu_kernels: str | None = None
 

@@ -115,12 +115,14 @@ def test_rows_sharing_a_read_of_the_keys_equal_rows_alone(nh, nkv, hd, T):
     torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("path", ["avx512", "avx2"])
 @pytest.mark.parametrize("nh,nkv,hd,T", [(14, 2, 64, 5), (4, 4, 128, 20)])
-def test_fma_form_equals_avx512_bf16_bit_for_bit(nh, nkv, hd, T):
-    """The build for AVX-512 without BF16 (scores by FMAs, csrc/bf16.h) equals the AVX512-BF16 build."""
+def test_fma_form_equals_avx512_bf16_bit_for_bit(nh, nkv, hd, T, path):
+    """The builds for AVX-512 without BF16 (scores by FMAs, csrc/bf16.h) and for AVX2 (the same on two ymm
+    halves, csrc/vec16.h: hsum16's tree, exp16's scalef, the partial loads) equal the AVX512-BF16 build."""
     from tests.conftest import fma_form
 
-    fma = fma_form(decode_attention)
+    fma = fma_form(decode_attention, path)
     g = torch.Generator().manual_seed(T)
     S, start = 120, 41
     kc = torch.randn(1, nkv, S, hd, generator=g).bfloat16()

@@ -1,5 +1,5 @@
 """The fused decode block (kernels/decode_layer), each build (AMX; AVX512-BF16 without AMX, as on an AMD
-EPYC; AVX-512 without BF16, as on an Intel Ice Lake; GGUF quantized weights on AVX512-VNNI): the same block as the per-op path to bf16 rounding, the same
+EPYC; AVX-512 without BF16, as on an Intel Ice Lake; AVX2 alone, as on an AMD Zen 3; GGUF quantized weights on AVX512-VNNI): the same block as the per-op path to bf16 rounding, the same
 keys and values in the cache, and rows independent of how many share the call."""
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from specctl.runtime.runner import tree_attention_mask, tree_depths
 # (gguf: the quantized build on the int8 path, "gguf_amx" on the AMX-INT8 panels)
 BUILDS = {"amx": (cpu.AMX, ()), "avx512_bf16": (cpu.AVX512_BF16, ("amx_bf16", "amx_tile")),
           "avx512": (cpu.AVX512, ("amx_bf16", "amx_tile", "avx512_bf16")),
+          "avx2": (cpu.AVX2, ("amx_bf16", "amx_tile", "avx512_bf16", "avx512f")),
           "gguf": (("avx512_bf16", "avx512_vnni", "avx512bw"), ()),
           "gguf_amx": (("avx512_bf16", "avx512_vnni", "avx512bw", "amx_tile", "amx_int8"), ())}
 
@@ -155,3 +156,4 @@ def test_tree_rows_equal_their_paths_decoded_as_chains(model, parents):
         assert torch.equal(out[:, i], chain[:, -1]), i
         assert torch.equal(c.k[0, :, :, start + i], ck[0, :, :, start + len(path) - 1])
         assert torch.equal(c.v[0, :, :, start + i], cv[0, :, :, start + len(path) - 1])
+

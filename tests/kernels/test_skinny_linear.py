@@ -62,13 +62,14 @@ def test_linear_falls_back_outside_its_domain(monkeypatch):
     assert torch.equal(skinny_linear.linear(xb, wb), F.linear(xb, wb))
 
 
-def test_fma_form_equals_avx512_bf16_bit_for_bit():
-    """The "avx512" build (Intel Skylake-SP to Ice Lake) computes what the "avx512_bf16" build computes,
-    bit for bit, for every row count and K tail, over values spanning 2^-40..2^40 (both flush subnormals
-    as specctl's runtime runs them)."""
+@pytest.mark.parametrize("path", ["avx512", "avx2"])
+def test_fma_form_equals_avx512_bf16_bit_for_bit(path):
+    """The "avx512" build (Intel Skylake-SP to Ice Lake) and the "avx2" build (AMD Zen 2/3, Intel Haswell
+    to Comet Lake) compute what the "avx512_bf16" build computes, bit for bit, for every row count and K
+    tail, over values spanning 2^-40..2^40 (all flush subnormals as specctl's runtime runs them)."""
     from tests.conftest import fma_form
 
-    fma = fma_form(skinny_linear)
+    fma = fma_form(skinny_linear, path)
     torch.set_flush_denormal(True)  # torch has no getter for the mode: set, then cleared again below
     try:
         g = torch.Generator().manual_seed(7)
