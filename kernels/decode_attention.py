@@ -24,9 +24,8 @@ _tried = False
 def spec(p: str) -> tuple[str, str, tuple[str, ...], list[str]]:
     """(extension name, source, CPU features, compiler flags) of the build for the skinny linear's path ``p``
     (the same features and flags: "avx512" and "avx2" are its FMA forms)."""
-    _, needs, flags = skinny_linear.BUILDS[p]
-    suffix = {"avx512_bf16": "", "avx512": "_avx512f", "avx2": "_avx2"}[p]
-    return f"specctl_decode_attention{suffix}", "decode_attention.cpp", needs, flags
+    name, needs, flags = skinny_linear.BUILDS[p]
+    return name.replace("skinny_linear", "decode_attention"), "decode_attention.cpp", needs, flags
 
 
 def load():

@@ -54,9 +54,14 @@ def build_spec(kind: str) -> tuple[str, tuple[str, ...], list[str]]:
     raise ValueError(f"no fused block build for {kind!r}")
 
 
-def _build(kind: str):
+def spec(kind: str) -> tuple[str, str, tuple[str, ...], list[str]]:
+    """(extension name, source, CPU features, compiler flags) of ``kind``'s build."""
     name, needs, flags = build_spec(kind)
-    return build(name, "decode_layer.cpp", needs, flags)
+    return name, "decode_layer.cpp", needs, flags
+
+
+def _build(kind: str):
+    return build(*spec(kind))
 
 
 def load():

@@ -39,20 +39,17 @@ def specs(only_selected: bool = False) -> list[Spec]:
         own += [skinny_linear.spec(vector), decode_attention.spec(vector)]
     amx = cpu.has(*amx_linear.SPEC[2])
     kinds = ["amx"] if amx else [vector] if vector else []  # the fused block's build, as decode_layer.load()
-    own += [(n, "decode_layer.cpp", needs, flags) for n, needs, flags in map(decode_layer.build_spec, kinds)]
+    own += [decode_layer.spec(k) for k in kinds]
     qbest = next((p for p in quant_linear.PATHS if cpu.has(*quant_linear.NEEDS[p])), None)
     if qbest is not None:
         own.append(quant_linear.spec(qbest))
         if qbest in ("avx512_vnni", "amx_int8"):
-            n, needs, flags = decode_layer.build_spec(qbest)
-            own.append((n, "decode_layer.cpp", needs, flags))
+            own.append(decode_layer.spec(qbest))
     rest: list[Spec] = []
     if not only_selected:
         for p in skinny_linear.BUILDS:
             rest += [skinny_linear.spec(p), decode_attention.spec(p)]
-        for k in ("amx", *skinny_linear.BUILDS, "avx512_vnni", "amx_int8"):
-            n, needs, flags = decode_layer.build_spec(k)
-            rest.append((n, "decode_layer.cpp", needs, flags))
+        rest += [decode_layer.spec(k) for k in ("amx", *skinny_linear.BUILDS, "avx512_vnni", "amx_int8")]
         rest += [quant_linear.spec(p) for p in quant_linear.PATHS]
     seen: set[str] = set()
     out = []
@@ -73,16 +70,9 @@ def _build_one(spec: Spec) -> tuple[str, bool, float]:
 
 def build_all(jobs: int, only_selected: bool = False, log=None) -> list[tuple[str, bool, float]]:
     """Builds ``specs()``, ``jobs`` processes at a time; returns (name, built, seconds) in the order they finish."""
-    todo = specs(only_selected)
     done = []
-    if jobs <= 1:
-        for s in todo:
-            done.append(_build_one(s))
-            if log:
-                log(*done[-1])
-        return done
     with ProcessPoolExecutor(max_workers=jobs) as pool:
-        for f in as_completed([pool.submit(_build_one, s) for s in todo]):
+        for f in as_completed([pool.submit(_build_one, s) for s in specs(only_selected)]):
             done.append(f.result())
             if log:
                 log(*done[-1])

@@ -73,8 +73,9 @@ _prebuild: subprocess.Popen | None = None
 
 def pytest_sessionstart(session):
     """Under pytest -n (pyproject's default), the controller compiles the C++ kernels in the background
-    (kernels.prebuild, two builds at a time) while the workers start on the tests: a worker that needs a kernel not built yet waits on
-    torch's build lock for that build, instead of each worker compiling them one after another as it meets them."""
+    (kernels.prebuild, two builds at a time) while the workers start on the tests: a worker that needs a
+    kernel not built yet waits on torch's build lock for that build, instead of each worker compiling them
+    one after another as it meets them."""
     global _prebuild
     cfg = session.config
     if hasattr(cfg, "workerinput") or not cfg.getoption("numprocesses", None):
