@@ -40,5 +40,5 @@ def use_kernels(mode: str) -> None:
 
 
 KernelsOpt = Annotated[str, typer.Option(
-    "--kernels", help="bf16 CPU kernels: auto (specctl's row-independent C++ kernels where the CPU has AMX or "
-    "AVX512-BF16, else torch's), fused (those or an error), torch (torch's own ops).")]
+    "--kernels", help="bf16 CPU kernels: auto (specctl's row-independent C++ kernels where the CPU has AMX, "
+    "AVX-512 or AVX2 with FMA, else torch's), fused (those or an error), torch (torch's own ops).")]

@@ -71,7 +71,7 @@ def load_transformer(folder: str | Path, dtype: torch.dtype, device: str | torch
         raise UsageError("--kernels fused selects specctl's C++ kernels for bf16 on a CPU",
                          "use --dtype bfloat16 --device cpu, or --kernels auto")
     if bf16_cpu and mode != "torch" and not enable_exact_bf16(model) and mode == "fused":
-        raise UsageError("--kernels fused needs a CPU with AMX or AVX512-BF16 (and a C++ compiler); this one "
+        raise UsageError("--kernels fused needs a CPU with AMX, AVX-512 or AVX2 with FMA (and a C++ compiler); this one "
                          "takes torch's path", "use --kernels auto")
     return model
 

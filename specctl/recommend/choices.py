@@ -78,6 +78,17 @@ def implemented() -> tuple[str, ...]:
     return implemented_methods()
 
 
+def vllm_model(spec: str, path: str | None) -> str:
+    """What ``vllm serve`` loads for a model specctl names ``spec``: its folder here, or, for a catalogue model
+    not pulled yet, the upstream Hugging Face id (vLLM knows no catalogue names)."""
+    if path:
+        return path
+    from specctl.models import CATALOGUE
+
+    entry = CATALOGUE.get(spec)
+    return entry.hub_id if entry is not None and entry.hub_id else spec
+
+
 def commands(target_spec: str, flags: str, vllm: str) -> dict:
     """The ready command lines: specctl's flags, ``specctl serve``/``bench`` with them, and ``vllm serve``."""
     model = shlex.quote(target_spec)
@@ -99,7 +110,7 @@ def make_choice(method: str, target, label: str, reason: str, *, draft: str | No
     if method == "ngram":
         cfg.update(prompt_lookup_min=2, prompt_lookup_max=5)
     cfg.update(extra or {})
-    vcfg = dict(cfg, model=draft_path or draft) if draft is not None else dict(cfg)
+    vcfg = dict(cfg, model=vllm_model(draft, draft_path)) if draft is not None else dict(cfg)
     runnable = method in implemented()
     note = "" if runnable else (f"recommended, but '{method}' is not runnable in this installation yet "
                                 f"(no specctl/runtime/proposers/{'eagle' if method == 'eagle3' else method}.py): "
@@ -108,5 +119,5 @@ def make_choice(method: str, target, label: str, reason: str, *, draft: str | No
         note = (note + "; " if note else "") + "older vLLM versions call this method 'deepseek_mtp'"
     js = shlex.quote(json.dumps(cfg))
     flags = (f"--method {method} -k {k}" if method in ("ngram", "suffix") else f"--speculative-config {js}")
-    vllm = f"vllm serve {shlex.quote(target.path or target.spec)} --speculative-config {shlex.quote(json.dumps(vcfg))}"
+    vllm = f"vllm serve {shlex.quote(vllm_model(target.spec, target.path))} --speculative-config {shlex.quote(json.dumps(vcfg))}"
     return Choice(method, label, reason, cfg, vcfg, runnable, note, commands(target.spec, flags, vllm))

@@ -76,3 +76,6 @@ def test_catalogue_target_not_pulled_is_judged_from_metadata():
     assert by_name["smollm2-135m"].tokenizer == "different"  # another vocabulary size (49152)
     assert rec.choice.method == "draft_model" and rec.choice.config["model"] == "qwen2.5-coder-0.5b"
     assert any("not pulled" in n for n in rec.notes)
+    # vLLM knows no catalogue names: its command names both models by their Hugging Face ids
+    assert rec.choice.vllm_config["model"] == "Qwen/Qwen2.5-Coder-0.5B-Instruct"
+    assert rec.choice.commands["vllm"].startswith("vllm serve Qwen/Qwen2.5-Coder-1.5B-Instruct --speculative-config")
