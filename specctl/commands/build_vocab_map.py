@@ -49,6 +49,10 @@ def build_vocab_map_cmd(
         raise UsageError(f"--draft-vocab-size must be positive, got {draft_vocab_size}", "pass e.g. --draft-vocab-size 32000")
     if output.suffix not in (".safetensors", ".json"):
         raise UsageError(f"--output {output} must end in .safetensors or .json", "e.g. --output map.safetensors")
+    from specctl.files import unwritable
+
+    if (bad := unwritable(output, folder=False)) is not None:
+        raise UsageError(f"--output: {bad}", "choose a file path you can write to")
 
     from rich.console import Console
 

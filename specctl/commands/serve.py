@@ -283,6 +283,26 @@ def _exec_vllm(model: str | None, spec, served_model_name, host, port, api_key, 
     os.execve(python or exe, argv, env)
 
 
+def _listen(host: str, port: int):
+    """The server's listening socket, or a one-line error (exit 1) naming what to change."""
+    import errno
+    import socket
+
+    from specctl.errors import SpecctlError
+
+    try:
+        return socket.create_server((host, port))
+    except OSError as e:
+        why = e.strerror or str(e)
+        if e.errno == errno.EADDRINUSE:
+            fix = "pick another --port (0 takes any free one) or stop what holds it"
+        elif e.errno == errno.EACCES:
+            fix = "pick a --port above 1023 (lower ones need root)"
+        else:
+            fix = "check --host: an address of this machine (127.0.0.1, or 0.0.0.0 for every interface)"
+        raise SpecctlError(f"cannot listen on {host}:{port} ({why})", fix) from None
+
+
 def serve(
     ctx: typer.Context,
     model: ModelOpt = None,
@@ -339,7 +359,6 @@ def serve(
     max_num_batched_tokens = OWN_DEFAULTS["max_num_batched_tokens"] if max_num_batched_tokens is None \
         else max_num_batched_tokens
 
-    import socket
 
     import uvicorn
 
@@ -352,6 +371,7 @@ def serve(
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s", stream=sys.stderr)
     log = logging.getLogger("specctl.serve")
     name = served_model_name or model or DEFAULT_MODEL
+    sock = _listen(host, port)  # before the model loads: a taken port fails in a second, not after it
     path = resolve_model(model, dtype=dtype, quantization=quant)
     log.info("loading %s (%s, %s%s)", path, dtype, device, ", GGUF quantized" if quant else "")
     loaded = load_model(path, dtype=dtype, device=device)
@@ -361,11 +381,6 @@ def serve(
     log.info("speculation: %s; max model len %d; %d slots (KV cache pool %.0f MiB)",
              json.dumps(spec.to_dict()) if spec else "off (plain decoding; add --method ngram to speculate)",
              max_len, max_num_seqs, eng.kv_cache_bytes() / 2**20)
-    try:
-        sock = socket.create_server((host, port))
-    except OSError as e:
-        raise UsageError(f"cannot listen on {host}:{port} ({e.strerror})",
-                         "pick another --port (0 takes any free one) or stop what holds it") from None
     bound = sock.getsockname()[1]
     app = create_app(eng, [name], api_key)
     log.info("serving '%s' on http://%s:%d/v1%s", name, host, bound, " (API key required)" if api_key else "")

@@ -121,6 +121,12 @@ def spec_from_target(target_args: ModelArgs, version: int, draft_vocab_size: int
     V = target_args.vocab_size
     n = V if version == 1 else int(draft_vocab_size or V)
     aux = tuple(sorted(set(aux_layers))) if aux_layers else (default_aux_layers(target_args.num_layers) if version == 3 else ())
+    L = target_args.num_layers
+    if any(not 0 <= i < L for i in aux):
+        from specctl.errors import UsageError
+
+        raise UsageError(f"--aux-layers {','.join(map(str, aux_layers or aux))}: the target has layers 0..{L - 1}",
+                         f"give layer indices in 0..{L - 1} (the default is {','.join(map(str, default_aux_layers(L)))})")
     return EagleSpec(version, a, V, n, target_args.hidden_size, aux)
 
 

@@ -192,7 +192,7 @@ def save_fasterdecoding(heads: MedusaHeads, folder: str | Path, base_model: str 
             b = lin.bias if lin.bias is not None else torch.zeros(heads.hidden_size, dtype=lin.weight.dtype)
             out[f"medusa_head.{h}.{l}.linear.bias"] = b.detach().cpu().contiguous()
         out[f"medusa_head.{h}.{L}.weight"] = heads.lm_head(h).weight.detach().cpu().clone().contiguous()
-    save_file(out, str(folder / _FD_FILES[0]))
+    write_atomic(folder / _FD_FILES[0], lambda p: save_file(out, str(p)))
     cfg = {"medusa_num_heads": heads.num_heads, "medusa_num_layers": L, "base_model_name_or_path": base_model,
            "hidden_size": heads.hidden_size, "vocab_size": heads.vocab_size}
     (folder / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")

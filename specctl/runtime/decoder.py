@@ -25,7 +25,15 @@ import torch
 from specctl.runtime.controller import BatchGuard, DraftLengthController, PooledAcceptance
 from specctl.runtime.metrics import SpecStats
 from specctl.runtime.proposers.base import DraftOutput, Proposer
-from specctl.runtime.rejection import greedy_tree_verify, greedy_verify, logits_to_probs, rejection_sample
+from specctl.runtime.rejection import (
+    coupled_verify,
+    greedy_tree_verify,
+    greedy_verify,
+    keyed_uniforms,
+    logits_to_probs,
+    rejection_sample,
+    sample_with_uniforms,
+)
 from specctl.runtime.runner import TargetRunner, forward_batch, tree_depths
 
 
@@ -85,6 +93,7 @@ class DecodeState:
     error: BaseException | None = None  # what ended it, when a step failed (finish is then "error")
     n_prefilled: int = 0  # prompt tokens already in the KV cache (the prompt is n_ctx until the first token)
     by_proposer: dict[str, SpecStats] = field(default_factory=dict)  # hybrid: stats per sub-proposer
+    key: int = 0  # sampling: the seed that keys each position's draw (rejection.keyed_uniforms)
 
     @property
     def prefilling(self) -> bool:
@@ -206,7 +215,7 @@ class SpecDecoder:
             first = int(runner.greedy(logits, margins=st.margins if params.record_margins else None)[0, -1])
         else:
             probs = logits_to_probs(logits[0, -1], params.temperature, params.top_k, params.top_p)
-            first = int(torch.multinomial(probs, 1, generator=st.generator))
+            first = int(sample_with_uniforms(probs[None], keyed_uniforms(st.key, st.n_ctx, 1))[0])
         out = self._emit(st, [first])
         st.t_first = time.perf_counter()
         return out
@@ -231,6 +240,8 @@ class SpecDecoder:
         runner.model.aux_layers = self.proposer.aux_layers if self.proposer is not None else ()
         st = DecodeState(runner, slot, params, generator, ctx, T,
                          set() if params.ignore_eos else set(params.stop_token_ids))
+        if not params.greedy:  # the generator's seed (a request's "seed"), or one from torch's global RNG
+            st.key = generator.initial_seed() if generator is not None else int(torch.randint(0, 2**62, ()))
         if self.adaptive:
             st.controller = self._controller()
         runner.reset()
@@ -416,8 +427,11 @@ class SpecDecoder:
             out_ids, n_emit = greedy_verify(draft_ids, num_draft, runner.greedy(logits, margins=margins))
         else:
             probs = logits_to_probs(logits, params.temperature, params.top_k, params.top_p)
-            out_ids, n_emit = rejection_sample(draft_ids, num_draft, None if draft_probs is None else draft_probs.to(dev),
-                                               probs, st.generator)
+            if draft_probs is None:  # deterministic drafts (or none): coupled to plain sampling, position by position
+                u = keyed_uniforms(st.key, st.n_ctx, probs.shape[1])[None]
+                out_ids, n_emit = coupled_verify(draft_ids, num_draft, probs, u)
+            else:
+                out_ids, n_emit = rejection_sample(draft_ids, num_draft, draft_probs.to(dev), probs, st.generator)
         n = int(n_emit[0])
         emitted = out_ids[0, :n].tolist()
         if st.controller is not None:

@@ -109,7 +109,7 @@ class SamplingFields(BaseModel):
     temperature: Optional[float] = Field(None, ge=0.0, le=2.0)
     top_p: Optional[float] = Field(None, gt=0.0, le=1.0)
     top_k: Optional[int] = None  # vLLM extension; <= 0 disables it
-    seed: Optional[int] = None
+    seed: Optional[int] = Field(None, ge=-(2**63), le=2**64 - 1)  # what a torch.Generator takes
     stop: Union[str, list[str], None] = None
     n: Optional[int] = Field(None, ge=1)
     stream: Optional[bool] = False
@@ -146,6 +146,17 @@ _UNSUPPORTED = {
     "functions": (lambda v: bool(v), "functions are not supported"),
     "response_format": (lambda v: isinstance(v, dict) and v.get("type", "text") != "text",
                         "response_format other than text is not supported"),
+    # vLLM's sampling extensions that change the output: refused rather than silently ignored
+    "min_tokens": (lambda v: v not in (None, 0), "min_tokens is not supported (use 0)"),
+    "repetition_penalty": (lambda v: v not in (None, 1, 1.0), "repetition_penalty is not supported (use 1)"),
+    "min_p": (lambda v: v not in (None, 0, 0.0), "min_p is not supported (use 0)"),
+    "bad_words": (lambda v: bool(v), "bad_words is not supported"),
+    "allowed_token_ids": (lambda v: v is not None, "allowed_token_ids is not supported"),
+    "guided_json": (lambda v: v is not None, "guided decoding is not supported"),
+    "guided_regex": (lambda v: v is not None, "guided decoding is not supported"),
+    "guided_choice": (lambda v: v is not None, "guided decoding is not supported"),
+    "guided_grammar": (lambda v: v is not None, "guided decoding is not supported"),
+    "structured_outputs": (lambda v: v is not None, "structured outputs are not supported"),
 }
 
 

@@ -11,6 +11,13 @@ equals argmax p, then emit argmax p.
 
 A deterministic draft (ngram, suffix) has no probabilities: q is one-hot at the draft token, so a
 draft token is accepted with probability p(x), and the recovered distribution is p with x removed.
+Such drafts are verified by ``coupled_verify``: the target's token at each position is sampled first,
+from p with that position's own uniform (``keyed_uniforms``: a hash of the request's seed and the
+position), and a draft token is accepted iff it equals it. That is the same rule (accepted with
+probability p(x); on rejection the sample is p's conditioned on not x, i.e. p with x removed), and it
+makes every emitted token the one plain sampling with the same seed emits at that position: seeded
+output is the same whatever the draft length, the batch or the method (among deterministic drafts),
+token for token.
 
 Shapes: B requests, k = max draft length in the batch (rows padded with -1), V = vocabulary.
 Example with k = 3, one row: draft [a, b, c], target argmax [a, b, d, e]
@@ -97,6 +104,50 @@ def rejection_sample(
     next_tokens = next_tokens.long()
     next_tokens[rows, num_accepted] = sampled
     return _assemble(next_tokens, num_accepted)
+
+
+_M64 = (1 << 64) - 1
+
+
+def _splitmix64(z: int) -> int:
+    z = (z + 0x9E3779B97F4A7C15) & _M64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
+    return z ^ (z >> 31)
+
+
+def keyed_uniforms(key: int, start: int, n: int) -> torch.Tensor:
+    """Uniforms in [0, 1) for sequence positions start .. start + n - 1 of a request keyed ``key`` (its
+    seed): each a hash of (key, position) alone (splitmix64, 53 bits), so a position's draw does not
+    depend on how the tokens before it were produced. float64 [n]."""
+    k = _splitmix64(key & _M64)
+    return torch.tensor([(_splitmix64(k ^ (t & _M64)) >> 11) * 2.0 ** -53 for t in range(start, start + n)],
+                        dtype=torch.float64)
+
+
+def sample_with_uniforms(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One token per row of probs [N, V] by inverse CDF at u [N] (float64 in [0, 1)): the first token
+    whose cumulative probability exceeds u times the row's total. Never a zero-probability token."""
+    p = probs.double()
+    cdf = p.cumsum(-1)
+    x = (u.to(cdf.device, torch.float64) * cdf[:, -1]).unsqueeze(-1)
+    idx = torch.searchsorted(cdf, x, right=True).squeeze(-1)
+    last = p.shape[-1] - 1 - (p > 0).flip(-1).to(torch.int8).argmax(-1)  # the last token with p > 0
+    return torch.minimum(idx, last)
+
+
+def coupled_verify(
+    draft_token_ids: torch.Tensor,  # [B, k] int, padded with -1; deterministic drafts (q one-hot)
+    num_draft_tokens: torch.Tensor,  # [B] int
+    target_probs: torch.Tensor,  # [B, k+1, V] float, p
+    u: torch.Tensor,  # [B, k+1] float64: the uniforms of the k+1 positions (keyed_uniforms)
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stochastic verification of deterministic drafts, coupled to plain sampling (module docstring):
+    the target's token x_i ~ p_i at each position from its own uniform, drafts accepted while they equal
+    it, then x at the first mismatch (or the bonus position). Returns (output [B, k+1] padded -1, num_emitted)."""
+    B, k1, V = target_probs.shape
+    x = sample_with_uniforms(target_probs.reshape(B * k1, V), u.reshape(B * k1)).view(B, k1)
+    return greedy_verify(draft_token_ids, num_draft_tokens, x.to(draft_token_ids.device))
 
 
 def logits_to_probs(

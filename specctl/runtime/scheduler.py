@@ -168,13 +168,13 @@ class Scheduler:
 
     def _start(self, req: Request, slot: int) -> Update:
         gen = None
-        if not req.params.greedy:
-            gen = torch.Generator(device=self.runners[slot].device)
-            if req.seed is not None:
-                gen.manual_seed(req.seed)
-            else:
-                gen.seed()
-        try:
+        try:  # anything wrong with one request (its seed included) fails it, never the engine
+            if not req.params.greedy:
+                gen = torch.Generator(device=self.runners[slot].device)
+                if req.seed is not None:
+                    gen.manual_seed(req.seed)
+                else:
+                    gen.seed()
             if self.chunk is None:
                 st = self.decoder.start(req.prompt_ids, req.params, gen, runner=self.runners[slot], slot=slot)
             else:  # prefilled chunk by chunk in the coming steps

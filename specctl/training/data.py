@@ -373,6 +373,10 @@ def build_examples(cfg, loaded, log: Callable[[str], None] = lambda m: None,
     records += distill_records(cfg, loaded, seq_len=cfg.seq_len, log=log, progress=progress)
     examples = [e for r in records for e in encode(loaded.tokenizer, r, cfg.seq_len, loaded.stop_token_ids)]
     if not examples:
+        if any(encode(loaded.tokenizer, r, 1 << 30, loaded.stop_token_ids) for r in records[:64]):
+            raise DataError(f"no training sequence has tokens to learn: at --seq-len {cfg.seq_len} every one is cut "
+                            "before its response starts (the prompt and chat template fill it)",
+                            "raise --seq-len (e.g. --seq-len 1024)")
         raise DataError("no training sequence has tokens to learn", "check that the data has responses (assistant turns)")
     return examples
 

@@ -135,6 +135,10 @@ class TrainConfig:
 
             need(is_hub_id(self.push_to_hub), f"--push-to-hub {self.push_to_hub!r} is not a Hub repo id",
                  "give it as OWNER/NAME, e.g. me/my-draft")
+        from specctl.files import unwritable
+
+        bad = unwritable(self.output, folder=True)
+        need(bad is None, f"--output: {bad}", "choose a folder path you can write to (it is created if missing)")
         from specctl.runtime.runner import parse_dtype
 
         parse_dtype(self.dtype)

@@ -22,6 +22,7 @@ from torch import nn
 
 from specctl.drafts import medusa as M
 from specctl.drafts.medusa import MedusaHeads
+from specctl.files import write_atomic
 from specctl.training import checkpoints as C
 from specctl.training import loop as L
 from specctl.training.medusa_losses import (JOINT_HEADS_WEIGHT, RANKS, Features, extract_features, head_ce_sums,
@@ -243,7 +244,8 @@ class _JointRun(_Run):
         from safetensors.torch import save_file
 
         pm = self.acc.unwrap_model(self.module).peft_model
-        save_file({k: v.contiguous() for k, v in get_peft_model_state_dict(pm).items()}, str(folder / "adapter.safetensors"))
+        sd = {k: v.contiguous() for k, v in get_peft_model_state_dict(pm).items()}
+        write_atomic(folder / "adapter.safetensors", lambda p: save_file(sd, str(p)))
 
     def joint_heads(self) -> MedusaHeads:
         return self.acc.unwrap_model(self.module).heads

@@ -219,6 +219,19 @@ def test_usage_errors(args, needle, tiny_model_dir):
     assert needle in str(r.exception)
 
 
+def test_a_taken_port_fails_before_the_model_loads(tmp_path):
+    """Exit 1 (not a usage error) with the fix, in a second: the model (here: a path that does not exist,
+    which would fail at load) is not reached."""
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as held:
+        port = held.getsockname()[1]
+        r = run_cli("serve", "--model", str(tmp_path / "no-such-model"), "--port", str(port), "--host", "127.0.0.1")
+    assert r.returncode == 1, r.stderr
+    assert f"cannot listen on 127.0.0.1:{port}" in r.stderr and "another --port" in r.stderr
+    assert "Traceback" not in r.stderr and "no-such-model" not in r.stderr
+
+
 def test_help_has_an_example():
     r = run_cli("serve", "--help")
     assert r.returncode == 0 and "specctl serve --model" in r.stdout and "--speculative-config" in r.stdout

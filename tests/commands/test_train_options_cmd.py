@@ -95,3 +95,16 @@ def test_config_errors_are_usage_errors(name, args, message, tmp_path):
     assert isinstance(r.exception, UsageError) and r.exception.exit_code == 2, r.output
     assert message in str(r.exception)
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("name", list(COMMANDS))
+@pytest.mark.parametrize("where, message", [("file", "is a file, not a folder"), ("inside-file", "is a file, so")])
+def test_an_unwritable_output_is_refused_before_training(name, where, message, tmp_path):
+    """Checked with the config, before the model loads (it was found at the save, after the training)."""
+    f = tmp_path / "data.jsonl"
+    f.write_text('{"prompt": "a", "response": "b"}\n')
+    out = f if where == "file" else f / "sub"
+    r = runner.invoke(app, [name, "--model", "m", "--output", str(out), "--data", str(f)])
+    assert isinstance(r.exception, UsageError) and r.exception.exit_code == 2, r.output
+    assert message in str(r.exception) and "--output" in str(r.exception)
+    assert f.read_text().startswith('{"prompt"')

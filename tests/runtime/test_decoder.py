@@ -235,6 +235,45 @@ def test_sampling_is_deterministic_given_a_seed(loopy_model, greedy_cases, specu
     assert any(run(s) != a for s in (1, 2, 3))
 
 
+def test_seeded_sampling_with_deterministic_drafts_equals_seeded_plain_sampling(loopy_model, greedy_cases):
+    """Each position's token is drawn from its own keyed uniform (rejection.coupled_verify), so a seed gives
+    the same tokens whatever drafts, k or draft-length controller ran, and some drafts are accepted."""
+    runner = TargetRunner(loopy_model, MAX_LEN)
+    params = SamplingParams(max_new_tokens=32, temperature=0.3)  # cool enough that the loops repeat
+    suffix = SpecConfig.from_dict({"method": "suffix", "num_speculative_tokens": 6})
+    decoders = [ngram_decoder(runner, k, 1, 3) for k in (1, 3, 6)] + [
+        SpecDecoder(runner, build_proposer(SpecConfig.from_dict({"method": "ngram", "num_speculative_tokens": 5,
+                                                                 "prompt_lookup_min": 1, "prompt_lookup_max": 3}),
+                                           max_model_len=MAX_LEN), 5, adaptive=True),
+        SpecDecoder(runner, build_proposer(suffix, max_model_len=MAX_LEN), 6)]
+    plain = SpecDecoder(runner)
+    accepted = 0
+    for seed, (prompt, _) in enumerate(greedy_cases[:4]):
+        want = plain.generate(prompt, params, torch.Generator().manual_seed(seed)).token_ids
+        for dec in decoders:
+            res = dec.generate(prompt, params, torch.Generator().manual_seed(seed))
+            assert res.token_ids == want
+            accepted += res.stats.num_accepted_tokens
+    assert accepted > 0
+    assert plain.generate(greedy_cases[0][0], params, torch.Generator().manual_seed(99)).token_ids != \
+        plain.generate(greedy_cases[0][0], params, torch.Generator().manual_seed(0)).token_ids
+
+
+def test_keyed_sampling_follows_the_distribution():
+    """sample_with_uniforms at keyed_uniforms: the empirical distribution matches p (TV under the 99.9 %
+    null bound), never a zero-probability token, and a position's draw depends on (key, position) only."""
+    from specctl.runtime.rejection import keyed_uniforms, sample_with_uniforms
+
+    p = torch.tensor([0.5, 0.0, 0.2, 0.25, 0.05, 0.0])
+    n = 20000
+    u = keyed_uniforms(7, 0, n)
+    x = sample_with_uniforms(p.expand(n, -1), u)
+    hist = torch.bincount(x, minlength=6).double() / n
+    assert hist[1] == 0 and hist[5] == 0
+    assert tv(hist, p.double()) < null_tv_quantile(p.double(), n)
+    assert torch.equal(keyed_uniforms(7, 100, 5), u[100:105]) and not torch.equal(keyed_uniforms(8, 100, 5), u[100:105])
+
+
 def test_stochastic_speculation_keeps_the_target_distribution(loopy_model):
     """Sampling with ngram drafts emits tokens distributed exactly as plain sampling (arXiv 2211.17192).
 

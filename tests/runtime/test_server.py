@@ -307,6 +307,14 @@ def test_bad_requests_get_4xx_json_and_the_server_keeps_serving(server):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(**{**ok, "logprobs": 2})
     assert "logprobs" in e.value.message
+    for extra, needle in (({"min_tokens": 8}, "min_tokens"), ({"repetition_penalty": 1.3}, "repetition_penalty")):
+        with pytest.raises(openai.BadRequestError) as e:  # vLLM's extensions: refused, not silently ignored
+            client.completions.create(**ok, extra_body=extra)
+        assert needle in e.value.message and e.value.body["code"] == "unsupported_parameter"
+    for seed in (2**64, -(2**63) - 1):  # out of what a generator takes: once stopped the engine for good
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(**{**ok, "temperature": 1.0, "seed": seed})
+        assert "seed" in e.value.message
 
     status, body = server.raw("GET", "/v1/nothing-here")
     assert status == 404 and body["error"]["message"]

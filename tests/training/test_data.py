@@ -193,3 +193,29 @@ def test_the_answer_cache_of_an_older_run_moves_to_data(tmp_path):
     assert path == tmp_path / "data" / "self_distill.jsonl" and path.read_text() == '{"id": "p1"}\n'
     assert not (tmp_path / "checkpoint" / "self_distill.jsonl").exists()
     assert D.distill_cache(tmp_path) == path
+
+
+def test_a_seq_len_that_cuts_every_response_says_to_raise_it(tok):
+    """The data has responses; the window ends before them: the error names --seq-len, not the data."""
+    from types import SimpleNamespace
+
+    rec = D.Record(messages=[{"role": "user", "content": "a long question " * 4}, {"role": "assistant", "content": "yo"}])
+    loaded = SimpleNamespace(tokenizer=tok, stop_token_ids=(TINY_EOS_ID,))
+    cfg = SimpleNamespace(data=["x.jsonl"], self_distill=[], seq_len=8)
+    with pytest.raises(DataError, match="--seq-len 8 every one is cut") as e:
+        D.build_examples(cfg, loaded, records=[rec])
+    assert "raise --seq-len" in e.value.fix
+    empty = D.Record(messages=[{"role": "user", "content": "q"}])  # no response at all: the data's fault
+    with pytest.raises(DataError, match="has responses"):
+        D.build_examples(cfg, loaded, records=[empty])
+
+
+def test_aux_layers_outside_the_target_are_a_usage_error(tiny_model):
+    from specctl.drafts.eagle import spec_from_target
+    from specctl.errors import UsageError
+
+    L = tiny_model.args.num_layers
+    assert spec_from_target(tiny_model.args, 3, 100, (0, L - 1)).aux_layers == (0, L - 1)
+    for bad in ((1, 2, L), (-1, 1)):
+        with pytest.raises(UsageError, match=f"the target has layers 0..{L - 1}"):
+            spec_from_target(tiny_model.args, 3, 100, bad)
