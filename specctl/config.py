@@ -15,6 +15,7 @@ import dataclasses
 import difflib
 import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from specctl.errors import ConfigError
@@ -103,6 +104,10 @@ class SpecConfig:
     """sparse_attn, specctl's extension (not a vLLM key): target layers the draft forward skips, a list
     of layer indices, or "auto" (a few blocks of later layers tried on the live requests, the one with the
     most accepted tokens per second kept); none by default."""
+    vocab_map: str | None = None
+    """draft_model, specctl's extension (not a vLLM key): a map file ``specctl build-vocab-map`` wrote for this
+    draft and target (checked against both tokenizers); without it a draft with another tokenizer gets
+    its map built at load."""
     disable_by_batch_size: int | None = None
     """Batched engine (serve, bench --concurrency): no drafting in a step where at least this many
     requests run (vLLM's key and meaning: verification stops being free in large batches)."""
@@ -227,6 +232,13 @@ class SpecConfig:
         elif any(getattr(self, f) is not None for f in _SPARSE_ATTN_KEYS):
             raise ConfigError(f"sparse_attn_* keys are options of the sparse_attn method, not of '{method}'",
                               'drop them, or use {"method": "sparse_attn"}')
+        if self.vocab_map is not None:
+            if method != "draft_model":
+                raise ConfigError(f"vocab_map maps a draft model's tokens, and '{method}' drafts with none",
+                                  'drop it, or use {"method": "draft_model", "model": "DRAFT", "vocab_map": "map.safetensors"}')
+            if not isinstance(self.vocab_map, str) or not Path(self.vocab_map).expanduser().is_file():
+                raise ConfigError(f"vocab_map {self.vocab_map!r} is not a file",
+                                  "give the path `specctl build-vocab-map --draft D --target T --output FILE` wrote")
         if self.disable_by_batch_size is not None:
             _check_int("disable_by_batch_size", self.disable_by_batch_size, minimum=2)
         q = self.quantization

@@ -53,6 +53,7 @@ SPECCTL_ONLY_KEYS = frozenset({
     "speculative_eagle_topk", "speculative_num_draft_tokens",  # SGLang's EAGLE tree (specctl runs it)
     "disable_by_batch_size",  # vLLM V0's key, gone from V1's SpeculativeConfig; specctl's batched engine keeps it
     "disable_log_stats",  # an engine flag in vLLM, not a speculative-config key
+    "vocab_map",  # specctl's draft_model with another tokenizer (vLLM's draft must share the target's)
 })
 
 

@@ -12,6 +12,7 @@ What it does not know: training; nothing here imports torch.
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -23,7 +24,7 @@ __all__ = ["OutputOpt", "ModelOpt", "DataOpt", "SelfDistillOpt", "HoldOutOpt", "
            "MaxNewTokensOpt", "OldMaxNewTokensOpt", "DistillTemperatureOpt", "DistillSamplesOpt", "EpochsOpt",
            "StepsOpt", "LrOpt", "BatchSizeOpt", "GradAccumOpt", "SeqLenOpt", "EvalSplitOpt", "EvalEveryOpt",
            "SaveEveryOpt", "ResumeOpt", "PushToHubOpt", "SeedOpt", "DtypeOpt", "DeviceOpt", "JsonOpt",
-           "config_from", "command_line", "main_process"]
+           "config_from", "command_line", "main_process", "progress_bars"]
 
 HOLD_OUT = 8  # the workload prompts `specctl bench -n 8` runs are never trained on
 
@@ -81,6 +82,25 @@ def config_from(cls, params: dict, **overrides):
         kw["max_new_tokens"] = params["distill_max_new_tokens"]
     kw.update(overrides)
     return cls(**kw).validated()
+
+
+@contextlib.contextmanager
+def progress_bars(err):
+    """A (phase, done, total) callback drawing one rich bar per phase on ``err`` (a stderr Console; none when
+    it is not a terminal): self-distillation, feature extraction, training steps."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    with Progress(TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), TimeRemainingColumn(), console=err, transient=True,
+                  disable=not err.is_terminal) as prog:
+        tasks: dict[str, int] = {}
+
+        def progress(phase: str, done: int, total: int) -> None:
+            if phase not in tasks:
+                tasks[phase] = prog.add_task(phase, total=total)
+            prog.update(tasks[phase], completed=done, total=total)
+
+        yield progress
 
 
 def main_process() -> bool:

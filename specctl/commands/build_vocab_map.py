@@ -16,7 +16,7 @@ from specctl.commands._options import JsonOpt
 
 HELP = """Map a draft model's vocabulary onto a target's, so that a draft with another tokenizer stays lossless.
 
-Tokens are matched by the bytes they stand for (byte-level 'Ġ'/'Ċ', sentencepiece '▁' and <0xNN> byte tokens undone). The map stores both tokenizers' fingerprints and is refused for any other pair. The draft_model method drafts through this token-level intersection, or through text when the overlap is too low (the report says which).
+Tokens are matched by the bytes they stand for (byte-level 'Ġ'/'Ċ', sentencepiece '▁' and <0xNN> byte tokens undone). The map stores both tokenizers' fingerprints and is refused for any other pair. The draft_model method drafts through this token-level intersection, or through text when the overlap is too low (the report says which). Hand it over with the speculative config's "vocab_map" key (specctl's; without it the map is built at load).
 
 With --draft-vocab-size N --data FILE it also builds EAGLE-3's reduced draft vocabulary (d2t/t2d): the N target tokens most frequent in FILE (.jsonl, .json, text, or a folder). --draft may then be omitted.
 
@@ -25,6 +25,8 @@ Overlap and file go to stdout (--json for machines), progress to stderr.
 Examples:
 
   specctl build-vocab-map --draft smollm2-135m --target qwen2.5-coder-1.5b --output map.safetensors
+
+  specctl bench --model qwen2.5-coder-1.5b --speculative-config '{"method": "draft_model", "model": "smollm2-135m", "vocab_map": "map.safetensors"}'
 
   specctl build-vocab-map --target qwen2.5-coder-1.5b --draft-vocab-size 32000 --data prompts.jsonl --output d2t.safetensors --json
 """

@@ -18,7 +18,7 @@ from specctl.commands._train_options import (HOLD_OUT, BatchSizeOpt, DataOpt, De
                                              EvalSplitOpt, GradAccumOpt, HoldOutOpt, JsonOpt, LrOpt, MaxNewTokensOpt,
                                              ModelOpt, OldMaxNewTokensOpt, OutputOpt, PushToHubOpt, ResumeOpt,
                                              SaveEveryOpt, SeedOpt, SelfDistillOpt, SeqLenOpt, StepsOpt, command_line,
-                                             config_from, main_process)
+                                             config_from, main_process, progress_bars)
 
 HELP = """Train an EAGLE draft (one decoder layer reading the target's hidden states) and export it in the layout vLLM and SGLang load.
 
@@ -91,7 +91,8 @@ def train_eagle_cmd(
     err = Console(stderr=True, log_path=False)
     from specctl.training.eagle import train
 
-    summary = train(cfg, log=err.log, command=command_line(ctx))
+    with progress_bars(err) as progress:
+        summary = train(cfg, log=err.log, command=command_line(ctx), progress=progress)
     if not main_process():
         return
     if json_out:

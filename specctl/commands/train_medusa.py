@@ -17,7 +17,7 @@ from specctl.commands._train_options import (HOLD_OUT, BatchSizeOpt, DataOpt, De
                                              EvalSplitOpt, GradAccumOpt, HoldOutOpt, JsonOpt, LrOpt, MaxNewTokensOpt,
                                              ModelOpt, OldMaxNewTokensOpt, OutputOpt, PushToHubOpt, ResumeOpt,
                                              SaveEveryOpt, SeedOpt, SelfDistillOpt, SeqLenOpt, StepsOpt, command_line,
-                                             config_from, main_process)
+                                             config_from, main_process, progress_bars)
 
 HELP = """Train Medusa heads (arXiv 2401.10774) on a target model and export them in the layout vLLM loads.
 
@@ -88,20 +88,9 @@ def train_medusa(
 
     cfg = config_from(MedusaTrainConfig, locals(), model=model or DEFAULT_MODEL, lora_alpha=2 * lora_rank)
     err = Console(stderr=True)
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-
     from specctl.training.medusa import train
 
-    with Progress(TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                  TimeElapsedColumn(), TimeRemainingColumn(), console=err, transient=True,
-                  disable=not err.is_terminal) as prog:
-        tasks: dict[str, int] = {}
-
-        def progress(phase: str, done: int, total: int) -> None:
-            if phase not in tasks:
-                tasks[phase] = prog.add_task(phase, total=total)
-            prog.update(tasks[phase], completed=done, total=total)
-
+    with progress_bars(err) as progress:
         summary = train(cfg, log=lambda m: err.log(m), progress=progress, command=command_line(ctx))
 
     if not main_process():
@@ -127,6 +116,8 @@ def render(s: dict) -> None:
         t.add_row("held-out top-1 per head", " ".join(f"{x:.3f}" for x in ev["top1_per_head"]))
         t.add_row("held-out acceptance length", f"{ev['acceptance_length']:.3f} (greedy chain, teacher-forced, "
                                                 f"{ev['positions']} positions)")
+    if s.get("target"):
+        t.add_row("serve with target", f"{s['target']} (the fine-tuned target these heads belong to)")
     if s.get("hub"):
         t.add_row("pushed to", s["hub"])
     t.add_row("wall time", f"{s['wall_s']:.0f} s")

@@ -17,7 +17,7 @@ from specctl.commands._train_options import (HOLD_OUT, BatchSizeOpt, DataOpt, De
                                              EvalSplitOpt, GradAccumOpt, HoldOutOpt, JsonOpt, LrOpt, MaxNewTokensOpt,
                                              ModelOpt, OldMaxNewTokensOpt, OutputOpt, PushToHubOpt, ResumeOpt,
                                              SaveEveryOpt, SeedOpt, SelfDistillOpt, StepsOpt, command_line, config_from,
-                                             main_process)
+                                             main_process, progress_bars)
 
 HELP = """Train MTP (multi-token prediction) modules on a frozen target, for self-speculation with --method mtp.
 
@@ -92,7 +92,8 @@ def train_mtp_cmd(
     from rich.console import Console
 
     err = Console(stderr=True, log_path=False)
-    summary = train_mtp(cfg, progress=err.log, command=command_line(ctx))
+    with progress_bars(err) as bar:
+        summary = train_mtp(cfg, progress=err.log, command=command_line(ctx), bar=bar)
     if not main_process():
         return
     if json_out:

@@ -79,7 +79,8 @@ class EagleTrainConfig(L.TrainConfig):
         return self
 
 
-def load_examples(cfg: EagleTrainConfig, loaded, log: Callable[[str], None]) -> tuple[list[list[int]], list[list[int]]]:
+def load_examples(cfg: EagleTrainConfig, loaded, log: Callable[[str], None],
+                  progress: Callable[[str, int, int], None] = lambda *a: None) -> tuple[list[list[int]], list[list[int]]]:
     """Training sequences (token ids, at most seq_len) and their learnt-token masks: --data records,
     then the target's answers to --self-distill prompts (``specctl.training.data``: formats, chat
     templates, the answer cache; records that carry exact ``prompt_ids``/``response_ids`` keep them).
@@ -89,7 +90,7 @@ def load_examples(cfg: EagleTrainConfig, loaded, log: Callable[[str], None]) -> 
     """
     from specctl.training import data as D
 
-    ex = D.build_examples(cfg, loaded, log=log)
+    ex = D.build_examples(cfg, loaded, log=log, progress=progress)
     if len(ex) < 2:
         raise DataError("fewer than 2 usable sequences in the training data", "pass more data (each record needs >= 4 tokens)")
     seqs, masks = [e.input_ids for e in ex], [list(e.loss_mask) for e in ex]
@@ -142,9 +143,11 @@ def _stderr(m: str) -> None:
     print(m, file=sys.stderr)
 
 
-def train(cfg: EagleTrainConfig, loaded=None, log: Callable[[str], None] = _stderr, command: str | None = None) -> dict:
+def train(cfg: EagleTrainConfig, loaded=None, log: Callable[[str], None] = _stderr, command: str | None = None,
+          progress: Callable[[str, int, int], None] = lambda *a: None) -> dict:
     """Run a whole training; returns the summary (metrics, export folder, timings). ``loaded``: the
-    target already loaded (a LoadedModel); ``command``: the command line for the model card."""
+    target already loaded (a LoadedModel); ``command``: the command line for the model card; ``progress``:
+    (phase, done, total) for a progress bar (self-distillation, training steps)."""
     from specctl.models import resolve_model
     from specctl.runtime.runner import load_model
 
@@ -164,7 +167,7 @@ def train(cfg: EagleTrainConfig, loaded=None, log: Callable[[str], None] = _stde
         loaded = load_model(path, dtype=cfg.dtype, device=str(acc.device))
     path, target, dev = Path(loaded.path), loaded.model, acc.device
     with acc.main_process_first():  # one process writes the self-distillation cache, the others read it
-        seqs, masks = load_examples(cfg, loaded, log)
+        seqs, masks = load_examples(cfg, loaded, log, progress if main else (lambda *a: None))
     rng = random.Random(cfg.seed)
     order = list(range(len(seqs)))
     rng.shuffle(order)
@@ -236,6 +239,8 @@ def train(cfg: EagleTrainConfig, loaded=None, log: Callable[[str], None] = _stde
                 step_loss += w * loss.detach().float()
         sched.step()
         step += 1
+        if main:
+            progress("train", step, total)
         losses.append(float(L.reduce_sum(acc, step_loss)))
         last = {"step": step, "loss": losses[-1],
                 "train_acc": [c / r if r else 0.0 for c, r in zip(stats["correct"], stats["rows"])]}

@@ -162,7 +162,11 @@ def train(cfg: MedusaTrainConfig, log: Callable[[str], None] = _noop, progress: 
                         "top-1 per head": ev["top1_per_head"],
                         "measured": f"teacher-forced greedy chains of {cfg.num_heads} heads over {ev['positions']} "
                                     "positions of the held-out sequences, not an end-to-end decode"}
-        summary["hub"] = L.publish(out, cfg, method="medusa", base_model=cfg.model, held_out=held_out,
+        # Medusa-2: the heads belong to the fine-tuned target in base/, which is what to serve them with
+        target = str((out / "base").resolve()) if cfg.joint else cfg.model
+        if cfg.joint:
+            summary["target"] = target
+        summary["hub"] = L.publish(out, cfg, method="medusa", base_model=target, held_out=held_out,
                                    data=L.card_data(cfg, training_sequences=summary["train_sequences"] * world),
                                    command=command or L.command_line("train-medusa", cfg), log=log)
         summary["wall_s"] = round(time.perf_counter() - t0, 1)

@@ -253,9 +253,11 @@ def windows(tokenizer, texts: list[str], seq_len: int, max_windows: int | None =
 
 # --------------------------------------------------------------------------- training
 
-def train_mtp(cfg: MtpTrainConfig, progress: Callable[[str], None] = lambda s: None, command: str | None = None) -> dict:
+def train_mtp(cfg: MtpTrainConfig, progress: Callable[[str], None] = lambda s: None, command: str | None = None,
+              bar: Callable[[str, int, int], None] = lambda *a: None) -> dict:
     """Run the whole recipe (data, states, training, eval, export, model card); returns a summary dict.
-    ``progress``: log lines; ``command``: the command line for the model card."""
+    ``progress``: log lines; ``command``: the command line for the model card; ``bar``: (phase, done,
+    total) for a progress bar (self-distillation, training steps)."""
     from transformers import AutoTokenizer
 
     from specctl.files import write_json_atomic
@@ -281,7 +283,7 @@ def train_mtp(cfg: MtpTrainConfig, progress: Callable[[str], None] = lambda s: N
     target = load_transformer(model_dir, parse_dtype(cfg.dtype), device=dev)
     loaded = LoadedModel(model_dir, target, tok, stop_token_ids(model_dir, tok), target.embed.weight.dtype, dev)
     with acc.main_process_first():  # one process writes the self-distillation cache, the others read it
-        recs = D.distill_records(cfg, loaded, seq_len=None, log=log)
+        recs = D.distill_records(cfg, loaded, seq_len=None, log=log, progress=bar if main else (lambda *a: None))
     w = windows(tok, texts, cfg.seq_len, cfg.max_windows, [r.prompt_ids + r.response_ids for r in recs])
     w = w[torch.randperm(w.shape[0], generator=torch.Generator().manual_seed(cfg.seed))]
     n_eval = min(int(round(w.shape[0] * cfg.eval_split)) if w.shape[0] > 1 else 0, w.shape[0] - 1)
@@ -350,6 +352,8 @@ def train_mtp(cfg: MtpTrainConfig, progress: Callable[[str], None] = lambda s: N
                 step_loss += wt * loss.detach()
         sched.step()
         step += 1
+        if main:
+            bar("train", step, total)
         losses.append(float(L.reduce_sum(acc, step_loss)))
         if step % max(1, min(10, total // 10)) == 0 or step == total:
             log(f"step {step}/{total} loss {sum(losses[-10:]) / len(losses[-10:]):.4f} lr {sched.get_last_lr()[0]:.2e}")

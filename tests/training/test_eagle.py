@@ -135,7 +135,10 @@ def test_hidden_state_cache_written_then_reused(tiny_model_dir, tmp_path):
     loaded = load_model(tiny_model_dir, dtype="float32")
     cache = tmp_path / "states"
     logs: list[str] = []
-    E.train(_cfg(tiny_model_dir, tmp_path, steps=2, cache_hidden_states=str(cache)), loaded=loaded, log=logs.append)
+    bars: list[tuple] = []
+    E.train(_cfg(tiny_model_dir, tmp_path, steps=2, cache_hidden_states=str(cache)), loaded=loaded, log=logs.append,
+            progress=lambda *a: bars.append(a))
+    assert bars[-2:] == [("train", 1, 2), ("train", 2, 2)]  # the command's progress bar is fed every step
     shards = sorted(cache.glob("shard-*.safetensors"))
     assert shards and (cache / "index.json").exists()
     t = load_file(str(shards[0]))

@@ -212,6 +212,9 @@ def test_joint_medusa2_trains_lora_and_exports_the_merged_target(loopy, tmp_path
     heads = load_medusa(tmp_path / "j")
     assert json.loads((tmp_path / "j" / "config.json").read_text())["specctl"]["base_dir"] == "base"
     assert heads(torch.randn(2, 64)).shape == (2, 3, 128) and base.model.args.hidden_size == 64
+    # the card and the summary serve the heads with the fine-tuned target they belong to, not the original
+    target = str((tmp_path / "j" / "base").resolve())
+    assert s["target"] == target and f"vllm serve {target}" in (tmp_path / "j" / "README.md").read_text()
 
 
 def test_config_validation():

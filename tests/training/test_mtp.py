@@ -151,7 +151,9 @@ def test_mimo_training_and_the_proposer_agree(tiny_model_dir, data_file, tmp_pat
     from specctl.runtime.runner import TargetRunner, load_model
 
     out = tmp_path / "mimo"
-    s = train_mtp(_cfg(tiny_model_dir, data_file, out, steps=6, layout="mimo"))
+    bars: list[tuple] = []
+    s = train_mtp(_cfg(tiny_model_dir, data_file, out, steps=6, layout="mimo"), bar=lambda *a: bars.append(a))
+    assert bars[-1] == ("train", 6, 6) and len([b for b in bars if b[0] == "train"]) == 6
     assert s["layout"] == "mimo" and s["vllm"]["speculative_config"]["method"] == "mtp"
     assert json.loads((out / "config.json").read_text())["architectures"] == ["MiMoForCausalLM"]
     lm = load_model(tiny_model_dir, dtype="float32")

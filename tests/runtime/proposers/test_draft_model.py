@@ -392,6 +392,28 @@ def test_a_map_for_another_pair_is_refused(target, drafts, tmp_path):
         make_proposer(target, drafts["byte"], vocab_map=other)
 
 
+def test_the_config_key_vocab_map_carries_a_map_file(target, drafts, tmp_path):
+    """What `--speculative-config '{..., "vocab_map": FILE}'` passes: the file build-vocab-map wrote is
+    used (and checked); a missing file or another method is a one-line config error; vLLM never sees it."""
+    from specctl.errors import ConfigError
+    from specctl.vllm_compat import vllm_speculative_config
+
+    path = build_vocab_map(drafts["byte"].tokenizer, target.tokenizer).save(tmp_path / "map.safetensors")
+    base = {"method": "draft_model", "model": "unused", "num_speculative_tokens": K}
+    cfg = SpecConfig.from_dict({**base, "vocab_map": str(path)})
+    p = DraftModelProposer(cfg, target=target, max_model_len=MAX_LEN, draft=drafts["byte"])
+    assert p.mode == "auto" and p.vocab_map.draft_vocab_size > 0
+    swapped = build_vocab_map(target.tokenizer, drafts["byte"].tokenizer).save(tmp_path / "swapped.json")
+    with pytest.raises(DataError, match="opposite direction"):
+        DraftModelProposer(SpecConfig.from_dict({**base, "vocab_map": str(swapped)}), target=target,
+                           max_model_len=MAX_LEN, draft=drafts["byte"])
+    with pytest.raises(ConfigError, match="is not a file"):
+        SpecConfig.from_dict({**base, "vocab_map": str(tmp_path / "nope.safetensors")})
+    with pytest.raises(ConfigError, match="drafts with none"):
+        SpecConfig.from_dict({"method": "ngram", "vocab_map": str(path)})
+    assert "vocab_map" not in vllm_speculative_config(cfg)
+
+
 @pytest.mark.parametrize("draft_name", ["same", "byte"])
 def test_batched_greedy_equals_plain(target, drafts, greedy_cases, run_batched, draft_name):
     """Requests decoding together, each with its own draft cache, give their plain output (identical
