@@ -88,7 +88,14 @@ def config_from(cls, params: dict, **overrides):
 def progress_bars(err):
     """A (phase, done, total) callback drawing one rich bar per phase on ``err`` (a stderr Console; none when
     it is not a terminal): self-distillation, feature extraction, training steps."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
 
     with Progress(TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), TimeRemainingColumn(), console=err, transient=True,

@@ -130,7 +130,12 @@ class _Ctx:
 
     def spec_field(self, stats: SpecStats) -> dict:
         spec = self.engine.spec
-        return {"method": spec.method if spec else None, "num_speculative_tokens": self.engine.k, **stats.to_dict()}
+        d = stats.to_dict()
+        # one entry per draft position, always (a request whose drafts were short or absent has zeros there)
+        for key, zero in (("num_accepted_tokens_per_pos", 0), ("acceptance_rate_per_pos", 0.0)):
+            v = list(d.get(key) or [])
+            d[key] = v + [zero] * (self.engine.k - len(v))
+        return {"method": spec.method if spec else None, "num_speculative_tokens": self.engine.k, **d}
 
 
 # =========================================================================== app

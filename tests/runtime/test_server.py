@@ -140,8 +140,11 @@ def spec_counts(d) -> tuple:
 
 
 def ref_counts(res) -> tuple:
-    s = res.stats
-    return s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens, s.num_accepted_tokens_per_pos
+    """The runtime's counts as the server reports them: the per-position list has one entry per draft
+    position (k of them) whatever this request's drafts reached."""
+    s, k = res.stats, SPEC["num_speculative_tokens"]
+    per_pos = s.num_accepted_tokens_per_pos + [0] * (k - len(s.num_accepted_tokens_per_pos))
+    return s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens, per_pos
 
 
 # --------------------------------------------------------------------------- basics
