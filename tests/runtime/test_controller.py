@@ -331,9 +331,14 @@ def test_a_draft_rejected_for_earlier_requests_starts_the_next_one_off(tiny_mode
     assert dec._pooled.prior() < 0.2
     st = dec.start(g.integers(6, 128, 8).tolist(), SamplingParams(max_new_tokens=8))
     assert st.controller.alpha < 0.2
-    dec.step(st)  # the first measured step, then the prior decides
-    dec.step(st)
-    assert st.stats.num_draft_tokens == 0
+    # Whether it drafts then depends on measured forward times, which on a tiny model are all overhead (a
+    # 5-token forward timed as a 1-token one makes even a 0.2 draft pay), so the decision is checked on a
+    # fixed cost model: verifying d tokens costs 1 + 0.3 d plain steps. There a fresh request (the default
+    # prior) drafts, and this one, starting from the pooled rejections, does not.
+    costs = {t: 1.0 + 0.3 * (t - 1) for t in range(1, 6)}
+    st.controller.costs = dict(costs)
+    assert st.controller.best_len(1) == 0
+    assert DraftLengthController(k=4, costs=dict(costs)).best_len(1) > 0
 
 
 def test_a_draft_cost_hint_stands_in_until_drafting_is_measured():
