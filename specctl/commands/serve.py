@@ -385,7 +385,14 @@ def serve(
     app = create_app(eng, [name], api_key)
     log.info("serving '%s' on http://%s:%d/v1%s", name, host, bound, " (API key required)" if api_key else "")
     config = uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=3, log_config=None)
-    uvicorn.Server(config).run(sockets=[sock])
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:  # Ctrl-C / SIGTERM: open requests end now, streams whole
+            super().handle_exit(sig, frame)
+            if n := eng.abort_all():
+                log.info("shutting down: ended %d open request(s)", n)
+
+    Server(config).run(sockets=[sock])
 
 
 def register(app: typer.Typer) -> None:

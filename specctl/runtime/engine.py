@@ -207,6 +207,15 @@ class Engine:
         if queued:
             self._close(req, Event([], SpecStats(), finish=req.abort_reason))
 
+    def abort_all(self, reason: str = "abort") -> int:
+        """End every request not yet ended (the server is shutting down): each gets its final event, so a
+        stream ends with its last chunk and [DONE] instead of being cut. Returns how many."""
+        with self._cv:
+            reqs = list(self._reqs.values())
+        for r in reqs:
+            self.abort(r, reason)
+        return len(reqs)
+
     # ------------------------------------------------------------------ engine thread
     def _setup(self) -> None:
         torch.set_num_threads(self._torch_threads)

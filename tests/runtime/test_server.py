@@ -354,6 +354,26 @@ def test_api_key(keyed_server):
     assert r.usage.completion_tokens >= 1
 
 
+def test_shutting_down_ends_open_streams_whole(keyed_server):
+    """What `specctl serve` does on Ctrl-C (Engine.abort_all from its uvicorn handle_exit): a stream still
+    running gets its last chunk (finish_reason "abort") and [DONE], rather than being cut by the cancel."""
+    conn = http.client.HTTPConnection("127.0.0.1", keyed_server.port, timeout=30)
+    body = json.dumps({"model": NAME, "prompt": "abc abc", "max_tokens": MAX_LEN - 20, "temperature": 0,
+                       "ignore_eos": True, "stream": True})
+    conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json", "Authorization": "Bearer s3cret"})
+    resp = conn.getresponse()
+    assert resp.status == 200 and resp.readline().startswith(b"data: ")
+    assert keyed_server.engine.abort_all() == 1
+    rest = resp.read().decode()
+    conn.close()
+    events = [ln[6:] for ln in rest.splitlines() if ln.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    assert json.loads(events[-2])["choices"][0]["finish_reason"] == "abort"
+    assert keyed_server.engine.abort_all() == 0  # nothing left open; the server still serves
+    r = keyed_server.client("s3cret").completions.create(model=NAME, prompt="xy xy", max_tokens=3, temperature=0)
+    assert r.usage.completion_tokens >= 1
+
+
 def test_disconnect_mid_stream_frees_the_slot(keyed_server):
     before = keyed_server.metrics()
     conn = http.client.HTTPConnection("127.0.0.1", keyed_server.port, timeout=30)
