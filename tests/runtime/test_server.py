@@ -354,15 +354,21 @@ def test_api_key(keyed_server):
     assert r.usage.completion_tokens >= 1
 
 
-def test_shutting_down_ends_open_streams_whole(keyed_server):
-    """What `specctl serve` does on Ctrl-C (Engine.abort_all from its uvicorn handle_exit): a stream still
-    running gets its last chunk (finish_reason "abort") and [DONE], rather than being cut by the cancel."""
-    conn = http.client.HTTPConnection("127.0.0.1", keyed_server.port, timeout=30)
+def open_long_stream(server):
+    """A streamed greedy completion that runs to near the context's end, its first chunk read."""
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
     body = json.dumps({"model": NAME, "prompt": "abc abc", "max_tokens": MAX_LEN - 20, "temperature": 0,
                        "ignore_eos": True, "stream": True})
     conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json", "Authorization": "Bearer s3cret"})
     resp = conn.getresponse()
     assert resp.status == 200 and resp.readline().startswith(b"data: ")
+    return conn, resp, body
+
+
+def test_shutting_down_ends_open_streams_whole(keyed_server):
+    """What `specctl serve` does on Ctrl-C (Engine.abort_all from its uvicorn handle_exit): a stream still
+    running gets its last chunk (finish_reason "abort") and [DONE], rather than being cut by the cancel."""
+    conn, resp, body = open_long_stream(keyed_server)
     assert keyed_server.engine.abort_all() == 1
     rest = resp.read().decode()
     conn.close()
@@ -376,12 +382,7 @@ def test_shutting_down_ends_open_streams_whole(keyed_server):
 
 def test_disconnect_mid_stream_frees_the_slot(keyed_server):
     before = keyed_server.metrics()
-    conn = http.client.HTTPConnection("127.0.0.1", keyed_server.port, timeout=30)
-    body = json.dumps({"model": NAME, "prompt": "abc abc", "max_tokens": MAX_LEN - 20, "temperature": 0,
-                       "ignore_eos": True, "stream": True})
-    conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json", "Authorization": "Bearer s3cret"})
-    resp = conn.getresponse()
-    assert resp.status == 200 and resp.readline().startswith(b"data: ")
+    conn, resp, body = open_long_stream(keyed_server)
     conn.sock.shutdown(socket.SHUT_RDWR)
     conn.close()
     deadline = time.time() + 20
