@@ -69,4 +69,3 @@ def unwritable(path: str | os.PathLike, folder: bool) -> str | None:
     if not os.access(anc, os.W_OK | os.X_OK):
         return f"{anc} is not writable"
     return None
-

@@ -359,7 +359,6 @@ def serve(
     max_num_batched_tokens = OWN_DEFAULTS["max_num_batched_tokens"] if max_num_batched_tokens is None \
         else max_num_batched_tokens
 
-
     import uvicorn
 
     from specctl.models import DEFAULT_MODEL, resolve_model

@@ -144,10 +144,20 @@ def coupled_verify(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Stochastic verification of deterministic drafts, coupled to plain sampling (module docstring):
     the target's token x_i ~ p_i at each position from its own uniform, drafts accepted while they equal
-    it, then x at the first mismatch (or the bonus position). Returns (output [B, k+1] padded -1, num_emitted)."""
-    B, k1, V = target_probs.shape
-    x = sample_with_uniforms(target_probs.reshape(B * k1, V), u.reshape(B * k1)).view(B, k1)
-    return greedy_verify(draft_token_ids, num_draft_tokens, x.to(draft_token_ids.device))
+    it, then x at the first mismatch (or the bonus position). Returns (output [B, k+1] padded -1, num_emitted).
+    A row's positions past its first mismatch are not sampled (an inverse CDF over the vocabulary each)."""
+    B, k1, _ = target_probs.shape
+    dev = draft_token_ids.device
+    x = torch.full((B, k1), PAD, dtype=torch.long, device=dev)
+    live = torch.arange(B, device=dev)  # rows whose drafts matched every position so far
+    for i in range(k1):
+        x[live, i] = sample_with_uniforms(target_probs[live.to(target_probs.device), i], u[live.cpu(), i]).to(dev)
+        if i == k1 - 1:
+            break
+        live = live[(i < num_draft_tokens[live]) & (draft_token_ids[live, i] == x[live, i])]
+        if live.numel() == 0:
+            break
+    return greedy_verify(draft_token_ids, num_draft_tokens, x)
 
 
 def logits_to_probs(

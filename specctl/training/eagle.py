@@ -156,6 +156,7 @@ def train(cfg: EagleTrainConfig, loaded=None, log: Callable[[str], None] = _stde
     acc = L.accelerator(cfg)
     main = acc.is_main_process
     log = log if main else (lambda m: None)
+    progress = progress if main else (lambda *a: None)
     L.check_push(cfg, acc)
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
@@ -167,7 +168,7 @@ def train(cfg: EagleTrainConfig, loaded=None, log: Callable[[str], None] = _stde
         loaded = load_model(path, dtype=cfg.dtype, device=str(acc.device))
     path, target, dev = Path(loaded.path), loaded.model, acc.device
     with acc.main_process_first():  # one process writes the self-distillation cache, the others read it
-        seqs, masks = load_examples(cfg, loaded, log, progress if main else (lambda *a: None))
+        seqs, masks = load_examples(cfg, loaded, log, progress)
     rng = random.Random(cfg.seed)
     order = list(range(len(seqs)))
     rng.shuffle(order)
@@ -239,8 +240,7 @@ def train(cfg: EagleTrainConfig, loaded=None, log: Callable[[str], None] = _stde
                 step_loss += w * loss.detach().float()
         sched.step()
         step += 1
-        if main:
-            progress("train", step, total)
+        progress("train", step, total)
         losses.append(float(L.reduce_sum(acc, step_loss)))
         last = {"step": step, "loss": losses[-1],
                 "train_acc": [c / r if r else 0.0 for c, r in zip(stats["correct"], stats["rows"])]}

@@ -271,6 +271,7 @@ def train_mtp(cfg: MtpTrainConfig, progress: Callable[[str], None] = lambda s: N
     acc = L.accelerator(cfg, find_unused=cfg.depth < cfg.num_layers)  # a module no depth reaches gets no gradient
     main, dev = acc.is_main_process, acc.device
     log = progress if main else (lambda s: None)
+    bar = bar if main else (lambda *a: None)
     L.check_push(cfg, acc)
     model_dir = resolve_model(cfg.model, dtype="float32" if cfg.dtype in ("float32", "fp32") else "bfloat16")
     layout = resolve_layout(cfg.layout, ModelArgs.from_hf_config(json.loads((Path(model_dir) / "config.json").read_text())),
@@ -283,7 +284,7 @@ def train_mtp(cfg: MtpTrainConfig, progress: Callable[[str], None] = lambda s: N
     target = load_transformer(model_dir, parse_dtype(cfg.dtype), device=dev)
     loaded = LoadedModel(model_dir, target, tok, stop_token_ids(model_dir, tok), target.embed.weight.dtype, dev)
     with acc.main_process_first():  # one process writes the self-distillation cache, the others read it
-        recs = D.distill_records(cfg, loaded, seq_len=None, log=log, progress=bar if main else (lambda *a: None))
+        recs = D.distill_records(cfg, loaded, seq_len=None, log=log, progress=bar)
     w = windows(tok, texts, cfg.seq_len, cfg.max_windows, [r.prompt_ids + r.response_ids for r in recs])
     w = w[torch.randperm(w.shape[0], generator=torch.Generator().manual_seed(cfg.seed))]
     n_eval = min(int(round(w.shape[0] * cfg.eval_split)) if w.shape[0] > 1 else 0, w.shape[0] - 1)
@@ -352,8 +353,7 @@ def train_mtp(cfg: MtpTrainConfig, progress: Callable[[str], None] = lambda s: N
                 step_loss += wt * loss.detach()
         sched.step()
         step += 1
-        if main:
-            bar("train", step, total)
+        bar("train", step, total)
         losses.append(float(L.reduce_sum(acc, step_loss)))
         if step % max(1, min(10, total // 10)) == 0 or step == total:
             log(f"step {step}/{total} loss {sum(losses[-10:]) / len(losses[-10:]):.4f} lr {sched.get_last_lr()[0]:.2e}")
