@@ -249,12 +249,18 @@ def reduce_sum(acc, x):
 def resume_point(cfg: TrainConfig, log: Log, legacy: Path | None = None) -> Path | None:
     """The checkpoint ``--resume`` continues from: the newest in output/checkpoints/, else ``legacy`` (a
     file of the layout before it) when it exists. Without --resume a run folder that holds checkpoints
-    is refused; so is a checkpoint made with other ``RESUME_KEYS`` settings."""
+    is refused; so is a checkpoint made with other ``RESUME_KEYS`` settings, and a folder with an export
+    but no checkpoint (a new run there would overwrite it)."""
     from specctl.training import checkpoints as C
 
     out = Path(cfg.output)
     ckpts = C.checkpoint_dirs(out)
     old_layout = legacy is not None and legacy.is_file()
+    if not ckpts and not old_layout and (out / C.TRAINING_CONFIG).is_file():
+        # a finished run that kept no checkpoint: nothing to continue, and a new run would replace its export
+        raise UsageError(f"{out} holds an earlier run's export ({C.TRAINING_CONFIG}) and no checkpoint",
+                         "choose another --output, or delete that export to train again there "
+                         "(its data/ cache is reused)")
     if not cfg.resume:
         if ckpts or old_layout:
             latest = ckpts[-1].name if ckpts else legacy.relative_to(out)

@@ -175,6 +175,18 @@ def test_fasterdecoding_pt_file_and_vllm_prefix(tmp_path):
     torch.testing.assert_close(load_medusa(tmp_path / "v")(x), h(x), rtol=0, atol=0)
 
 
+def test_a_finished_run_without_checkpoints_is_not_overwritten(loopy, tmp_path, monkeypatch):
+    path, _, recs = loopy
+    patch_examples(monkeypatch, recs[:4])
+    train(cfg_for(path, tmp_path / "a", steps=4))
+    assert checkpoint_dirs(tmp_path / "a") == []
+    weights = (tmp_path / "a" / "model.safetensors").read_bytes()
+    for resume in (False, True):  # nothing to continue from either way; the export stays
+        with pytest.raises(UsageError, match="earlier run's export"):
+            train(cfg_for(path, tmp_path / "a", steps=4, seed=1, resume=resume))
+    assert (tmp_path / "a" / "model.safetensors").read_bytes() == weights
+
+
 def test_resume_continues_from_the_checkpoint(loopy, tmp_path, monkeypatch):
     path, _, recs = loopy
     patch_examples(monkeypatch, recs[:6])
