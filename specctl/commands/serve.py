@@ -380,6 +380,10 @@ def serve(
     log.info("speculation: %s; max model len %d; %d slots (KV cache pool %.0f MiB)",
              json.dumps(spec.to_dict()) if spec else "off (plain decoding; add --method ngram to speculate)",
              max_len, max_num_seqs, eng.kv_cache_bytes() / 2**20)
+    # the engine thread builds the proposer (a draft model loads there) and warms up now, so that a bad
+    # draft is this command's one-line error, not a failed ASGI startup with a traceback (the lifespan's
+    # start is then a no-op)
+    eng.start()
     bound = sock.getsockname()[1]
     app = create_app(eng, [name], api_key)
     log.info("serving '%s' on http://%s:%d/v1%s", name, host, bound, " (API key required)" if api_key else "")

@@ -35,7 +35,7 @@ log = logging.getLogger("specctl.serve")
 
 @dataclass
 class Event:
-    """Engine -> handler: new tokens, then (last event) why the request ended."""
+    """Engine -> handler: new tokens; the last event carries the last tokens and why the request ended."""
 
     tokens: list[int]
     stats: SpecStats  # a copy, as of these tokens
@@ -66,6 +66,7 @@ class EngineRequest:
         self.queue: asyncio.Queue[Event] = asyncio.Queue()
         self.abort_reason: str | None = None  # set by the handler side; the engine checks it every step
         self.done = False  # set by the engine (under its lock) before the last event is posted
+        self.tail: list[int] = []  # the tokens of the step that ended it, held for the last event
         self.t_arrival = time.perf_counter()
         self.sched = Request(prompt_ids, params, seed, self.id, self.t_arrival)  # the scheduler's view
 
@@ -295,15 +296,19 @@ class Engine:
             seen.parts = {name: s.copy() for name, s in st.by_proposer.items()}
             if u.tokens:
                 seen.t_last = now
-            if u.tokens:
+            if u.tokens and st.finish is None:
                 self._post(req, Event(u.tokens, st.stats.copy()))
+            elif u.tokens and req is not None:  # the step that ended it: these come with the end
+                req.tail.extend(u.tokens)
         if u.finish is None:
             return
         self._seen.pop(u.request.id, None)
         reason = u.finish
         if u.error is not None:
             log.warning("request %s failed: %s", u.request.id, u.error)
-        self._close(req, Event([], st.stats.copy() if st is not None else SpecStats(),
+        # a request's last tokens come with its end (a handler tells a final stop token from the others)
+        tail = (req.tail if req is not None else []) + list(u.tokens)
+        self._close(req, Event(tail, st.stats.copy() if st is not None else SpecStats(),
                                finish="abort" if u.error is not None else reason, error=u.error))
         if u.result is not None and st is not None:
             s = u.result.stats

@@ -4,7 +4,8 @@
   ``ApiError`` (400) naming the field; parameters the server does not support are refused by name,
   never silently ignored.
 - ``ApiError``: OpenAI's error object ``{"error": {"message", "type", "param", "code"}}`` + a status.
-- ``TextStream``: incremental detokenization with ``stop`` strings.
+- ``TextStream``: incremental detokenization with ``stop`` strings (cut before them, or after with
+  vLLM's ``include_stop_str_in_output``) and ``skip_special_tokens``.
 
 What it does not know: the engine, HTTP routing (``specctl.runtime.server``), torch.
 """
@@ -28,9 +29,11 @@ class TextStream:
     that completed it (found by bisection: whether the decoded prefix holds it is monotonic).
     """
 
-    def __init__(self, tokenizer, stop: list[str]):
+    def __init__(self, tokenizer, stop: list[str], include_stop: bool = False, skip_special: bool = True):
         self.tok = tokenizer
         self.stop = [s for s in stop if s]
+        self.include_stop, self.skip_special = include_stop, skip_special
+        self.hidden = 0  # tokens generated but not in ids' text: a final stop token (counted in usage)
         self.hold = max((len(s) for s in self.stop), default=1) - 1
         self.ids: list[int] = []
         self.text = ""
@@ -40,13 +43,25 @@ class TextStream:
         self._checked = 0  # tokens whose text is known not to hold a stop string
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tok.decode(ids, skip_special_tokens=True)
+        return self.tok.decode(ids, skip_special_tokens=self.skip_special)
 
     def add(self, tokens: list[int]) -> None:
         if self.stopped or not tokens:
             return
         self.ids.extend(tokens)
         self._advance(final=False)
+
+    def add_last(self, tokens: list[int], stop_ids) -> None:
+        """The request's last tokens: one that ended it by being a stop token (EOS, ``stop_token_ids``)
+        is counted but its text left out unless ``include_stop`` (as vLLM)."""
+        if tokens and tokens[-1] in stop_ids and not self.include_stop and not self.stopped:
+            tokens, self.hidden = tokens[:-1], 1
+        self.add(tokens)
+
+    @property
+    def n_tokens(self) -> int:
+        """Completion tokens as usage counts them: up to the one that completed a stop string, or all."""
+        return len(self.ids) + self.hidden
 
     def _advance(self, final: bool) -> None:
         prefix = self._decode(self.ids[self._po:self._ro])
@@ -60,11 +75,12 @@ class TextStream:
             self._find_stop(max(0, before - self.hold))
 
     def _find_stop(self, start: int) -> None:
-        hits = [i for s in self.stop if (i := self.text.find(s, start)) >= 0]
+        hits = [(i, len(s)) for s in self.stop if (i := self.text.find(s, start)) >= 0]
         if not hits:
             self._checked = len(self.ids)
             return
-        self.text, self.stopped = self.text[:min(hits)], True
+        at, n = min(hits)
+        self.text, self.stopped = self.text[:at + n if self.include_stop else at], True
         lo, hi = self._checked, len(self.ids)  # decode(ids[:lo]) holds no stop; decode(ids[:hi]) does
         while hi - lo > 1:
             mid = (lo + hi) // 2
@@ -85,19 +101,21 @@ class ApiError(Exception):
     """An OpenAI-style error: ``{"error": {"message", "type", "param", "code"}}`` with an HTTP status."""
 
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 code: str | None = None, param: str | None = None):
+                 code: str | None = None, param: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.type, self.code, self.param = status, message, type_, code, param
+        self.headers = headers
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
 class StreamOptions(BaseModel):
     include_usage: Optional[bool] = False
+    continuous_usage_stats: Optional[bool] = False  # vLLM: usage in every chunk
 
 
 class SamplingFields(BaseModel):
@@ -114,7 +132,11 @@ class SamplingFields(BaseModel):
     n: Optional[int] = Field(None, ge=1)
     stream: Optional[bool] = False
     stream_options: Optional[StreamOptions] = None
-    ignore_eos: Optional[bool] = False  # vLLM extension
+    # vLLM's extensions
+    ignore_eos: Optional[bool] = False
+    stop_token_ids: Optional[list[int]] = None
+    include_stop_str_in_output: Optional[bool] = False
+    skip_special_tokens: Optional[bool] = True
 
 
 class CompletionRequest(SamplingFields):
@@ -134,7 +156,8 @@ class ChatRequest(SamplingFields):
 
 # field -> (is it asking for something unsupported?, what to say)
 _UNSUPPORTED = {
-    "logprobs": (lambda v: v not in (None, False), "logprobs are not supported"),
+    "logprobs": (lambda v: v is not None and v is not False, "logprobs are not supported"),  # 0 asks for them too
+    "prompt_logprobs": (lambda v: v is not None, "prompt logprobs are not supported"),
     "top_logprobs": (lambda v: v not in (None, 0), "logprobs are not supported"),
     "echo": (lambda v: bool(v), "echo is not supported"),
     "suffix": (lambda v: bool(v), "suffix (insertion) is not supported"),
@@ -157,6 +180,16 @@ _UNSUPPORTED = {
     "guided_choice": (lambda v: v is not None, "guided decoding is not supported"),
     "guided_grammar": (lambda v: v is not None, "guided decoding is not supported"),
     "structured_outputs": (lambda v: v is not None, "structured outputs are not supported"),
+    "use_beam_search": (lambda v: bool(v), "beam search is not supported"),
+    "truncate_prompt_tokens": (lambda v: v is not None, "truncate_prompt_tokens is not supported (send a shorter prompt)"),
+    "logits_processors": (lambda v: bool(v), "logits_processors are not supported"),
+    "prompt_embeds": (lambda v: v is not None, "prompt_embeds are not supported"),
+    "detokenize": (lambda v: v is False, "detokenize=false is not supported"),
+    # chat prompt construction: the model's own template, with the generation prompt, only
+    "add_generation_prompt": (lambda v: v is False, "add_generation_prompt=false is not supported"),
+    "continue_final_message": (lambda v: bool(v), "continue_final_message is not supported"),
+    "chat_template": (lambda v: v is not None, "a request's own chat_template is not supported"),
+    "chat_template_kwargs": (lambda v: bool(v), "chat_template_kwargs are not supported"),
 }
 
 
@@ -179,6 +212,8 @@ def parse_body(raw: bytes, cls: type[SamplingFields]) -> SamplingFields:
     for key, (bad, why) in _UNSUPPORTED.items():
         if key in data and bad(data[key]):
             raise ApiError(400, f"'{key}': {why} by this server", code="unsupported_parameter", param=key)
+    if body.stream_options is not None and not body.stream:
+        raise ApiError(400, "'stream_options' is only allowed with \"stream\": true", param="stream_options")
     if (body.n or 1) > 1:
         raise ApiError(400, f"n={body.n} is not supported: this server returns one choice per request (n=1); "
                        "send several requests instead", code="unsupported_parameter", param="n")

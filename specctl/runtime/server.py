@@ -47,6 +47,8 @@ from specctl.runtime.runner import LoadedModel
 log = logging.getLogger("specctl.serve")
 
 DEFAULT_MAX_MODEL_LEN = 4096  # cap on the default: every pool slot preallocates this many positions
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # /v1/completions without max_tokens (OpenAI's legacy API, vLLM)
+RETRY_AFTER_S = 1  # the 429's Retry-After
 
 
 def resolve_max_model_len(loaded: LoadedModel, requested: int | None) -> int:
@@ -119,13 +121,19 @@ class _Ctx:
             raise ApiError(400, f"this model's maximum context length is {L} tokens, but {P + max(max_tokens, 1)} "
                            f"were requested ({P} in the prompt, {max(max_tokens, 1)} for the completion); reduce the "
                            "prompt or max_tokens", code="context_length_exceeded", param="max_tokens")
-        stop_ids = self.engine.loaded.stop_token_ids
+        extra = list(body.stop_token_ids or [])
+        bad = [t for t in extra if not 0 <= t < self.vocab]
+        if bad:
+            raise ApiError(400, f"stop_token_ids: {bad[0]} is outside the vocabulary [0, {self.vocab})",
+                           param="stop_token_ids")
+        # ignore_eos ignores the model's own stop tokens (EOS), not the request's stop_token_ids (as vLLM)
+        own = () if body.ignore_eos else tuple(self.engine.loaded.stop_token_ids)
         return SamplingParams(
             max_new_tokens=max_tokens,
             temperature=1.0 if body.temperature is None else body.temperature,
             top_k=body.top_k if body.top_k and body.top_k > 0 else None,
             top_p=body.top_p if body.top_p is not None and body.top_p < 1.0 else None,
-            stop_token_ids=tuple(stop_ids), ignore_eos=bool(body.ignore_eos),
+            stop_token_ids=tuple(dict.fromkeys(own + tuple(extra))),
         )
 
     def spec_field(self, stats: SpecStats) -> dict:
@@ -199,7 +207,8 @@ def create_app(engine: Engine, served_model_names: list[str], api_key: str | Non
         body = parse_body(await request.body(), CompletionRequest)
         name = ctx.check_model(body.model)
         ids = ctx.completion_prompt(body.prompt)
-        return await _serve(request, ctx, body, name, ids, ctx.sampling(body, ids, body.max_tokens), chat=False)
+        max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
+        return await _serve(request, ctx, body, name, ids, ctx.sampling(body, ids, max_tokens), chat=False)
 
     @app.post("/v1/chat/completions", dependencies=[Depends(check_key)])
     async def chat_completions(request: Request):
@@ -217,23 +226,28 @@ async def _serve(request: Request, ctx: _Ctx, body: SamplingFields, model: str, 
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
     req = EngineRequest(ids, params, body.seed, asyncio.get_running_loop(), rid)
-    out = TextStream(ctx.tok, stop)
+    out = TextStream(ctx.tok, stop, include_stop=bool(body.include_stop_str_in_output),
+                     skip_special=body.skip_special_tokens is not False)
     try:
         ctx.engine.submit(req)
     except QueueFull as e:
-        raise ApiError(429, f"{e}; retry later", "rate_limit_error", "too_many_requests") from None
+        raise ApiError(429, f"{e}; retry later", "rate_limit_error", "too_many_requests",
+                       headers={"Retry-After": str(RETRY_AFTER_S)}) from None
     except RuntimeError as e:
         raise ApiError(503, str(e), "server_error") from None
     events = _events(request, ctx.engine, req, out)
     head = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
             "model": model}
     if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return _SSEResponse(_sse(ctx, events, head, chat, out, len(ids), include_usage), lambda: ctx.engine.abort(req))
+        opts = body.stream_options
+        include_usage = bool(opts and opts.include_usage)
+        every_chunk = include_usage and bool(opts.continuous_usage_stats)
+        return _SSEResponse(_sse(ctx, events, head, chat, out, len(ids), include_usage, every_chunk),
+                            lambda: ctx.engine.abort(req))
     text, finish, stats = [], None, SpecStats()
     async for delta, finish, stats in events:
         text.append(delta)
-    usage = usage_of(len(ids), len(out.ids))
+    usage = usage_of(len(ids), out.n_tokens)
     choice = ({"index": 0, "message": {"role": "assistant", "content": "".join(text)}} if chat
               else {"index": 0, "text": "".join(text)})
     choice.update({"logprobs": None, "finish_reason": finish})
@@ -248,7 +262,10 @@ async def _events(request: Request, engine: Engine, req: EngineRequest, out: Tex
             ev = await req.queue.get()
             if ev.error is not None:
                 raise ApiError(500, f"generation failed: {ev.error}", "internal_server_error")
-            out.add(ev.tokens)
+            if ev.finish is None:
+                out.add(ev.tokens)
+            else:  # the last tokens: a stop token that ended the request leaves its text out
+                out.add_last(ev.tokens, req.params.stop_token_ids if ev.finish == "stop" else ())
             if out.stopped:
                 engine.abort(req, "stop")
             finish = "stop" if out.stopped else ev.finish
@@ -272,14 +289,19 @@ async def _abort_on_disconnect(request: Request, engine: Engine, req: EngineRequ
             return
 
 
-async def _sse(ctx: _Ctx, events, head: dict, chat: bool, out: TextStream, n_prompt: int, include_usage: bool):
+async def _sse(ctx: _Ctx, events, head: dict, chat: bool, out: TextStream, n_prompt: int, include_usage: bool,
+               every_chunk: bool = False):
     head = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
 
     def chunk(delta: str | None, finish: str | None, role: bool = False) -> dict:
         if chat:
             d = ({"role": "assistant", "content": ""} if role else {"content": delta} if delta else {})
-            return {**head, "choices": [{"index": 0, "delta": d, "logprobs": None, "finish_reason": finish}]}
-        return {**head, "choices": [{"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish}]}
+            c = {**head, "choices": [{"index": 0, "delta": d, "logprobs": None, "finish_reason": finish}]}
+        else:
+            c = {**head, "choices": [{"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish}]}
+        if every_chunk:  # stream_options.continuous_usage_stats: the counts so far
+            c["usage"] = usage_of(n_prompt, out.n_tokens)
+        return c
 
     def sse(obj: dict) -> str:
         return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
@@ -293,7 +315,7 @@ async def _sse(ctx: _Ctx, events, head: dict, chat: bool, out: TextStream, n_pro
                 continue
             yield sse({**chunk(delta, finish), "spec_decode": ctx.spec_field(stats)})
             if include_usage:
-                yield sse({**head, "choices": [], "usage": usage_of(n_prompt, len(out.ids))})
+                yield sse({**head, "choices": [], "usage": usage_of(n_prompt, out.n_tokens)})
     except ApiError as e:
         yield sse(e.body())
     finally:
@@ -361,15 +383,18 @@ def render_metrics(engine: Engine, model_name: str) -> str:
         lines.append(f"{name}_sum{{{labels}}} {float(total)}")
         lines.append(f"{name}_count{{{labels}}} {float(buckets[-1][1])}")
     if engine.spec is not None:
-        # a hybrid's parts beside the totals, under a ``proposer`` label
-        by = [(f',proposer="{n}"', s) for n, s in sorted(parts.items())]
-        family("vllm:spec_decode_num_drafts", "counter", "Number of spec decoding drafts.",
-               [("", spec.num_drafts)] + [(lab, s.num_drafts) for lab, s in by])
-        family("vllm:spec_decode_num_draft_tokens", "counter", "Number of draft tokens.",
-               [("", spec.num_draft_tokens)] + [(lab, s.num_draft_tokens) for lab, s in by])
+        family("vllm:spec_decode_num_drafts", "counter", "Number of spec decoding drafts.", [("", spec.num_drafts)])
+        family("vllm:spec_decode_num_draft_tokens", "counter", "Number of draft tokens.", [("", spec.num_draft_tokens)])
         family("vllm:spec_decode_num_accepted_tokens", "counter", "Number of accepted tokens.",
-               [("", spec.num_accepted_tokens)] + [(lab, s.num_accepted_tokens) for lab, s in by])
+               [("", spec.num_accepted_tokens)])
         per_pos = spec.num_accepted_tokens_per_pos + [0] * max(0, engine.k - len(spec.num_accepted_tokens_per_pos))
         family("vllm:spec_decode_num_accepted_tokens_per_pos", "counter", "Accepted tokens per draft position.",
                [(f',position="{i}"', c) for i, c in enumerate(per_pos)])
+        if parts:  # a hybrid's parts, by proposer, under specctl's own names (vLLM's add up to the totals as is)
+            by = [(f',proposer="{n}"', s) for n, s in sorted(parts.items())]
+            for key, doc in (("num_drafts", "Number of spec decoding drafts"),
+                             ("num_draft_tokens", "Number of draft tokens"),
+                             ("num_accepted_tokens", "Number of accepted tokens")):
+                family(f"specctl:spec_decode_{key}_by_proposer", "counter", f"{doc}, by a hybrid's proposer.",
+                       [(lab, getattr(s, key)) for lab, s in by])
     return "\n".join(lines) + "\n"

@@ -232,6 +232,17 @@ def test_a_taken_port_fails_before_the_model_loads(tmp_path):
     assert "Traceback" not in r.stderr and "no-such-model" not in r.stderr
 
 
+def test_a_draft_that_does_not_load_is_one_line_before_serving(tiny_model_dir, tmp_path):
+    """The engine (and its draft) starts before uvicorn: a draft model that does not exist is the command's
+    one-line error, exit 1 (was: a failed ASGI startup with a traceback, exit 3)."""
+    spec = json.dumps({"method": "draft_model", "model": str(tmp_path / "no-such-draft"), "num_speculative_tokens": 3})
+    r = run_cli("serve", "--model", str(tiny_model_dir), "--speculative-config", spec, "--port", "0")
+    assert r.returncode == 1, r.stderr
+    errors = [line for line in r.stderr.splitlines() if line.startswith("Error:")]
+    assert len(errors) == 1 and "no-such-draft" in errors[0], r.stderr
+    assert "Traceback" not in r.stderr and "Application startup" not in r.stderr
+
+
 def test_help_has_an_example():
     r = run_cli("serve", "--help")
     assert r.returncode == 0 and "specctl serve --model" in r.stdout and "--speculative-config" in r.stdout

@@ -218,6 +218,46 @@ def test_stop_strings_cut_the_text(server, loaded, reference):
     assert chunks[-1].choices[0].finish_reason == "stop"
 
 
+def test_vllm_stop_token_ids_and_include_stop_str_in_output(server, loaded, reference):
+    """vLLM's stop_token_ids end a request at the first such token (counted, its text left out unless
+    include_stop_str_in_output, which also keeps a stop string); completions default to 16 tokens."""
+    client = server.client()
+    ids = completion_ids(loaded, PROMPTS[0])
+    ref = reference(ids).token_ids
+    t = ref[5]
+    first = ref.index(t)
+    kw = dict(model=NAME, prompt=PROMPTS[0], max_tokens=NEW, temperature=0)
+    r = client.completions.create(**kw, extra_body={"stop_token_ids": [t]})
+    assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens == first + 1
+    assert r.choices[0].text == text_of(loaded, ref[:first])
+    r = client.completions.create(**kw, extra_body={"stop_token_ids": [t], "include_stop_str_in_output": True})
+    assert r.choices[0].text == text_of(loaded, ref[:first + 1])
+    chunks = list(client.completions.create(**kw, stream=True, extra_body={"stop_token_ids": [t]}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == text_of(loaded, ref[:first])
+    # ignore_eos ignores the model's EOS, not the request's own stop tokens
+    r = client.completions.create(**kw, extra_body={"stop_token_ids": [t], "ignore_eos": True})
+    assert r.usage.completion_tokens == first + 1
+    ref_text = text_of(loaded, ref)
+    stop = ref_text[6:9]
+    r = client.completions.create(**kw, stop=stop, extra_body={"include_stop_str_in_output": True})
+    assert r.choices[0].text == ref_text[:ref_text.index(stop) + len(stop)]
+    # no max_tokens on /v1/completions: 16, as OpenAI's legacy API and vLLM (it ran to the max model length)
+    r = client.completions.create(model=NAME, prompt=PROMPTS[0], temperature=0)
+    assert r.usage.completion_tokens == len(reference(ids, 16).token_ids) <= 16
+
+
+def test_continuous_usage_stats_count_every_chunk(server):
+    chunks = list(server.client().completions.create(
+        model=NAME, prompt=PROMPTS[2], max_tokens=NEW, temperature=0, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    counts = [c.usage.completion_tokens for c in chunks]
+    assert counts == sorted(counts) and counts[-1] == chunks[-1].usage.completion_tokens > 0
+    assert all(c.usage.prompt_tokens == chunks[0].usage.prompt_tokens for c in chunks)
+    status, body = server.raw("POST", "/v1/completions", json.dumps(
+        {"model": NAME, "prompt": "ab", "max_tokens": 2, "stream_options": {"include_usage": True}}).encode())
+    assert status == 400 and body["error"]["param"] == "stream_options"  # as vLLM: only with stream
+
+
 def test_seeded_sampling_is_reproducible(server):
     client = server.client()
     kw = dict(model=NAME, prompt=PROMPTS[1], max_tokens=NEW, temperature=0.9, top_p=0.95, seed=1234)
@@ -241,6 +281,20 @@ def test_text_stream_holds_back_incomplete_characters_and_stop_prefixes(loaded):
     assert "\ufffd" not in "".join(out)
     s.add(list(b"D and more"))
     assert s.stopped and s.take() == "" and bytes(s.ids).decode() == "héllo wörld END"
+
+
+def test_text_stream_special_tokens_and_a_final_stop_token(loaded):
+    tok = loaded.tokenizer
+    eos = loaded.stop_token_ids[0]
+    word = [int(t) for t in tok.encode("hello")]
+    for skip, include in ((True, False), (False, False), (False, True)):
+        s = TextStream(tok, [], include_stop=include, skip_special=skip)
+        s.add([eos] + word)
+        s.add_last(word + [eos], {eos})  # the request ended on its stop token
+        text = s.take(final=True)
+        special = tok.decode([eos], skip_special_tokens=False)
+        assert text.count(special) == (0 if skip else 1 + include), (skip, include, text)
+        assert s.n_tokens == 2 + 2 * len(word)
 
 
 @pytest.mark.parametrize("method", ["ngram", "suffix"])
@@ -307,10 +361,12 @@ def test_bad_requests_get_4xx_json_and_the_server_keeps_serving(server):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=NAME, messages=[])
     assert "messages" in e.value.message
-    with pytest.raises(openai.BadRequestError) as e:
-        client.completions.create(**{**ok, "logprobs": 2})
-    assert "logprobs" in e.value.message
-    for extra, needle in (({"min_tokens": 8}, "min_tokens"), ({"repetition_penalty": 1.3}, "repetition_penalty")):
+    for extra in ({"logprobs": 2}, {"logprobs": 0}, {"prompt_logprobs": 1}):  # 0: the sampled token's, in vLLM
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(**ok, extra_body=extra)
+        assert "logprobs" in e.value.message
+    for extra, needle in (({"min_tokens": 8}, "min_tokens"), ({"repetition_penalty": 1.3}, "repetition_penalty"),
+                          ({"use_beam_search": True}, "beam search"), ({"add_generation_prompt": False}, "add_generation")):
         with pytest.raises(openai.BadRequestError) as e:  # vLLM's extensions: refused, not silently ignored
             client.completions.create(**ok, extra_body=extra)
         assert needle in e.value.message and e.value.body["code"] == "unsupported_parameter"
@@ -510,6 +566,7 @@ def test_a_full_server_answers_429_and_keeps_serving(loaded):
             s.client().completions.create(model=NAME, prompt="xy xy", max_tokens=3, temperature=0)
         assert e.value.status_code == 429 and "--max-waiting 0" in e.value.message
         assert e.value.body["code"] == "too_many_requests"
+        assert e.value.response.headers["retry-after"] == "1"
         conn.sock.shutdown(socket.SHUT_RDWR)
         conn.close()
         deadline = time.time() + 20
@@ -524,7 +581,8 @@ def test_a_full_server_answers_429_and_keeps_serving(loaded):
 
 
 def test_hybrid_parts_are_counted_under_a_proposer_label(loaded):
-    """/metrics carries a hybrid's parts beside vLLM's totals (label ``proposer``), and they add up."""
+    """/metrics carries a hybrid's parts under specctl's names (label ``proposer``), and they add up to
+    vLLM's totals, which have no labelled series of their own (a dashboard's sum() stays right)."""
     spec = SpecConfig.from_dict({"method": "hybrid", "proposers": [
         {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2},
         {"method": "suffix", "num_speculative_tokens": 4}]})
@@ -534,8 +592,10 @@ def test_hybrid_parts_are_counted_under_a_proposer_label(loaded):
             client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": p}], max_tokens=NEW,
                                            temperature=0)
         m = s.metrics()
-    for name in ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_accepted_tokens_total"):
-        parts = {k[1]: v for k, v in m.items() if k[0] == name and k[1].startswith("proposer=")}
+    for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+        total = f"vllm:spec_decode_{key}_total"
+        assert [k for k in m if k[0] == total] == [(total, "")]
+        parts = {k[1]: v for k, v in m.items() if k[0] == f"specctl:spec_decode_{key}_by_proposer_total"}
         assert set(parts) <= {'proposer="ngram"', 'proposer="suffix"'} and parts
-        assert sum(parts.values()) == m[(name, "")]
+        assert sum(parts.values()) == m[(total, "")]
     assert m[("vllm:spec_decode_num_drafts_total", "")] > 0
