@@ -71,7 +71,8 @@ def build_vocab_map_cmd(
         vmap = VocabMap(tokenizer_fingerprint(t_tok), max(t_vocab, len(t_tok)), target_name=t_name)
     if draft_vocab_size is not None:
         err.log(f"counting target tokens in {data}")
-        vmap.draft_vocab = build_draft_vocab(t_tok, data, draft_vocab_size, vmap.target_vocab_size)
+        vmap.draft_vocab = build_draft_vocab(t_tok, data, draft_vocab_size, vmap.target_vocab_size,
+                                             on_skip=lambda f, why: err.log(f"skipping {f} ({why})"))
         vmap.info = dict(vmap.info, data=str(data))
     vmap.save(output)
     err.log(f"wrote {output}")

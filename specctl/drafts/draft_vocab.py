@@ -66,34 +66,75 @@ def reduced_vocab_from_counts(counts: torch.Tensor, draft_vocab_size: int,
                       float(counts[chosen].sum()) / total if total else 0.0)
 
 
-def read_texts(path: str | Path) -> Iterator[str]:
+TEXT_CHUNK = 1 << 20  # characters of a plain-text file read (and tokenized) at a time
+
+
+def _binary(path: Path) -> bool:
+    """A file whose first 8 KiB hold a NUL byte or are not UTF-8 (a model's weights, an archive...)."""
+    with open(path, "rb") as f:
+        head = f.read(8192)
+    if b"\0" in head:
+        return True
+    try:
+        head.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return e.start < len(head) - 3  # not merely a character cut at the end of the sample
+    return False
+
+
+def read_texts(path: str | Path, on_skip=None) -> Iterator[str]:
     """Text of a data file: .jsonl / .json (every string value, e.g. prompt, text, messages[].content),
-    any other file as plain text, or every file of a folder (recursively, sorted)."""
+    any other file as plain text (in chunks of about ``TEXT_CHUNK`` characters, cut at line ends), or
+    every file of a folder (recursively, sorted; hidden files and folders, and files that are not text,
+    are skipped: ``on_skip(path, why)`` hears of each). A binary file given by name is an error."""
     path = Path(path)
     if path.is_dir():
         for f in sorted(p for p in path.rglob("*") if p.is_file()):
+            if any(part.startswith(".") for part in f.relative_to(path).parts):
+                continue
+            if _binary(f):
+                if on_skip is not None:
+                    on_skip(f, "not text")
+                continue
             yield from read_texts(f)
         return
     if not path.is_file():
         raise DataError(f"no such data file {path}", "pass --data a .jsonl, .json or text file, or a folder")
     try:
-        text = path.read_text(encoding="utf-8", errors="replace")
+        if _binary(path):
+            raise DataError(f"{path} is not a text file", "pass --data a .jsonl, .json or text file, or a folder of them")
+        if path.suffix == ".jsonl":
+            with open(path, encoding="utf-8", errors="replace") as f:
+                for n, line in enumerate(f, 1):
+                    if line.strip():
+                        try:
+                            obj = json.loads(line)
+                        except json.JSONDecodeError as e:
+                            raise DataError(f"{path}:{n} is not valid JSON ({e.msg})", "fix or remove that line") from None
+                        yield from _strings(obj)
+        elif path.suffix == ".json":
+            text = path.read_text(encoding="utf-8", errors="replace")
+            try:
+                obj = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path} is not valid JSON ({e.msg} at line {e.lineno})", "fix the file") from None
+            yield from _strings(obj)
+        else:
+            with open(path, encoding="utf-8", errors="replace") as f:
+                rest = ""
+                while chunk := f.read(TEXT_CHUNK):
+                    text = rest + chunk
+                    cut = text.rfind("\n") + 1  # whole lines now, the rest with the next chunk
+                    if cut == 0 and len(text) < 4 * TEXT_CHUNK:
+                        rest = text
+                        continue
+                    cut = cut or len(text)
+                    yield text[:cut]
+                    rest = text[cut:]
+                if rest:
+                    yield rest
     except OSError as e:
         raise DataError(f"cannot read {path} ({e.strerror})", "check the path and its permissions") from None
-    if path.suffix == ".jsonl":
-        for n, line in enumerate(text.splitlines(), 1):
-            if line.strip():
-                try:
-                    yield from _strings(json.loads(line))
-                except json.JSONDecodeError as e:
-                    raise DataError(f"{path}:{n} is not valid JSON ({e.msg})", "fix or remove that line") from None
-    elif path.suffix == ".json":
-        try:
-            yield from _strings(json.loads(text))
-        except json.JSONDecodeError as e:
-            raise DataError(f"{path} is not valid JSON ({e.msg} at line {e.lineno})", "fix the file") from None
-    else:
-        yield text
 
 
 def _strings(obj) -> Iterator[str]:
@@ -121,22 +162,26 @@ def count_tokens(tok, texts: Iterable[str], vocab_size: int | None = None, batch
                 counts.index_add_(0, t, torch.ones_like(t))
             buf.clear()
 
+    chars = 0
     for text in texts:
         buf.append(text)
-        if len(buf) >= batch:
+        chars += len(text)
+        if len(buf) >= batch or chars >= 4 * TEXT_CHUNK:  # bounded: a tokenizer holds every piece of a batch
             flush()
+            chars = 0
     flush()
     return counts
 
 
 def build_draft_vocab(tok, data: str | Path | Iterable[str], draft_vocab_size: int,
-                      vocab_size: int | None = None, always: Iterable[int] | None = None) -> DraftVocab:
+                      vocab_size: int | None = None, always: Iterable[int] | None = None,
+                      on_skip=None) -> DraftVocab:
     """EAGLE-3's d2t/t2d for target tokenizer ``tok`` from a data file/folder (or texts).
 
     ``vocab_size``: the target model's vocabulary (default ``len(tok)``); ``always``: ids kept whatever
     their frequency (default: the tokenizer's special tokens). ``train-eagle`` calls this.
     """
-    texts = read_texts(data) if isinstance(data, (str, Path)) else data
+    texts = read_texts(data, on_skip) if isinstance(data, (str, Path)) else data
     counts = count_tokens(tok, texts, vocab_size)
     if int(counts.sum()) == 0:
         raise DataError("the data holds no text to count tokens in", "pass --data a file with prompts or text")

@@ -206,6 +206,17 @@ class DraftLengthController:
         # verification) long drafts cost nothing and win big on the runs that match
         return best_d if best_v > 1.02 else 0
 
+    def may_pay(self, batch: int = 1) -> bool:
+        """Whether drafting could beat a plain step even with every draft accepted, on what is known (a
+        verification unmeasured costs a plain step): False for a draft whose tokens each cost about a
+        plain step (a draft model as big as the target), until its cost is measured lower."""
+        fit, q = self._slope(), self._draft_cost()
+        for d in range(1, self.k + 1):
+            c = _step_cost(d + 1, fit, q, batch, self.draft_hint) if fit is not None else 1.0 + self.draft_hint * d
+            if (d + 1) / c > 1.02:  # best_len's margin
+                return True
+        return False
+
     def draft_len(self, batch: int = 1, clock: int | None = None) -> int:
         """The number of draft tokens to ask for this step (0: plain decoding step), for a request
         that steps among ``batch`` requests (one target forward for all). ``clock``: a step count
@@ -214,6 +225,8 @@ class DraftLengthController:
         (a draft model, sparse_attn) is then run once for all of them, not once per request."""
         if self._slope() is None or (batch == 1 and 1 not in self.costs):
             return 0  # measure a plain step first: every cost is relative to it
+        if not self.may_pay(batch):
+            return 0  # not even at full acceptance: no probes either (a probe would only pay the draft's cost)
         d = self.best_len(batch)
         if d > 0:
             self._off_steps, self._gap = 0, 0

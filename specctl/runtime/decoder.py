@@ -175,16 +175,17 @@ class SpecDecoder:
         """Prefill the prompt (in one forward, or in chunks of ``prefill_chunk`` tokens as the batched
         scheduler cuts it) and emit the first token."""
         st = self.begin(prompt_ids, params, generator, runner, slot)
+        read = self._reads_prompt(1)
         kept = st.runner.reuse_prompt(prompt_ids) if self.reuse_prefill else None
         if kept is not None:
-            self.prefilled(st, st.n_ctx, kept)
+            self.prefilled(st, st.n_ctx, kept, read)
             return st
         while st.prefilling:
             n = self.next_chunk(st, prefill_chunk)
             logits = st.runner.forward(self.prefill_tokens(st, n), logits="last")
             if self.reuse_prefill and st.n_prefilled + n == st.n_ctx:
                 st.runner.keep_prompt(prompt_ids, logits)
-            self.prefilled(st, n, logits)
+            self.prefilled(st, n, logits, read)
         return st
 
     @staticmethod
@@ -267,7 +268,10 @@ class SpecDecoder:
             return True
         if not self._guard.drafts_likely(batch):
             return False
-        return batch <= 1 or self._controller().best_len(batch) > 0  # unmeasured costs: it drafts
+        c = self._controller()
+        if not c.may_pay(batch):  # a draft as costly as the target: its reading of the prompt would be waste
+            return False
+        return batch <= 1 or c.best_len(batch) > 0  # unmeasured costs: it drafts
 
     def step(self, st: DecodeState) -> list[int]:
         """One propose -> verify -> rollback step. Returns the tokens emitted (sets st.finish)."""

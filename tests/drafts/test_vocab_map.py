@@ -212,3 +212,25 @@ def test_reduced_vocab_from_a_data_file(tmp_path, chars):
     bad.write_text("{oops\n")
     with pytest.raises(DataError, match="bad.jsonl:1"):
         build_draft_vocab(chars, bad, 8)
+
+
+def test_a_data_folder_skips_binary_and_hidden_files_and_reads_text_in_chunks(tmp_path, chars, monkeypatch):
+    """A folder with a model's weights in it: those are skipped (heard of), not read as text (a 260 MB
+    safetensors file read as text ran a user's machine out of memory); big text is read in chunks."""
+    import specctl.drafts.draft_vocab as DV
+
+    (tmp_path / "model.safetensors").write_bytes(bytes(range(256)) * 64)  # NUL bytes
+    (tmp_path / "blob.bin").write_bytes(bytes([0xff, 0xfe, 0x80]) * 4000)  # no NUL, not UTF-8
+    (tmp_path / ".git").mkdir()
+    (tmp_path / ".git" / "HEAD").write_text("zzzz zzzz zzzz\n")
+    (tmp_path / "notes.txt").write_text("aaaa bbb\ncc d\n" * 3)
+    skipped = []
+    dv = build_draft_vocab(chars, tmp_path, 8, always=[], on_skip=lambda f, why: skipped.append(f.name))
+    assert sorted(skipped) == ["blob.bin", "model.safetensors"]
+    assert dv.num_tokens_counted == len(chars("aaaa bbb\ncc d\n" * 3, add_special_tokens=False)["input_ids"])
+    with pytest.raises(DataError, match="not a text file"):  # named on its own: an error, not a skip
+        build_draft_vocab(chars, tmp_path / "model.safetensors", 8)
+    monkeypatch.setattr(DV, "TEXT_CHUNK", 8)  # chunks cut at line ends: the same counts
+    pieces = list(DV.read_texts(tmp_path / "notes.txt"))
+    assert len(pieces) > 1 and "".join(pieces) == "aaaa bbb\ncc d\n" * 3
+    assert all(p.endswith("\n") for p in pieces)

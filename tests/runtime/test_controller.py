@@ -356,3 +356,44 @@ def test_a_draft_cost_hint_stands_in_until_drafting_is_measured():
     assert hinted.cost(2, batch=8) > free.cost(2, batch=8)
     cheap = DraftLengthController(k=4, costs={**costs, DRAFT: 1e-6}, alpha=0.6, draft_hint=0.33)
     assert cheap.best_len(8) > 0
+
+
+def test_a_draft_as_costly_as_the_target_never_drafts_probes_or_reads_the_prompt(tiny_model):
+    """A draft whose every token costs about a plain step (a draft model as big as its target: hint 1.0)
+    cannot pay even at full acceptance: no probes, and its reading of the prompt is skipped (a user saw
+    such a draft run 0.67x of plain with no draft made: the draft's prefill doubled the prompt's cost).
+    A draft at half the target's cost still reads the prompt and drafts."""
+    import numpy as np
+    import torch
+
+    from specctl.runtime.decoder import SamplingParams, SpecDecoder
+    from specctl.runtime.proposers.base import DraftOutput, Proposer
+    from specctl.runtime.runner import TargetRunner
+
+    assert not DraftLengthController(k=4, draft_hint=1.0).may_pay()
+    assert DraftLengthController(k=4, draft_hint=0.5).may_pay()
+    c = DraftLengthController(k=4, costs=costs_flat(4), alpha=0.99, draft_hint=1.0)
+    assert run_trace(c, 1.0, 200) == [0] * 200  # off, and never probed
+
+    class Counting(Proposer):
+        method = "counting"
+
+        def __init__(self, cost):
+            self.draft_cost, self.prefills, self.proposals = cost, 0, 0
+
+        def on_prefill(self, slot, upto):
+            self.prefills += 1
+
+        def propose(self, token_ids, num_tokens, k, hidden_states=None, slots=None):
+            self.proposals += 1
+            B = token_ids.shape[0]
+            return DraftOutput(torch.zeros(B, k, dtype=torch.long), torch.full((B,), k, dtype=torch.long))
+
+    plain = SpecDecoder(TargetRunner(tiny_model, 128))
+    p = np.random.default_rng(1).integers(6, 128, 12).tolist()
+    want = plain.generate(p, SamplingParams(max_new_tokens=40)).token_ids
+    for cost, used in ((1.0, False), (0.5, True)):
+        prop = Counting(cost)
+        dec = SpecDecoder(TargetRunner(tiny_model, 128), prop, 4, adaptive=True)
+        assert dec.generate(p, SamplingParams(max_new_tokens=40)).token_ids == want
+        assert (prop.prefills > 0) == used and (prop.proposals > 0) == used, (cost, prop.prefills, prop.proposals)
