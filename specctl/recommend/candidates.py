@@ -15,6 +15,7 @@ running anything (the probe).
 
 from __future__ import annotations
 
+import shlex
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -98,16 +99,32 @@ class Candidate:
     verdict: str = "refused"  # draft (same tokenizer), alternative (another tokenizer), refused
     reason: str = ""
     runnable: bool = True  # the own runtime can run its architecture
+    vocab_size: int | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def vllm_refusal(c: Candidate, target: ModelInfo) -> str:
+    """Why vLLM cannot run ``c`` as the target's draft_model ("" when it can): vLLM drafts in the target's
+    vocabulary, token id for token id, and refuses a draft whose vocabulary differs; specctl's draft_model
+    maps one vocabulary onto the other (``specctl.drafts.vocab_map``)."""
+    if c.tokenizer != "different":
+        return ""
+    sizes = (f" ({c.vocab_size} vs {target.vocab_size} tokens)" if c.vocab_size and target.vocab_size
+             and c.vocab_size != target.vocab_size else " (another tokenizer)")
+    return (f"vLLM's draft_model needs the target's vocabulary, and {c.name}'s is another{sizes}: vLLM refuses it. "
+            f"specctl maps the vocabularies when the draft loads (or once, ahead: `specctl build-vocab-map --draft "
+            f"{shlex.quote(c.spec)} --target {shlex.quote(target.spec)} --output map.safetensors`, then add \"vocab_map\": \"map.safetensors\" "
+            "to the config)")
 
 
 def judge_candidate(c: ModelInfo, target: ModelInfo, workload: Workload) -> Candidate:
     """Same tokenizer and ρ in the sweet spot -> draft; another tokenizer -> alternative; else refused."""
     from specctl.modeling import SUPPORTED_ARCHS
 
-    cand = Candidate(c.spec, c.name, c.path, c.arch, c.params, runnable=c.arch in SUPPORTED_ARCHS)
+    cand = Candidate(c.spec, c.name, c.path, c.arch, c.params, runnable=c.arch in SUPPORTED_ARCHS,
+                     vocab_size=c.vocab_size)
     if not c.cost_params or not target.cost_params:
         cand.reason = "size unknown"
         return cand

@@ -29,10 +29,11 @@ class Choice:
     label: str
     reason: str
     config: dict  # vLLM's --speculative-config keys, as specctl takes them (catalogue names allowed)
-    vllm_config: dict  # the same, with local paths for vLLM
+    vllm_config: dict | None  # the same, with local paths for vLLM (None: vLLM cannot run it)
     runnable: bool = True
     note: str = ""
     commands: dict = field(default_factory=dict)
+    vllm_unsupported: str = ""  # why vLLM cannot run it (then no vLLM config nor command)
 
     @property
     def layer(self) -> int:
@@ -90,16 +91,19 @@ def vllm_model(spec: str, path: str | None) -> str:
 
 
 def commands(target_spec: str, flags: str, vllm: str) -> dict:
-    """The ready command lines: specctl's flags, ``specctl serve``/``bench`` with them, and ``vllm serve``."""
+    """The ready command lines: specctl's flags, ``specctl serve``/``bench`` with them, and ``vllm serve``
+    (None where vLLM cannot run the choice)."""
     model = shlex.quote(target_spec)
     return {"specctl_flags": flags, "specctl_serve": f"specctl serve --model {model} {flags}",
-            "specctl_bench": f"specctl bench --model {model} {flags}", "vllm": vllm}
+            "specctl_bench": f"specctl bench --model {model} {flags}", "vllm": vllm or None}
 
 
 def make_choice(method: str, target, label: str, reason: str, *, draft: str | None = None,
-                draft_path: str | None = None, k: int | None = None, extra: dict | None = None) -> Choice:
+                draft_path: str | None = None, k: int | None = None, extra: dict | None = None,
+                vllm_unsupported: str = "") -> Choice:
     """A ready choice for ``target`` (its ``spec`` and local ``path``): its config (``extra``: more of
-    the method's keys), vLLM's, and the commands."""
+    the method's keys), vLLM's, and the commands. ``vllm_unsupported``: why vLLM cannot run it (a draft
+    with another vocabulary): then no vLLM config nor command, only specctl's."""
     from specctl.config import DEFAULT_NUM_SPECULATIVE_TOKENS
 
     k = k or DEFAULT_NUM_SPECULATIVE_TOKENS.get(method, 3)
@@ -119,5 +123,7 @@ def make_choice(method: str, target, label: str, reason: str, *, draft: str | No
         note = (note + "; " if note else "") + "older vLLM versions call this method 'deepseek_mtp'"
     js = shlex.quote(json.dumps(cfg))
     flags = (f"--method {method} -k {k}" if method in ("ngram", "suffix") else f"--speculative-config {js}")
-    vllm = f"vllm serve {shlex.quote(vllm_model(target.spec, target.path))} --speculative-config {shlex.quote(json.dumps(vcfg))}"
-    return Choice(method, label, reason, cfg, vcfg, runnable, note, commands(target.spec, flags, vllm))
+    vllm = ("" if vllm_unsupported else
+            f"vllm serve {shlex.quote(vllm_model(target.spec, target.path))} --speculative-config {shlex.quote(json.dumps(vcfg))}")
+    return Choice(method, label, reason, cfg, None if vllm_unsupported else vcfg, runnable, note,
+                  commands(target.spec, flags, vllm), vllm_unsupported)

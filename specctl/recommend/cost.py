@@ -4,7 +4,8 @@ A draft of k tokens with acceptance α and cost ratio ρ (one draft step / one t
     S(α, ρ, k) = (1 − α^(k+1)) / ((1 − α)(1 + kρ))  tokens per target-step time
 (the seed's formula). Without probing, ρ is estimated from parameter counts plus a fixed per-layer
 overhead (small models are overhead-bound; see ``LAYER_OVERHEAD_PARAMS``), and α is a workload
-prior (``WORKLOADS``, labelled as such). ``estimate_alpha`` is α by maximum likelihood over the
+prior (``WORKLOADS``, labelled as such); ngram's prediction (``ngram_prediction``) takes ρ = 0 and the
+workload's ``ngram_alpha``, fitted to bench's ngram runs. ``estimate_alpha`` is α by maximum likelihood over the
 (drafted, accepted) steps the probe measures.
 
 sparse_attn is judged apart, by the roofline model of one step (``specctl/roofline.py``) from the
@@ -45,19 +46,36 @@ class Workload:
     alpha_prior: float  # assumed acceptance of a same-tokenizer draft model (a prior, not a measurement)
     prompts: str | None  # built-in bench workload --probe uses (None: chat, with a note)
     context: int = 1024  # typical tokens in the KV cache while decoding (prompt + output)
+    ngram_alpha: float | None = None
+    """Prior acceptance of ngram per draft token over every decode step (unmatched steps included), where
+    bench measured ngram on this kind of prompt: fitted so that S(α, 0, 10) is ngram's measured speedup
+    (README, Qwen2.5-Coder-1.5B/0.5B bf16): code-edit 2.77-3.40x -> 0.65 (x2.83); humaneval 6.05-6.95x ->
+    0.88 (x6.29); math 1.32-1.36x -> 0.25 (x1.33); summarize 0.99-1.19x -> 0.1; chat, mt-bench
+    0.97-1.09x -> 0.05. None: not measured (the walk then does not weigh ngram against a draft model)."""
 
 
+# Every built-in bench workload (specctl.workloads.WORKLOADS) is a recommend workload too, under the
+# same name (a test checks it), beside recommend's own kinds of use (code, rag, translation, ...).
 WORKLOADS: dict[str, Workload] = {w.name: w for w in (
-    Workload("chat", "open-ended conversation", False, False, 0.6, "chat"),
-    Workload("code", "code generation and editing", True, False, 0.8, "code-edit"),
-    Workload("code-edit", "edits that mostly copy the given code", True, False, 0.8, "code-edit"),
+    Workload("chat", "open-ended conversation", False, False, 0.6, "chat", ngram_alpha=0.05),
+    Workload("mt-bench", "multi-turn conversation (MT-Bench, both turns)", False, False, 0.6, "mt-bench",
+             ngram_alpha=0.05),
+    Workload("code", "code generation and editing", True, False, 0.8, "code-edit", ngram_alpha=0.65),
+    Workload("code-edit", "edits that mostly copy the given code", True, False, 0.8, "code-edit", ngram_alpha=0.65),
+    Workload("humaneval", "code completion of a given signature and docstring (HumanEval)", True, False, 0.8,
+             "humaneval", ngram_alpha=0.88),
     Workload("agentic", "agent loops and tool calls over a fixed template", True, True, 0.75, "agentic@2"),
     Workload("batch", "fixed-template batch jobs", False, True, 0.7, "agentic@2"),
-    Workload("rag", "answers grounded in retrieved passages", True, False, 0.7, None),
-    Workload("summarization", "summaries of a given text", True, False, 0.7, None),
+    Workload("rag", "answers grounded in retrieved passages", True, False, 0.7, "summarize", ngram_alpha=0.1),
+    Workload("summarization", "summaries of a given text", True, False, 0.7, "summarize", ngram_alpha=0.1),
+    Workload("summarize", "summaries of a given text, answers from a given file", True, False, 0.7, "summarize",
+             ngram_alpha=0.1),
     Workload("translation", "translation", False, False, 0.75, None),
-    Workload("math", "reasoning and math", False, False, 0.65, None, 2048),
+    Workload("math", "reasoning and math", False, False, 0.65, "math", 2048, ngram_alpha=0.25),
     Workload("long-context", "questions over long documents (4k-32k tokens)", True, False, 0.7, "long-4k", 16384),
+    Workload("long-4k", "questions over about 4k tokens of documents", True, False, 0.7, "long-4k", 4096),
+    Workload("long-16k", "questions over about 16k tokens of documents", True, False, 0.7, "long-16k", 16384),
+    Workload("long-32k", "questions over about 32k tokens of documents", True, False, 0.7, "long-32k", 32768),
 )}
 
 # sparse_attn's prior acceptance per draft token on long contexts (Qwen2.5-Coder-0.5B, long-4k, Vegas
@@ -70,6 +88,12 @@ def get_workload(name: str) -> Workload:
     if w is None:
         raise UsageError(f"unknown workload '{name}'", f"use one of: {', '.join(WORKLOADS)}")
     return w
+
+
+def ngram_prediction(w: Workload, k: int) -> float | None:
+    """ngram's predicted speedup on workload ``w`` at its draft length ``k``: S(α, 0, k) with the
+    workload's ``ngram_alpha`` (ρ = 0: a lookup in the prompt costs no model step); None where unknown."""
+    return None if w.ngram_alpha is None else predicted_speedup(w.ngram_alpha, 0.0, k)
 
 
 def predicted_speedup(alpha: float, rho: float, k: int) -> float:
@@ -130,7 +154,8 @@ def sparse_attn_choice(target, w: Workload, tree: Node, choice: Choice, context:
         return None, False
     c = make_choice("sparse_attn", target, "sparse_attn (vegas: the target drafts over the positions it attended to most)",
                     reason, k=k, extra={"sparse_attn_algorithm": "vegas"})
-    c.commands["specctl_bench"] += " -w long-4k --reuse-prefill"
+    long = w.prompts if (w.prompts or "").startswith("long-") else "long-4k"  # bench's long-context prompts
+    c.commands["specctl_bench"] += f" -w {long} --reuse-prefill"
     c.note = "vLLM RFC #47351's keys: mainline vLLM has no sparse_attn yet (the platformxlab/vegas fork does)"
     replace_choice = choice.layer == 1 and choice.method in ("ngram", "suffix")
     if replace_choice:

@@ -26,10 +26,10 @@ import shlex
 from dataclasses import asdict, dataclass, field
 
 from specctl.drafts.mtp_files import MTPInfo, mtp_modules
-from specctl.recommend.candidates import Candidate, find_drafts, gather_candidates, judge_candidate
+from specctl.recommend.candidates import Candidate, find_drafts, gather_candidates, judge_candidate, vllm_refusal
 from specctl.recommend.choices import Choice, Node, commands, implemented, make_choice
-from specctl.recommend.cost import (MIN_GAIN, PATTERN_ALPHA_WHEN_MATCHED, Workload, best_k, get_workload,
-                                    sparse_attn_choice)
+from specctl.recommend.cost import (CROSS_TOKENIZER_PENALTY, MIN_GAIN, PATTERN_ALPHA_WHEN_MATCHED, Workload, best_k,
+                                    get_workload, ngram_prediction, sparse_attn_choice)
 from specctl.recommend.detect import DraftInfo
 from specctl.recommend.inspection import ModelInfo, fmt_count, inspect_model
 
@@ -53,7 +53,8 @@ def hybrid_choice(target: ModelInfo, pattern: Choice, model: Choice, w: Workload
     note = ("specctl's own method: vLLM runs one proposer at a time (its config below is the model part's)"
             + ("; " + model.note if model.note else ""))
     return Choice("hybrid", f"hybrid: {pattern.method} first, then {model.label}", reason, cfg, model.vllm_config,
-                  pattern.runnable and model.runnable and "hybrid" in implemented(), note, cmds)
+                  pattern.runnable and model.runnable and "hybrid" in implemented(), note, cmds,
+                  model.vllm_unsupported)
 
 
 @dataclass
@@ -90,11 +91,32 @@ def _layer1(target: ModelInfo, w: Workload, parent: Node) -> tuple[Choice, Choic
     copy = ("the output copies the prompt, where prompt lookup does well" if w.copies_prompt
             else "little of the output copies the prompt: a low ceiling, but ngram costs nothing")
     ng = make_choice("ngram", target, "ngram (prompt lookup)", f"always available, zero cost; {copy}")
+    ng_pred = ngram_prediction(w, int(ng.config["num_speculative_tokens"]))
+    if ng_pred is not None:
+        ng.reason += f" (predicted x{ng_pred:.2f}: {_ngram_prior(w, ng)})"
     sf = make_choice("suffix", target, "suffix (suffix trees over this and earlier responses)",
                      "reuses earlier responses when requests repeat; zero model cost")
     pick, other = (sf, ng) if w.repeats else (ng, sf)
     q.add(Node("choice", pick.label, reason=pick.reason))
     return pick, other
+
+
+def _ngram_prior(w: Workload, ng: Choice) -> str:
+    return (f"prior α={w.ngram_alpha} over every step on {w.name}, fitted to bench's ngram runs, "
+            f"at k={ng.config['num_speculative_tokens']}, no draft cost")
+
+
+def _other_tokenizer(target: ModelInfo, c: Candidate, pick: str, pick_speedup: float | None) -> Choice:
+    """A draft_model with another tokenizer, as an alternative: no vLLM command (vLLM needs the target's
+    vocabulary), and, where it is predicted above the pick, why it still ranks below it."""
+    ch = make_choice("draft_model", target, f"draft_model with {c.name} (another tokenizer)", c.reason,
+                     draft=c.spec, draft_path=c.path, k=c.best_k, vllm_unsupported=vllm_refusal(c, target))
+    if pick_speedup is not None and c.predicted_speedup is not None and c.predicted_speedup > pick_speedup:
+        ch.reason += (f"; predicted above the pick, {pick} (x{pick_speedup:.2f}), but ranked after it: the flowchart "
+                      "takes a same-tokenizer draft or the zero-cost layer first, since this prior α is a guess (the "
+                      f"same-tokenizer one minus {CROSS_TOKENIZER_PENALTY}), the formula leaves out the vocabulary "
+                      "mapping's cost, and only specctl runs it; --probe measures both")
+    return ch
 
 
 def walk(target: ModelInfo, mtp: MTPInfo, drafts: list[DraftInfo], cands: list[Candidate], w: Workload,
@@ -171,8 +193,6 @@ def _after_q1(target, mtp, mtp_ev, drafts, cands, w, parent, drafts_searched) ->
     for c in cands:
         q3.add(Node("evidence", f"{c.name} ({c.arch or '?'}, {fmt_count(c.params)})", reason=c.reason,
                     ok={"draft": True, "alternative": None}.get(c.verdict, False)))
-    draft_alts = [make_choice("draft_model", target, f"draft_model with {c.name} (another tokenizer)",
-                              c.reason, draft=c.spec, draft_path=c.path, k=c.best_k) for c in other]
     if smaller_same:
         best = same[0] if same else min(smaller_same, key=lambda c: c.rho_estimate)
         q4 = q3.add(Node("question", f"Is ρ in the sweet spot for {best.name}?", "yes" if same else "no",
@@ -180,32 +200,59 @@ def _after_q1(target, mtp, mtp_ev, drafts, cands, w, parent, drafts_searched) ->
                          f"-> predicted x{best.predicted_speedup:.2f} at k={best.best_k} (needs > x{MIN_GAIN}; "
                          "--probe measures α and ρ)"))
         if same:
-            c = make_choice("draft_model", target, f"draft_model with {best.name}",
-                            "a smaller same-tokenizer model: the most flexible option; mind its second KV cache",
-                            draft=best.spec, draft_path=best.path, k=best.best_k)
-            if not best.runnable:
-                c.runnable = False
-                c.note = (c.note + "; " if c.note else "") + f"the own runtime cannot run {best.arch} yet (vLLM can)"
-            q4.add(Node("choice", c.label, reason=c.reason))
-            l1, _ = _layer1(target, w, Node("note", ""))
-            note = ("the output copies the prompt: ngram is a strong zero-cost rival here, compare with --probe"
-                    if w.copies_prompt else "zero-cost fallback")
-            l1.reason = note if w.copies_prompt else l1.reason
-            q4.add(Node("note", f"also try {l1.method}", reason=note))
-            hyb = [hybrid_choice(target, l1, c, w, best.predicted_speedup)] if (w.copies_prompt or w.repeats) else []
-            if hyb:
-                q4.add(Node("note", f"or both: {hyb[0].label}", reason=hyb[0].reason))
-            alts += [make_choice("draft_model", target, f"draft_model with {o.name}", o.reason, draft=o.spec,
-                                 draft_path=o.path, k=o.best_k) for o in same[1:]] + [l1] + hyb + draft_alts
-            return c, alts
+            return _model_or_ngram(target, w, best, same, other, q4, alts)
         parent_l1 = q4
     else:
         parent_l1 = q3
     pick, other_l1 = _layer1(target, w, parent_l1)
+    pick_speedup = ngram_prediction(w, int(pick.config["num_speculative_tokens"])) if pick.method == "ngram" else None
+    draft_alts = [_other_tokenizer(target, c, pick.method, pick_speedup) for c in other]
     if draft_alts:
         parent_l1.add(Node("note", "a draft with another tokenizer may still pay off",
                            reason="; ".join(f"{c.name}: {c.reason}" for c in other)))
     return pick, draft_alts + [other_l1]
+
+
+def _model_or_ngram(target, w, best: Candidate, same: list[Candidate], other: list[Candidate], q4: Node,
+                    alts: list[Choice]) -> tuple[Choice, list[Choice]]:
+    """A same-tokenizer draft model pays: pick it, unless ngram is predicted faster on this workload."""
+    c = make_choice("draft_model", target, f"draft_model with {best.name}",
+                    "a smaller same-tokenizer model: the most flexible option; mind its second KV cache"
+                    f" (predicted x{best.predicted_speedup:.2f} at k={best.best_k})",
+                    draft=best.spec, draft_path=best.path, k=best.best_k)
+    if not best.runnable:
+        c.runnable = False
+        c.note = (c.note + "; " if c.note else "") + f"the own runtime cannot run {best.arch} yet (vLLM can)"
+    l1, _ = _layer1(target, w, Node("note", ""))
+    ng_pred = ngram_prediction(w, int(l1.config["num_speculative_tokens"])) if l1.method == "ngram" else None
+    at = q4
+    if ng_pred is not None:
+        at = q4.add(Node("question", f"Does {best.name} beat ngram on {w.name}?",
+                         "yes" if best.predicted_speedup > ng_pred else "no",
+                         f"draft_model predicted x{best.predicted_speedup:.2f} at k={best.best_k}; ngram x{ng_pred:.2f} "
+                         f"({_ngram_prior(w, l1)}); --probe measures both"))
+    hyb = [hybrid_choice(target, l1, c, w, best.predicted_speedup)] if (w.copies_prompt or w.repeats) else []
+    more = [make_choice("draft_model", target, f"draft_model with {o.name}", o.reason, draft=o.spec,
+                        draft_path=o.path, k=o.best_k) for o in same[1:]]
+    if ng_pred is not None and ng_pred >= best.predicted_speedup:
+        l1.reason = (f"predicted x{ng_pred:.2f} on {w.name}, above draft_model with {best.name} "
+                     f"(x{best.predicted_speedup:.2f}), at zero cost: no draft model, no second KV cache")
+        at.add(Node("choice", l1.label, reason=l1.reason))
+        if hyb:
+            at.add(Node("note", f"or both: {hyb[0].label}", reason=hyb[0].reason))
+        draft_alts = [_other_tokenizer(target, o, l1.method, ng_pred) for o in other]
+        return l1, alts + hyb + [c] + more + draft_alts
+    at.add(Node("choice", c.label, reason=c.reason))
+    note = ("the output copies the prompt: ngram is a strong zero-cost rival here, compare with --probe"
+            if w.copies_prompt else "zero-cost fallback")
+    if ng_pred is not None:
+        note += f" (predicted x{ng_pred:.2f})"
+    l1.reason = note if w.copies_prompt else l1.reason
+    at.add(Node("note", f"also try {l1.method}", reason=note))
+    if hyb:
+        at.add(Node("note", f"or both: {hyb[0].label}", reason=hyb[0].reason))
+    draft_alts = [_other_tokenizer(target, o, c.label, best.predicted_speedup) for o in other]
+    return c, alts + more + [l1] + hyb + draft_alts
 
 
 def recommend(model: str, *, drafts: list[str] | None = None, candidates: list[str] | None = None,

@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+from specctl.recommend.candidates import vllm_refusal
 from specctl.recommend.choices import Node, implemented, make_choice
 from specctl.recommend.cost import best_k, estimate_alpha, sparse_roofline
 from specctl.recommend.flowchart import Recommendation
@@ -211,13 +212,15 @@ def apply_probe(rec: Recommendation, result: dict) -> None:
     if rows and (rows[0]["measured_speedup"] or 0) > 1.0:
         best = rows[0]
         if best["config"]["method"] != rec.choice.method or best["config"].get("model") not in (
-                None, rec.choice.config.get("model"), rec.choice.vllm_config.get("model")):
+                None, rec.choice.config.get("model"), (rec.choice.vllm_config or {}).get("model")):
             flow = rec.choice
             cfg = best["config"]
             draft = cfg.get("model")
+            cand = next((c for c in rec.candidates if draft is not None and draft in (c.path, c.spec)), None)
             new = make_choice(cfg["method"], rec.target, f"{best['label']} (measured best)",
                               f"measured x{best['measured_speedup']:.2f} here; the flowchart's pick was {flow.method}",
-                              draft=draft, draft_path=draft, k=best["k"])
+                              draft=draft, draft_path=draft, k=best["k"],
+                              vllm_unsupported=vllm_refusal(cand, rec.target) if cand is not None else "")
             rec.alternatives = [flow] + [a for a in rec.alternatives if a.config != new.config]
             rec.choice = new
         node.add(Node("choice", rec.choice.label, reason=f"measured x{best['measured_speedup']:.2f}"))

@@ -161,3 +161,55 @@ def test_probe_predicts_sparse_attn_at_the_asked_context_on_this_machine(tiny_mo
     rf = row["roofline"]
     assert (rf["context"], rf["batch"]) == (2048, 64) and rf["predicted_speedup"] > 0
     assert rf["machine"]["bandwidth"] > 0 and rf["machine"]["attention_flops"] > 0
+
+
+def test_takes_every_workload_name_bench_takes(tiny_model_dir):
+    from specctl.recommend.cost import WORKLOADS
+    from specctl.workloads import WORKLOADS as BENCH
+
+    for name in ("summarize", "long-4k", "humaneval", "mt-bench"):
+        assert name in BENCH
+        r = runner.invoke(app, ["recommend", str(tiny_model_dir), "--workload", name, "--json"])
+        assert r.exit_code == 0, r.output
+        assert json.loads(r.stdout)["workload"]["name"] == name
+    h = runner.invoke(app, ["recommend", "--help"], env={"COLUMNS": "400"}).stdout
+    assert all(name in h for name in WORKLOADS)
+
+
+def test_a_missing_prompts_file_names_only_workloads_recommend_takes(tiny_model_dir):
+    from specctl.recommend.cost import get_workload
+
+    r = run_main("recommend", str(tiny_model_dir), "--probe", "--prompts", "nosuch.jsonl")
+    assert r.returncode == 1 and r.stderr.count("\n") == 1 and "nosuch.jsonl does not exist" in r.stderr
+    names = r.stderr.split("use a built-in workload: ", 1)[1].strip().split(", ")
+    assert "summarize" in names and "long-4k" in names
+    for name in names:
+        get_workload(name)  # each one recommend --workload takes (a UsageError otherwise)
+
+
+def test_empty_model_name_is_a_usage_error():
+    r = run_main("recommend", " ")
+    assert r.returncode == 2 and r.stdout == "" and r.stderr.count("\n") == 1
+    assert "model name is empty" in r.stderr and "local HF folder" in r.stderr
+
+
+def test_other_vocabulary_alternative_prints_no_vllm_command(tmp_path, tiny_model_dir):
+    """A draft with another vocabulary: specctl's command, and instead of vLLM's, why vLLM cannot run it."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from tests.recommend.builders import llama
+
+    words = ["<unk>"] + [f"w{i:03d}" for i in range(255)]  # a word-level tokenizer of 256 ids
+    raw = Tokenizer(models.WordLevel(vocab={w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    raw.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="<unk>").save_pretrained(tmp_path / "word-tok")
+    target = llama(tmp_path / "models" / "target", layers=4, tokenizer=tiny_model_dir)
+    other = llama(tmp_path / "cands" / "other", layers=1, vocab=256, tokenizer=tmp_path / "word-tok")
+    r = runner.invoke(app, ["recommend", str(target), "--candidates", str(other), "--workload", "translation"],
+                      env={"COLUMNS": "400"})
+    assert r.exit_code == 0, r.output
+    block = r.stdout.split("Alternative: draft_model with other", 1)[1].split("Alternative:")[0]
+    assert "specctl serve --model" in block and '"model": "' + str(other) in block
+    assert "vLLM:    none: vLLM's draft_model needs the target's vocabulary" in block
+    assert "(256 vs 128 tokens)" in block and "vllm serve" not in block

@@ -166,6 +166,26 @@ def test_load_errors_name_the_problem(tmp_path):
         load_transformer(tmp_path, torch.float32)
 
 
+def test_a_damaged_safetensors_file_is_one_line_naming_it(tiny_model_dir, tmp_path):
+    """A truncated model.safetensors: load_model (every command's loading) says what recommend says, through
+    one shared reader (specctl.models.open_safetensors), not safetensors' own error."""
+    import shutil
+
+    from specctl.recommend.inspection import tensor_index
+    from specctl.runtime.runner import load_model
+
+    bad = shutil.copytree(tiny_model_dir, tmp_path / "corrupt")
+    f = bad / "model.safetensors"
+    f.write_bytes(f.read_bytes()[:-100])
+    with pytest.raises(ModelError) as e:
+        load_model(bad, dtype="float32")
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith(f"cannot read the safetensors header of {f} (") and "replace it" in msg
+    with pytest.raises(ModelError) as r:
+        tensor_index(bad)
+    assert str(r.value) == msg
+
+
 # --------------------------------------------------------------------------- config variants
 # Biases on o_proj / MLP and mistral's sliding window change the logits: they must be honoured.
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from specctl.config import SpecConfig
-from specctl.recommend.cost import K_MAX, best_k, estimate_alpha, estimate_rho, predicted_speedup
+from specctl.recommend.cost import (K_MAX, WORKLOADS, best_k, estimate_alpha, estimate_rho, get_workload,
+                                    ngram_prediction, predicted_speedup)
 from specctl.recommend.flowchart import recommend
 from specctl.recommend.probe import probe_plan
 from tests.recommend.builders import q, qwen_like
@@ -43,3 +44,26 @@ def test_short_context_does_not_pay_for_sparse_attn(tmp_path):
     rec = recommend(str(target), candidates=[], workload="long-context", context=512, batch=1)
     assert q(rec, "Is the KV cache a large share") == "no"
     assert rec.choice.method == "ngram" and "sparse_attn" not in [a.method for a in rec.alternatives]
+
+
+def test_every_bench_workload_is_a_recommend_workload():
+    """recommend takes every built-in workload name bench takes (specctl.workloads is shared), and each
+    of its workloads probes on prompts bench has."""
+    from specctl import workloads
+
+    for name in workloads.WORKLOADS:
+        assert get_workload(name).name == name
+    for w in WORKLOADS.values():
+        assert w.prompts is None or w.prompts.split("@")[0] in workloads.WORKLOADS, w
+    assert get_workload("long-32k").context == 32768 and get_workload("long-4k").prompts == "long-4k"
+    assert get_workload("summarize").copies_prompt and get_workload("mt-bench").prompts == "mt-bench"
+
+
+def test_ngram_prior_fits_benchs_measured_speedups():
+    """ngram's prediction (ρ = 0, the workload's prior α over every step) lands where bench measured it on
+    Qwen2.5-Coder (README): code-edit 2.8-3.4x, humaneval 6.0-7.0x, chat about 1.05x; unknown: None."""
+    assert 2.7 < ngram_prediction(get_workload("code-edit"), 10) < 3.4
+    assert ngram_prediction(get_workload("code"), 10) == ngram_prediction(get_workload("code-edit"), 10)
+    assert 6.0 < ngram_prediction(get_workload("humaneval"), 10) < 7.0
+    assert 1.0 < ngram_prediction(get_workload("chat"), 10) < 1.1
+    assert ngram_prediction(get_workload("translation"), 10) is None

@@ -35,3 +35,22 @@ def test_probe_uses_an_exported_eagle3_draft(tiny_model_factory, tmp_path):
     e = rows["eagle3"]
     assert e["identical_to_baseline"] == 1 and e["rho"] > 0 and e["config"]["model"] == str(out)
     assert rec.tree.children[-1].text.startswith("Measured")
+
+
+def test_a_measured_best_draft_with_another_vocabulary_gets_no_vllm_command(tmp_path, tiny_model_dir, word_tok_dir):
+    """When --probe finds the other-tokenizer draft fastest, the new pick still says vLLM cannot run it."""
+    from tests.recommend.builders import llama
+
+    target = llama(tmp_path / "models" / "target", layers=4, tokenizer=tiny_model_dir)
+    other = llama(tmp_path / "cands" / "other", layers=1, tokenizer=word_tok_dir)
+    rec = recommend(str(target), candidates=[str(other)], workload="chat")
+    assert rec.choice.method == "ngram"
+    cfg = {"method": "draft_model", "model": str(other), "num_speculative_tokens": 2}
+    row = {"rank": 1, "label": "draft_model:other", "method": "draft_model", "config": cfg, "k": 2, "alpha": 0.5,
+           "rho": 0.1, "predicted_k": 2, "predicted_speedup": 1.5, "measured_speedup": 1.4, "draft_rate": 1.0,
+           "verify_cost": 1.0}
+    apply_probe(rec, {"num_prompts": 1, "prompts": "chat", "max_new_tokens": 8, "baseline_tokens_per_s": 1.0,
+                      "methods": [row], "skipped": []})
+    assert rec.choice.config == cfg and rec.choice.commands["vllm"] is None and rec.choice.vllm_config is None
+    assert "needs the target's vocabulary" in rec.choice.vllm_unsupported
+    assert rec.alternatives[0].method == "ngram"
