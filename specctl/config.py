@@ -279,9 +279,7 @@ class SpecConfig:
                               f"use one of: {', '.join(SPARSE_ATTN_ALGORITHMS)}")
         if self.sparse_attn_ratio is None:
             self.sparse_attn_ratio = 0.05
-        _check_number("sparse_attn_ratio", self.sparse_attn_ratio, minimum=0.0, maximum=1.0)
-        if self.sparse_attn_ratio <= 0:
-            raise ConfigError("sparse_attn_ratio must be > 0, got 0", "set sparse_attn_ratio in (0, 1], e.g. 0.05")
+        _check_number("sparse_attn_ratio", self.sparse_attn_ratio, minimum=0.0, maximum=1.0, open_min=True)
         if self.sparse_attn_min_tokens is None:
             self.sparse_attn_min_tokens = 256
         _check_int("sparse_attn_min_tokens", self.sparse_attn_min_tokens, minimum=1)
@@ -336,11 +334,14 @@ def _check_int(name: str, value: Any, minimum: int) -> None:
         raise ConfigError(f"{name} must be >= {minimum}, got {value}", f"set {name} to an integer >= {minimum}")
 
 
-def _check_number(name: str, value: Any, minimum: float, maximum: float | None = None) -> None:
+def _check_number(name: str, value: Any, minimum: float, maximum: float | None = None,
+                  open_min: bool = False) -> None:
+    """``value`` in [minimum, maximum] ((minimum, maximum] with ``open_min``)."""
+    lo = "(" if open_min else "["
+    rng = f"in {lo}{minimum}, {maximum}]" if maximum is not None else f"{'>' if open_min else '>='} {minimum}"
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ConfigError(f"{name} must be a number, got {value!r}", f"set {name} to a number >= {minimum}")
-    if value < minimum or (maximum is not None and value > maximum):
-        rng = f"in [{minimum}, {maximum}]" if maximum is not None else f">= {minimum}"
+        raise ConfigError(f"{name} must be a number, got {value!r}", f"set {name} to a number {rng}")
+    if value < minimum or (open_min and value == minimum) or (maximum is not None and value > maximum):
         raise ConfigError(f"{name} must be {rng}, got {value}", f"set {name} {rng}")
 
 

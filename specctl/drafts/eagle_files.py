@@ -67,6 +67,11 @@ def load_eagle_draft(folder: str | Path, target_args: ModelArgs, version: int | 
                          "pass the EAGLE draft folder (config.json + weights)") from None
     sd = {k.removeprefix("model."): v for k, v in _read_tensors(folder).items()}
     archs = " ".join(cfg.get("architectures") or [])
+    layers = {k.split(".")[1] for k in sd if k.startswith("layers.") and k.count(".") > 1}
+    if len(layers) > 1 and "fc.weight" not in sd:  # a whole model, not a one-layer draft
+        raise ModelError(f"{folder} is a whole model ({len(layers)} layers, {archs or 'no architecture'}), not an "
+                         "EAGLE draft", "pass a draft in vLLM's EAGLE layout (one layer + fc: `specctl train-eagle`), "
+                         "or use it as a draft model: \"method\": \"draft_model\"")
     is3 = "Eagle3" in archs or "d2t" in sd or any(k.startswith("midlayer.") for k in sd) or "hidden_norm" in " ".join(sd)
     v = version or (3 if is3 else 1)
     sd = {("midlayer." + k[len("layers.0."):] if k.startswith("layers.0.") else k): t for k, t in sd.items()}

@@ -128,6 +128,18 @@ def test_method_must_match_version(tiny_model_dir, tiny_model, tmp_path):
                        target=load_model(tiny_model_dir, dtype="float32"))
 
 
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_a_whole_model_as_an_eagle_draft_is_named_as_such(tiny_model_dir, method):
+    """A user passed a plain model as an EAGLE-3 draft and was told of an "EAGLE-1 checkpoint" that
+    does not fit (missing fc.weight...): the error now says what the folder is and what to do."""
+    from specctl.errors import ModelError
+
+    with pytest.raises(ModelError, match="is a whole model .* not an EAGLE draft") as e:
+        build_proposer(SpecConfig.from_dict({"method": method, "model": str(tiny_model_dir)}), 256,
+                       target=load_model(tiny_model_dir, dtype="float32"))
+    assert "draft_model" in e.value.fix and "EAGLE-1" not in str(e.value)
+
+
 # --------------------------------------------------------------------------- trained tiny drafts
 
 def _prompts(n: int, seed: int) -> list[str]:

@@ -226,8 +226,8 @@ def test_sampling_keeps_the_target_distribution(target):
 
 @pytest.mark.parametrize("cfg,needle", [
     ({"sparse_attn_algorithm": "quest"}, "unknown sparse_attn_algorithm 'quest'"),
-    ({"sparse_attn_ratio": 1.5}, "sparse_attn_ratio must be in [0.0, 1.0]"),
-    ({"sparse_attn_ratio": 0}, "sparse_attn_ratio must be > 0"),
+    ({"sparse_attn_ratio": 1.5}, "sparse_attn_ratio must be in (0.0, 1.0]"),
+    ({"sparse_attn_ratio": 0}, "sparse_attn_ratio must be in (0.0, 1.0], got 0"),
     ({"sparse_attn_min_tokens": 0}, "sparse_attn_min_tokens must be >= 1"),
     ({"sparse_attn_skip_layers": [1, 1]}, "sparse_attn_skip_layers must be a list of distinct"),
     ({"sparse_attn_skip_layers": "some"}, "sparse_attn_skip_layers must be a list of distinct"),
