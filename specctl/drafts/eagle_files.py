@@ -35,12 +35,12 @@ from specctl.modeling import ModelArgs
 # --------------------------------------------------------------------------- loading (vLLM / SGLang layouts)
 
 def _read_tensors(folder: Path) -> dict[str, torch.Tensor]:
-    from safetensors import safe_open
+    from specctl.models import open_safetensors
 
     sd: dict[str, torch.Tensor] = {}
     files = sorted(folder.glob("*.safetensors"))
     for f in files:
-        with safe_open(str(f), framework="pt") as fh:
+        with open_safetensors(f) as fh:
             for key in fh.keys():
                 sd[key] = fh.get_tensor(key)
     if not files:

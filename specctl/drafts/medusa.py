@@ -236,7 +236,11 @@ def _read_json(path: Path) -> dict:
 
 
 def _read_weights(folder: Path, layout: str) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
+    from specctl.models import open_safetensors
+
+    def load_file(path: str) -> dict[str, torch.Tensor]:
+        with open_safetensors(path) as fh:
+            return {k: fh.get_tensor(k) for k in fh.keys()}
 
     if layout == "fasterdecoding":
         for name in _FD_FILES:

@@ -85,7 +85,7 @@ def _fuse_block(sd: dict, p: str, a: ModelArgs) -> dict[str, torch.Tensor]:
 
 def read_mtp_tensors(folder: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
     """(config.json, the MTP tensors of every *.safetensors in ``folder``) without reading the main model."""
-    from safetensors import safe_open
+    from specctl.models import open_safetensors
 
     folder = Path(folder)
     cfg_path = folder / "config.json"
@@ -95,7 +95,7 @@ def read_mtp_tensors(folder: str | Path) -> tuple[dict, dict[str, torch.Tensor]]
     n_main = int(cfg.get("num_hidden_layers", 0))
     sd: dict[str, torch.Tensor] = {}
     for f in sorted(folder.glob("*.safetensors")):
-        with safe_open(str(f), framework="pt") as fh:
+        with open_safetensors(f) as fh:
             for key in fh.keys():
                 m = re.match(r"model\.layers\.(\d+)\.", key)
                 if key.startswith(("mtp.", "model.mtp_layers.")) or (m and int(m.group(1)) >= n_main):

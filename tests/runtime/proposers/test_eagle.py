@@ -140,6 +140,17 @@ def test_a_whole_model_as_an_eagle_draft_is_named_as_such(tiny_model_dir, method
     assert "draft_model" in e.value.fix and "EAGLE-1" not in str(e.value)
 
 
+def test_a_damaged_draft_file_is_one_line_naming_it(tiny_model, tmp_path):
+    from specctl.errors import ModelError
+
+    out = export_eagle(_draft(tiny_model, 3), tmp_path / "d")
+    f = out / "model.safetensors"
+    f.write_bytes(f.read_bytes()[:200])  # truncated: the header promises more than the file holds
+    with pytest.raises(ModelError, match="model.safetensors") as e:
+        load_eagle_draft(out, tiny_model.args)
+    assert "replace it" in e.value.fix
+
+
 # --------------------------------------------------------------------------- trained tiny drafts
 
 def _prompts(n: int, seed: int) -> list[str]:
