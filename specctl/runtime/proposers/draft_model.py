@@ -144,6 +144,8 @@ class DraftModelProposer(Proposer):
         same = tokenizer_fingerprint(draft.tokenizer) == tokenizer_fingerprint(target.tokenizer)
         self.vocab_map: VocabMap | None = None
         if same:
+            if vocab_map is not None or getattr(config, "vocab_map", None) is not None:
+                self._vocab_map(config, vocab_map)  # checked all the same (a wrong file is an error), then not needed
             d2t = torch.arange(self.Vd, dtype=torch.int64)
         else:
             self.vocab_map = self._vocab_map(config, vocab_map)

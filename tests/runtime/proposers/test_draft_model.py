@@ -412,6 +412,12 @@ def test_the_config_key_vocab_map_carries_a_map_file(target, drafts, tmp_path):
     with pytest.raises(ConfigError, match="drafts with none"):
         SpecConfig.from_dict({"method": "ngram", "vocab_map": str(path)})
     assert "vocab_map" not in vllm_speculative_config(cfg)
+    # a draft with the target's own tokenizer needs no map, but a wrong one given is still refused
+    junk = tmp_path / "junk.safetensors"
+    junk.write_bytes(b"not a map")
+    with pytest.raises(DataError):
+        DraftModelProposer(SpecConfig.from_dict({**base, "vocab_map": str(junk)}), target=target,
+                           max_model_len=MAX_LEN, draft=drafts["same"])
 
 
 @pytest.mark.parametrize("draft_name", ["same", "byte"])
