@@ -68,4 +68,11 @@ def unwritable(path: str | os.PathLike, folder: bool) -> str | None:
         return f"{anc} is a file, so {path} cannot be made inside it"
     if not os.access(anc, os.W_OK | os.X_OK):
         return f"{anc} is not writable"
+    # root passes the permission check everywhere, /proc and read-only mounts included: try a file there
+    probe = anc / f".specctl-write-probe-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        probe.open("xb").close()
+        probe.unlink()
+    except OSError as e:
+        return f"cannot create a file in {anc} ({e.strerror or type(e).__name__})"
     return None

@@ -11,6 +11,11 @@ how many outputs equal the baseline's at the same N token for token (greedy). Be
 its roof, measured in the same run: N one-row forwards against one N-row forward (``forward_roof``:
 what reading the weights once for N rows allows; prefill, scheduling and uneven lengths explain
 the rest of the gap).
+
+Each measurement (workload x N x configuration) runs on a fresh decoder with a fresh proposer,
+built after the warm-up: nothing learnt at one N (a suffix tree of the earlier answers to the same
+prompts, pooled acceptance, measured costs) carries into the next. Prompts that do not fit the
+model's context with ``max_new_tokens`` are refused before anything runs.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import torch
 
 from specctl.bench.memory import tensor_bytes
 from specctl.bench.labels import config_labels
-from specctl.bench.suite import BASELINE, _Proposers, machine_header
+from specctl.bench.suite import BASELINE, _Proposers, check_context, machine_header, part_names, prompt_where
 from specctl.workloads import load_workload, render_prompt
 from specctl.config import SpecConfig
 from specctl.runtime.decoder import SamplingParams, SpecDecoder
@@ -37,8 +42,10 @@ def _pct(xs: list[float], q: float) -> float | None:
 
 
 def run_level(decoder: SpecDecoder, runners: list[TargetRunner], prompts: list[list[int]], params: SamplingParams,
-              seed: int, disable_by_batch_size: int | None = None, max_num_batched_tokens: int | None = 256) -> dict:
-    """All prompts through a scheduler over ``runners``; returns the row's measures and outputs."""
+              seed: int, disable_by_batch_size: int | None = None, max_num_batched_tokens: int | None = 256,
+              parts: list[str] = ()) -> dict:
+    """All prompts through a scheduler over ``runners``; returns the row's measures and outputs.
+    ``parts``: a hybrid's sub-proposer names, each in ``by_proposer`` even if it never drafted."""
     sched = Scheduler(decoder, runners, disable_by_batch_size=disable_by_batch_size,
                       max_num_batched_tokens=max_num_batched_tokens)
     reqs = [Request(p, params, seed=None if params.greedy else seed + i) for i, p in enumerate(prompts)]
@@ -67,17 +74,17 @@ def run_level(decoder: SpecDecoder, runners: list[TargetRunner], prompts: list[l
     results = [out[r.id] for r in reqs]
     ntok = sum(len(r.token_ids) for r in results)
     drafts = sum(r.stats.num_draft_tokens for r in results)
-    parts: dict[str, SpecStats] = {}
+    by_part: dict[str, SpecStats] = {n: SpecStats() for n in parts}
     for r in results:
         for name, s in r.by_proposer.items():
-            parts[name] = parts.get(name, SpecStats()).merge(s)
+            by_part[name] = by_part.get(name, SpecStats()).merge(s)
     acc = sum(r.stats.num_accepted_tokens for r in results)
     return {
         "tokens": ntok, "wall_s": wall, "tokens_per_s": ntok / wall if wall > 0 else 0.0,
         "ttft_p50_s": _pct(ttft, 50), "ttft_p99_s": _pct(ttft, 99), "itl_p50_s": _pct(itl, 50), "itl_p99_s": _pct(itl, 99),
         "mean_batch": float(np.mean(sched.batch_sizes)) if sched.batch_sizes else 0.0, "steps": sched.steps,
         "acceptance_rate": acc / drafts if drafts else None, "num_draft_tokens": drafts,
-        "by_proposer": {n: s.to_dict() for n, s in parts.items()},
+        "by_proposer": {n: s.to_dict() for n, s in by_part.items()},
         "outputs": [r.token_ids for r in results],
     }
 
@@ -116,30 +123,39 @@ def run_concurrency(loaded: LoadedModel, configs: list[SpecConfig], workloads: l
     say = progress or (lambda advance, description, total=None: None)
     tok = loaded.tokenizer
     top = max(levels)
-    prompts = {w: [render_prompt(tok, r) for r in load_workload(w, max(num_prompts, top), seed)] for w in workloads}
+    reqs = {w: load_workload(w, max(num_prompts, top), seed) for w in workloads}
+    prompts = {w: [render_prompt(tok, r) for r in rs] for w, rs in reqs.items()}
+    check_context(loaded, [(prompt_where(w, r), len(ids)) for w in workloads for r, ids in zip(reqs[w], prompts[w])],
+                  params.max_new_tokens)
     max_k = max([c.num_speculative_tokens for c in configs], default=0)
     max_len = max(len(p) for ps in prompts.values() for p in ps) + params.max_new_tokens + max_k + 8
     runners = [TargetRunner(loaded.model, max_len) for _ in range(top)]
     proposers = _Proposers(loaded, max_len)
     labels = [BASELINE] + config_labels(configs)
-    decoders = [SpecDecoder(runners[0])] + [
-        SpecDecoder(runners[0], proposers.build(c), c.num_speculative_tokens, adaptive=adaptive) for c in configs]
     spec = [None] + configs
-    say(0, "warm-up", len(workloads) * len(levels) * len(decoders))
+
+    def decoder(c: SpecConfig | None) -> SpecDecoder:
+        """A fresh decoder and proposer (draft weights stay shared): no state from an earlier measurement."""
+        if c is None:
+            return SpecDecoder(runners[0])
+        return SpecDecoder(runners[0], proposers.build(c), c.num_speculative_tokens, adaptive=adaptive)
+
+    say(0, "warm-up", len(workloads) * len(levels) * len(spec))
     warm = [p[:32] for p in next(iter(prompts.values()))[:top]]
-    for dec in decoders:  # first-call costs (allocator, numba kernels, every slot's draft state, the
-        # batched shapes' kernels) stay out of the first row: each decoder runs a short batch of `top`
-        run_level(dec, runners[:top], warm, replace(params, max_new_tokens=8), seed)
+    for c in spec:  # first-call costs (allocator, numba kernels, the batched shapes' kernels) stay out of
+        # the first row: each configuration runs a short batch of `top` on a decoder then thrown away
+        run_level(decoder(c), runners[:top], warm, replace(params, max_new_tokens=8), seed)
     say(0, "measuring the forward's roof")
     roof = {n: forward_roof(runners, n) for n in sorted(levels)}
     rows = []
     for w in workloads:
         base_at: dict[int, dict] = {}
         for n in sorted(levels):
-            for label, dec, c in zip(labels, decoders, spec):
+            for label, c in zip(labels, spec):
                 say(0, f"{w} · {n} concurrent · {label}")
+                dec = decoder(c)  # each N starts fresh: N=2 must not replay N=1's answers from a suffix cache
                 m = run_level(dec, runners[:n], prompts[w], params, seed,
-                              None if c is None else c.disable_by_batch_size, max_num_batched_tokens)
+                              None if c is None else c.disable_by_batch_size, max_num_batched_tokens, part_names(c))
                 if c is None:
                     base_at[n] = m
                 base = base_at[n]

@@ -44,8 +44,10 @@ def config_labels(configs: list[SpecConfig]) -> list[str]:
     """One unique, readable label per configuration, in order.
 
     The method alone where it is unique. Configurations sharing a method are told apart by their
-    draft for methods that draft with a model (``draft_model:smollm2-135m``), then by the one key
-    that differs (``ngram:k=4`` / ``ngram:k=8``), else by a ``#N`` suffix (``ngram``, ``ngram#2``).
+    draft for methods that draft with a model (``draft_model:smollm2-135m``), then by the keys that
+    differ, each ``key=value`` (``ngram:k=4`` / ``ngram:k=8``; two keys: ``ngram:k=4,prompt_lookup_max=3``),
+    else (the same configuration twice, nested settings such as a hybrid's parts, or more than
+    ``MAX_LABEL_KEYS`` keys) by a ``#N`` suffix (``ngram``, ``ngram#2``).
     E.g. [draft_model 0.5b, draft_model 135m, ngram] ->
     ['draft_model:qwen2.5-coder-0.5b', 'draft_model:smollm2-135m', 'ngram'].
     """
@@ -60,13 +62,14 @@ def config_labels(configs: list[SpecConfig]) -> list[str]:
         if len(idx) < 2:
             continue
         dicts = [configs[i].to_dict() for i in idx]
-        values = {k: [json.dumps(d.get(k), sort_keys=True) for d in dicts] for d in dicts for k in d}
-        varying = [k for k, v in values.items() if len(set(v)) > 1]
-        if len(varying) == 1 and len(set(values[varying[0]])) == len(idx):
-            key = varying[0]
+        keys = list(dict.fromkeys(k for d in dicts for k in d))
+        values = {k: [json.dumps(d.get(k), sort_keys=True) for d in dicts] for k in keys}
+        varying = [k for k in keys if len(set(values[k])) > 1]
+        scalar = all(not isinstance(d.get(k), (dict, list)) for k in varying for d in dicts)
+        told_apart = len({tuple(values[k][j] for k in varying) for j in range(len(idx))}) == len(idx)
+        if varying and scalar and told_apart and len(varying) <= MAX_LABEL_KEYS:
             for i, d in zip(idx, dicts):
-                labels[i] = (f"{lab}:{d.get(key)}" if key in _VALUE_ONLY_KEYS
-                             else f"{lab}:{_SHORT_KEYS.get(key, key)}={d.get(key)}")
+                labels[i] = f"{lab}:" + ",".join(_key_label(k, d.get(k)) for k in varying)
         else:
             for n, i in enumerate(idx[1:], 2):
                 labels[i] = f"{lab}#{n}"
@@ -79,3 +82,11 @@ def config_labels(configs: list[SpecConfig]) -> list[str]:
         labels[i] = out
         seen.add(out)
     return labels
+
+
+MAX_LABEL_KEYS = 3  # more differing keys than this: numbered, not spelt out
+
+
+def _key_label(key: str, value) -> str:
+    """'num_speculative_tokens', 4 -> 'k=4'; 'sparse_attn_algorithm', 'vegas' -> 'vegas'."""
+    return str(value) if key in _VALUE_ONLY_KEYS else f"{_SHORT_KEYS.get(key, key)}={value}"

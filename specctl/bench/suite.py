@@ -13,6 +13,11 @@ Each draft model is loaded once, however many configurations use it. With ``peer
 transformers' plain, prompt-lookup and assisted generation (one per distinct draft) run on the same
 prompt ids right after specctl's (``specctl.bench.peers``).
 
+Every measuring pass (each of ``runs``) starts from fresh decoders and proposers, built after the
+warm-up: nothing one pass learnt (a suffix tree of earlier answers, pooled acceptance, measured
+costs) carries into the next, nor from the warm-up into the first. Prompts that do not fit the
+model's context with ``max_new_tokens`` are refused before anything runs (``check_context``).
+
 ``specctl recommend --probe`` measures through this same loop: with ``time_drafts`` each proposer
 runs inside a ``DraftTimer`` and each row also holds the draft's own time and (drafted, accepted)
 per step (``MethodRun.draft``), from which the probe estimates acceptance α and cost ratio ρ.
@@ -126,6 +131,8 @@ class BenchReport:
     memory: dict = field(default_factory=dict)  # method label -> its proposer's extra bytes (bench/memory.py)
 
     def rows(self) -> list[dict]:
+        """One dict per row (the JSON's results). ``identical_to_baseline`` is None where outputs were
+        not compared (sampling: no token-for-token baseline to equal)."""
         base = {r.workload: r for r in self.runs if r.method == BASELINE}
         peer_base = {(peer_engine(r.method), r.workload): r for r in self.runs if r.method.endswith(":plain")}
         out = []
@@ -143,7 +150,8 @@ class BenchReport:
                                                 if r.workload in base and base[r.workload].tokens_per_s > 0 else None),
                 "ttft_s": r.prefill_s / max(r.num_requests, 1),
                 "target_forwards": r.steps,
-                "identical_to_baseline": r.identical if r.method != BASELINE else r.num_requests,
+                "identical_to_baseline": (r.num_requests if r.method == BASELINE
+                                          else r.identical if r.first_divergence else None),
                 "first_divergence": r.first_divergence,
                 "divergence_margins": r.divergence_margins,
                 "error": r.error,
@@ -185,13 +193,49 @@ def machine_header(loaded: LoadedModel, max_new_tokens: int, temperature: float)
     }
 
 
+def part_names(config: SpecConfig | None) -> list[str]:
+    """A hybrid's sub-proposer names as its decoder credits them (``ngram``, ``draft_model``, ``ngram#2``);
+    [] for any other configuration. Every part gets a row, also one that never drafted."""
+    if config is None or config.method != "hybrid":
+        return []
+    from specctl.runtime.proposers.hybrid import sub_labels
+
+    return sub_labels(config.sub_configs())
+
+
+def prompt_where(workload: str, req: Request) -> str:
+    """Where a prompt comes from, for an error: 'prompts.jsonl line 3' or 'workload chat, item mt-bench/81'."""
+    line = req.meta.get("line")
+    return f"{workload} line {line}" if line is not None else f"workload {workload}, item {req.id}"
+
+
+def check_context(loaded: LoadedModel, prompts: list[tuple[str, int]], max_new_tokens: int) -> None:
+    """Refuse, before anything runs, prompts (where, token count) that do not fit the model's context
+    (``max_position_embeddings``) with ``max_new_tokens`` after them: positions past it are not a
+    measurement of the model (one line names the first such prompt, its length, the limit, the fix)."""
+    limit = int(loaded.model.args.max_position_embeddings)
+    bad = [(w, n) for w, n in prompts if n + max_new_tokens > limit]
+    if not bad:
+        return
+    (where, n), more = bad[0], (f" (and {len(bad) - 1} more prompts)" if len(bad) > 1 else "")
+    what = f"the model's context of {limit} positions (max_position_embeddings of {loaded.name})"
+    if n >= limit:
+        raise UsageError(f"{where}: the prompt is {n} tokens, over {what}{more}",
+                         f"use prompts shorter than {limit} tokens (drop or shorten this one), or a model with a "
+                         f"longer context")
+    room = limit - max(n for _, n in bad)
+    raise UsageError(f"{where}: the prompt ({n} tokens) + --max-new-tokens {max_new_tokens} exceeds {what}{more}",
+                     f"pass --max-new-tokens {room} or less, or shorter prompts" if room >= 2 else
+                     "use shorter prompts")
+
+
 @dataclass
 class Entry:
     """One row source: a label, its configuration (None = the baseline) and the decoder that runs it."""
 
     label: str
     config: SpecConfig | None
-    decoder: SpecDecoder
+    decoder: SpecDecoder | None  # the warm-up's; each measuring pass builds its own (run_bench's ``decoder``)
 
 
 class _Proposers:
@@ -251,6 +295,11 @@ def run_bench(
     prompts: dict[str, list[tuple[Request, list[int]]]] = {}
     for w in workloads:
         prompts[w] = [(r, render_prompt(tok, r)) for r in load_workload(w, num_prompts, seed)]
+    # every turn's prompt as it is at least (a later turn's, with empty earlier answers), before any run
+    check_context(loaded, [(prompt_where(w, req) + (f" turn {len(req.followups) + 1}" if req.followups else ""),
+                            len(ids) if not req.followups else
+                            len(render_prompt(tok, replace(req, messages=turn_messages(req, [""] * len(req.followups))))))
+                           for w, ps in prompts.items() for req, ids in ps], params.max_new_tokens)
     # a later turn holds the earlier answers: room for each, re-tokenized (at most ~2x the tokens made)
     longest = max(len(ids) if not req.followups else
                   len(render_prompt(tok, replace(req, messages=turn_messages(req, [""] * len(req.followups)))))
@@ -263,7 +312,16 @@ def run_bench(
     max_k = max([v.num_speculative_tokens for _, v in variants], default=0)
     runner = TargetRunner(loaded.model, max_len=longest + params.max_new_tokens + max_k + 8, compile=compile)
     proposers = _Proposers(loaded, runner.max_len, time_drafts)
-    entries = [Entry(BASELINE, None, SpecDecoder(runner, reuse_prefill=reuse_prefill))]
+
+    def decoder(config: SpecConfig | None, proposer=None) -> SpecDecoder:
+        """A fresh decoder: its own pooled acceptance and measured costs, and a fresh proposer (no suffix
+        tree of earlier answers, no learnt part order); draft weights stay shared (``_Proposers``)."""
+        if config is None:
+            return SpecDecoder(runner, reuse_prefill=reuse_prefill)
+        return SpecDecoder(runner, proposer or proposers.build(config), config.num_speculative_tokens,
+                           adaptive=adaptive, reuse_prefill=reuse_prefill)
+
+    entries = [Entry(BASELINE, None, decoder(None))]
     config_names = config_labels(configs)
     for i, v in variants:
         try:
@@ -273,8 +331,7 @@ def run_bench(
                 raise
             on_build_error(config_names[i], v, e)
             continue
-        entries.append(Entry(config_names[i], v, SpecDecoder(runner, proposer, v.num_speculative_tokens,
-                                                           adaptive=adaptive, reuse_prefill=reuse_prefill)))
+        entries.append(Entry(config_names[i], v, decoder(v, proposer)))  # warms up, then makes way
 
     groups = []  # peer engines: each has .peers and .run(peer, ids, max_new_tokens, stop_ids)
     if peers:
@@ -346,13 +403,21 @@ def run_bench(
             except Exception as e:  # noqa: BLE001 - any engine failure
                 fail(peer, e)
 
+    for e in entries:  # the warm-up's decoders make way for each pass's own (a draft's memory is not held twice)
+        e.decoder = None
+    proposer = None
+    gc.collect()
+
     runs_out: list[MethodRun] = []
+    decs: list[SpecDecoder] = []
     for w, reqs in prompts.items():
         # one row per round of a multi-round workload (NAME@R) and per turn of a multi-turn one:
         # acceptance per round / turn is the point
         labels = list(dict.fromkeys(_label(w, req, t) for req, _ in reqs for t in range(1, req.num_turns + 1)))
         wruns = {lab: [MethodRun(e.label, lab, 0 if e.config is None else e.config.num_speculative_tokens,
-                                 {} if e.config is None else e.config.to_dict()) for e in entries] for lab in labels}
+                                 {} if e.config is None else e.config.to_dict(),
+                                 by_proposer={n: SpecStats() for n in part_names(e.config)})
+                       for e in entries] for lab in labels}
         peer_runs = {lab: [MethodRun(p.name, lab, p.kwargs.get("prompt_lookup_num_tokens", 0), p.config,
                                      error=failed.get(id(p)))
                            for _, p in all_peers] for lab in labels}
@@ -360,12 +425,10 @@ def run_bench(
             for (_, p), run in zip(all_peers, peer_runs[lab]):
                 peer_rows.setdefault(id(p), []).append(run)
         for rep in range(runs):
-            # a proposer that learns across requests (suffix) starts each repetition fresh, so a
-            # repetition does not find its own earlier answers in the cache
-            decs = [e.decoder if rep == 0 or e.decoder.proposer is None or not e.decoder.proposer.learns_across_requests
-                    else SpecDecoder(runner, proposers.build(e.config), e.config.num_speculative_tokens, adaptive=adaptive,
-                                     reuse_prefill=reuse_prefill)
-                    for e in entries]
+            # every pass starts fresh (the warm-up's decoders included): a repetition, or the next
+            # workload, does not find earlier answers in a suffix cache, nor start from their acceptance
+            decs = []  # the last pass's go first
+            decs = [decoder(e.config) for e in entries]
             for req, first_ids in reqs:
                 answers: list[str] = []  # the baseline's answer to each turn so far
                 for turn in range(1, req.num_turns + 1):
@@ -398,7 +461,7 @@ def run_bench(
     # drafts and decoders are done with: their memory goes back first (a peer engine reserves its own)
     from specctl.bench.memory import tensor_bytes
 
-    memory = {e.label: tensor_bytes(e.decoder.proposer, (loaded.model, runner)) for e in entries}
+    memory = {e.label: tensor_bytes(d.proposer, (loaded.model, runner)) for e, d in zip(entries, decs)}
     if deferred_jobs:
         entries.clear()
         decs = proposers = e = dec = None  # (the loop variables hold the last decoder too)

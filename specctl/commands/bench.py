@@ -71,10 +71,10 @@ def bench(
     model: ModelOpt = None,
     method: Annotated[Optional[list[str]], typer.Option("--method", help="Draft method (repeatable). Default: ngram.")] = None,
     num_speculative_tokens: Annotated[Optional[int], typer.Option("--num-speculative-tokens", "-k", help="Draft tokens per step (k) for --method; method default when unset.")] = None,
-    speculative_config: Annotated[Optional[list[str]], typer.Option("--speculative-config", help="vLLM's --speculative-config JSON (keys unchanged); repeatable, each adds one configuration, labelled by its method and, where several share one, by what tells them apart (draft_model:smollm2-135m, ngram:k=4, ngram#2).")] = None,
+    speculative_config: Annotated[Optional[list[str]], typer.Option("--speculative-config", help="vLLM's --speculative-config JSON (keys unchanged); repeatable, each adds one configuration, labelled by its method and, where several share one, by what tells them apart: the draft (draft_model:smollm2-135m), else the keys that differ (ngram:k=4, ngram:k=8,prompt_lookup_max=3), else a number (ngram#2: the same configuration twice, or nested settings that differ).")] = None,
     workload: Annotated[Optional[list[str]], typer.Option("--workload", "-w", help=f"{', '.join(WORKLOADS)}, or a .jsonl file of prompts (repeatable); NAME@R repeats it for R rounds (one row per round). Default: code-edit and chat.")] = None,
-    num_prompts: Annotated[int, typer.Option("--num-prompts", "-n", help="Prompts per workload.")] = 4,
-    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", help="Tokens generated per prompt.")] = 128,
+    num_prompts: Annotated[int, typer.Option("--num-prompts", "-n", help="Prompts per workload (>= 1).")] = 4,
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", help="Tokens generated per prompt (>= 2: decode speed is measured over the tokens after the first).")] = 128,
     temperature: Annotated[float, typer.Option("--temperature", help="0 = greedy (outputs comparable token for token).")] = 0.0,
     peer: Annotated[Optional[list[str]], typer.Option("--peer", help="Also run peers on the same prompts (repeatable): hf (transformers generate: plain, prompt lookup, assisted), vllm (plain, ngram, draft_model), llama.cpp (plain, prompt lookup).")] = None,
     peer_gguf: Annotated[Optional[str], typer.Option("--peer-gguf", help="The GGUF file --peer llama.cpp loads (the same weights as --model; default: --model when it is a .gguf, and with --quantization gguf the very file specctl runs).")] = None,
@@ -104,8 +104,12 @@ def bench(
         configs.append(SpecConfig(method=m, num_speculative_tokens=num_speculative_tokens).validated())
     for text in speculative_config or []:
         configs.append(SpecConfig.from_json(text))
-    if max_new_tokens <= 0:
-        raise UsageError(f"--max-new-tokens must be positive, got {max_new_tokens}", "pass e.g. --max-new-tokens 128")
+    if max_new_tokens < 2:  # the first token comes from the prefill: no decoding, no draft, no decode speed
+        raise UsageError(f"--max-new-tokens must be >= 2 (decode speed is measured over the tokens after the "
+                         f"first, and nothing is drafted before it), got {max_new_tokens}", "pass e.g. --max-new-tokens 128")
+    if num_prompts < 1:
+        raise UsageError(f"--num-prompts must be >= 1, got {num_prompts}",
+                         "pass e.g. -n 4 (the default); a workload with fewer prompts runs all it has")
     if temperature < 0:
         raise UsageError(f"--temperature must be >= 0, got {temperature}", "use 0 for greedy")
     workloads = workload or ["code-edit", "chat"]
@@ -115,6 +119,7 @@ def bench(
             raise UsageError(f"unknown peer '{p}'", f"use one of: {', '.join(PEERS)}")
     if runs < 1:
         raise UsageError(f"--runs must be >= 1, got {runs}", "pass e.g. --runs 3")
+    check_output(csv_out, plot)  # before hours of measuring, not at the save after them
     path = None
     if quant is not None:  # the file specctl runs (refused at once when it is not a GGUF), and llama.cpp too
         from specctl.models import resolve_model
@@ -226,6 +231,23 @@ def bench(
         render_best_k(report)
 
 
+def check_output(csv_out: str | None, plot: str | None) -> None:
+    """A one-line usage error, before any model loads, when --csv's file or --plot's folder cannot be
+    written (``specctl.files.unwritable``)."""
+    from pathlib import Path
+
+    from specctl.errors import UsageError
+    from specctl.files import unwritable
+
+    for flag, value, folder in (("--csv", csv_out, False), ("--plot", plot, True)):
+        if not value:
+            continue
+        bad = unwritable(Path(value).expanduser(), folder=folder)
+        if bad is not None:
+            what = "a folder path you can write to (it is created if missing)" if folder else "a file path you can write to"
+            raise UsageError(f"{flag} {value}: {bad}", f"choose {what}")
+
+
 def _bench_concurrency(loaded, configs, workloads, num_prompts, params, levels, seed, adaptive, json_out, err,
                        max_num_batched_tokens, kernels) -> None:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -328,15 +350,16 @@ def render(report) -> None:
         per_pos = " ".join(f"{x:.2f}" for x in r["acceptance_rate_per_pos"][:4])
         if len(r["acceptance_rate_per_pos"]) > 4:
             per_pos += " …"
-        same = "—" if base else (f"{r['identical_to_baseline']}/{r['requests']}" if r["first_divergence"] else "n/a (sampling)")
+        same = "—" if base else ("n/a (sampling)" if r["identical_to_baseline"] is None
+                                 else f"{r['identical_to_baseline']}/{r['requests']}")
         if r["divergence_margins"]:
             same += f" (tie Δ≤{max(r['divergence_margins']):.2g})"
-        tps = f"{r['tokens_per_s']:.2f}"
+        tps = f"{r['tokens_per_s']:.2f}" if r["runs"] else "n/a"  # no token after the first: no decode time
         if r["runs"] > 1:
             tps += f" [{r['tokens_per_s_min']:.1f}–{r['tokens_per_s_max']:.1f}]"
         t.add_row(
             r["workload"], r["method"], "—" if no_stats and not r["k"] else str(r["k"]), tps,
-            f"{r['speedup']:.2f}x" if r["speedup"] is not None else "—",
+            "n/a" if not r["runs"] else f"{r['speedup']:.2f}x" if r["speedup"] is not None else "—",
             "—" if no_stats else f"{r['acceptance_rate']:.2f}", "—" if no_stats else f"{r['mean_acceptance_length']:.2f}",
             "—" if no_stats else per_pos, same, _mib(r.get("extra_memory_mib")),
         )

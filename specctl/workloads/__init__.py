@@ -101,7 +101,7 @@ def load_workload(name_or_path: str, num_prompts: int | None = None, seed: int =
     ``rounds`` (or a ``@R`` suffix on the name): the same requests R times over, round-major.
     """
     if num_prompts is not None and num_prompts <= 0:
-        raise UsageError(f"--num-prompts must be positive, got {num_prompts}", "Pass 1 or more, or omit it for all")
+        raise UsageError(f"--num-prompts must be positive, got {num_prompts}", "pass 1 or more")
     name_or_path, named_rounds = _split_rounds(name_or_path)
     if rounds is not None and named_rounds is not None and rounds != named_rounds:
         raise UsageError(f"rounds given twice ({rounds} and @{named_rounds})", "Give the rounds once")

@@ -9,6 +9,7 @@ universal assisted generation and specctl through a vocabulary mapping.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -43,9 +44,9 @@ def drafts(tiny_model_factory, tmp_path_factory):
     """{"same": folder, "other": folder} (see the module docstring)."""
     from tests.conftest import TINY_CHAT_TEMPLATE, build_tiny_hf_model
 
-    same = tiny_model_factory(seed=1)
+    same = tiny_model_factory(seed=1, num_hidden_layers=1)  # smaller than the target: a draft as big never drafts
     other = tmp_path_factory.mktemp("draft-other-tok")
-    build_tiny_hf_model(seed=2, vocab_size=OTHER_VOCAB).save_pretrained(other)
+    build_tiny_hf_model(seed=2, vocab_size=OTHER_VOCAB, num_hidden_layers=1).save_pretrained(other)
     tok = _other_tokenizer()
     tok.chat_template = TINY_CHAT_TEMPLATE
     tok.save_pretrained(other)
@@ -97,11 +98,16 @@ def test_labels_told_apart_by_the_one_key_that_differs_else_numbered():
     assert config_labels(ng) == ["ngram:k=4", "ngram:k=8"]
     assert config_labels([_draft("smollm2-135m", 3), _draft("smollm2-135m", 5)]) == [
         "draft_model:smollm2-135m:k=3", "draft_model:smollm2-135m:k=5"]
-    two_keys = [SpecConfig(method="ngram", num_speculative_tokens=4, prompt_lookup_max=3).validated(),
-                SpecConfig(method="ngram", num_speculative_tokens=8, prompt_lookup_max=5).validated()]
-    assert config_labels(two_keys) == ["ngram", "ngram#2"]
+    # k and another key differ: both spelt out (as --speculative-config's help promises), not ngram / ngram#2
+    two_keys = [SpecConfig(method="ngram", num_speculative_tokens=4, prompt_lookup_min=2, prompt_lookup_max=3).validated(),
+                SpecConfig(method="ngram", num_speculative_tokens=8, prompt_lookup_min=2, prompt_lookup_max=5).validated()]
+    assert config_labels(two_keys) == ["ngram:k=4,prompt_lookup_max=3", "ngram:k=8,prompt_lookup_max=5"]
     same = [SpecConfig(method="ngram").validated() for _ in range(3)]
     assert config_labels(same) == ["ngram", "ngram#2", "ngram#3"]
+    # nested settings (a hybrid's parts) are numbered, not dumped into the label
+    hybrids = [SpecConfig.from_dict({"method": "hybrid", "proposers": [{"method": "ngram", "num_speculative_tokens": k},
+                                                                       {"method": "suffix"}]}) for k in (3, 4)]
+    assert config_labels(hybrids) == ["hybrid", "hybrid#2"]
 
 
 # --------------------------------------------------------------------------- two drafts, peers per draft
@@ -267,3 +273,55 @@ def test_best_k_picks_the_fastest_k_per_method_and_workload():
     assert best["ngram"]["a"]["k"] == 4 and best["ngram"]["a"]["speedup"] == pytest.approx(3.0)
     assert best["ngram"]["a"]["by_k"] == pytest.approx({2: 20, 4: 30, 8: 25})
     assert best["ngram"]["b"]["k"] == 2
+
+
+# --------------------------------------------------------------------------- fresh state, sampling, context
+
+
+def test_every_pass_starts_fresh_no_suffix_cache_across_runs_workloads_or_the_warm_up(target, prompts, tmp_path):
+    """Two workloads with the same prompts, two runs each, suffix at a fixed k: every pass measures the
+    same drafts. Before, the warm-up's answer and workload a's answers sat in the suffix cache that
+    workload b (and run 1) drafted from."""
+    again = tmp_path / "again.jsonl"
+    again.write_text(Path(prompts).read_text())
+    params = SamplingParams(max_new_tokens=16, stop_token_ids=target.stop_token_ids)
+    one = run_bench(target, [SpecConfig(method="suffix", num_speculative_tokens=4).validated()], [prompts], None,
+                    params, adaptive=False).rows()[1]
+    rows = run_bench(target, [SpecConfig(method="suffix", num_speculative_tokens=4).validated()], [prompts, str(again)],
+                     None, params, adaptive=False, runs=2).rows()
+    a, b = (r for r in rows if r["method"] == "suffix")
+    for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+        assert a[key] == b[key] == 2 * one[key], key
+    assert a["identical_to_baseline"] == b["identical_to_baseline"] == 4
+
+
+def test_sampled_outputs_are_not_compared_identical_is_null(target, prompts):
+    params = SamplingParams(max_new_tokens=8, temperature=0.8, stop_token_ids=target.stop_token_ids)
+    rows = run_bench(target, [SpecConfig(method="ngram", num_speculative_tokens=3).validated()], [prompts], None,
+                     params).rows()
+    base, ng = rows
+    assert ng["identical_to_baseline"] is None and ng["first_divergence"] == []  # not 0: nothing was compared
+    assert base["identical_to_baseline"] == 2
+
+
+def test_prompts_over_the_models_context_are_refused_before_any_run(tiny_model_factory, tmp_path, monkeypatch):
+    """max_position_embeddings 64: a prompt over it, or one that fits only without --max-new-tokens, is
+    refused in one line naming the prompt, its length, the limit and the fix; nothing runs."""
+    from specctl.bench import suite
+    from specctl.errors import UsageError
+
+    short = load_model(tiny_model_factory(max_position_embeddings=64), dtype="float32")
+    generated = []
+    monkeypatch.setattr(suite.SpecDecoder, "generate", lambda *a, **k: generated.append(1))
+    p = tmp_path / "p.jsonl"
+    p.write_text(json.dumps({"prompt": "ok"}) + "\n" + json.dumps({"prompt": "y" * 30}) + "\n")
+    n = len(suite.render_prompt(short.tokenizer, suite.load_workload(str(p))[1]))
+    assert 30 < n < 64 - 8
+    with pytest.raises(UsageError, match=rf"p\.jsonl line 2: the prompt \({n} tokens\) \+ --max-new-tokens 40 exceeds "
+                                         rf"the model's context of 64 .*pass --max-new-tokens {64 - n} or less") as e:
+        run_bench(short, [SpecConfig(method="ngram").validated()], [str(p)], None, SamplingParams(max_new_tokens=40))
+    assert "\n" not in str(e.value)
+    p.write_text(json.dumps({"prompt": "z" * 70}) + "\n")
+    with pytest.raises(UsageError, match=r"p\.jsonl line 1: the prompt is \d+ tokens, over the model's context of 64"):
+        run_bench(short, [], [str(p)], None, SamplingParams(max_new_tokens=8))
+    assert not generated

@@ -97,6 +97,8 @@ def test_bench_table_and_speculative_config(tiny_model_dir, prompts_file, tmp_pa
     (["bench", "--speculative-config", '{"method": "ngram", "num_speculative_tokns": 3}'], 2, "num_speculative_tokens"),
     (["bench", "--model", ".", "--quantization", "gguf"], 2, "needs a .gguf file or a catalogue name"),
     (["bench", "--quantization", "awq"], 2, "unknown quantization 'awq'"),
+    (["bench", "-n", "0"], 2, "pass e.g. -n 4 (the default)"),  # not "omit it for all": the default is 4
+    (["bench", "--max-new-tokens", "1"], 2, "--max-new-tokens must be >= 2"),  # no decode time to measure
 ])
 def test_bad_input_one_line_error(args, code, needle, tmp_path):
     r = run_cli(*args, env_extra={"SPECCTL_CACHE": str(tmp_path / "cache")}, timeout=120)
@@ -105,6 +107,64 @@ def test_bad_input_one_line_error(args, code, needle, tmp_path):
     assert len(lines) == 1, r.stderr  # one line, no traceback
     assert "Traceback" not in r.stderr
     assert needle.lower() in lines[0].lower()
+
+
+def _bad_outputs(tmp_path):
+    folder, file = tmp_path / "a-folder", tmp_path / "a-file"
+    folder.mkdir()
+    file.write_text("x")
+    cases = [(["--csv", str(folder)], "is a folder, not a file"), (["--plot", str(file)], "is a file, not a folder"),
+             (["--plot", str(file / "plots")], "is a file, so"), (["--csv", str(file / "r.csv")], "is a file, so")]
+    if os.path.isdir("/proc/self"):  # root passes the permission check there; only a probe file finds it out
+        cases.append((["--csv", "/proc/x.csv"], "cannot create a file in /proc"))
+    return cases
+
+
+def test_unwritable_csv_and_plot_paths_are_refused_before_the_model_loads(tmp_path):
+    """Found after the whole run, they lost its results (a traceback-ish FileNotFoundError, stdout empty):
+    now one usage line before anything loads (the model named here does not exist: its error would come first
+    were the paths checked after it)."""
+    for args, needle in _bad_outputs(tmp_path):
+        r = run_cli("bench", "--model", "/no/such/model", *args, env_extra={"SPECCTL_CACHE": str(tmp_path / "cache")},
+                    timeout=120)
+        lines = [ln for ln in r.stderr.strip().splitlines() if ln.strip()]
+        assert r.returncode == 2 and len(lines) == 1, (args, r.stderr)
+        assert args[0] in lines[0] and needle in lines[0] and "choose a" in lines[0], (args, lines[0])
+    assert not list((tmp_path / "a-folder").iterdir())  # the probe file is gone
+
+
+def test_a_prompt_over_the_models_context_is_a_one_line_usage_error(tiny_model_factory, tmp_path):
+    short = tiny_model_factory(max_position_embeddings=64)
+    p = tmp_path / "p.jsonl"
+    p.write_text(json.dumps({"prompt": "fine"}) + "\n" + json.dumps({"prompt": "w" * 90}) + "\n")
+    r = run_cli("bench", "--model", str(short), "--dtype", "float32", "-w", str(p), "--max-new-tokens", "8",
+                env_extra={"SPECCTL_CACHE": str(tmp_path / "cache")})
+    last = r.stderr.strip().splitlines()[-1]  # after the loading log, nothing run
+    assert r.returncode == 2 and "Traceback" not in r.stderr and r.stdout == ""
+    assert f"{p} line 2: the prompt is" in last and "context of 64 positions" in last and "shorter" in last
+
+
+def test_a_hybrids_part_that_never_drafted_gets_its_row(tiny_model_dir, tmp_path, capsys):
+    """README: each part of a hybrid gets a row; one that made 0 % of the drafts had none (and no by_proposer entry)."""
+    from specctl.bench.suite import run_bench
+    from specctl.commands.bench import render
+    from specctl.config import SpecConfig
+    from specctl.runtime.decoder import SamplingParams
+    from specctl.runtime.runner import load_model
+
+    target = load_model(tiny_model_dir, dtype="float32")
+    p = tmp_path / "p.jsonl"
+    p.write_text(json.dumps({"prompt": "abc abc abc abc abc"}) + "\n")
+    never = {"method": "ngram", "prompt_lookup_min": 30, "prompt_lookup_max": 30}  # no 30-gram repeats in this
+    cfg = SpecConfig.from_dict({"method": "hybrid", "proposers": [never, {"method": "suffix"}]})
+    report = run_bench(target, [cfg], [str(p)], None, SamplingParams(max_new_tokens=12, stop_token_ids=target.stop_token_ids),
+                       adaptive=False)
+    row = report.rows()[1]
+    assert list(row["by_proposer"]) == ["ngram", "suffix"]
+    assert row["by_proposer"]["ngram"]["num_drafts"] == 0 and row["by_proposer"]["ngram"]["acceptance_rate"] == 0
+    render(report)
+    out = capsys.readouterr().out
+    assert "↳ ngram" in out and "↳ suffix" in out and "0% of drafts" in out
 
 
 def test_bench_csv_plot_runs_and_hf_peer(tiny_model_dir, prompts_file, tmp_path):
