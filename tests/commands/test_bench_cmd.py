@@ -144,7 +144,7 @@ def test_a_prompt_over_the_models_context_is_a_one_line_usage_error(tiny_model_f
     assert f"{p} line 2: the prompt is" in last and "context of 64 positions" in last and "shorter" in last
 
 
-def test_a_hybrids_part_that_never_drafted_gets_its_row(tiny_model_dir, tmp_path, capsys):
+def test_a_hybrids_part_that_never_drafted_gets_its_row(tiny_model_dir, tmp_path, capsys, monkeypatch):
     """README: each part of a hybrid gets a row; one that made 0 % of the drafts had none (and no by_proposer entry)."""
     from specctl.bench.suite import run_bench
     from specctl.commands.bench import render
@@ -162,6 +162,7 @@ def test_a_hybrids_part_that_never_drafted_gets_its_row(tiny_model_dir, tmp_path
     row = report.rows()[1]
     assert list(row["by_proposer"]) == ["ngram", "suffix"]
     assert row["by_proposer"]["ngram"]["num_drafts"] == 0 and row["by_proposer"]["ngram"]["acceptance_rate"] == 0
+    monkeypatch.setenv("COLUMNS", "240")  # the table as wide as it needs: a narrow terminal cuts the labels
     render(report)
     out = capsys.readouterr().out
     assert "↳ ngram" in out and "↳ suffix" in out and "0% of drafts" in out
