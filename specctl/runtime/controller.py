@@ -207,12 +207,15 @@ class DraftLengthController:
         return best_d if best_v > 1.02 else 0
 
     def may_pay(self, batch: int = 1) -> bool:
-        """Whether drafting could beat a plain step even with every draft accepted, on what is known (a
-        verification unmeasured costs a plain step): False for a draft whose tokens each cost about a
-        plain step (a draft model as big as the target), until its cost is measured lower."""
-        fit, q = self._slope(), self._draft_cost()
+        """Whether drafting could beat a plain step even with every draft accepted, by the proposer's cost
+        hint (a verification unmeasured costs a plain step): False for a draft whose tokens each cost about
+        a plain step (a draft model as big as the target). Once drafting is timed, True: measured costs
+        are noisy, and the probes (which re-measure them) decide."""
+        if self._draft_cost() is not None:
+            return True
+        fit = self._slope()
         for d in range(1, self.k + 1):
-            c = _step_cost(d + 1, fit, q, batch, self.draft_hint) if fit is not None else 1.0 + self.draft_hint * d
+            c = _step_cost(d + 1, fit, None, batch, self.draft_hint) if fit is not None else 1.0 + self.draft_hint * d
             if (d + 1) / c > 1.02:  # best_len's margin
                 return True
         return False

@@ -66,7 +66,6 @@ class EngineRequest:
         self.queue: asyncio.Queue[Event] = asyncio.Queue()
         self.abort_reason: str | None = None  # set by the handler side; the engine checks it every step
         self.done = False  # set by the engine (under its lock) before the last event is posted
-        self.tail: list[int] = []  # the tokens of the step that ended it, held for the last event
         self.t_arrival = time.perf_counter()
         self.sched = Request(prompt_ids, params, seed, self.id, self.t_arrival)  # the scheduler's view
 
@@ -296,10 +295,8 @@ class Engine:
             seen.parts = {name: s.copy() for name, s in st.by_proposer.items()}
             if u.tokens:
                 seen.t_last = now
-            if u.tokens and st.finish is None:
+            if u.tokens and u.finish is None:
                 self._post(req, Event(u.tokens, st.stats.copy()))
-            elif u.tokens and req is not None:  # the step that ended it: these come with the end
-                req.tail.extend(u.tokens)
         if u.finish is None:
             return
         self._seen.pop(u.request.id, None)
@@ -307,8 +304,7 @@ class Engine:
         if u.error is not None:
             log.warning("request %s failed: %s", u.request.id, u.error)
         # a request's last tokens come with its end (a handler tells a final stop token from the others)
-        tail = (req.tail if req is not None else []) + list(u.tokens)
-        self._close(req, Event(tail, st.stats.copy() if st is not None else SpecStats(),
+        self._close(req, Event(list(u.tokens), st.stats.copy() if st is not None else SpecStats(),
                                finish="abort" if u.error is not None else reason, error=u.error))
         if u.result is not None and st is not None:
             s = u.result.stats

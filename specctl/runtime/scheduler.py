@@ -57,7 +57,8 @@ _ids = itertools.count()
 
 @dataclass
 class Update:
-    """What one ``step`` did to a request: tokens appended, and (last update) how it ended."""
+    """What one ``step`` did to a request: tokens appended, and (its last update) how it ended: the
+    tokens of the step that ended it come in that same update."""
 
     request: Request
     tokens: list[int]
@@ -111,6 +112,7 @@ class Scheduler:
     def step(self) -> list[Update]:
         """Admit what fits, then one batched step of every running request. Returns the updates."""
         updates: list[Update] = []
+        this_step: dict[str, Update] = {}  # request id -> its update with tokens (a request that ends gets one)
         kept = deque()
         for req in self.waiting:  # cancelled before it started: it ends here
             if req.cancelled is not None:
@@ -124,7 +126,9 @@ class Scheduler:
             updates.append(upd)
             if upd.finish is not None:
                 self._free.append(slot)
-            elif upd.state.prefilling:
+                continue
+            this_step[req.id] = upd
+            if upd.state.prefilling:
                 self.prefilling.append((req, upd.state))
             else:
                 self.running.append((req, upd.state))
@@ -148,6 +152,7 @@ class Scheduler:
             for (req, st), toks in zip(stepping + [(r, s) for r, s, _ in chunks], emitted):
                 if toks or (st.error is None and not st.prefilling):
                     updates.append(Update(req, toks, st))
+                    this_step[req.id] = updates[-1]
         left = []  # prompts done (or ended) join the running requests
         for req, st in self.prefilling:
             (left if st.prefilling and st.error is None and req.cancelled is None else self.running).append((req, st))
@@ -155,12 +160,13 @@ class Scheduler:
         still = []
         for req, st in self.running:
             if req.cancelled is not None or st.finish is not None:
-                upd = Update(req, [], st, finish=req.cancelled or st.finish,
-                             error=None if st.error is None else f"{type(st.error).__name__}: {st.error}")
-                if st.error is not None:
-                    upd.finish = "error"
+                upd = this_step.get(req.id)  # the step that ended it: its tokens come with the end
+                if upd is None:
+                    upd = Update(req, [], st)
+                    updates.append(upd)
+                upd.finish = "error" if st.error is not None else req.cancelled or st.finish
+                upd.error = None if st.error is None else f"{type(st.error).__name__}: {st.error}"
                 self._end(req, st, upd)
-                updates.append(upd)
             else:
                 still.append((req, st))
         self.running = still

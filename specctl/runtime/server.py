@@ -383,18 +383,16 @@ def render_metrics(engine: Engine, model_name: str) -> str:
         lines.append(f"{name}_sum{{{labels}}} {float(total)}")
         lines.append(f"{name}_count{{{labels}}} {float(buckets[-1][1])}")
     if engine.spec is not None:
-        family("vllm:spec_decode_num_drafts", "counter", "Number of spec decoding drafts.", [("", spec.num_drafts)])
-        family("vllm:spec_decode_num_draft_tokens", "counter", "Number of draft tokens.", [("", spec.num_draft_tokens)])
-        family("vllm:spec_decode_num_accepted_tokens", "counter", "Number of accepted tokens.",
-               [("", spec.num_accepted_tokens)])
+        counts = (("num_drafts", "Number of spec decoding drafts"), ("num_draft_tokens", "Number of draft tokens"),
+                  ("num_accepted_tokens", "Number of accepted tokens"))
+        for key, doc in counts:
+            family(f"vllm:spec_decode_{key}", "counter", f"{doc}.", [("", getattr(spec, key))])
         per_pos = spec.num_accepted_tokens_per_pos + [0] * max(0, engine.k - len(spec.num_accepted_tokens_per_pos))
         family("vllm:spec_decode_num_accepted_tokens_per_pos", "counter", "Accepted tokens per draft position.",
                [(f',position="{i}"', c) for i, c in enumerate(per_pos)])
         if parts:  # a hybrid's parts, by proposer, under specctl's own names (vLLM's add up to the totals as is)
             by = [(f',proposer="{n}"', s) for n, s in sorted(parts.items())]
-            for key, doc in (("num_drafts", "Number of spec decoding drafts"),
-                             ("num_draft_tokens", "Number of draft tokens"),
-                             ("num_accepted_tokens", "Number of accepted tokens")):
+            for key, doc in counts:
                 family(f"specctl:spec_decode_{key}_by_proposer", "counter", f"{doc}, by a hybrid's proposer.",
                        [(lab, getattr(s, key)) for lab, s in by])
     return "\n".join(lines) + "\n"
