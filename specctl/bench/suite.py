@@ -229,6 +229,23 @@ def check_context(loaded: LoadedModel, prompts: list[tuple[str, int]], max_new_t
                      "use shorter prompts")
 
 
+def _turn_budget(where: str, n: int, max_new_tokens: int, limit: int, capacity: int, notice) -> int:
+    """New tokens for a later turn whose prompt (``n`` tokens, the earlier answers in it) is only known
+    once they are made: ``max_new_tokens``, or what is left of the model's context (``limit``) and of
+    the caches (``capacity``), the same for every method and peer, and said (``notice``); a prompt that
+    leaves no room is refused."""
+    room = min(limit, capacity) - n
+    if room < 1:
+        raise UsageError(f"{where}: with the earlier answers the prompt is {n} tokens, no room left in the model's "
+                         f"context of {limit} positions", "pass a smaller --max-new-tokens (shorter earlier answers)")
+    if room >= max_new_tokens:
+        return max_new_tokens
+    if notice is not None:
+        notice(f"{where}: the prompt with the earlier answers is {n} tokens; its answer is held to {room} new "
+               f"tokens (the model's context is {limit} positions), for every method and peer")
+    return room
+
+
 @dataclass
 class Entry:
     """One row source: a label, its configuration (None = the baseline) and the decoder that runs it."""
@@ -275,6 +292,7 @@ def run_bench(
     compile: bool = False,
     peer_gguf: str | None = None,
     warn=None,  # callable(message: str): a peer that failed (its rows say so; the bench goes on)
+    notice=None,  # callable(message: str): a later turn's answer held to the model's context
     reuse_prefill: bool = False,
     time_drafts: bool = False,
     on_build_error: Callable[[str, SpecConfig, Exception], None] | None = None,
@@ -310,6 +328,7 @@ def run_bench(
     else:
         variants = list(enumerate(configs))
     max_k = max([v.num_speculative_tokens for _, v in variants], default=0)
+    limit = int(loaded.model.args.max_position_embeddings)
     runner = TargetRunner(loaded.model, max_len=longest + params.max_new_tokens + max_k + 8, compile=compile)
     proposers = _Proposers(loaded, runner.max_len, time_drafts)
 
@@ -377,12 +396,12 @@ def run_bench(
         if warn is not None:
             warn(f"{peer.name}: {msg}")
 
-    def run_peer(g, peer, run, ids, base_res, rep, desc) -> None:
-        """One prompt by one peer, counted in ``run``; nothing once the peer has failed."""
+    def run_peer(g, peer, run, ids, budget, base_res, rep, desc) -> None:
+        """One prompt by one peer (up to ``budget`` new tokens), counted in ``run``; nothing once the peer has failed."""
         if id(peer) not in failed:
             say(0, desc)
             try:
-                run.add(g.run(peer, ids, params.max_new_tokens, loaded.stop_token_ids),
+                run.add(g.run(peer, ids, budget, loaded.stop_token_ids),
                         base_res if params.greedy else None, rep)
             except Exception as e:  # noqa: BLE001 - any engine failure
                 fail(peer, e)
@@ -436,10 +455,14 @@ def run_bench(
                     # method and peer gets the same prompt ids
                     ids = first_ids if turn == 1 else render_prompt(tok, replace(req, messages=turn_messages(req, answers)))
                     lab, what = _label(w, req, turn), req.id if req.num_turns == 1 else f"{req.id} turn {turn}"
+                    budget = params.max_new_tokens if turn == 1 else _turn_budget(
+                        f"{prompt_where(w, req)} turn {turn}", len(ids), params.max_new_tokens, limit,
+                        runner.max_len - max_k - 8, notice if rep == 0 else None)
                     baseline_res = None
                     for e, dec, run in zip(entries, decs, wruns[lab]):
                         say(0, f"{lab} · {e.label} · {what}")
-                        res = dec.generate(ids, replace(params, record_margins=e.config is None and params.greedy),
+                        res = dec.generate(ids, replace(params, max_new_tokens=budget,
+                                                        record_margins=e.config is None and params.greedy),
                                            _gen(seed, loaded.device))
                         if e.config is None:
                             baseline_res = res
@@ -448,7 +471,7 @@ def run_bench(
                             run.add(res, baseline_res if params.greedy else None, rep, _draft_timing(dec))
                         say(1, f"{lab} · {e.label} · {what}")
                     for (g, peer), run in zip(all_peers, peer_runs[lab]):
-                        job = (g, peer, run, ids, baseline_res, rep, f"{lab} · {peer.name} · {what}")
+                        job = (g, peer, run, ids, budget, baseline_res, rep, f"{lab} · {peer.name} · {what}")
                         if getattr(g, "deferred", False):
                             deferred_jobs.append(job)
                         else:

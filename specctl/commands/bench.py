@@ -205,7 +205,8 @@ def bench(
                            progress=progress,
                            adaptive=not fixed_k, peers=peers, runs=runs, sweep_k=ks,
                            compile=compile, peer_gguf=peer_gguf, reuse_prefill=reuse_prefill,
-                           warn=lambda m: err.log(f"[yellow]peer failed, its rows are left empty:[/] {m}"))
+                           warn=lambda m: err.log(f"[yellow]peer failed, its rows are left empty:[/] {m}"),
+                           notice=lambda m: err.log(f"[yellow]{m}[/]"))
     report.header["draft_length"] = "fixed k" if fixed_k else "adaptive (up to k)"
     report.header["kernels"] = kernels
     report.header["reuse_prefill"] = reuse_prefill

@@ -220,6 +220,46 @@ def test_mt_bench_turn_two_follows_the_baselines_own_answer(target, tmp_path, mo
         assert first + [{"role": "assistant", "content": answer}, {"role": "user", "content": q["turns"][1]}] in seen
 
 
+def test_a_later_turn_past_the_context_is_held_to_it_for_every_row(target, tmp_path, monkeypatch):
+    """Turn 2's prompt holds turn 1's answer, so its length is known only then: where it leaves less than
+    --max-new-tokens of the model's context, that turn's answer is held to what is left, for every row
+    alike (said once), instead of running past max_position_embeddings."""
+    from specctl.bench import suite
+    from specctl.workloads import data, load_workload, render_prompt, turn_messages
+    from dataclasses import replace
+
+    monkeypatch.setenv("SPECCTL_CACHE", str(tmp_path))
+    qs = [{"question_id": 81, "category": "writing", "turns": ["write a story", "now shorter"]}]
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / data.MT_BENCH.file).write_text(json.dumps(qs[0]) + "\n")
+    req = load_workload("mt-bench", None, 0)[0]
+    tok = target.tokenizer
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    first = tok.decode(SpecDecoderFor(target).generate(render_prompt(tok, req), params).token_ids,
+                       skip_special_tokens=True).strip()  # the baseline's answer to turn 1
+    empty = len(render_prompt(tok, replace(req, messages=turn_messages(req, [""]))))
+    n2 = len(render_prompt(tok, replace(req, messages=turn_messages(req, [first]))))
+    limit = n2 + 5  # turn 2 fits with an empty answer and 12 new tokens (the check before the run), not with its own
+    assert empty + 12 <= limit
+    monkeypatch.setattr(target.model.args, "max_position_embeddings", limit)
+    notices = []
+    report = run_bench(target, [SpecConfig(method="ngram", num_speculative_tokens=3).validated()], ["mt-bench"], None,
+                       params, notice=notices.append, runs=2)
+    rows = {(r["workload"], r["method"]): r for r in report.rows()}
+    assert len(notices) == 1 and "held to 5 new tokens" in notices[0]
+    for m in ("baseline", "ngram"):
+        assert rows[("mt-bench t1", m)]["new_tokens"] == 2 * 12
+        assert rows[("mt-bench t2", m)]["new_tokens"] == 2 * 5
+    assert rows[("mt-bench t2", "ngram")]["identical_to_baseline"] == 2
+
+
+def SpecDecoderFor(target):
+    from specctl.runtime.decoder import SpecDecoder
+    from specctl.runtime.runner import TargetRunner
+
+    return SpecDecoder(TargetRunner(target.model, max_len=256))
+
+
 def _req(messages):
     from specctl.workloads import Request
 
