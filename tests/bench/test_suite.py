@@ -224,9 +224,9 @@ def test_a_later_turn_past_the_context_is_held_to_it_for_every_row(target, tmp_p
     """Turn 2's prompt holds turn 1's answer, so its length is known only then: where it leaves less than
     --max-new-tokens of the model's context, that turn's answer is held to what is left, for every row
     alike (said once), instead of running past max_position_embeddings."""
-    from specctl.bench import suite
-    from specctl.workloads import data, load_workload, render_prompt, turn_messages
     from dataclasses import replace
+
+    from specctl.workloads import data, load_workload, render_prompt, turn_messages
 
     monkeypatch.setenv("SPECCTL_CACHE", str(tmp_path))
     qs = [{"question_id": 81, "category": "writing", "turns": ["write a story", "now shorter"]}]
@@ -253,7 +253,7 @@ def test_a_later_turn_past_the_context_is_held_to_it_for_every_row(target, tmp_p
     assert rows[("mt-bench t2", "ngram")]["identical_to_baseline"] == 2
 
 
-def SpecDecoderFor(target):
+def SpecDecoderFor(target):  # noqa: N802 - reads as the decoder it builds
     from specctl.runtime.decoder import SpecDecoder
     from specctl.runtime.runner import TargetRunner
 
