@@ -235,7 +235,7 @@ def test_a_later_turn_past_the_context_is_held_to_it_for_every_row(target, tmp_p
     req = load_workload("mt-bench", None, 0)[0]
     tok = target.tokenizer
     params = SamplingParams(max_new_tokens=12, ignore_eos=True)
-    first = tok.decode(SpecDecoderFor(target).generate(render_prompt(tok, req), params).token_ids,
+    first = tok.decode(_decoder(target).generate(render_prompt(tok, req), params).token_ids,
                        skip_special_tokens=True).strip()  # the baseline's answer to turn 1
     empty = len(render_prompt(tok, replace(req, messages=turn_messages(req, [""]))))
     n2 = len(render_prompt(tok, replace(req, messages=turn_messages(req, [first]))))
@@ -253,7 +253,7 @@ def test_a_later_turn_past_the_context_is_held_to_it_for_every_row(target, tmp_p
     assert rows[("mt-bench t2", "ngram")]["identical_to_baseline"] == 2
 
 
-def SpecDecoderFor(target):  # noqa: N802 - reads as the decoder it builds
+def _decoder(target):
     from specctl.runtime.decoder import SpecDecoder
     from specctl.runtime.runner import TargetRunner
 
