@@ -127,18 +127,28 @@ def linear(x: torch.Tensor, parts: list[tuple[torch.Tensor, str]], K: int, bias:
     return y.view(*x.shape[:-1], y.shape[-1])
 
 
-def pack(blocks: torch.Tensor, qtype: str, K: int, huge: bool = False) -> torch.Tensor:
-    """GGUF rows [N, row_bytes] (N a multiple of 16) -> the amx_int8 path's panels [N / 16, ...] uint8
-    (lossless: ``unpack`` gives the rows back). ``huge``: on transparent huge pages, as weights streamed
-    every step want (numpy puts the GGUF rows it reads there too: measured, 4 KiB pages made a 1.5B
-    Q4_K_M decode step 11 % slower)."""
+def packed_shape(N: int, qtype: str, K: int) -> tuple[int, int]:
+    """The shape of ``pack``'s panels for N GGUF rows of ``qtype`` over K inputs."""
     ext = load("amx_int8")
     if ext is None:
         raise RuntimeError("the amx_int8 quant_linear path cannot run on this machine (it needs AMX-INT8)")
-    if blocks.shape[0] % 16:
-        raise ValueError(f"the amx_int8 panels take 16 rows at a time; these blocks have {blocks.shape[0]}")
-    shape = (blocks.shape[0] // 16, (K + 255) // 256 * ext.rec_bytes(TYPES[qtype][0]))
-    out = huge_empty(shape, torch.uint8) if huge else torch.empty(shape, dtype=torch.uint8)
+    if N % 16:
+        raise ValueError(f"the amx_int8 panels take 16 rows at a time; these blocks have {N}")
+    return N // 16, (K + 255) // 256 * ext.rec_bytes(TYPES[qtype][0])
+
+
+def pack(blocks: torch.Tensor, qtype: str, K: int, huge: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
+    """GGUF rows [N, row_bytes] (N a multiple of 16) -> the amx_int8 path's panels [N / 16, ...] uint8
+    (lossless: ``unpack`` gives the rows back). ``out``: the panels' place (``packed_shape``; a model's parts
+    share one huge-page ``kernels.amx_linear.Arena``, as weights streamed every step want: measured, 4 KiB
+    pages made a 1.5B Q4_K_M decode step 11 % slower). ``huge``: a huge-page mapping of its own (a whole
+    spare huge page: for one large tensor only)."""
+    shape = packed_shape(blocks.shape[0], qtype, K)
+    ext = load("amx_int8")
+    if out is None:
+        out = huge_empty(shape, torch.uint8) if huge else torch.empty(shape, dtype=torch.uint8)
+    elif tuple(out.shape) != shape or out.dtype != torch.uint8:
+        raise ValueError(f"pack's out is uint8 {list(shape)}, not {out.dtype} {list(out.shape)}")
     ext.pack(blocks.contiguous(), TYPES[qtype][0], K, out)
     return out
 

@@ -20,6 +20,7 @@ quantization types (refused in one line naming the fix).
 from __future__ import annotations
 
 import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +28,7 @@ import torch
 from torch import nn
 
 from kernels import quant_linear as ql
+from kernels.amx_linear import Arena
 from specctl.errors import ModelError, UsageError
 from specctl.modeling import ModelArgs, Transformer, enable_exact_bf16, rope_inv_freq
 
@@ -44,7 +46,8 @@ class QuantLinear(nn.Module):
     quantized = True
 
     def __init__(self, parts: list[tuple[torch.Tensor, str]], in_features: int, bias: torch.Tensor | None = None,
-                 dtype: torch.dtype = torch.bfloat16, out_fp32: bool = False, path: str | None = None):
+                 dtype: torch.dtype = torch.bfloat16, out_fp32: bool = False, path: str | None = None,
+                 arena: Arena | None = None):
         super().__init__()
         self.in_features, self.out_fp32, self.dtype = in_features, out_fp32, dtype
         self.types = [t for _, t in parts]
@@ -53,15 +56,17 @@ class QuantLinear(nn.Module):
                 raise ValueError(f"part {i}: {t} blocks for {in_features} inputs are uint8 [N, {ql.row_bytes(t, in_features)}]")
         self.out_features = sum(b.shape[0] for b, _ in parts)
         self.register_buffer("bias", None if bias is None else bias.to(dtype))  # [N]
-        self.path = path or ql.best_path(dtype)
-        if self.path in ql.PACKED_PATHS and any(b.shape[0] % 16 for b, _ in parts):
-            self.path = ql.best_path(dtype, packed=False)  # panels take 16 rows at a time
-        if self.path is None:
-            raise ModelError("GGUF quantized weights need specctl's C++ kernel, which did not build here",
-                             "install a C++ compiler (g++), or load the GGUF dequantized (without --quantization gguf)")
+        self.path = kernel_path(parts, dtype, path)
         self.packed = self.path in ql.PACKED_PATHS
-        for i, (b, t) in enumerate(parts):  # [N_p, row_bytes] uint8 GGUF rows, or their panels (packed once, here)
-            self.register_buffer(f"blocks{i}", ql.pack(b, t, in_features, huge=True) if self.packed else b.contiguous())
+        # [N_p, row_bytes] uint8 GGUF rows, or their panels (packed once, here), placed in ``arena`` (the model's
+        # one buffer: see load_gguf_transformer) or in one of their own
+        arena = arena or Arena(stored_bytes(parts, in_features, self.path))
+        for i, (b, t) in enumerate(parts):
+            if self.packed:
+                out = ql.pack(b, t, in_features, out=arena.take(ql.packed_shape(b.shape[0], t, in_features)))
+            else:
+                out = arena.take(tuple(b.shape)).copy_(b)
+            self.register_buffer(f"blocks{i}", out)
         self._ext = ql.load(self.path)
         self._type_ids = [ql.TYPES[t][0] + (ql.PACKED if self.packed else 0) for t in self.types]
         self._dense: torch.Tensor | None = None
@@ -99,6 +104,25 @@ class QuantLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, types={'|'.join(self.types)}, path={self.path}"
+
+
+def kernel_path(parts: list[tuple[torch.Tensor, str]], dtype: torch.dtype, path: str | None = None) -> str:
+    """The quant_linear path a QuantLinear over ``parts`` takes: ``path`` or the CPU's best, a path that does
+    not repack where a part's rows are not a multiple of 16 (panels take 16 rows at a time)."""
+    path = path or ql.best_path(dtype)
+    if path in ql.PACKED_PATHS and any(b.shape[0] % 16 for b, _ in parts):
+        path = ql.best_path(dtype, packed=False)
+    if path is None:
+        raise ModelError("GGUF quantized weights need specctl's C++ kernel, which did not build here",
+                         "install a C++ compiler (g++), or load the GGUF dequantized (without --quantization gguf)")
+    return path
+
+
+def stored_bytes(parts: list[tuple[torch.Tensor, str]], K: int, path: str) -> int:
+    """Bytes of an Arena that holds ``parts`` as a QuantLinear on ``path`` stores them."""
+    if path in ql.PACKED_PATHS:
+        return sum(Arena.size(ql.packed_shape(b.shape[0], t, K)) for b, t in parts)
+    return sum(Arena.size(tuple(b.shape)) for b, _ in parts)
 
 
 def _field(reader, key: str, default=None):
@@ -161,9 +185,11 @@ class _Tensors:
         self.used.add(name)
         t = self.by_name[name]
         qtype = t.tensor_type.name
-        data = np.array(t.data)  # a copy of the mapped bytes (no dequantization)
-        if qtype in ql.TYPES:
-            return torch.from_numpy(data).view(torch.uint8), qtype
+        if qtype in ql.TYPES:  # the mapped bytes, read once by QuantLinear into the model's arena (no copy here)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)  # read-only mapping: never written
+                return torch.from_numpy(t.data).view(torch.uint8), qtype
+        data = np.array(t.data)  # a copy of the mapped bytes
         if qtype == "BF16":
             return torch.from_numpy(data.view(np.int16)).view(torch.bfloat16).reshape(data.shape[0], -1).squeeze(-1), qtype
         if qtype in ("F32", "F16"):
@@ -174,18 +200,15 @@ class _Tensors:
 
 
 def _linear(parts: list[tuple[torch.Tensor, str]], K: int, bias: torch.Tensor | None, dtype: torch.dtype,
-            name: str, out_fp32: bool = False, path: str | None = None) -> nn.Module:
-    """QuantLinear over quantized parts; nn.Linear where every part is stored dense."""
-    if all(t in DENSE_TYPES for _, t in parts):
-        lin = nn.Linear(K, sum(w.shape[0] for w, _ in parts), bias=bias is not None)
-        lin.weight = nn.Parameter(torch.cat([w for w, _ in parts]).to(dtype), requires_grad=False)
-        if bias is not None:
-            lin.bias = nn.Parameter(bias.to(dtype), requires_grad=False)
-        return lin
-    if any(t in DENSE_TYPES for _, t in parts):
-        raise ModelError(f"{name} mixes dense and quantized parts ({', '.join(t for _, t in parts)})",
-                         "load this GGUF dequantized (without --quantization gguf)")
-    return QuantLinear(parts, K, bias, dtype, out_fp32=out_fp32, path=path)
+            name: str, out_fp32: bool = False, path: str | None = None, arena: Arena | None = None) -> nn.Module:
+    """QuantLinear over quantized parts; a projection stored dense (F16, BF16, F32) is refused, as README
+    promises: it would run dense while bench says "quantized"."""
+    dense = [t for _, t in parts if t in DENSE_TYPES]
+    if dense:
+        raise ModelError(f"{name} is stored {'|'.join(t for _, t in parts)}, not quantized: --quantization gguf runs "
+                         f"projections of {', '.join(ql.TYPES)}",
+                         "load this GGUF dequantized (without --quantization gguf), or use a quantized GGUF (e.g. Q4_K_M)")
+    return QuantLinear(parts, K, bias, dtype, out_fp32=out_fp32, path=path, arena=arena)
 
 
 def load_gguf_transformer(path: str | Path, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu",
@@ -221,12 +244,8 @@ def load_gguf_transformer(path: str | Path, dtype: torch.dtype = torch.bfloat16,
     if head[0] is None:  # tied: the head reads the embedding's blocks (as stored, quantized or not)
         ts.used.discard("token_embd.weight")
         head = ts.take("token_embd.weight")
-    if head[1] in ql.TYPES:
-        model.quant_head = QuantLinear([head], H, None, dtype, out_fp32=True, path=quant_path)
-        if not args.tie_word_embeddings:
-            model.lm_head = model.quant_head
-    elif not args.tie_word_embeddings:
-        state["lm_head.weight"] = head[0].to(dtype)
+    # every projection's parts first, so that all of them go into one arena sized for them (kernels.amx_linear.Arena)
+    linears: list[tuple[nn.Module, str, list, int, torch.Tensor | None, str]] = []  # (owner, attribute, parts, K, bias, name)
     for i, block in enumerate(model.layers):
         p = f"blk.{i}."
         q, k = ts.take(p + "attn_q.weight"), ts.take(p + "attn_k.weight")
@@ -237,15 +256,28 @@ def load_gguf_transformer(path: str | Path, dtype: torch.dtype = torch.bfloat16,
             q, k = (_unpermute(q[0], nh), q[1]), (_unpermute(k[0], nkv), k[1])
             if bias is not None:
                 bias[0], bias[1] = _unpermute(bias[0], nh), _unpermute(bias[1], nkv)
-        block.qkv = _linear([q, k, ts.take(p + "attn_v.weight")], H, None if bias is None else torch.cat(bias),
-                            dtype, p + "attn_qkv", path=quant_path)
-        block.o = _linear([ts.take(p + "attn_output.weight")], nh * args.head_dim,
-                          ts.take(p + "attn_output.bias")[0] if args.o_bias else None, dtype, p + "attn_output",
-                          path=quant_path)
-        block.gate_up = _linear([ts.take(p + "ffn_gate.weight"), ts.take(p + "ffn_up.weight")], H, None, dtype, p + "ffn",
-                                path=quant_path)
-        block.down = _linear([ts.take(p + "ffn_down.weight")], args.intermediate_size, None, dtype, p + "ffn_down",
-                             path=quant_path)
+        linears += [
+            (block, "qkv", [q, k, ts.take(p + "attn_v.weight")], H, None if bias is None else torch.cat(bias), p + "attn_qkv"),
+            (block, "o", [ts.take(p + "attn_output.weight")], nh * args.head_dim,
+             ts.take(p + "attn_output.bias")[0] if args.o_bias else None, p + "attn_output"),
+            (block, "gate_up", [ts.take(p + "ffn_gate.weight"), ts.take(p + "ffn_up.weight")], H, None, p + "ffn"),
+            (block, "down", [ts.take(p + "ffn_down.weight")], args.intermediate_size, None, p + "ffn_down"),
+        ]
+    quant = [(parts, K) for _, _, parts, K, _, _ in linears if all(t in ql.TYPES for _, t in parts)]  # (the rest: refused)
+    if head[1] in ql.TYPES:
+        quant.append(([head], H))
+    arena = Arena(sum(stored_bytes(parts, K, kernel_path(parts, dtype, quant_path)) for parts, K in quant))
+    if head[1] in ql.TYPES:
+        model.quant_head = QuantLinear([head], H, None, dtype, out_fp32=True, path=quant_path, arena=arena)
+        if not args.tie_word_embeddings:
+            model.lm_head = model.quant_head
+    elif not args.tie_word_embeddings:
+        state["lm_head.weight"] = head[0].to(dtype)
+    for owner, attr, parts, K, bias, name in linears:
+        setattr(owner, attr, _linear(parts, K, bias, dtype, name, path=quant_path, arena=arena))
+    del linears, head, quant
+    for i in range(len(model.layers)):
+        p = f"blk.{i}."
         state[f"layers.{i}.input_norm.weight"] = dense(p + "attn_norm.weight")
         state[f"layers.{i}.post_norm.weight"] = dense(p + "ffn_norm.weight")
     inv_freq = rope_inv_freq(args)

@@ -44,3 +44,20 @@ def test_rows_are_independent_bit_for_bit():
     assert torch.equal(full, alone)
     for m in (2, 11, 16, 17, 33):
         assert torch.equal(amx_linear.linear(x[:m], wp, b), full[:m])
+
+
+def test_arena_hands_out_aligned_views_of_one_buffer():
+    """Arena: views at 64-byte offsets of one buffer of exactly the asked size (ordinary pages below
+    HUGE_MIN: no spare huge page for a small total); asking past its end is refused."""
+    shapes = [(3, 5), (16, 40), (1,)]
+    arena = amx_linear.Arena(sum(amx_linear.Arena.size(s) for s in shapes))
+    views = [arena.take(s) for s in shapes]
+    assert [tuple(v.shape) for v in views] == shapes
+    assert all(v.data_ptr() % amx_linear.ALIGN == 0 for v in views)
+    assert {v.untyped_storage().data_ptr() for v in views} == {arena.buf.untyped_storage().data_ptr()}
+    assert arena.buf.untyped_storage().nbytes() == arena.nbytes == 64 + 640 + 64
+    for v, s in zip(views, shapes):
+        v.fill_(len(s))
+    assert views[0].sum() == 30 and views[1].unique().tolist() == [2]
+    with pytest.raises(ValueError, match="spent"):
+        arena.take((1,))
