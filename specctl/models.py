@@ -463,6 +463,7 @@ def _convert_user_gguf(path: Path, dtype: str) -> Path:
     folder = cache_dir() / "models" / f"gguf-{stem}-{key}-{dtype}"
     if _is_present(folder):
         return folder
+    gguf_files.check_runnable(path)  # a truncated file or another architecture: said before converting
     print(f"specctl: converting {path.name} once to a dense {dtype} checkpoint in {folder}", file=sys.stderr)
     with _Stages(path.name, ["convert", "save"]) as stage, atomic_dir(folder) as tmp:
         gguf_files.gguf_to_dense(path, tmp, dtype, on_stage=stage)

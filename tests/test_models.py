@@ -483,9 +483,58 @@ def test_gguf_bf16_dense_copy(tiny_gguf):
 def test_broken_gguf_leaves_nothing(tmp_path, cache):
     bad = tmp_path / "broken.gguf"
     bad.write_bytes(b"not a gguf at all" * 10)
-    with pytest.raises(ModelError, match="cannot load .*broken.gguf"):
+    with pytest.raises(ModelError, match="broken.gguf is not a GGUF file"):
         models.resolve_model(str(bad))
-    assert not any((cache / "models").iterdir())
+    assert not (cache / "models").exists() or not any((cache / "models").iterdir())
+
+
+def _refuse_conversion(monkeypatch):
+    import transformers
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained",
+                        lambda *a, **k: pytest.fail("converted what could not run"))
+
+
+def test_gguf_of_an_unsupported_architecture_is_refused_before_converting(tmp_path, cache, monkeypatch):
+    """A gemma3 GGUF once took minutes to convert before the runtime refused it; the refusal lists what
+    the own runtime really runs (not transformers' list)."""
+    import gguf
+    import numpy as np
+
+    from specctl.modeling import SUPPORTED_ARCHS
+
+    path = tmp_path / "gemma.gguf"
+    w = gguf.GGUFWriter(str(path), "gemma3")
+    w.add_tensor("token_embd.weight", np.zeros((8, 32), dtype=np.float32))
+    for f in (w.write_header_to_file, w.write_kv_data_to_file, w.write_tensors_to_file, w.close):
+        f()
+    _refuse_conversion(monkeypatch)
+    for call in (lambda: gguf_files.gguf_to_dense(path, tmp_path / "out"), lambda: models.resolve_model(str(path))):
+        with pytest.raises(ModelError, match="architecture 'gemma3' is not supported") as e:
+            call()
+        assert e.value.fix == f"use a GGUF of one of: {', '.join(SUPPORTED_ARCHS)}" and "gemma3" not in e.value.fix
+    assert not (tmp_path / "out").exists() and not (cache / "models").exists()
+
+
+def test_truncated_gguf_says_so(tiny_gguf, tmp_path, cache, monkeypatch):
+    """A GGUF cut short (an interrupted download) is one line naming how much of it is there, on the dense
+    path and on the quantized one (which once said "cannot reshape array of size ...")."""
+    from specctl.runtime.quant import load_gguf_transformer
+
+    data = tiny_gguf.read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[:len(data) - 100])
+    assert gguf_files.read_header(tiny_gguf)[1:] == (len(data), len(data))
+    _refuse_conversion(monkeypatch)
+    msg = rf"cut.gguf is truncated: {(len(data) - 100) / 1e6:.1f} MB of the {len(data) / 1e6:.0f} MB its header describes"
+    for call in (lambda: models.resolve_model(str(cut)), lambda: gguf_files.gguf_to_dense(cut, tmp_path / "out"),
+                 lambda: load_gguf_transformer(cut)):
+        with pytest.raises(ModelError, match=msg) as e:
+            call()
+        assert e.value.fix == "download it again"
+    cut.write_bytes(data[:200])  # inside the header
+    with pytest.raises(ModelError, match="cut.gguf is truncated: 0.0 MB, ending inside its header"):
+        models.resolve_model(str(cut))
 
 
 # --- --quantization gguf: a GGUF run as stored ---------------------------------------------------

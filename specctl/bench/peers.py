@@ -31,6 +31,7 @@ What it does not know: which drafts to run or how they are named (the suite deci
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import os
@@ -121,11 +122,24 @@ def engine_python(engine: str) -> str:
     if env:
         if not Path(env).is_file():
             raise UsageError(f"{var}={env} is not a file", f"point {var} at the python of the venv that has {engine}")
+        if not _imports(env, module):  # asked up front, as of this Python below: not as each peer row's failure
+            raise UsageError(f"{var}={env} does not import {module} (--peer {engine})",
+                             f"{install} into that venv, or point {var} at the python of the venv that has {engine}")
         return env
     if importlib.util.find_spec(module) is not None:
         return sys.executable
     raise UsageError(f"--peer {engine} needs {engine}, which this Python does not import",
                      f"{install} (in a venv of its own if it pins other versions) and set {var}=/that/venv/bin/python")
+
+
+@functools.lru_cache(maxsize=None)
+def _imports(python: str, module: str) -> bool:
+    """Whether ``python`` finds ``module`` (importlib's find_spec: the module is not imported)."""
+    code = f"import importlib.util, sys; sys.exit(importlib.util.find_spec({module!r}) is None)"
+    try:
+        return subprocess.run([python, "-c", code], capture_output=True, timeout=120).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
 
 
 def _tcmalloc() -> str | None:

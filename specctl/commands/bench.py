@@ -119,6 +119,9 @@ def bench(
             raise UsageError(f"unknown peer '{p}'", f"use one of: {', '.join(PEERS)}")
     if runs < 1:
         raise UsageError(f"--runs must be >= 1, got {runs}", "pass e.g. --runs 3")
+    if peer_gguf is not None and "llama.cpp" not in peers:
+        raise UsageError(f"--peer-gguf {peer_gguf} is the file --peer llama.cpp loads, and this run has no --peer llama.cpp",
+                         "add --peer llama.cpp, or drop --peer-gguf")
     check_output(csv_out, plot)  # before hours of measuring, not at the save after them
     path = None
     if quant is not None:  # the file specctl runs (refused at once when it is not a GGUF), and llama.cpp too

@@ -134,9 +134,13 @@ def gguf_config(reader) -> dict:
     """The HF-style config (what ``ModelArgs.from_hf_config`` reads) of a llama/qwen2 GGUF."""
     arch = _field(reader, "general.architecture")
     if arch not in GGUF_ARCHS:
-        raise ModelError(f"GGUF architecture '{arch}' cannot run quantized in the own runtime yet",
-                         f"use a GGUF of one of: {', '.join(GGUF_ARCHS)}, or load it dequantized (without "
-                         "--quantization gguf)")
+        from specctl.modeling import SUPPORTED_ARCHS
+
+        dense = arch in SUPPORTED_ARCHS  # the advice to load it dequantized only where that runs
+        raise ModelError(f"GGUF architecture '{arch}' cannot run quantized in the own runtime yet"
+                         + ("" if dense else " (nor dequantized)"),
+                         f"use a GGUF of one of: {', '.join(GGUF_ARCHS)}"
+                         + (", or load it dequantized (without --quantization gguf)" if dense else ""))
     names = {t.name: t for t in reader.tensors}
     heads = int(_field(reader, f"{arch}.attention.head_count"))
     hidden = int(_field(reader, f"{arch}.embedding_length"))
@@ -217,7 +221,7 @@ def load_gguf_transformer(path: str | Path, dtype: torch.dtype = torch.bfloat16,
     ``kernels``: the attention path of a bf16 model, as ``load_transformer``'s (the projections
     always take the quantized kernel). ``quant_path``: the quant_linear path of every projection
     (default: kernels.quant_linear.best_path)."""
-    from gguf import GGUFReader
+    from specctl.gguf_files import open_gguf
 
     path = Path(path)
     if torch.device(device).type != "cpu":
@@ -225,10 +229,7 @@ def load_gguf_transformer(path: str | Path, dtype: torch.dtype = torch.bfloat16,
                          "dequantized (without --quantization gguf)")
     if dtype not in (torch.bfloat16, torch.float32):
         raise UsageError(f"GGUF quantized models run in bfloat16 or float32, not {dtype}", "use --dtype bfloat16")
-    try:
-        reader = GGUFReader(str(path))
-    except Exception as e:  # noqa: BLE001 - any parse failure is a file problem
-        raise ModelError(f"cannot read {path} as GGUF ({type(e).__name__}: {e})", "give a valid .gguf file") from None
+    reader = open_gguf(path)  # a truncated or unreadable file: one line
     args = ModelArgs.from_hf_config(gguf_config(reader))
     ts = _Tensors(reader, path)
     with torch.device("meta"):

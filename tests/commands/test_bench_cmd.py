@@ -268,6 +268,7 @@ def test_bench_compile_refuses_the_fused_bf16_cpu_path_with_a_fix(tiny_model_dir
     (["--peer", "llama.cpp"], "--peer-gguf"),
     (["--peer", "llama.cpp", "--peer-gguf", "/no/such.gguf"], "does not exist"),
     (["--peer", "sglang"], "hf, vllm, llama.cpp"),
+    (["--peer-gguf", "/no/such.gguf"], "add --peer llama.cpp, or drop --peer-gguf"),  # was ignored without --peer
 ])
 def test_missing_peer_engines_fail_fast_with_the_fix(args, needle, tmp_path):
     env = {"SPECCTL_CACHE": str(tmp_path / "cache"), "SPECCTL_VLLM_PYTHON": "", "PYTHONPATH": ""}
@@ -275,6 +276,21 @@ def test_missing_peer_engines_fail_fast_with_the_fix(args, needle, tmp_path):
     assert r.returncode == 2, r.stderr
     lines = [ln for ln in r.stderr.strip().splitlines() if ln.strip()]
     assert len(lines) == 1 and needle in lines[0]
+
+
+def test_a_peer_python_without_the_engine_fails_before_the_run(tmp_path):
+    """SPECCTL_LLAMA_CPP_PYTHON naming a Python without llama_cpp: one line before anything loads (it once ran
+    the whole bench, every llama.cpp row failing with ModuleNotFoundError)."""
+    python = tmp_path / "python"
+    python.write_text("#!/bin/sh\nexit 1\n")  # a Python whose find_spec('llama_cpp') finds nothing
+    python.chmod(0o755)
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    env = {"SPECCTL_CACHE": str(tmp_path / "cache"), "SPECCTL_LLAMA_CPP_PYTHON": str(python), "PYTHONPATH": ""}
+    r = run_cli("bench", "--peer", "llama.cpp", "--peer-gguf", str(gguf), env_extra=env, timeout=120)
+    lines = [ln for ln in r.stderr.strip().splitlines() if ln.strip()]
+    assert r.returncode == 2 and len(lines) == 1, r.stderr
+    assert f"SPECCTL_LLAMA_CPP_PYTHON={python} does not import llama_cpp" in lines[0]
 
 
 # A stand-in for llama-cpp-python with its API (Llama, generate, LlamaPromptLookupDecoding), greedy

@@ -132,3 +132,26 @@ def test_a_model_left_out_is_refused_in_one_line(cache):
 def test_bad_dtype_exits_2(cache):
     proc = _cli("models", "list", "--dtype", "fp16", cache=cache)
     assert proc.returncode == 2 and proc.stderr.startswith("Error: unknown dtype 'fp16'")
+
+
+def test_list_fits_80_columns(cache):
+    """At 80 columns every value shows whole (it once read "para…", "134.…", "1519…", "pull…")."""
+    table = runner.invoke(app, ["models", "list"], env={"COLUMNS": "80"}).stdout
+    assert "…" not in table and all(len(ln) <= 80 for ln in table.splitlines())
+    row = next(ln for ln in table.splitlines() if ln.startswith("smollm2-135m"))
+    assert row.split()[1:] == ["llama", "135M", "49k", "Apache-2.0", "instruct", "89", "no", "no"]
+    assert "152k" in table and "1.8B" in table
+
+
+def test_pull_json(monkeypatch, tmp_path, cache):
+    folder = tmp_path / "dense"
+    folder.mkdir()
+    (folder / "model.safetensors").write_bytes(b"x" * 100)
+    kept = models.gguf_path("smollm2-135m")
+    kept.parent.mkdir(parents=True)
+    kept.write_bytes(b"GGUF" * 5)
+    monkeypatch.setattr(models, "pull", lambda name, dtype, force=False, keep_quant=False: folder)
+    result = runner.invoke(app, ["models", "pull", "smollm2-135m", "--keep-quant", "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout) == {"name": "smollm2-135m", "dtype": "bfloat16", "path": str(folder), "bytes": 100,
+                                         "gguf_path": str(kept), "gguf_bytes": 20}

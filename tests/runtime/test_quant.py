@@ -233,3 +233,13 @@ def test_refuses_dense_projections(ggufs, tmp_path, monkeypatch):
     with pytest.raises(ModelError, match="blk.0.ffn_down is stored F32, not quantized") as e:
         load_gguf_transformer(tmp_path / "f32.gguf", torch.bfloat16)
     assert "without --quantization gguf" in e.value.fix
+
+
+def test_an_architecture_the_runtime_cannot_run_is_not_sent_to_the_dense_path(tmp_path):
+    """gemma3 runs neither quantized nor dequantized: the refusal must not suggest loading it dequantized."""
+    w = gguf.GGUFWriter(str(tmp_path / "gemma.gguf"), "gemma3")
+    for f in (w.write_header_to_file, w.write_kv_data_to_file, w.write_tensors_to_file, w.close):
+        f()
+    with pytest.raises(ModelError, match="'gemma3' cannot run quantized in the own runtime yet \\(nor dequantized\\)") as e:
+        load_gguf_transformer(tmp_path / "gemma.gguf", torch.float32)
+    assert "dequantized" not in e.value.fix
