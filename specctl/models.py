@@ -456,7 +456,23 @@ def _verify(path: Path, entry: CatalogueEntry, downloads: Path) -> None:
                          f"{entry.name}`, and report it if it persists")
 
 
+def _kept_dense(path: Path, dtype: str) -> Path | None:
+    """The pulled dense copy of the catalogue model whose kept GGUF ``path`` is (the same file), or None:
+    its weights converted already, so no second copy."""
+    for e in CATALOGUE.values():
+        kept, folder = gguf_path(e.name), model_dir(e.name, dtype)
+        try:
+            if kept.is_file() and path.samefile(kept) and _is_present(folder):
+                return folder
+        except OSError:
+            continue
+    return None
+
+
 def _convert_user_gguf(path: Path, dtype: str) -> Path:
+    kept = _kept_dense(path, dtype)
+    if kept is not None:
+        return kept
     st = path.stat()
     key = hashlib.sha256(f"{path.name}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:12]
     stem = re.sub(r"[^A-Za-z0-9._-]+", "_", path.stem)[:60]

