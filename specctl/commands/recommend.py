@@ -12,8 +12,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from specctl.commands._options import (DeviceOpt, DtypeOpt, JsonOpt, KernelsOpt, QuantizationOpt, SeedOpt, use_kernels,
-                                       use_quantization)
+from specctl.commands._options import DeviceOpt, DtypeOpt, JsonOpt, KernelsOpt, SeedOpt, use_kernels, use_quantization
 
 HELP = """Recommend a speculative decoding method for MODEL, walking the seed's layered flowchart.
 
@@ -21,7 +20,7 @@ The layers, by adoption cost: 1 ngram/suffix (no model), 2 Medusa/EAGLE (a small
 
 Prints the path as a tree with the reason at each step, then ready configs: specctl flags and vLLM's --speculative-config JSON. Says when a recommended method is not runnable in this installation yet.
 
---probe runs every applicable, implemented method briefly (a --prompts .jsonl file, or the workload's built-in prompts) against plain decoding, measures acceptance α and cost ratio ρ, predicts the speedup (1-α^(k+1)) / ((1-α)(1+kρ)) at the best k, measures the real speedup, and ranks the methods by it.
+--probe runs every applicable, implemented method briefly (a --prompts .jsonl file, or the workload's built-in prompts) against plain decoding, measures acceptance α and cost ratio ρ, predicts the speedup (1-α^(k+1)) / ((1-α)(1+kρ)) at the best k, measures the real speedup, and ranks the methods by it. With --quantization gguf it runs the target's GGUF quantized as stored (a .gguf MODEL, or a catalogue model's kept GGUF; nothing is converted), and the printed commands carry --quantization gguf.
 
 Examples:
 
@@ -53,7 +52,12 @@ def recommend_cmd(
     dtype: DtypeOpt = "bfloat16",
     device: DeviceOpt = "cpu",
     kernels: KernelsOpt = "auto",
-    quantization: QuantizationOpt = "none",  # --probe only
+    quantization: Annotated[str, typer.Option(
+        "--quantization", metavar="[none|gguf]",
+        help="--probe only (the recommendation itself reads the model's shape, not its weights): the weights the "
+        "probe runs, as vLLM's flag: none (dense; a .gguf MODEL is converted once to dense), or gguf (a .gguf MODEL, "
+        "or a catalogue name's kept GGUF, run quantized as stored, on the CPU, with nothing converted); the printed "
+        "commands then carry --quantization gguf.")] = "none",
     json_out: JsonOpt = False,
 ) -> None:
     from specctl.errors import UsageError
@@ -85,7 +89,7 @@ def recommend_cmd(
     if batch < 1:
         raise UsageError(f"--batch must be positive, got {batch}", "pass e.g. --batch 8")
     rec = r.recommend(model, drafts=drafts, candidates=candidates, own_training=own_training, workload=workload,
-                      pull=probe, dtype=dtype, context=context_len, batch=batch)
+                      pull=probe, dtype=dtype, context=context_len, batch=batch, quantization=quant)
     if probe:
         if prompts is not None:
             from specctl.workloads import load_workload
@@ -161,7 +165,7 @@ def render(rec) -> None:
         p = rec.probe
         out.print()
         out.print(f"[bold]--probe[/]: {p['num_prompts']} prompt(s) of {escape(p['prompts'])}, {p['max_new_tokens']} new tokens, "
-                  f"{p['dtype']} on {p['device']} ({p['threads']} threads), draft length {p['draft_length']}; "
+                  f"{escape(_weights(p))} on {p['device']} ({p['threads']} threads), draft length {p['draft_length']}; "
                   f"baseline {p['baseline_tokens_per_s']:.2f} tok/s. predicted = (1-α^(k+1))/((1-α)(1+kρ)) at its best k; "
                   "verify = one verify forward / one decode step (the formula takes 1).")
         t = Table(box=box.SIMPLE_HEAD, pad_edge=False)
@@ -184,6 +188,16 @@ def render(rec) -> None:
             out.print(f"[dim]not probed: {escape(s['label'])}: {escape(s['reason'])}[/]")
         if p.get("note"):
             out.print(f"[dim]note: {escape(p['note'])}[/]")
+
+
+def _weights(p: dict) -> str:
+    """What ran, as bench's header names it: 'GGUF quantized (FILE), kernels gguf-amx_int8, bfloat16
+    activations' or 'bfloat16, kernels amx'."""
+    kernels = p.get("kernels") or "torch"
+    if p.get("quantization", "none") != "none":
+        where = f" ({Path(p['model_path']).name})" if p.get("model_path") else ""
+        return f"GGUF quantized{where}, kernels {kernels}, {p['dtype']} activations"
+    return f"{p['dtype']}, kernels {kernels}"
 
 
 def register(app: typer.Typer) -> None:

@@ -67,8 +67,8 @@ def find_drafts(target: ModelInfo, dirs: list[str]) -> tuple[list[DraftInfo], li
                 raise ModelError(f"--drafts {d}: no config.json in it or in its subfolders", "give a draft folder")
             for s in subs:
                 visit(s, True)
-    if target.path:  # beside the model: its parent's subfolders, and its own
-        tp = Path(target.path)
+    if target.path or target.gguf_file:  # beside the model (folder or .gguf): its parent's subfolders, and its own
+        tp = Path(target.path or target.gguf_file)
         for base in (tp.parent, tp):
             try:
                 subs = sorted(s for s in base.iterdir() if s.is_dir() and (s / "config.json").is_file())[:200]
@@ -147,7 +147,7 @@ def judge_candidate(c: ModelInfo, target: ModelInfo, workload: Workload) -> Cand
         if c.arch == target.arch and c.vocab_size == target.vocab_size:
             cand.tokenizer = "same"
             tok_text = "same family and vocabulary size (tokenizer not verified)"
-    missing = [m.spec for m in (c, target) if not m.path]
+    missing = [m.spec for m in (c, target) if not m.path and not m.gguf_file]
     if missing:
         tok_text += f"; pull {' and '.join(missing)} to check (`specctl models pull NAME`)"
     family = "" if c.arch == target.arch else f"; another architecture ({c.arch})"

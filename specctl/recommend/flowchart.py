@@ -49,7 +49,7 @@ def hybrid_choice(target: ModelInfo, pattern: Choice, model: Choice, w: Workload
               f"(α≈{PATTERN_ALPHA_WHEN_MATCHED} when matched, no draft cost); {model.label} on new text"
               + (f": predicted x{model_gain:.2f}" if model_gain else "") + "; --probe measures both parts")
     flags = f"--speculative-config {shlex.quote(json.dumps(cfg))}"
-    cmds = commands(target.spec, flags, model.commands.get("vllm", ""))  # vLLM: the model part alone
+    cmds = commands(target.spec, flags, model.commands.get("vllm", ""), target.quantization)  # vLLM: the model part alone
     note = ("specctl's own method: vLLM runs one proposer at a time (its config below is the model part's)"
             + ("; " + model.note if model.note else ""))
     return Choice("hybrid", f"hybrid: {pattern.method} first, then {model.label}", reason, cfg, model.vllm_config,
@@ -257,17 +257,20 @@ def _model_or_ngram(target, w, best: Candidate, same: list[Candidate], other: li
 
 def recommend(model: str, *, drafts: list[str] | None = None, candidates: list[str] | None = None,
               own_training: bool = False, workload: str = "chat", pull: bool = False,
-              dtype: str = "bfloat16", context: int | None = None, batch: int = 1) -> Recommendation:
+              dtype: str = "bfloat16", context: int | None = None, batch: int = 1,
+              quantization: str | None = None) -> Recommendation:
     """Inspect the target, its drafts and candidate draft models, and walk the flowchart; ``context``
-    (default: the workload's) and ``batch`` judge sparse_attn."""
+    (default: the workload's) and ``batch`` judge sparse_attn. ``quantization="gguf"``: the target runs
+    as its GGUF (read from it; the commands carry ``--quantization gguf``)."""
     w = get_workload(workload)
-    target = inspect_model(model, pull=pull, dtype=dtype)
+    target = inspect_model(model, pull=pull, dtype=dtype, quantization=quantization)
     mtp = mtp_modules(target.config, target.tensors, target.gguf)  # built into the target
     found, plain, notes = find_drafts(target, list(drafts or []))
     infos = gather_candidates(target, candidates, plain)
     cands = [judge_candidate(c, target, w) for c in infos]
     searched = ("--drafts " + ", ".join(drafts)) if drafts else ""
-    searched += (("; " if searched else "") + f"no Medusa/EAGLE folder beside {target.path}") if target.path else ""
+    beside = target.path or target.gguf_file
+    searched += (("; " if searched else "") + f"no Medusa/EAGLE folder beside {beside}") if beside else ""
     tree, choice, alts = walk(target, mtp, found, cands, w, own_training, searched or "no --drafts given")
     sparse, replaces = sparse_attn_choice(target, w, tree, choice, context, batch)
     if sparse is not None:
@@ -275,7 +278,10 @@ def recommend(model: str, *, drafts: list[str] | None = None, candidates: list[s
             choice, alts = sparse, [choice] + alts
         else:
             alts.append(sparse)
-    if not target.path:
+    if not target.path and target.gguf_file:
+        notes.append(f"{target.name} read from its GGUF header ({target.gguf_file}; no dense conversion): "
+                     "draft models' tokenizers are compared by vocabulary size only")
+    elif not target.path:
         notes.append(f"{target.name} is not pulled: described from the catalogue (`specctl models pull {target.name}` "
                      "to check drafts and tokenizers against it)")
     return Recommendation(target, w, own_training, mtp, found, cands, tree, choice, alts, notes,

@@ -103,7 +103,8 @@ def probe(rec: Recommendation, *, prompts: str | None = None, num_prompts: int =
     Through ``specctl bench``'s loop (same prompts, decode tokens/s, per-prompt interleaving, a
     warm-up), plus per method: α (MLE over steps), ρ (draft time per drafted token / one target
     decode step), the predicted speedup at the best k, and the verify cost (one verify forward / one
-    decode step). ``quantization="gguf"``: the target runs as its GGUF's blocks (``resolve_model``).
+    decode step). ``quantization="gguf"``: the target runs as its GGUF's blocks (``resolve_model``); the
+    result says what ran as bench's header does (``quantization``, ``kernels``: its CPU kernel path).
     """
     from specctl.bench.draft_timer import DraftTiming
     from specctl.bench.labels import config_labels
@@ -177,7 +178,8 @@ def probe(rec: Recommendation, *, prompts: str | None = None, num_prompts: int =
         r["rank"] = i
     out = {"prompts": source, "num_prompts": requests, "max_new_tokens": max_new_tokens, "dtype": dtype,
            "device": report.header["device"], "draft_length": "adaptive (up to k)" if adaptive else "fixed k",
-           "threads": report.header["threads"], "baseline_tokens_per_s": base_tps, "target_step_s": step_s,
+           "threads": report.header["threads"], "quantization": report.header.get("quantization") or "none",
+           "kernels": report.header.get("cpu_kernels"), "model_path": str(path), "baseline_tokens_per_s": base_tps, "target_step_s": step_s,
            "methods": rows, "skipped": skipped}
     if note:
         out["note"] = note

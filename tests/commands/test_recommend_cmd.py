@@ -213,3 +213,37 @@ def test_other_vocabulary_alternative_prints_no_vllm_command(tmp_path, tiny_mode
     assert "specctl serve --model" in block and '"model": "' + str(other) in block
     assert "vLLM:    none: vLLM's draft_model needs the target's vocabulary" in block
     assert "(256 vs 128 tokens)" in block and "vllm serve" not in block
+
+
+def test_quantization_help_says_probe_only_and_takes_the_positional_model():
+    r = runner.invoke(app, ["recommend", "--help"], env={"COLUMNS": "250"})
+    assert r.exit_code == 0
+    text = " ".join(r.stdout.replace("│", " ").split())
+    i = text.index("--quantization [none|gguf]")
+    assert "--probe only" in text[i:i + 60] and "--model FILE.gguf" not in text
+    u = run_main("recommend", "smollm2-135m", "--quantization", "gguf")
+    assert u.returncode == 2 and "--quantization only applies with --probe" in u.stderr
+
+
+def test_probe_of_a_gguf_runs_it_quantized_and_says_so(tiny_quant_gguf, tmp_path):
+    """--probe --quantization gguf: nothing converted; the commands carry --quantization gguf; the footer
+    and the JSON name the GGUF and its kernel path (as bench's header does)."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "abc abc abc abc abc abc"}) + "\n")
+    args = ["recommend", str(tiny_quant_gguf), "--candidates", str(tiny_quant_gguf), "--probe", "--prompts",
+            str(prompts), "-n", "1", "--max-new-tokens", "6", "--quantization", "gguf"]
+    r = runner.invoke(app, [*args, "--json"])
+    assert r.exit_code == 0, r.output
+    assert "converting" not in r.stderr and not list((tmp_path / "cache").glob("models/gguf-*"))
+    data = json.loads(r.stdout)
+    p = data["probe"]
+    assert p["quantization"] == "gguf" and p["kernels"].startswith("gguf-") and p["model_path"] == str(tiny_quant_gguf)
+    for c in [data["recommendation"], *data["alternatives"]]:
+        assert f"--model {tiny_quant_gguf} --quantization gguf " in c["commands"]["specctl_serve"]
+        assert f"--model {tiny_quant_gguf} --quantization gguf " in c["commands"]["specctl_bench"]
+    text = runner.invoke(app, args, env={"COLUMNS": "250"})
+    assert text.exit_code == 0, text.output
+    out = " ".join(text.stdout.split())
+    assert f"specctl: specctl serve --model {tiny_quant_gguf} --quantization gguf --method" in out
+    assert f"GGUF quantized ({tiny_quant_gguf.name}), kernels {p['kernels']}, bfloat16 activations on cpu" in out
+    assert "vLLM: none:" in out and f"vllm serve {tiny_quant_gguf} --tokenizer HF_REPO" in out

@@ -100,3 +100,38 @@ def evidence(node: Node) -> list[Node]:
 
 def q(rec, start: str) -> str:
     return next(a for t, a in answers(rec.tree) if t.startswith(start))
+
+
+def gguf_llama(path: Path, layers: int = 2, hidden: int = H, vocab: int = V, untied: bool = True,
+               **kv: str) -> Path:
+    """A llama GGUF header with zero F32 tensors of the right names and shapes (llama.cpp's layout);
+    ``kv``: more string fields (``general.source.huggingface.repository`` as
+    ``general_source_huggingface_repository``)."""
+    import numpy as np
+    from gguf import GGUFWriter
+
+    inter, heads = 2 * hidden, 4
+    w = GGUFWriter(str(path), "llama")
+    w.add_name("Tiny Llama GGUF")
+    w.add_block_count(layers)
+    w.add_context_length(256)
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(inter)
+    w.add_head_count(heads)
+    w.add_head_count_kv(2)
+    for k, v in kv.items():
+        w.add_string(k.replace("_", "."), v)
+    kvd = hidden // heads * 2
+    w.add_tensor("token_embd.weight", np.zeros((vocab, hidden), dtype=np.float32))
+    for i in range(layers):
+        for name, shape in (("attn_q", (hidden, hidden)), ("attn_k", (kvd, hidden)), ("attn_v", (kvd, hidden)),
+                            ("attn_output", (hidden, hidden)), ("ffn_gate", (inter, hidden)),
+                            ("ffn_up", (inter, hidden)), ("ffn_down", (hidden, inter))):
+            w.add_tensor(f"blk.{i}.{name}.weight", np.zeros(shape, dtype=np.float32))
+    if untied:
+        w.add_tensor("output.weight", np.zeros((vocab, hidden), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

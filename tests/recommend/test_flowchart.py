@@ -73,3 +73,52 @@ def test_bad_input_raises_one_line_errors(tmp_path, target):
         recommend(str(target), workload="poetry")
     with pytest.raises(ModelError, match="--drafts"):
         recommend(str(target), drafts=[str(tmp_path / "missing")])
+
+
+def _refuse_dense(monkeypatch):
+    from specctl import gguf_files, models
+
+    def refuse(*a, **k):
+        raise AssertionError("recommend converted or pulled dense weights")
+
+    monkeypatch.setattr(gguf_files, "gguf_to_dense", refuse)
+    monkeypatch.setattr(models, "_pull", refuse)
+
+
+def test_gguf_target_commands_carry_quantization_and_serve_the_file(tmp_path, monkeypatch):
+    """What runs is what the commands say: --quantization gguf on specctl's, the .gguf itself for vLLM
+    (with its source repo's tokenizer; where the file names none, the line to complete, in the reason)."""
+    from tests.recommend.builders import gguf_llama
+
+    _refuse_dense(monkeypatch)
+    f = gguf_llama(tmp_path / "m.gguf")
+    rec = recommend(str(f), candidates=[], workload="code", quantization="gguf")
+    for c in [rec.choice, *rec.alternatives]:
+        assert c.commands["specctl_serve"].startswith(f"specctl serve --model {f} --quantization gguf --")
+        assert c.commands["specctl_bench"].startswith(f"specctl bench --model {f} --quantization gguf --")
+        assert c.commands["vllm"] is None and c.vllm_config is not None  # no repo named: nothing to paste as is
+        assert "does not name the Hugging Face repo" in c.vllm_unsupported
+        assert f"vllm serve {f} --tokenizer HF_REPO --speculative-config" in c.vllm_unsupported
+    assert rec.to_dict()["target"]["quantization"] == "gguf"
+
+    named = gguf_llama(tmp_path / "n.gguf", general_source_huggingface_repository="org/tiny")
+    rec = recommend(str(named), candidates=[], workload="code", quantization="gguf")
+    assert rec.choice.commands["vllm"].startswith(f"vllm serve {named} --tokenizer org/tiny --speculative-config ")
+    dense = recommend(str(named), candidates=[], workload="code")  # dense: specctl converts when it serves
+    assert "--quantization" not in dense.choice.commands["specctl_serve"]
+    assert dense.choice.commands["vllm"].startswith(f"vllm serve {named} --tokenizer org/tiny ")  # no folder here
+
+
+def test_catalogue_target_as_its_kept_gguf_pulls_no_dense_weights(monkeypatch):
+    from specctl.models import gguf_path
+    from tests.recommend.builders import gguf_llama
+
+    _refuse_dense(monkeypatch)
+    kept = gguf_path("smollm2-135m")
+    kept.parent.mkdir(parents=True)
+    gguf_llama(kept)
+    rec = recommend("smollm2-135m", candidates=[], workload="code", pull=True, quantization="gguf")
+    assert rec.target.gguf_file == str(kept) and rec.target.path is None and rec.target.num_layers == 2
+    assert rec.choice.commands["specctl_serve"].startswith("specctl serve --model smollm2-135m --quantization gguf ")
+    assert rec.choice.commands["vllm"].startswith(
+        f"vllm serve {kept} --tokenizer HuggingFaceTB/SmolLM2-135M-Instruct --speculative-config ")
