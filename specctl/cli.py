@@ -53,19 +53,32 @@ def main() -> None:
     debug = os.environ.get("SPECCTL_DEBUG") == "1"
     try:
         app()
+    except SystemExit as e:
+        if e.code != 130:  # typer turns a Ctrl-C into exit 130, silently
+            raise
+        _interrupted(e)
     except SpecctlError as e:
         if debug:
             raise
         print(f"Error: {e}", file=sys.stderr)
         sys.exit(e.exit_code)
-    except KeyboardInterrupt:
-        print("Interrupted.", file=sys.stderr)
-        sys.exit(130)
+    except KeyboardInterrupt as e:
+        _interrupted(e)
     except Exception as e:  # an unexpected failure: still one line unless debugging
         if debug:
             raise
         print(f"Error: {type(e).__name__}: {e} (rerun with SPECCTL_DEBUG=1 for the traceback)", file=sys.stderr)
         sys.exit(1)
+
+
+def _interrupted(e: BaseException) -> None:
+    """Ctrl-C: one line on stderr (with what the command said to do next, a trainer's resume hint), exit 130."""
+    hint = ""
+    while e is not None and not hint:  # the KeyboardInterrupt is the cause of typer's Exit(130)
+        hint = str(e) if isinstance(e, KeyboardInterrupt) else ""
+        e = e.__cause__ or e.__context__
+    print(f"Interrupted. {hint}".strip(), file=sys.stderr)
+    sys.exit(130)
 
 
 if __name__ == "__main__":

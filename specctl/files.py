@@ -30,11 +30,16 @@ def write_atomic(path: str | os.PathLike, write: Callable[[Path], Any]) -> Path:
     try:
         write(tmp)
         if tmp.is_file():
-            os.chmod(tmp, 0o666 & ~_UMASK)
+            give_umask_mode(tmp)
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
     return path
+
+
+def give_umask_mode(path: str | os.PathLike) -> None:
+    """Set a file's mode to the one a plain ``open`` gives under the umask (0644 under the usual 022)."""
+    os.chmod(path, 0o666 & ~_UMASK)
 
 
 def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> Path:

@@ -1,4 +1,4 @@
-"""The root command: fast --help, --version, usage errors exit 2."""
+"""The root command: fast --help, --version, usage errors exit 2, a Ctrl-C is one line and exit 130."""
 
 from __future__ import annotations
 
@@ -40,3 +40,48 @@ def test_version():
 def test_unknown_option_is_usage_error():
     r = subprocess.run([sys.executable, "-m", "specctl.cli", "bench", "--no-such-flag"], capture_output=True, text=True)
     assert r.returncode == 2
+
+
+INTERRUPTED = """
+import sys
+from pathlib import Path
+
+import specctl.models
+import specctl.training.medusa
+
+
+def interrupt(*a, **k):
+    raise KeyboardInterrupt
+
+
+def interrupt_after_a_checkpoint(cfg, **k):
+    ck = Path(cfg.output) / "checkpoints" / "step-0000003"
+    ck.mkdir(parents=True, exist_ok=True)
+    (ck / "trainer_state.json").write_text("{}")
+    raise KeyboardInterrupt
+
+
+specctl.models.list_models = interrupt
+specctl.training.medusa.train = interrupt_after_a_checkpoint
+from specctl.cli import main
+
+sys.argv = ["specctl", *sys.argv[1:]]
+main()
+"""
+
+
+def test_ctrl_c_is_one_line_and_exit_130(tmp_path):
+    """Typer turns a KeyboardInterrupt into a silent exit 130; main says so, with a trainer's resume hint.
+    (A real SIGINT during training: tests/commands/test_train_medusa_cmd.py.)"""
+    def run(*args):
+        return subprocess.run([sys.executable, "-c", INTERRUPTED, *args], capture_output=True, text=True, cwd=tmp_path,
+                              check=False)
+
+    r = run("models", "list")
+    assert r.returncode == 130 and r.stderr == "Interrupted.\n" and r.stdout == ""
+    r = run("train-medusa", "--model", "m", "--data", "x.jsonl", "--output", "run")
+    assert r.returncode == 130 and r.stdout == ""
+    assert r.stderr == ("Interrupted. The newest checkpoint is run/checkpoints/step-0000003: resume with the same "
+                        "command plus --resume.\n")
+    r = run("train-medusa", "--model", "m", "--data", "x.jsonl", "--output", "run", "--resume")
+    assert r.returncode == 130 and r.stderr.endswith("step-0000003: run the same command again.\n")

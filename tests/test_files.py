@@ -30,3 +30,12 @@ def test_a_failed_write_keeps_the_old_file_and_leaves_no_temp(tmp_path):
     with pytest.raises(RuntimeError):
         write_atomic(p, broken)
     assert p.read_text() == "old" and [f.name for f in tmp_path.iterdir()] == ["a.json"]
+
+
+def test_a_file_written_elsewhere_gets_the_umask_mode(tmp_path):
+    """What transformers' save_pretrained writes (safetensors: 0600) is given a plain file's mode."""
+    p = tmp_path / "model.safetensors"
+    save_file({"w": torch.zeros(2)}, str(p))
+    p.chmod(0o600)
+    files.give_umask_mode(p)
+    assert stat.S_IMODE(p.stat().st_mode) == 0o666 & ~files._UMASK

@@ -5,7 +5,7 @@ is ``max_new_tokens``); ``config_from`` builds a trainer's config from a command
 command gives each option its own default only where the trainer's config has its own (``--lr``,
 ``--batch-size`` ...); ``--hold-out`` has one default everywhere. Old spellings users may have in
 scripts stay as hidden aliases (``--distill-max-new-tokens``: train-medusa's and train-mtp's name for
-``--max-new-tokens``).
+``--max-new-tokens``). ``progress_bars`` wraps a trainer's run: a Ctrl-C in it leaves saying how to resume.
 
 What it does not know: training; nothing here imports torch.
 """
@@ -24,13 +24,24 @@ __all__ = ["OutputOpt", "ModelOpt", "DataOpt", "SelfDistillOpt", "HoldOutOpt", "
            "MaxNewTokensOpt", "OldMaxNewTokensOpt", "DistillTemperatureOpt", "DistillSamplesOpt", "EpochsOpt",
            "StepsOpt", "LrOpt", "BatchSizeOpt", "GradAccumOpt", "SeqLenOpt", "EvalSplitOpt", "EvalEveryOpt",
            "SaveEveryOpt", "ResumeOpt", "PushToHubOpt", "SeedOpt", "DtypeOpt", "DeviceOpt", "JsonOpt",
-           "config_from", "command_line", "main_process", "progress_bars"]
+           "config_from", "command_line", "main_process", "progress_bars", "resume_hint"]
 
 HOLD_OUT = 8  # the workload prompts `specctl bench -n 8` runs are never trained on
 
+
+def _output_path(value: str) -> Path:
+    """--output as given: an empty one (which pathlib would read as the current folder) is refused."""
+    if not value.strip():
+        from specctl.errors import UsageError
+
+        raise UsageError(f"--output is {'blank' if value else 'empty'}", "give the run folder, e.g. --output runs/my-draft")
+    return Path(value)
+
+
 OutputOpt = Annotated[Path, typer.Option(
-    "--output", "-o", help="Run folder: training_config.json, checkpoints/step-NNNNNNN/, data/self_distill.jsonl, "
-    "and the export (with its model card, README.md).")]
+    "--output", "-o", parser=_output_path, metavar="PATH",
+    help="Run folder (new, empty, or an earlier run's): training_config.json, checkpoints/step-NNNNNNN/, "
+    "data/self_distill.jsonl, and the export (with its model card, README.md).")]
 DataOpt = Annotated[Optional[list[str]], typer.Option(
     "--data", "-d", help="Training data (repeatable): .jsonl/.json records (prompt+response, messages, ShareGPT "
     "conversations, text; self-distilled records keep their exact ids), .txt/.py/.md text, or a folder of them.")]
@@ -69,9 +80,12 @@ PushToHubOpt = Annotated[Optional[str], typer.Option(
     "before training when no token is configured or the Hub is offline.")]
 
 
+_running: dict = {}  # the config of the training command in progress (config_from), for resume_hint
+
+
 def config_from(cls, params: dict, **overrides):
     """The trainer config ``cls`` from a command's parameters (those named as its fields; paths as str,
-    --max-new-tokens or its old spelling), validated."""
+    --max-new-tokens or its old spelling), validated; kept as the running command's, for ``resume_hint``."""
     import dataclasses
 
     names = {f.name for f in dataclasses.fields(cls)}
@@ -81,13 +95,16 @@ def config_from(cls, params: dict, **overrides):
     if params.get("distill_max_new_tokens") is not None:
         kw["max_new_tokens"] = params["distill_max_new_tokens"]
     kw.update(overrides)
-    return cls(**kw).validated()
+    cfg = cls(**kw).validated()
+    _running["cfg"] = cfg
+    return cfg
 
 
 @contextlib.contextmanager
 def progress_bars(err):
     """A (phase, done, total) callback drawing one rich bar per phase on ``err`` (a stderr Console; none when
-    it is not a terminal): self-distillation, feature extraction, training steps."""
+    it is not a terminal): self-distillation, feature extraction, training steps. A Ctrl-C inside leaves
+    as a KeyboardInterrupt saying how to resume (``resume_hint``), which the CLI prints."""
     from rich.progress import (
         BarColumn,
         MofNCompleteColumn,
@@ -97,17 +114,32 @@ def progress_bars(err):
         TimeRemainingColumn,
     )
 
-    with Progress(TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                  TimeElapsedColumn(), TimeRemainingColumn(), console=err, transient=True,
-                  disable=not err.is_terminal) as prog:
-        tasks: dict[str, int] = {}
+    try:
+        with Progress(TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                      TimeElapsedColumn(), TimeRemainingColumn(), console=err, transient=True,
+                      disable=not err.is_terminal) as prog:
+            tasks: dict[str, int] = {}
 
-        def progress(phase: str, done: int, total: int) -> None:
-            if phase not in tasks:
-                tasks[phase] = prog.add_task(phase, total=total)
-            prog.update(tasks[phase], completed=done, total=total)
+            def progress(phase: str, done: int, total: int) -> None:
+                if phase not in tasks:
+                    tasks[phase] = prog.add_task(phase, total=total)
+                prog.update(tasks[phase], completed=done, total=total)
 
-        yield progress
+            yield progress
+    except KeyboardInterrupt:
+        raise KeyboardInterrupt(resume_hint()) from None
+
+
+def resume_hint() -> str:
+    """What to do after an interrupted training command: resume from its newest checkpoint, if it has one."""
+    from specctl.training.checkpoints import checkpoint_dirs
+
+    cfg = _running.get("cfg")
+    ckpts = checkpoint_dirs(cfg.output) if cfg is not None else []
+    if not ckpts:
+        return ""
+    again = "run the same command again" if cfg.resume else "resume with the same command plus --resume"
+    return f"The newest checkpoint is {ckpts[-1]}: {again}."
 
 
 def main_process() -> bool:

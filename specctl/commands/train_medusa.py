@@ -110,7 +110,8 @@ def render(s: dict) -> None:
     t.add_column("")
     t.add_row("mode", s["mode"])
     t.add_row("steps", f"{s['steps']} ({s['epochs']} epochs, {s['train_sequences']} training sequences)")
-    t.add_row("loss", f"{s['first_loss']:.4f} → {s['final_loss']:.4f}" if s["first_loss"] is not None else "—")
+    t.add_row("loss", f"{s['first_loss']:.4f} → {s['final_loss']:.4f}"
+              if s["first_loss"] is not None and s["final_loss"] is not None else "—")
     ev = s.get("eval") or {}
     if ev:
         t.add_row("held-out top-1 per head", " ".join(f"{x:.3f}" for x in ev["top1_per_head"]))

@@ -43,8 +43,10 @@ from specctl.errors import DataError
 TEXT_SUFFIXES = (".txt", ".py", ".md", ".rst")
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant",
          "model": "assistant", "bard": "assistant", "bing": "assistant", "system": "system", "tool": "tool"}
-_FIX = ('each line must be one JSON object: {"prompt": ..., "response": ...}, {"messages": [...]}, '
-        '{"conversations": [{"from": "human", "value": ...}, ...]} or {"text": ...}')
+_SHAPES = ('{"prompt": ..., "response": ...}, {"messages": [...]}, {"conversations": [{"from": "human", "value": ...}, '
+           '...]} or {"text": ...}')
+_FIX = f"each line must be one JSON object: {_SHAPES}"  # .jsonl
+_FIX_JSON = f"give a JSON array of objects, each {_SHAPES}"  # .json
 
 
 @dataclass
@@ -80,7 +82,7 @@ def read_records(path: str | Path) -> list[Record]:
     if not path.is_file():
         raise DataError(f"data file {path} does not exist", "check the path given to --data")
     try:
-        text = path.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8-sig")  # a byte-order mark (Windows editors write one) is dropped
     except (OSError, UnicodeDecodeError) as e:
         raise DataError(f"cannot read {path} ({e})", "give a readable UTF-8 file") from None
     if path.suffix == ".jsonl":
@@ -100,28 +102,30 @@ def read_records(path: str | Path) -> list[Record]:
         try:
             data = json.loads(text)
         except json.JSONDecodeError as e:
-            raise DataError(f"{path}: invalid JSON ({e.msg} at line {e.lineno})", "give a JSON array of records, or .jsonl") from None
+            raise DataError(f"{path}: invalid JSON ({e.msg} at line {e.lineno})", f"{_FIX_JSON} (or one a line in .jsonl)") from None
         items = data if isinstance(data, list) else [data]
-        return [parse_record(obj, f"{path}, item {i}") for i, obj in enumerate(items, 1)]
+        if not items:
+            raise DataError(f"{path} holds no records", _FIX_JSON)
+        return [parse_record(obj, f"{path}, item {i}", _FIX_JSON) for i, obj in enumerate(items, 1)]
     return [Record(text=text, source=str(path))]
 
 
-def parse_record(obj, where: str) -> Record:
-    """One JSON object -> Record, or DataError naming ``where``."""
+def parse_record(obj, where: str, fix: str = _FIX) -> Record:
+    """One JSON object -> Record, or DataError naming ``where`` (with ``fix``: the file type's hint)."""
     if not isinstance(obj, dict):
-        raise DataError(f"{where}: expected a JSON object, got {type(obj).__name__}", _FIX)
+        raise DataError(f"{where}: expected a JSON object, got {type(obj).__name__}", fix)
     if "conversations" in obj or "messages" in obj:
         key = "conversations" if "conversations" in obj else "messages"
         turns = obj[key]
         if not isinstance(turns, list) or not turns:
-            raise DataError(f"{where}: \"{key}\" must be a non-empty list of turns", _FIX)
+            raise DataError(f"{where}: \"{key}\" must be a non-empty list of turns", fix)
         msgs = []
         for i, t in enumerate(turns):
             role = t.get("from", t.get("role")) if isinstance(t, dict) else None
             content = t.get("value", t.get("content")) if isinstance(t, dict) else None
             if not isinstance(role, str) or role.lower() not in ROLES or not isinstance(content, str):
                 raise DataError(f"{where}: turn {i} needs a known role (human/gpt/user/assistant/system) and string content",
-                                _FIX)
+                                fix)
             msgs.append({"role": ROLES[role.lower()], "content": content})
         if not any(m["role"] == "assistant" and m["content"] for m in msgs):
             raise DataError(f"{where}: no assistant (gpt) turn to learn from", "each conversation needs an answer")
@@ -132,16 +136,16 @@ def parse_record(obj, where: str) -> Record:
     if "prompt" in obj:
         resp_key = next((k for k in ("response", "completion", "output", "answer") if k in obj), None)
         if resp_key is None:
-            raise DataError(f"{where}: \"prompt\" without \"response\"", _FIX)
+            raise DataError(f"{where}: \"prompt\" without \"response\"", fix)
         p, r = obj["prompt"], obj[resp_key]
         if not isinstance(p, str) or not isinstance(r, str) or not r:
-            raise DataError(f"{where}: \"prompt\" and \"{resp_key}\" must be strings (a non-empty response)", _FIX)
+            raise DataError(f"{where}: \"prompt\" and \"{resp_key}\" must be strings (a non-empty response)", fix)
         return Record(messages=[{"role": "user", "content": p}, {"role": "assistant", "content": r}], source=where)
     if "text" in obj:
         if not isinstance(obj["text"], str) or not obj["text"]:
-            raise DataError(f"{where}: \"text\" must be a non-empty string", _FIX)
+            raise DataError(f"{where}: \"text\" must be a non-empty string", fix)
         return Record(text=obj["text"], source=where)
-    raise DataError(f"{where}: no \"prompt\"/\"response\", \"messages\", \"conversations\" or \"text\" key", _FIX)
+    raise DataError(f"{where}: no \"prompt\"/\"response\", \"messages\", \"conversations\" or \"text\" key", fix)
 
 
 def _int_list(x) -> bool:
@@ -176,7 +180,7 @@ def load_prompts(spec: str, hold_out: int = 0) -> list:
     if path.suffix == ".txt":
         if not path.is_file():
             raise DataError(f"prompt file {path} does not exist", "give a .jsonl/.txt prompt file or a workload name")
-        lines = [x for x in path.read_text(encoding="utf-8").splitlines() if x.strip()]
+        lines = [x for x in path.read_text(encoding="utf-8-sig").splitlines() if x.strip()]
         return [Request(id=f"{path.stem}:{i}", messages=[{"role": "user", "content": x}], workload=str(path))
                 for i, x in enumerate(lines, 1)]
     return load_workload(str(path))
@@ -335,6 +339,7 @@ def distill_requests(cfg) -> list:
 
 DISTILL_CACHE = Path("data") / "self_distill.jsonl"
 _OLD_DISTILL_CACHES = (Path("self_distill.jsonl"), Path("checkpoint") / "self_distill.jsonl")  # before data/
+DISTILL_CACHES = (DISTILL_CACHE, *_OLD_DISTILL_CACHES)
 
 
 def distill_cache(output: str | Path) -> Path:

@@ -74,23 +74,30 @@ class EagleTrainConfig(L.TrainConfig):
         L.need(0.0 <= self.prompt_rows <= 1.0, f"--prompt-rows must be in [0, 1], got {self.prompt_rows}", "e.g. --prompt-rows 0.2")
         L.need(self.draft_vocab_size is None or self.draft_vocab_size >= 1,
                f"--draft-vocab-size must be positive, got {self.draft_vocab_size}", "e.g. --draft-vocab-size 32000")
+        if self.version == 1:  # EAGLE-1's fc reads (embedding, feature) and it scores the target's whole vocabulary
+            for flag, given in (("--draft-vocab-size", self.draft_vocab_size is not None),
+                                ("--aux-layers", self.aux_layers is not None), ("--fc-init", self.fc_init != "random")):
+                L.need(not given, f"{flag} is an EAGLE-3 option: EAGLE-1 (--version 1) has no use for it",
+                       f"drop {flag}, or train EAGLE-3 (--version 3)")
         if self.aux_layers is not None:
             self.aux_layers = tuple(self.aux_layers)
         return self
 
 
 def load_examples(cfg: EagleTrainConfig, loaded, log: Callable[[str], None],
-                  progress: Callable[[str, int, int], None] = lambda *a: None) -> tuple[list[list[int]], list[list[int]]]:
-    """Training sequences (token ids, at most seq_len) and their learnt-token masks: --data records,
-    then the target's answers to --self-distill prompts (``specctl.training.data``: formats, chat
-    templates, the answer cache; records that carry exact ``prompt_ids``/``response_ids`` keep them).
+                  progress: Callable[[str, int, int], None] = lambda *a: None,
+                  records: list | None = None) -> tuple[list[list[int]], list[list[int]]]:
+    """Training sequences (token ids, at most seq_len) and their learnt-token masks: --data records
+    (``records``: already read), then the target's answers to --self-distill prompts
+    (``specctl.training.data``: formats, chat templates, the answer cache; records that carry exact
+    ``prompt_ids``/``response_ids`` keep them).
 
     Every position has a target distribution (EAGLE's loss is against it), prompts included; the
     mask says which tokens are answers, the rows ``--prompt-rows`` < 1 concentrates on.
     """
     from specctl.training import data as D
 
-    ex = D.build_examples(cfg, loaded, log=log, progress=progress)
+    ex = D.build_examples(cfg, loaded, log=log, progress=progress, records=records)
     if len(ex) < 2:
         raise DataError("fewer than 2 usable sequences in the training data", "pass more data (each record needs >= 4 tokens)")
     seqs, masks = [e.input_ids for e in ex], [list(e.loss_mask) for e in ex]
@@ -150,6 +157,7 @@ def train(cfg: EagleTrainConfig, loaded=None, log: Callable[[str], None] = _stde
     (phase, done, total) for a progress bar (self-distillation, training steps)."""
     from specctl.models import resolve_model
     from specctl.runtime.runner import load_model
+    from specctl.training import data as D
 
     cfg.validated()
     t_start = time.perf_counter()
@@ -162,13 +170,18 @@ def train(cfg: EagleTrainConfig, loaded=None, log: Callable[[str], None] = _stde
     random.seed(cfg.seed)
     out = Path(cfg.output)
     resume_from = L.resume_point(cfg, log, legacy=out / LEGACY_CHECKPOINT)
+    records = [r for p in cfg.data for r in D.read_records(p)]  # bad data fails before the model loads
     if loaded is None:
         path = resolve_model(cfg.model, dtype=cfg.dtype)
         log(f"loading target {path}")
         loaded = load_model(path, dtype=cfg.dtype, device=str(acc.device))
     path, target, dev = Path(loaded.path), loaded.model, acc.device
+    V = target.args.vocab_size
+    L.need(cfg.draft_vocab_size is None or cfg.draft_vocab_size <= V,
+           f"--draft-vocab-size {cfg.draft_vocab_size} is more than the target's vocabulary ({V} tokens)",
+           f"pass at most {V}, or leave it out (the default is min(32000, {V}))")
     with acc.main_process_first():  # one process writes the self-distillation cache, the others read it
-        seqs, masks = load_examples(cfg, loaded, log, progress)
+        seqs, masks = load_examples(cfg, loaded, log, progress, records=records)
     rng = random.Random(cfg.seed)
     order = list(range(len(seqs)))
     rng.shuffle(order)

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, ClassVar
 
-from specctl.errors import UsageError
+from specctl.errors import SpecctlError, UsageError
 
 Log = Callable[[str], None]
 
@@ -135,6 +135,8 @@ class TrainConfig:
 
             need(is_hub_id(self.push_to_hub), f"--push-to-hub {self.push_to_hub!r} is not a Hub repo id",
                  "give it as OWNER/NAME, e.g. me/my-draft")
+        need(bool(str(self.output).strip()), f"--output is {'blank' if self.output else 'empty'}",
+             "give the run folder, e.g. --output runs/my-draft")
         from specctl.files import unwritable
 
         bad = unwritable(self.output, folder=True)
@@ -162,7 +164,7 @@ def at_least(cfg, name: str, lo: int) -> None:
     v = getattr(cfg, name)
     flag = f"--{name.replace('_', '-')}"
     need(isinstance(v, int) and not isinstance(v, bool) and v >= lo, f"{flag} must be an integer >= {lo}, got {v}",
-         f"pass {flag} {max(lo, 1)} or more")
+         f"pass {flag} {lo} or more")
 
 
 # --------------------------------------------------------------------------- accelerate
@@ -249,13 +251,19 @@ def reduce_sum(acc, x):
 def resume_point(cfg: TrainConfig, log: Log, legacy: Path | None = None) -> Path | None:
     """The checkpoint ``--resume`` continues from: the newest in output/checkpoints/, else ``legacy`` (a
     file of the layout before it) when it exists. Without --resume a run folder that holds checkpoints
-    is refused; so is a checkpoint made with other ``RESUME_KEYS`` settings, and a folder with an export
-    but no checkpoint (a new run there would overwrite it)."""
+    is refused; so is a checkpoint made with other ``RESUME_KEYS`` settings, a folder with an export
+    but no checkpoint (a new run there would overwrite it), and a non-empty folder that holds no run at
+    all (``is_run_folder``: the user's own files, which the export would overwrite)."""
     from specctl.training import checkpoints as C
 
     out = Path(cfg.output)
     ckpts = C.checkpoint_dirs(out)
     old_layout = legacy is not None and legacy.is_file()
+    if not ckpts and not old_layout and not is_run_folder(out):
+        found = sorted(p.name for p in out.iterdir() if not p.name.startswith("."))
+        raise SpecctlError(f"--output {out} already holds files of its own ({', '.join(found[:3])}"
+                           f"{', ...' if len(found) > 3 else ''}) and no specctl training run",
+                           "choose a new or empty --output folder: the export would overwrite them")
     if not ckpts and not old_layout and (out / C.TRAINING_CONFIG).is_file():
         # a finished run that kept no checkpoint: nothing to continue, and a new run would replace its export
         raise UsageError(f"{out} holds an earlier run's export ({C.TRAINING_CONFIG}) and no checkpoint",
@@ -283,6 +291,19 @@ def resume_point(cfg: TrainConfig, log: Log, legacy: Path | None = None) -> Path
         return legacy
     log(f"--resume: no checkpoint in {out / C.CHECKPOINTS}; starting a new run")
     return None
+
+
+def is_run_folder(out: Path) -> bool:
+    """Whether a training run may write into ``out``: it is missing or empty (dot files aside), or it holds
+    what a specctl run leaves (checkpoints/, training_config.json, train_summary.json, a self-distillation
+    cache), so an interrupted run's folder (the export half written, say) is one."""
+    from specctl.training import checkpoints as C
+    from specctl.training.data import DISTILL_CACHES
+
+    if not out.is_dir() or all(p.name.startswith(".") for p in out.iterdir()):
+        return True
+    return ((out / C.CHECKPOINTS).is_dir() or (out / C.TRAINING_CONFIG).is_file()
+            or (out / "train_summary.json").is_file() or any((out / c).is_file() for c in DISTILL_CACHES))
 
 
 def check_global_batch(state: dict, size: int) -> None:

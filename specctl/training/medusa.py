@@ -110,6 +110,10 @@ def train(cfg: MedusaTrainConfig, log: Callable[[str], None] = _noop, progress: 
     path = resolve_model(cfg.model, dtype=cfg.dtype)
     log(f"loading target {path} ({cfg.dtype}, {acc.device})")
     loaded = load_model(path, dtype=cfg.dtype, device=str(acc.device))
+    V = loaded.model.args.vocab_size
+    L.need(cfg.truncated_vocab_size is None or cfg.truncated_vocab_size <= V,
+           f"--truncated-vocab-size {cfg.truncated_vocab_size} is more than the target's vocabulary ({V} tokens)",
+           f"pass at most {V}, or drop it to score the whole vocabulary")
     with acc.main_process_first():  # one process writes the self-distillation cache, the others read it
         examples = D.build_examples(cfg, loaded, log=log, progress=progress, records=records)
     train_ex, eval_ex = D.split(examples, cfg.eval_split, cfg.seed)
@@ -127,8 +131,8 @@ def train(cfg: MedusaTrainConfig, log: Callable[[str], None] = _noop, progress: 
             heads.lm_heads.requires_grad_(False)
     else:
         token_map = None
-        if cfg.truncated_vocab_size and cfg.truncated_vocab_size < loaded.model.args.vocab_size:
-            token_map = D.top_tokens(examples, cfg.truncated_vocab_size, loaded.model.args.vocab_size,
+        if cfg.truncated_vocab_size and cfg.truncated_vocab_size < V:
+            token_map = D.top_tokens(examples, cfg.truncated_vocab_size, V,
                                      always=list(loaded.stop_token_ids))
             log(f"truncated vocabulary: {token_map.numel()} tokens cover "
                 f"{D.coverage(examples, token_map):.1%} of the response tokens")

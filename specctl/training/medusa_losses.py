@@ -126,7 +126,8 @@ RANKS = 10  # rank accuracies kept per head (Medusa's tree construction reads th
 
 def metrics(loss: float, ranks: torch.Tensor, valid: torch.Tensor) -> dict:
     """ranks [N, K, R] (head k's rank-r token is the target's choice), valid [N, K]: per-head top-1 and
-    rank accuracies over valid rows; chain acceptance over rows where all K are valid."""
+    rank accuracies over valid rows; chain acceptance over rows where all K are valid (``positions``
+    counts those rows: the acceptance length is over them)."""
     right = ranks[..., 0]
     n = valid.sum(0).clamp(min=1).float()  # [K]
     rank_acc = ((ranks & valid[..., None]).sum(0).float() / n[:, None])  # [K, R]
@@ -135,4 +136,4 @@ def metrics(loss: float, ranks: torch.Tensor, valid: torch.Tensor) -> dict:
     acc_len = 1.0 + float(chain_acceptance(right[full]).float().mean()) if bool(full.any()) else 1.0
     return {"loss": round(loss, 5), "top1_per_head": top1, "acceptance_length": round(acc_len, 4),
             "rank_accuracy": [[round(float(x), 4) for x in row] for row in rank_acc],
-            "positions": int(valid.any(-1).sum())}
+            "positions": int(full.sum())}

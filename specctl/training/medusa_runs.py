@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -58,8 +59,12 @@ class _Run:
             step, history, losses = state["step"], state["history"], state.get("losses", [])
         self.module, self.opt = acc.prepare(module, opt)
         self.first_loss = state.get("first_loss")
-        self.log(f"training {cfg.num_heads} Medusa heads ({'Medusa-2, LoRA' if cfg.joint else 'Medusa-1, frozen target'}): "
-                 f"{total} steps, {spe} per epoch, lr {cfg.lr}")
+        if step >= total:  # a finished run resumed: its heads are exported again, with its own losses and eval
+            self.log(f"the run in {cfg.output} had already reached step {step} of {total}: nothing to train, exporting "
+                     "its heads again (pass a larger --steps or --epochs to train on)")
+        else:
+            self.log(f"training {cfg.num_heads} Medusa heads ({'Medusa-2, LoRA' if cfg.joint else 'Medusa-1, frozen target'}): "
+                     f"{total} steps, {spe} per epoch, lr {cfg.lr}")
         last, t_loop = {}, time.perf_counter()
         while step < total:
             loss = self.step(step)
@@ -89,7 +94,7 @@ class _Run:
         ev = history[-1] if history else {}
         return {"output": str(self.cfg.output), "steps": step, "epochs": round(step / spe, 3),
                 "train_sequences": len(self.train_ex), "eval_sequences": len(self.eval_ex),
-                "first_loss": self.first_loss, "final_loss": last.get("loss"),
+                "first_loss": self.first_loss, "final_loss": last.get("loss", round(losses[-1], 5) if losses else None),
                 "eval": {k.removeprefix("eval_"): v for k, v in ev.items() if k.startswith("eval_")},
                 "history": history, "losses": losses, "mode": "medusa-2" if cfg.joint else "medusa-1"}
 
@@ -222,11 +227,14 @@ class _JointRun(_Run):
         from transformers import AutoModelForCausalLM
 
         cfg = self.cfg
-        hf = AutoModelForCausalLM.from_pretrained(str(self.path), dtype=torch.float32)
+        with _no_transformers_bars():
+            hf = AutoModelForCausalLM.from_pretrained(str(self.path), dtype=torch.float32)
         names = {n.rsplit(".", 1)[-1] for n, _ in hf.named_modules()}
         targets = [t for t in LORA_TARGETS if t in names]
         lcfg = LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=0.0, target_modules=targets, bias="none")
-        pm = get_peft_model(hf, lcfg)
+        with warnings.catch_warnings():  # peft asks transformers for a name it deprecated: not the user's concern
+            warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
+            pm = get_peft_model(hf, lcfg)
         self.joint = _Joint(pm, self.heads)
         lora = [p for n, p in pm.named_parameters() if p.requires_grad]
         groups = [{"params": [p for p in self.heads.parameters() if p.requires_grad]},
@@ -319,10 +327,30 @@ class _JointRun(_Run):
         """The fine-tuned target (LoRA merged) as a plain HF folder, with the tokenizer."""
         import copy
 
+        from specctl.fetch import atomic_dir
+        from specctl.files import give_umask_mode
+
         pm = self.acc.unwrap_model(self.module).peft_model
         merged = copy.deepcopy(pm).merge_and_unload()
-        merged.save_pretrained(str(folder))
-        self.loaded.tokenizer.save_pretrained(str(folder))
-        gen = Path(self.path) / "generation_config.json"
-        if gen.is_file():
-            (folder / "generation_config.json").write_text(gen.read_text())
+        with atomic_dir(folder) as tmp, _no_transformers_bars():
+            merged.save_pretrained(str(tmp))
+            self.loaded.tokenizer.save_pretrained(str(tmp))
+            gen = Path(self.path) / "generation_config.json"
+            if gen.is_file():
+                (tmp / "generation_config.json").write_text(gen.read_text())
+            for f in tmp.iterdir():
+                give_umask_mode(f)  # safetensors writes 0600: a server running as another user could not read it
+
+
+@contextlib.contextmanager
+def _no_transformers_bars():
+    """transformers' own tqdm bars (loading weights, writing shards) off: the log says what is loaded and saved."""
+    from transformers.utils import logging as tlog
+
+    bars = tlog.is_progress_bar_enabled()
+    tlog.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if bars:
+            tlog.enable_progress_bar()

@@ -1,14 +1,16 @@
 """`specctl train-eagle`: help with an example, a short run on the tiny model (summary on stdout as
-JSON, the draft exported where vLLM expects it), and one-line usage errors."""
+JSON, the draft exported where vLLM expects it), one-line usage errors (EAGLE-3 options with --version 1
+among them), and bad data found before the model loads."""
 
 from __future__ import annotations
 
 import json
 
+import pytest
 from typer.testing import CliRunner
 
 from specctl.cli import app
-from specctl.errors import UsageError
+from specctl.errors import DataError, UsageError
 
 runner = CliRunner()
 
@@ -47,3 +49,34 @@ def test_usage_errors(tiny_model_dir, tmp_path):
     assert "--version must be 3 or 1" in str(r.exception)
     r = runner.invoke(app, ["train-eagle", "--model", str(tiny_model_dir), "--output", str(tmp_path)])
     assert isinstance(r.exception, UsageError) and "no training data" in str(r.exception)
+
+
+@pytest.mark.parametrize("args", [["--aux-layers", "1,2,3"], ["--draft-vocab-size", "1000"], ["--fc-init", "last"]])
+def test_eagle3_options_with_version_1_are_usage_errors(args, tmp_path):
+    """EAGLE-1 has no aux layers, no draft vocabulary and no fc init choice: they were accepted and
+    ignored (the summary even printed the --aux-layers given)."""
+    r = runner.invoke(app, ["train-eagle", "--model", "m", "--output", str(tmp_path / "o"), "--data", "x.jsonl",
+                            "--version", "1", *args])
+    assert isinstance(r.exception, UsageError) and r.exception.exit_code == 2, r.output
+    assert f"{args[0]} is an EAGLE-3 option" in str(r.exception) and "--version 3" in str(r.exception)
+
+
+def test_a_draft_vocab_over_the_targets_is_a_usage_error(tiny_model_dir, tmp_path):
+    r = runner.invoke(app, ["train-eagle", "--model", str(tiny_model_dir), "--output", str(tmp_path / "o"), "--data",
+                            "x.jsonl", "--draft-vocab-size", "1000"])
+    assert isinstance(r.exception, DataError), r.output  # x.jsonl is read first: bad data before the model loads
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"prompt": "a", "response": "b"}\n')
+    r = runner.invoke(app, ["train-eagle", "--model", str(tiny_model_dir), "--output", str(tmp_path / "o"), "--data",
+                            str(data), "--draft-vocab-size", "1000"])
+    assert isinstance(r.exception, UsageError) and r.exception.exit_code == 2, r.output
+    assert "--draft-vocab-size 1000 is more than the target's vocabulary (128 tokens)" in str(r.exception)
+
+
+def test_bad_data_fails_before_the_model_loads(tmp_path, monkeypatch):
+    monkeypatch.setattr("specctl.runtime.runner.load_model", lambda *a, **k: pytest.fail("the target was loaded"))
+    monkeypatch.setattr("specctl.models.resolve_model", lambda *a, **k: pytest.fail("the target was resolved"))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "a", "response": "b"}\n{"prompt": "no answer"}\n')
+    r = runner.invoke(app, ["train-eagle", "--model", "m", "--output", str(tmp_path / "o"), "--data", str(bad)])
+    assert isinstance(r.exception, DataError) and "bad.jsonl, line 2" in str(r.exception), r.output

@@ -16,7 +16,7 @@ import specctl.training.medusa as medusa
 import specctl.training.mtp as mtp
 from specctl.cli import app
 from specctl.commands import train_eagle, train_medusa, train_mtp
-from specctl.errors import UsageError
+from specctl.errors import SpecctlError, UsageError
 
 runner = CliRunner()
 COMMANDS = {"train-medusa": (train_medusa.train_medusa, medusa.MedusaTrainConfig, medusa, "train"),
@@ -89,7 +89,9 @@ def test_old_spelling_still_sets_max_new_tokens(name, tmp_path, monkeypatch):
 @pytest.mark.parametrize("args, message", [(["--grad-accum", "0"], "--grad-accum must be an integer >= 1"),
                                            (["--device", "tpu"], "unknown --device 'tpu'"),
                                            (["--push-to-hub", "not a repo"], "is not a Hub repo id"),
-                                           (["--epochs", "0"], "--epochs must be > 0")])
+                                           (["--epochs", "0"], "--epochs must be > 0"),
+                                           (["--save-every", "-1"], "pass --save-every 0 or more"),
+                                           (["--hold-out", "-1"], "pass --hold-out 0 or more")])
 def test_config_errors_are_usage_errors(name, args, message, tmp_path):
     r = runner.invoke(app, [name, "--model", "m", "--output", str(tmp_path / "o"), "--data", "x.jsonl", *args])
     assert isinstance(r.exception, UsageError) and r.exception.exit_code == 2, r.output
@@ -108,3 +110,36 @@ def test_an_unwritable_output_is_refused_before_training(name, where, message, t
     assert isinstance(r.exception, UsageError) and r.exception.exit_code == 2, r.output
     assert message in str(r.exception) and "--output" in str(r.exception)
     assert f.read_text().startswith('{"prompt"')
+
+
+@pytest.mark.parametrize("name", list(COMMANDS))
+@pytest.mark.parametrize("output", ["", " "])
+def test_an_empty_output_is_a_usage_error(name, output, tmp_path, monkeypatch):
+    """--output '' was the current folder (README.md, config.json ... written there); ' ' a folder named ' '."""
+    monkeypatch.chdir(tmp_path)
+    r = runner.invoke(app, [name, "--model", "m", "--output", output, "--data", "x.jsonl"])
+    assert isinstance(r.exception, UsageError) and r.exception.exit_code == 2, r.output
+    assert f"--output is {'blank' if output else 'empty'}" in str(r.exception)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("name", list(COMMANDS))
+def test_a_folder_of_other_files_is_refused_before_the_model_loads(name, tiny_model_dir, tmp_path, monkeypatch):
+    """A non-empty folder with no run in it (the user's own README.md, config.json) was silently overwritten."""
+    loads = []
+    monkeypatch.setattr("specctl.runtime.runner.load_model", lambda *a, **k: loads.append(a))
+    monkeypatch.setattr("specctl.modeling.load_transformer", lambda *a, **k: loads.append(a))
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"prompt": "a", "response": "b"}\n')
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "README.md").write_text("my notes")
+    (mine / "config.json").write_text("{}")
+    for resume in ([], ["--resume"]):
+        r = runner.invoke(app, [name, "--model", str(tiny_model_dir), "--output", str(mine), "--data", str(data),
+                                "--dtype", "float32", *resume])
+        e = r.exception
+        assert isinstance(e, SpecctlError) and not isinstance(e, UsageError) and e.exit_code == 1, r.output
+        assert str(mine) in str(e) and "README.md" in str(e) and "choose a new or empty --output" in str(e)
+    assert (mine / "README.md").read_text() == "my notes" and sorted(p.name for p in mine.iterdir()) == ["README.md", "config.json"]
+    assert loads == []

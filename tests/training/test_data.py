@@ -71,6 +71,32 @@ def test_bad_lines_name_their_line_number(tmp_path, bad, line, words):
     assert f"d.jsonl, line {line}:" in str(e.value) and words in str(e.value)
 
 
+def test_a_byte_order_mark_is_read_past(tmp_path):
+    """Windows editors start UTF-8 files with a BOM; json.loads refused the first line of such a .jsonl."""
+    bom = "\ufeff"
+    (tmp_path / "d.jsonl").write_text(bom + json.dumps({"prompt": "p", "response": "r"}) + "\n", encoding="utf-8")
+    (tmp_path / "d.json").write_text(bom + json.dumps([{"text": "t"}]), encoding="utf-8")
+    (tmp_path / "d.txt").write_text(bom + "plain", encoding="utf-8")
+    (tmp_path / "p.txt").write_text(bom + "a prompt\n", encoding="utf-8")
+    assert D.read_records(tmp_path / "d.jsonl")[0].messages[0]["content"] == "p"
+    assert D.read_records(tmp_path / "d.json")[0].text == "t"
+    assert D.read_records(tmp_path / "d.txt")[0].text == "plain"
+    assert D.load_prompts(str(tmp_path / "p.txt"))[0].messages[0]["content"] == "a prompt"
+
+
+def test_a_json_array_file_gets_the_json_hint(tmp_path):
+    """A .json file is one array: "each line must be one JSON object" is the .jsonl hint, wrong there."""
+    f = tmp_path / "d.json"
+    for bad in ([{"prompt": "p", "response": "r"}, {"prompt": "only a prompt"}], ["a string"], []):
+        f.write_text(json.dumps(bad))
+        with pytest.raises(DataError) as e:
+            D.read_records(f)
+        assert "JSON array of objects" in str(e.value) and "each line" not in str(e.value), str(e.value)
+    f.write_text(json.dumps([{"text": "t"}, {"prompt": "only a prompt"}]))
+    with pytest.raises(DataError, match=r"d.json, item 2: \"prompt\" without"):
+        D.read_records(f)
+
+
 def test_missing_file_is_a_data_error(tmp_path):
     with pytest.raises(DataError, match="does not exist"):
         D.read_records(tmp_path / "nope.jsonl")

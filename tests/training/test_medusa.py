@@ -18,7 +18,7 @@ from specctl.training import data as D
 from specctl.training.checkpoints import checkpoint_dirs
 from specctl.training.loop import warmup_cosine
 from specctl.training.medusa import MedusaTrainConfig, train
-from specctl.training.medusa_losses import chain_acceptance, extract_features, head_targets
+from specctl.training.medusa_losses import chain_acceptance, extract_features, head_targets, metrics
 
 
 def test_fresh_heads_are_the_targets_lm_head(tiny_model):
@@ -44,6 +44,16 @@ def test_chain_acceptance_and_schedule():
     f = warmup_cosine(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0), 100, 0.1).lr_lambdas[0]
     assert f(0) == 0.0 and f(5) == pytest.approx(0.5) and f(10) == pytest.approx(1.0)  # transformers' warm-up
     assert f(99) == pytest.approx(0.1, abs=0.01)  # cosine down to 10%
+
+
+def test_acceptance_positions_are_the_rows_it_is_measured_on():
+    """The acceptance length is over rows where every head has a target; its position count was of rows
+    where any head had one (near a response's end the later heads have none)."""
+    ranks = torch.tensor([[1, 1], [1, 0], [0, 0], [1, 1]], dtype=torch.bool)[..., None]  # [N=4, K=2, R=1]
+    valid = torch.tensor([[1, 1], [1, 1], [1, 0], [0, 0]], dtype=torch.bool)  # [N, K]
+    m = metrics(0.0, ranks, valid)
+    assert m["positions"] == 2 and m["acceptance_length"] == pytest.approx(1 + (2 + 1) / 2)
+    assert m["top1_per_head"] == [pytest.approx(2 / 3, abs=1e-4), 0.5]  # each head over its own valid rows
 
 
 @pytest.fixture(scope="module")
@@ -210,14 +220,29 @@ def test_resume_continues_from_the_checkpoint(loopy, tmp_path, monkeypatch):
     # a finished run extends: --resume with more steps continues from its last checkpoint
     longer = train(cfg_for(path, tmp_path / "a", steps=24, save_every=10, resume=True))
     assert longer["steps"] == 24 and [h["step"] for h in longer["history"]][-2:] == [20, 24]
+    # a finished run resumed as it was, its export gone (Ctrl-C while exporting): exported again with its
+    # own losses (the final loss was None, which the summary could not print)
+    for f in ("model.safetensors", "training_config.json", "train_summary.json"):
+        (tmp_path / "a" / f).unlink()
+    again = train(cfg_for(path, tmp_path / "a", steps=24, save_every=10, resume=True))
+    assert again["steps"] == 24 and again["final_loss"] == longer["final_loss"] and again["first_loss"] == full["first_loss"]
+    assert json.loads((tmp_path / "a" / "train_summary.json").read_text())["final_loss"] == longer["final_loss"]
+    torch.testing.assert_close(load_medusa(tmp_path / "a")(x), load_medusa(tmp_path / "a" / "checkpoints" / "step-0000024")(x))
 
 
-def test_joint_medusa2_trains_lora_and_exports_the_merged_target(loopy, tmp_path, monkeypatch):
+def test_joint_medusa2_trains_lora_and_exports_the_merged_target(loopy, tmp_path, monkeypatch, capfd):
+    import stat
+
+    from specctl import files
     from specctl.runtime.runner import load_model
 
     path, _, recs = loopy
     patch_examples(monkeypatch, recs[:4])
     s = train(cfg_for(path, tmp_path / "j", steps=25, joint=True, lr=5e-3, save_every=20))
+    err = capfd.readouterr().err
+    assert "Writing model shards" not in err and "it/s]" not in err  # transformers' bars, in a clean log
+    for f in (tmp_path / "j" / "base").iterdir():  # as a plain file, not safetensors' 0600
+        assert stat.S_IMODE(f.stat().st_mode) == 0o666 & ~files._UMASK, f.name
     assert s["mode"] == "medusa-2" and s["final_loss"] < s["first_loss"]
     assert (tmp_path / "j" / "checkpoints" / "step-0000020" / "adapter.safetensors").is_file()
     base = load_model(tmp_path / "j" / "base", dtype="float32")  # the merged target loads in the own runtime
