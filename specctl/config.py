@@ -183,7 +183,9 @@ class SpecConfig:
 
     # ------------------------------------------------------------------ validation
     def validated(self) -> "SpecConfig":
-        """Check every field, fill method defaults, and return self (normalised)."""
+        """Check every field, fill method defaults, and return self (normalised). The keys it filled are
+        in ``defaulted`` (not a field: vLLM gets only what the user set where it has its own default)."""
+        defaulted: set[str] = self.__dict__.setdefault("defaulted", set())
         method = self.method
         if method is None and self.model is not None:
             method = "ngram" if self.model in ("ngram", "[ngram]") else "draft_model"
@@ -208,6 +210,7 @@ class SpecConfig:
                               'drop them, or use {"method": "hybrid", "proposers": [...]}')
         if self.num_speculative_tokens is None:
             self.num_speculative_tokens = DEFAULT_NUM_SPECULATIVE_TOKENS.get(method, 5)
+            defaulted.add("num_speculative_tokens")
         _check_int("num_speculative_tokens", self.num_speculative_tokens, minimum=1)
         if method in ("draft_model", "medusa", "eagle", "eagle3") and not self.model:
             raise ConfigError(f"method '{method}' needs a draft: set 'model'",
@@ -257,6 +260,7 @@ class SpecConfig:
         if auto_tree and self.speculative_eagle_topk is None:  # a Medusa tree built to this many nodes
             if self.speculative_num_draft_tokens is None:
                 self.speculative_num_draft_tokens = 16
+                defaulted.add("speculative_num_draft_tokens")
             _check_int("speculative_num_draft_tokens", self.speculative_num_draft_tokens, minimum=1)
         elif self.speculative_eagle_topk is not None or self.speculative_num_draft_tokens is not None:
             if method not in ("eagle", "eagle3"):
@@ -264,8 +268,10 @@ class SpecConfig:
                                   f"not for '{method}'", "drop them, or use method eagle or eagle3")
             if self.speculative_eagle_topk is None:
                 self.speculative_eagle_topk = 4
+                defaulted.add("speculative_eagle_topk")
             if self.speculative_num_draft_tokens is None:
                 self.speculative_num_draft_tokens = 16
+                defaulted.add("speculative_num_draft_tokens")
             _check_int("speculative_eagle_topk", self.speculative_eagle_topk, minimum=1)
             _check_int("speculative_num_draft_tokens", self.speculative_num_draft_tokens, minimum=1)
         return self

@@ -57,6 +57,11 @@ SPECCTL_ONLY_KEYS = frozenset({
 })
 
 
+# Methods whose draft says how many tokens it proposes (Medusa's heads, MTP's layers): vLLM takes that
+# when num_speculative_tokens is not given (and Medusa builds as many heads as it is told).
+DRAFT_SETS_K = ("medusa", "mtp", "deepseek_mtp")
+
+
 def vllm_speculative_config(spec: Any, fields: frozenset[str] | set[str] | None = None) -> dict[str, Any]:
     """The keys of ``spec`` (a SpecConfig or its ``to_dict()``) that vLLM's SpeculativeConfig accepts.
 
@@ -64,6 +69,9 @@ def vllm_speculative_config(spec: Any, fields: frozenset[str] | set[str] | None 
     pass the installed vLLM's to check against it). Raises ValueError for specctl's hybrid.
     """
     d = dict(spec.to_dict() if hasattr(spec, "to_dict") else spec)
+    for key in getattr(spec, "defaulted", ()):  # specctl's defaults where vLLM has its own (from the draft)
+        if key != "num_speculative_tokens" or d.get("method") in DRAFT_SETS_K:
+            d.pop(key, None)
     method = d.get("method")
     if method == "hybrid":
         raise ValueError("'hybrid' is specctl's own method: vLLM runs one proposer at a time")
@@ -87,14 +95,14 @@ def vllm_speculative_config(spec: Any, fields: frozenset[str] | set[str] | None 
     return out
 
 
-def dropped_keys(full: dict[str, Any], sent: dict[str, Any]) -> list[str]:
+def dropped_keys(full: dict[str, Any], sent: dict[str, Any], defaulted=()) -> list[str]:
     """Keys of ``full`` (``to_dict()``) that were set by the user and not sent: defaults filled by specctl
-    (the suffix_* values equal to their defaults) are not worth a word, and so not listed."""
+    (``defaulted``, and the suffix_* values equal to their defaults) are not worth a word, and so not listed."""
     from specctl.config import SpecConfig
 
     defaults = {k: getattr(SpecConfig(), k) for k in SUFFIX_KEYS}
     return sorted(k for k, v in full.items()
-                  if v is not None and k not in sent and not (k in defaults and v == defaults[k]))
+                  if v is not None and k not in sent and k not in defaulted and not (k in defaults and v == defaults[k]))
 
 
 def vllm_hf_overrides(sent: dict[str, Any]) -> dict[str, Any]:
@@ -118,3 +126,29 @@ def vllm_hf_overrides(sent: dict[str, Any]) -> dict[str, Any]:
     if (cfg.get("architectures") or [None])[0] != "MiMoForCausalLM":
         return {}
     return {"num_nextn_predict_layers": int(cfg.get("num_nextn_predict_layers") or 1)}
+
+
+# The MTP draft layouts vLLM's dense MTP loads for any target (MiMo's); DeepSeek-V3's it loads only
+# for DeepSeek-V3-family targets, whose own classes read it.
+_DEEPSEEK_V3_TARGETS = ("DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM", "KimiK2ForCausalLM")
+
+
+def vllm_mtp_refusal(sent: dict[str, Any], target_config: dict | None) -> str | None:
+    """Why vLLM cannot serve the MTP draft of ``sent`` for a target with ``target_config`` (None: it can,
+    as far as the files tell): a DeepSeek-V3-layout draft (``model.layers.N.eh_proj``, a separate
+    folder or stitched into a copy of the target) for a target outside the DeepSeek-V3 family."""
+    import json
+    from pathlib import Path
+
+    if sent.get("method") != "mtp" or not sent.get("model"):
+        return None
+    try:
+        cfg = json.loads((Path(str(sent["model"])).expanduser() / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    arch = (cfg.get("architectures") or [None])[0]
+    target_arch = ((target_config or {}).get("architectures") or [None])[0]
+    if arch == "MiMoForCausalLM" or target_arch in _DEEPSEEK_V3_TARGETS or target_arch is None:
+        return None
+    return (f"{sent['model']} holds MTP modules in DeepSeek-V3's layout, which vLLM loads only for DeepSeek-V3 "
+            f"targets, not {target_arch}")

@@ -135,7 +135,7 @@ def test_an_older_vllm_token_tree_is_not_sent_and_is_named():
     spec = SpecConfig.from_dict({"method": "medusa", "model": "/d/medusa", "speculative_token_tree": "[(0,), (1,)]"})
     sent = vllm_speculative_config(spec)
     assert "speculative_token_tree" not in sent
-    assert dropped_keys(spec.to_dict(), sent) == ["speculative_token_tree"]
+    assert dropped_keys(spec.to_dict(), sent, spec.defaulted) == ["speculative_token_tree"]
 
 
 def _vllm_python() -> str | None:
@@ -216,3 +216,22 @@ def test_the_vllm_peer_reads_vllms_spec_decode_counters_as_specstats():
     peers.engine, peers._proc = "vllm", NS(stdin=io.StringIO(), stdout=io.StringIO(json.dumps(answer) + "\n"))
     res = peers.run(ExternalPeer("vllm:ngram", {"kind": "ngram", "k": 4}), [5, 6], 2, [2])
     assert (res.stats.num_drafts, res.stats.num_accepted_tokens, res.stats.num_accepted_tokens_per_pos) == (4, 4, [2, 1, 1, 0])
+
+
+@pytest.mark.parametrize("method", ["medusa", "mtp"])
+def test_k_left_unset_is_left_to_vllm_where_the_draft_sets_it(method):
+    """Medusa's heads and MTP's layers say how many tokens they draft, and vLLM reads that when
+    num_speculative_tokens is not given (and builds as many Medusa heads as it is told): specctl's
+    default 5 went to vLLM and asked 5 heads of a 3-head export."""
+    unset = SpecConfig.from_dict({"method": method, "model": "/d/x"})
+    assert "num_speculative_tokens" not in vllm_speculative_config(unset)
+    assert dropped_keys(unset.to_dict(), vllm_speculative_config(unset), unset.defaulted) == []
+    given = SpecConfig.from_dict({"method": method, "model": "/d/x", "num_speculative_tokens": 2})
+    assert vllm_speculative_config(given)["num_speculative_tokens"] == 2
+    eagle = SpecConfig.from_dict({"method": "eagle3", "model": "/d/x"})  # vLLM needs it for EAGLE
+    assert vllm_speculative_config(eagle)["num_speculative_tokens"] == 5
+
+
+def test_tree_defaults_filled_by_specctl_are_not_named_as_dropped():
+    spec = SpecConfig.from_dict({"method": "eagle3", "model": "/d/x", "speculative_eagle_topk": 2})
+    assert dropped_keys(spec.to_dict(), vllm_speculative_config(spec), spec.defaulted) == ["speculative_eagle_topk"]

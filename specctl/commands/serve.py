@@ -266,7 +266,19 @@ def _exec_vllm(model: str | None, spec, served_model_name, host, port, api_key, 
     if spec is not None:
         full = spec.to_dict()
         sent = _resolve_draft(reduced, dtype, err)
-        gone = dropped_keys(full, sent)
+        import contextlib
+        from pathlib import Path
+
+        from specctl.vllm_compat import vllm_mtp_refusal
+
+        target_cfg = None
+        with contextlib.suppress(OSError, ValueError):
+            target_cfg = json.loads((Path(path) / "config.json").read_text())
+        refusal = vllm_mtp_refusal(sent, target_cfg)
+        if refusal:
+            raise UsageError(refusal, "export the modules in MiMo's layout (`specctl train-mtp --layout mimo`), "
+                                      "or serve them with --engine own")
+        gone = dropped_keys(full, sent, getattr(spec, "defaulted", ()))
         if gone:
             err.log(f"not sent to vLLM (specctl-only or defaults vLLM does not take): {', '.join(gone)}")
         overrides = vllm_hf_overrides(sent)

@@ -59,7 +59,10 @@ def load_eagle_draft(folder: str | Path, target_args: ModelArgs, version: int | 
     Accepts ``midlayer.*`` or ``layers.0.*`` names, with or without a ``model.`` prefix; EAGLE-3
     without d2t means a full draft vocabulary.
     """
+    from specctl.drafts.kinds import check_kind
+
     folder = Path(folder)
+    check_kind(folder, {1: "eagle", 3: "eagle3"}.get(version, "eagle"), {1: ("eagle",), 3: ("eagle3",)}.get(version, ("eagle", "eagle3")))
     try:
         cfg = json.loads((folder / "config.json").read_text())
     except (FileNotFoundError, json.JSONDecodeError) as e:
@@ -183,7 +186,35 @@ def export_eagle(draft: EagleDraft, folder: str | Path, target=None, dtype: torc
     tensors = draft_tensors(draft, dtype)
     write_atomic(folder / "model.safetensors", lambda p: save_file(tensors, str(p), metadata={"format": "pt"}))
     write_json_atomic(folder / "config.json", cfg)
+    if draft.version == 1:
+        sglang_copy(folder, cfg)
     return folder
+
+
+SGLANG_DIR = "sglang"  # an EAGLE-1 export's copy under SGLang's architecture name
+
+
+def sglang_copy(folder: Path, cfg: dict) -> Path:
+    """EAGLE-1 under SGLang's name: vLLM turns a draft's ``LlamaForCausalLM`` into its EAGLE class
+    (``EagleLlamaForCausalLM``) and has no class for SGLang's ``LlamaForCausalLMEagle``, which SGLang
+    needs (its own EAGLE-1 copies, lmsys/sglang-EAGLE-*, are renamed so). So the export keeps vLLM's
+    name and ``folder/sglang`` holds the same weights (a hard link where the filesystem allows) under
+    SGLang's: ``--speculative-draft-model-path folder/sglang``."""
+    import os
+    import shutil
+
+    out = folder / SGLANG_DIR
+    out.mkdir(exist_ok=True)
+
+    def link(p: Path) -> None:
+        try:
+            os.link(folder / "model.safetensors", p)
+        except OSError:  # another filesystem, or no hard links: a copy
+            shutil.copyfile(folder / "model.safetensors", p)
+
+    write_atomic(out / "model.safetensors", link)
+    write_json_atomic(out / "config.json", dict(cfg, architectures=["LlamaForCausalLMEagle"]))
+    return out
 
 
 # --------------------------------------------------------------------------- detection and checks (``specctl recommend`` runs them over the folders it finds)

@@ -218,7 +218,11 @@ def detect_layout(folder: str | Path) -> str:
 
 def load_medusa(folder: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> MedusaHeads:
     """Read Medusa heads in either layout (auto-detected) into a MedusaHeads in eval mode."""
+    from specctl.drafts.kinds import check_kind
+
     folder = Path(folder)
+    if folder.is_dir():
+        check_kind(folder, "medusa", ("medusa",))
     layout = detect_layout(folder)
     sd = _read_weights(folder, layout)
     heads = _from_vllm(folder, sd) if layout == "vllm" else _from_fasterdecoding(folder, sd)

@@ -105,6 +105,11 @@ def read_mtp_tensors(folder: str | Path) -> tuple[dict, dict[str, torch.Tensor]]
 
 def stack_from_state_dict(cfg: dict, sd: dict[str, torch.Tensor], a: ModelArgs, where: str = "checkpoint") -> MtpStack:
     """Build an MtpStack from MTP tensors in any of the layouts (detected from the names)."""
+    tc = text_config(cfg)
+    for key, ours in (("hidden_size", a.hidden_size), ("vocab_size", a.vocab_size)):
+        if tc.get(key) is not None and int(tc[key]) != ours:
+            raise ModelError(f"the MTP modules in {where} were made for a {key} of {tc[key]}, the target's is {ours}",
+                             "use MTP modules trained for this target (`specctl train-mtp --model TARGET`)")
     if any(k.startswith("model.mtp_layers.") for k in sd):
         return _mimo_stack(cfg, sd, a, where)
     if any(k.startswith("mtp.") for k in sd):
@@ -174,6 +179,9 @@ def _mimo_stack(cfg: dict, sd: dict[str, torch.Tensor], a: ModelArgs, where: str
 
 def load_mtp(source: str | Path, target: Transformer) -> MtpStack:
     """The MTP modules of ``source`` (the target's folder, or a separate draft folder) for ``target``."""
+    from specctl.drafts.kinds import check_kind
+
+    check_kind(source, "mtp", ("mtp",))
     cfg, sd = read_mtp_tensors(source)
     stack = stack_from_state_dict(cfg, sd, target.args, where=str(source))
     p = target.embed.weight
@@ -363,9 +371,9 @@ def mtp_modules(cfg: dict, tensors: Tensors, gguf: dict | None = None) -> MTPInf
 
 
 def is_mtp_draft(cfg: dict, tensors: Tensors) -> bool:
-    """MTP modules and no main model (no ``model.embed_tokens``, no ``model.layers.0``): train-mtp's folder."""
-    return (any(MTP_TENSOR.search(k) for k in tensors) and "model.embed_tokens.weight" not in tensors
-            and not any(k.startswith("model.layers.0.") for k in tensors))
+    """MTP modules and no main model (no ``model.layers.0``): train-mtp's folder (MiMo's layout may carry
+    the embedding and head the modules read)."""
+    return any(MTP_TENSOR.search(k) for k in tensors) and not any(k.startswith("model.layers.0.") for k in tensors)
 
 
 def check_mtp(cfg: dict, tensors: Tensors, target: TargetFacts) -> FormatCheck:

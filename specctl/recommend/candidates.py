@@ -20,9 +20,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from specctl.drafts.formats import TargetFacts
+from specctl.drafts.kinds import classify_draft
 from specctl.errors import ModelError
 from specctl.recommend.cost import CROSS_TOKENIZER_PENALTY, MIN_GAIN, Workload, best_k, estimate_rho
-from specctl.recommend.detect import DraftInfo, check_draft, check_draft_model, classify_draft, is_model, name_key
+from specctl.recommend.detect import DraftInfo, check_draft, check_draft_model, is_model, name_key
 from specctl.recommend.inspection import ModelInfo, fmt_count, inspect_model, read_config, tensor_index
 
 

@@ -11,7 +11,7 @@ folder's ``config.json`` (a dict) and its tensor index (name -> (dtype, shape), 
     eagle         is_eagle           check_eagle           ``fc.weight`` + ``layers.0.*`` (EAGLE-1)
     draft_model   is_model           check_draft_model     a plain causal LM; its tokenizer against the target's
 
-Here: the order they are tried in (``classify_draft``), what every adapter is checked for beyond its
+Here (the order they are tried in: ``specctl.drafts.kinds.classify_draft``): what every adapter is checked for beyond its
 format (``check_draft``: hidden size, vocabulary, the base model it records it was trained for),
 and the draft_model checks (plain models and their tokenizers).
 
@@ -25,10 +25,10 @@ import re
 from dataclasses import dataclass, field
 from functools import cache
 
-from specctl.drafts.eagle_files import check_eagle, check_eagle3, is_eagle, is_eagle3
+from specctl.drafts.eagle_files import check_eagle, check_eagle3
 from specctl.drafts.formats import TargetFacts, Tensors
-from specctl.drafts.medusa import check_medusa, is_medusa
-from specctl.drafts.mtp_files import check_mtp, is_mtp_draft
+from specctl.drafts.medusa import check_medusa
+from specctl.drafts.mtp_files import check_mtp
 
 _NOISE = {"instruct", "chat", "it", "hf", "gguf", "awq", "gptq", "bf16", "bfloat16", "fp16", "float16", "fp32",
           "float32", "int4", "int8", "q4", "q8", "model", "the"}
@@ -47,14 +47,6 @@ def name_key(name: str) -> str:
 def is_model(cfg: dict, tensors: Tensors) -> bool:
     """A plain causal LM (a draft_model candidate): a model_type and numbered decoder layers."""
     return bool(cfg.get("model_type")) and any(re.search(r"layers\.\d+\.", k) for k in tensors)
-
-
-_DETECT_ORDER = (("mtp", is_mtp_draft), ("medusa", is_medusa), ("eagle3", is_eagle3), ("eagle", is_eagle))
-
-
-def classify_draft(cfg: dict, tensors: Tensors) -> str | None:
-    """'mtp', 'medusa', 'eagle3', 'eagle' or None (a plain model or something else), first match in that order."""
-    return next((kind for kind, detect in _DETECT_ORDER if detect(cfg, tensors)), None)
 
 
 # ----------------------------------------------------------------------------- checks, one per format

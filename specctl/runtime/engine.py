@@ -224,6 +224,7 @@ class Engine:
         proposer = None
         if self.spec is not None:
             proposer = build_proposer(self.spec, self.max_model_len, target=self.loaded)
+            self.k = self.spec.num_speculative_tokens  # as the draft set it (Medusa's heads, MTP's layers)
         self._decoder = SpecDecoder(runners[0], proposer, self.k, adaptive=self.adaptive)
         self._sched = Scheduler(self._decoder, runners,
                                 disable_by_batch_size=None if self.spec is None else self.spec.disable_by_batch_size,

@@ -169,6 +169,32 @@ def test_engine_vllm_execs_with_key_in_env_passthrough_and_warnings(tiny_model_d
     assert "--fixed-k has no vLLM equivalent" in r.stderr and "--compile has no vLLM equivalent" in r.stderr
 
 
+def _mtp_folder(tmp_path, arch: str) -> str:
+    d = tmp_path / arch
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"architectures": [arch], "num_nextn_predict_layers": 1}))
+    return str(d)
+
+
+def test_engine_vllm_refuses_a_deepseek_layout_mtp_draft_for_another_target_and_leaves_k_to_the_draft(
+        tiny_model_dir, tmp_path):
+    """vLLM loads DeepSeek-V3's MTP layout only for DeepSeek-V3 targets: refused before vLLM starts. MiMo's
+    layout is passed on, without specctl's default k (vLLM takes the draft's module count)."""
+    _, record = _fake_vllm(tmp_path)
+    env = {"PATH": f"{tmp_path}{os.pathsep}{os.environ['PATH']}", "SPECCTL_VLLM_PYTHON": ""}
+    ds = json.dumps({"method": "mtp", "model": _mtp_folder(tmp_path, "LlamaForCausalLM")})
+    r = run_cli("serve", "--engine", "vllm", "--model", str(tiny_model_dir), "--speculative-config", ds, env_extra=env)
+    assert r.returncode == 2 and "DeepSeek-V3's layout" in r.stderr and "--layout mimo" in r.stderr
+    assert not record.exists() and "Traceback" not in r.stderr
+    mimo = _mtp_folder(tmp_path, "MiMoForCausalLM")
+    r = run_cli("serve", "--engine", "vllm", "--model", str(tiny_model_dir), "--speculative-config",
+                json.dumps({"method": "mtp", "model": mimo}), env_extra=env)
+    assert r.returncode == 0, r.stderr
+    argv = json.loads(record.read_text())["argv"]
+    assert json.loads(argv[argv.index("--speculative-config") + 1]) == {"method": "mtp", "model": mimo}
+    assert "not sent to vLLM" not in r.stderr
+
+
 def test_engine_vllm_through_specctl_vllm_python(tiny_model_dir, tmp_path):
     """SPECCTL_VLLM_PYTHON: started as PYTHON -m vllm.entrypoints.openai.api_server --model ..."""
     fake, record = _fake_vllm(tmp_path, "python")

@@ -101,8 +101,18 @@ def load_draft(config: SpecConfig, target):
     from specctl.models import resolve_model
     from specctl.runtime.runner import load_model
 
-    path = resolve_model(config.model, dtype="float32" if target.dtype == torch.float32 else "bfloat16",
-                         quantization=config.own_quantization())
+    from specctl.errors import UsageError
+
+    q = config.own_quantization()
+    try:
+        path = resolve_model(config.model, dtype="float32" if target.dtype == torch.float32 else "bfloat16",
+                             quantization=q)
+    except UsageError:
+        if q != "gguf":
+            raise
+        raise UsageError(f'the draft\'s "quantization": "gguf" needs a .gguf file or a catalogue name as its "model", '
+                         f"not {config.model}",
+                         'set the draft\'s "model" to a .gguf file or a catalogue name, or drop its "quantization"') from None
     return load_model(path, dtype=str(target.dtype).removeprefix("torch."), device=str(target.device))
 
 

@@ -89,7 +89,8 @@ class EagleProposer(SlotProposer):
         self.tree_tokens = config.speculative_num_draft_tokens or 16
         if draft is None:
             draft, embed = load_eagle_draft(resolve_draft(config.model, dtype=str(target.dtype).removeprefix("torch."),
-                                                            what="EAGLE draft", trainer="train-eagle"), tmodel.args)
+                                                            what="EAGLE draft", trainer="train-eagle"), tmodel.args,
+                                           version=self.version)
         if draft.version != self.version:
             raise UsageError(f"{config.model} is an EAGLE-{draft.version} draft but the method is '{self.method}'",
                              f"use \"method\": \"{'eagle3' if draft.version == 3 else 'eagle'}\"")

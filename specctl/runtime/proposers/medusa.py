@@ -25,6 +25,7 @@ What it does not know: training (``specctl.training.medusa``), the heads and the
 
 from __future__ import annotations
 
+import logging
 
 import numpy as np
 import torch
@@ -35,6 +36,8 @@ from specctl.errors import ConfigError, ModelError
 from specctl.runtime.proposers.base import DraftOutput, Proposer
 from specctl.runtime.proposers.base import DraftSampling as _Sampling
 from specctl.runtime.rejection import logits_to_probs
+
+log = logging.getLogger(__name__)
 
 # A 10-node tree for 3 heads (Medusa's sparse trees put the widest fan-out on the first head).
 DEFAULT_TREE = ((0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (2, 0), (0, 0, 0), (0, 0, 1), (0, 1, 0))
@@ -73,7 +76,12 @@ class MedusaProposer(Proposer):
 
         if heads is None:
             heads = load_medusa(resolve_draft(config.model, what="Medusa heads", trainer="train-medusa"))
-        self.k = min(int(config.num_speculative_tokens or heads.num_heads), heads.num_heads)
+        given = None if "num_speculative_tokens" in getattr(config, "defaulted", ()) else config.num_speculative_tokens
+        self.k = min(int(given or heads.num_heads), heads.num_heads)  # unset: one token a head, as vLLM
+        if given and given > heads.num_heads:
+            log.warning("num_speculative_tokens (%d) > the %d Medusa heads: drafting %d tokens a step",
+                        given, heads.num_heads, heads.num_heads)
+        config.num_speculative_tokens = self.k  # what runs (a bench row's k)
         tree = config.vllm_only.get("speculative_token_tree")
         if isinstance(tree, str) and tree.strip() == "auto":
             acc = getattr(heads, "rank_accuracy", None)

@@ -75,13 +75,16 @@ class MtpProposer(SlotProposer):
             raise UsageError("the mtp method needs the target model whose MTP layers draft",
                              "build it through build_proposer(config, max_model_len, target=LOADED_MODEL)")
         self.target = target
-        self.k = int(config.num_speculative_tokens or 1)
         self.max_model_len = int(config.max_model_len or max_model_len)
         if stack is None:
             source = target.path if config.model is None else resolve_draft(
                 config.model, dtype=str(target.dtype).removeprefix("torch."), what="MTP draft", trainer="train-mtp")
             stack = load_mtp(source, target.model)
         self.stack = stack
+        # unset: one token a module, as vLLM (num_nextn_predict_layers)
+        given = None if "num_speculative_tokens" in getattr(config, "defaulted", ()) else config.num_speculative_tokens
+        self.k = int(given or stack.num_layers)
+        config.num_speculative_tokens = self.k  # what runs (a bench row's k)
         if self.k > stack.num_layers:
             log.warning(RECURSIVE_WARNING, self.k, stack.num_layers)
         p = target.model.embed.weight

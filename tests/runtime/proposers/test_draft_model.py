@@ -491,3 +491,15 @@ def test_a_request_joining_a_batch_where_the_draft_would_not_pay_leaves_its_prom
     assert not dec._reads_prompt(8) and dec._reads_prompt(1)
     prop.draft_cost = 0.0
     assert dec._reads_prompt(8)
+
+
+def test_a_draft_gguf_quantization_without_a_gguf_names_the_drafts_keys(tiny_model_dir):
+    """It named --model / --quantization, the target's options, for a problem in the draft's config."""
+    from specctl.errors import UsageError
+    from specctl.runtime.proposers.draft_model import load_draft
+    from specctl.runtime.runner import load_model
+
+    cfg = SpecConfig.from_dict({"method": "draft_model", "model": str(tiny_model_dir), "quantization": "gguf"})
+    with pytest.raises(UsageError, match="the draft's \"quantization\": \"gguf\"") as e:
+        load_draft(cfg, load_model(tiny_model_dir, dtype="float32"))
+    assert "--model" not in str(e.value) and "draft's \"model\"" in e.value.fix

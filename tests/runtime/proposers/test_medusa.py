@@ -154,6 +154,20 @@ def test_both_layouts_draft_alike_and_k_is_capped(trained, tmp_path):
     assert torch.equal(da.token_ids, db.token_ids) and da.probs is None
 
 
+def test_k_defaults_to_the_heads_and_more_than_them_is_said(trained, caplog):
+    """As vLLM: k left unset drafts one token a head; a k above the heads drafts as many as there are
+    heads, said once, and the config (a bench row's k) holds what runs."""
+    import logging
+
+    lm, _, heads_dir = trained
+    c = SpecConfig.from_dict({"method": "medusa", "model": str(heads_dir)}).validated()
+    assert build_proposer(c, 128, target=lm).k == 3 and c.num_speculative_tokens == 3
+    c = cfg(heads_dir, k=5)
+    with caplog.at_level(logging.WARNING, logger="specctl"):
+        assert build_proposer(c, 128, target=lm).k == 3
+    assert "num_speculative_tokens (5) > the 3 Medusa heads" in caplog.text and c.num_speculative_tokens == 3
+
+
 def test_errors_name_the_fix(trained, tiny_model_dir, tmp_path):
     lm, _, heads_dir = trained
     with pytest.raises(ModelError, match="no Medusa heads"):

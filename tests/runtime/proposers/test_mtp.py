@@ -153,6 +153,16 @@ def test_recursion_warns(loaded, trained_stack, caplog):
     assert "recursively" not in caplog.text
 
 
+def test_k_left_unset_drafts_one_token_a_module(loaded, trained_stack, caplog):
+    """As vLLM (num_nextn_predict_layers): unset k is the module count, not specctl's default 5 (which ran
+    the one module recursively and warned)."""
+    c = SpecConfig.from_dict({"method": "mtp"}).validated()
+    with caplog.at_level(logging.WARNING, logger="specctl"):
+        prop = MtpProposer(c, target=loaded, max_model_len=64, stack=trained_stack)
+    assert prop.k == trained_stack.num_layers == 1 and c.num_speculative_tokens == 1
+    assert "recursively" not in caplog.text
+
+
 def test_sampled_drafts_carry_q(loaded, trained_stack):
     torch.manual_seed(0)
     prop = MtpProposer(SpecConfig.from_dict({"method": "mtp", "num_speculative_tokens": K}), target=loaded,

@@ -1,0 +1,52 @@
+"""Which kind of draft a folder holds, from its ``config.json`` and its tensor names alone: what
+``specctl recommend`` sorts folders by, and what a method's loader checks first, so that a folder of
+another kind (Medusa heads passed as an EAGLE-3 draft) is one line naming both kinds instead of a
+failed load.
+
+What it does not know: reading the weights, the target.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from specctl.drafts.eagle_files import is_eagle, is_eagle3
+from specctl.drafts.formats import Tensors
+from specctl.drafts.medusa import is_medusa
+from specctl.drafts.mtp_files import is_mtp_draft
+from specctl.errors import UsageError
+
+_DETECT_ORDER = (("mtp", is_mtp_draft), ("medusa", is_medusa), ("eagle3", is_eagle3), ("eagle", is_eagle))
+NAMES = {"mtp": "MTP modules", "medusa": "Medusa heads", "eagle3": "an EAGLE-3 draft", "eagle": "an EAGLE-1 draft"}
+
+
+def classify_draft(cfg: dict, tensors: Tensors) -> str | None:
+    """'mtp', 'medusa', 'eagle3', 'eagle' or None (a plain model or something else), first match in that order."""
+    return next((kind for kind, detect in _DETECT_ORDER if detect(cfg, tensors)), None)
+
+
+def folder_kind(folder: str | Path) -> str | None:
+    """The kind of draft in ``folder`` (None: no readable config.json, or not a draft of a known kind)."""
+    from specctl.models import open_safetensors
+
+    folder = Path(folder)
+    try:
+        cfg = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(cfg, dict):
+        return None
+    names: Tensors = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        with open_safetensors(f, framework="numpy") as fh:
+            names.update((k, None) for k in fh.keys())  # noqa: SIM118 - a safetensors handle, not a dict
+    return classify_draft(cfg, names)
+
+
+def check_kind(folder: str | Path, method: str, accept: tuple[str, ...]) -> None:
+    """Refuse a folder that holds another kind of draft than ``accept`` (for ``method``), naming both."""
+    kind = folder_kind(folder)
+    if kind is not None and kind not in accept:
+        raise UsageError(f'{folder} holds {NAMES[kind]}, not a draft for "method": "{method}"',
+                         f'use "method": "{kind}" with it, or pass a draft made for {method}')
