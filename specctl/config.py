@@ -32,6 +32,10 @@ SPARSE_ATTN_ALGORITHMS = ("streamingllm", "vegas")
 SPECCTL_METHODS = ("hybrid",)
 HYBRID_POLICIES = ("first", "score", "tree")
 # method -> module under specctl/runtime/proposers/ (one file per method; eagle and eagle3 share one)
+# The model architectures the own runtime runs (specctl.modeling builds them; the GGUF and catalogue
+# checks read it here, below modeling)
+SUPPORTED_ARCHS = ("llama", "qwen2", "mistral")
+
 PROPOSER_MODULES = {
     "ngram": "ngram", "suffix": "suffix", "medusa": "medusa", "eagle": "eagle", "eagle3": "eagle",
     "draft_model": "draft_model", "mtp": "mtp", "hybrid": "hybrid", "sparse_attn": "sparse_attn",

@@ -168,7 +168,7 @@ def open_gguf(path: Path):
 def check_runnable(gguf_path: Path) -> str:
     """The GGUF's architecture, checked against what the own runtime runs (``SUPPORTED_ARCHS``) before
     anything is converted; a truncated or unreadable file refused too (``check_complete``)."""
-    from specctl.modeling import SUPPORTED_ARCHS
+    from specctl.config import SUPPORTED_ARCHS
 
     arch = check_complete(gguf_path)
     if arch not in SUPPORTED_ARCHS:
@@ -190,7 +190,7 @@ def gguf_to_dense(gguf_path: Path, out_dir: Path, dtype: str = "bfloat16",
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from specctl.modeling import SUPPORTED_ARCHS
+    from specctl.config import SUPPORTED_ARCHS
     from specctl.models import normalize_dtype
 
     dtype = normalize_dtype(dtype)
