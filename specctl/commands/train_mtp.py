@@ -103,30 +103,45 @@ def train_mtp_cmd(
 
 
 def render(s: dict) -> None:
+    """The facts as a table, then the commands that use the result as plain lines (whole, to be copied:
+    a table cell would cut or fold them), naming the target as the user did."""
+    import shlex
+
     from rich.console import Console
     from rich.table import Table
 
+    from specctl.models import CATALOGUE
+
     t = Table(title=f"MTP modules → {s['output']} ({s['form']})", title_justify="left", show_header=False)
     t.add_column("", style="bold", no_wrap=True)
-    t.add_column("")
-    t.add_row("target", s["target"])
+    t.add_column("", overflow="fold")  # a long path folds instead of ending in "…"
+    model = s.get("model", s["target"])
+    t.add_row("target", model if model == s["target"] else f"{model} ({s['target']})")
     t.add_row("modules / depth", f"{s['num_layers']} / {s['depth']}")
-    t.add_row("training", f"{s['steps']} steps over {s['train_tokens']} tokens, final loss {s['final_loss']}, {s['seconds']} s")
+    loss = ("" if s.get("final_loss") is None
+            else f", loss {s['first_loss']:.4f} → {s['final_loss']:.4f} (first → last step)")
+    t.add_row("training", f"{s['steps']} steps over {s['train_tokens']} tokens{loss}, {s['seconds']} s")
     if s.get("eval"):
         e = s["eval"]
         t.add_row("eval top-1 per depth", ", ".join(f"{x:.1%}" for x in e["top1_per_depth"]))
         t.add_row("eval mean acceptance length", f"{e['mean_acceptance_length']:.2f}")
-    use = s["use"]
-    t.add_row("use", f"specctl bench --model {use['--model']} --speculative-config '{json.dumps(use['--speculative-config'])}'")
-    if s.get("vllm"):
-        v = s["vllm"]
-        t.add_row("vLLM", f"LLM(model={v['model']!r}, hf_overrides={json.dumps(v['hf_overrides'])}, "
-                          f"speculative_config={json.dumps(v['speculative_config'])})  (specctl serve --engine vllm adds "
-                          "the hf_overrides itself)")
     t.add_row("layout", s.get("layout", "deepseek_v3"))
     if s.get("hub"):
         t.add_row("pushed to", s["hub"])
     Console().print(t)
+    use = s["use"]
+    typer.echo(f"use: specctl bench --model {shlex.quote(use['--model'])} --speculative-config "
+               f"{shlex.quote(json.dumps(use['--speculative-config']))}")
+    if s.get("vllm"):
+        v = s["vllm"]
+        typer.echo(f"vLLM: specctl serve --engine vllm --model {shlex.quote(model)} --speculative-config "
+                   f"{shlex.quote(json.dumps(v['speculative_config']))}  (it adds hf_overrides "
+                   f"{json.dumps(v['hf_overrides'])} itself)")
+        if str(model).strip().lower() not in CATALOGUE:  # only specctl knows a catalogue name: vLLM's API does not
+            typer.echo(f"vLLM (Python): LLM(model={v['model']!r}, hf_overrides={json.dumps(v['hf_overrides'])}, "
+                       f"speculative_config={json.dumps(v['speculative_config'])})")
+    elif s.get("vllm_unavailable"):
+        typer.echo(f"vLLM: not offered: {s['vllm_unavailable']}")
 
 
 def register(app: typer.Typer) -> None:

@@ -9,11 +9,12 @@ window exactly as ``specctl.drafts.mtp.mtp_step`` runs it at inference:
     loss  = sum_d w_d * CE(head(norm(h^d_j)), y_{j+d}),   w_d = beta^(d-1) / sum_d' beta^(d'-1), beta = 0.6
 
 so depth d learns the target's own choice d+1 tokens ahead (the quantity greedy acceptance checks).
-Only the MTP modules train (AdamW); the LM head is the target's, frozen and shared. Each CE is a mean
-over the positions of a whole global batch (``specctl.training.loop``: one process or many under
-``accelerate launch``, DDP, --grad-accum). Checkpoints (``accelerator.save_state``) every
-``save_every`` steps, resumed with ``resume``; eval reports per-depth top-1 agreement and the
-expected acceptance length; the export gets a model card.
+Only the MTP modules train (AdamW, fp32); the embedding and LM head are the target's, frozen and shared
+(read in fp32 whatever the target's dtype). Each CE is a mean over the positions of a whole global batch
+(``specctl.training.loop``: one process or many under ``accelerate launch``, DDP, --grad-accum).
+Checkpoints (``accelerator.save_state``) every ``save_every`` steps, resumed with ``resume`` (another
+trainer's checkpoint, or one this run could not load, is refused before any work); eval reports per-depth
+top-1 agreement and the expected acceptance length; the export gets a model card.
 
 Data: text files/folders/.jsonl read by ``specctl.training.data``; ``self_distill`` (a prompts file or
 a workload name, its bench prompts held out) has the target answer each prompt first with the own
@@ -25,11 +26,13 @@ What it does not know: the CLI, the decode loop, the network's files (``specctl.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Callable
 
 import torch
@@ -38,7 +41,7 @@ from torch import nn
 
 from specctl.drafts.mtp import MtpStack, mtp_logits, mtp_step
 from specctl.drafts.mtp_files import export_mtp, mimo_unfit_reason
-from specctl.errors import DataError, UsageError
+from specctl.errors import DataError, ModelError, UsageError
 from specctl.modeling import KVCache, Transformer
 from specctl.training import checkpoints as C
 from specctl.training import loop as L
@@ -129,14 +132,63 @@ def resolve_layout(layout: str, args, *, stitch: bool = False, num_layers: int =
     return layout
 
 
+PROJECTIONS = ("qkv", "o", "gate_up", "down")  # a Block's linears, the ones the CPU kernels may repack
+
+
+def dense_weight(layer: nn.Module) -> torch.Tensor:
+    """[out, in] row-major weight of a target projection, whatever form its kernel reads: a bf16 target on an
+    AMX CPU holds AMX tiles [out/16, in/32, 16, 16, 2] (``pack_for_amx``), a GGUF ``QuantLinear`` dequantizes."""
+    if getattr(layer, "amx_packed", False):
+        from kernels import amx_linear
+
+        return amx_linear.unpack(layer.weight)
+    return layer.weight
+
+
+def dense_block_state(block: nn.Module) -> dict[str, torch.Tensor]:
+    """A target Block's state as a fresh ``Block`` loads it: its projections as plain [out, in] weights
+    (``dense_weight``), not the packed or quantized forms its state_dict holds where the kernels repacked them."""
+    sd = {k: v for k, v in block.state_dict().items() if k.split(".", 1)[0] not in PROJECTIONS}
+    for name in PROJECTIONS:
+        layer = getattr(block, name)
+        sd[f"{name}.weight"] = dense_weight(layer)
+        if layer.bias is not None:
+            sd[f"{name}.bias"] = layer.bias
+    return sd
+
+
+def vllm_unavailable(layout: str, args, *, stitch: bool = False) -> str | None:
+    """Why vLLM cannot run an export in ``layout`` for a target with ModelArgs ``args``, in a line; None where
+    it can (the MiMo layout: ``resolve_layout`` writes it only where vLLM's MiMoMTPModel loads it)."""
+    if layout == "mimo":
+        return None
+    if stitch:
+        return "the stitched copy carries the DeepSeek-V3 MTP layout, which vLLM loads only for DeepSeek-V3 targets"
+    reason = mimo_unfit_reason(args)
+    if reason:
+        return f"no vLLM MTP architecture loads MTP modules for this target ({reason})"
+    return ("vLLM loads the DeepSeek-V3 MTP layout only for DeepSeek-V3 targets (--layout mimo writes the one it loads "
+            "for this target)")
+
+
+def vllm_model_name(named: str, folder: str | Path) -> str:
+    """The target as vLLM itself takes it: as the user named it (a path, a Hub id), except a catalogue name,
+    which only specctl knows: then the folder specctl made of it (``specctl serve --engine vllm`` resolves
+    the name itself)."""
+    from specctl.models import CATALOGUE
+
+    return str(folder) if str(named).strip().lower() in CATALOGUE else str(named)
+
+
 def init_stack(target: Transformer, num_layers: int, layout: str = "deepseek_v3") -> MtpStack:
     """Fresh fp32 modules: the block from the target's last layer (residual branches zeroed), the target's head."""
     a = target.args
     stack = MtpStack(a, num_layers, layout, own_head=False)
     H = a.hidden_size
+    last = dense_block_state(target.layers[-1])
     with torch.no_grad():
         for layer in stack.layers:
-            layer.block.load_state_dict({k: v.float() for k, v in target.layers[-1].state_dict().items()})
+            layer.block.load_state_dict({k: v.float() for k, v in last.items()})
             layer.enorm.weight.fill_(1.0)
             layer.hnorm.weight.fill_(1.0)
             # Start as "the target's next-token guess": eh_proj passes hnorm(h) through, and the block's
@@ -146,6 +198,19 @@ def init_stack(target: Transformer, num_layers: int, layout: str = "deepseek_v3"
             layer.block.down.weight.zero_()
             layer.norm.weight.copy_(target.norm.weight.float())
     return stack.float()
+
+
+class FrozenTarget:
+    """What the MTP modules read of the frozen target (``mtp_step``/``mtp_logits``: args, its embedding, LM
+    head and rotary embedding) with the embedding and head in fp32, the dtype the modules train in: a bf16
+    target's own would make every depth run in bf16 against fp32 weights. An fp32 target's tensors are
+    used as they are (no copy); a tied head stays one tensor."""
+
+    def __init__(self, target: Transformer):
+        self.args, self.rope = target.args, target.rope
+        emb = target.embed.weight.float()  # [V, H]
+        self.embed = SimpleNamespace(weight=emb)
+        self.head_weight = emb if target.head_weight is target.embed.weight else target.head_weight.float()  # [V, H]
 
 
 @torch.no_grad()
@@ -163,7 +228,8 @@ def target_states(target: Transformer, tokens: torch.Tensor, chunk: int = 4) -> 
     return torch.cat(hs), torch.cat(ys)
 
 
-def unroll(stack: MtpStack, target: Transformer, tokens: torch.Tensor, h0: torch.Tensor, depth: int) -> list[torch.Tensor]:
+def unroll(stack: MtpStack, target: Transformer | FrozenTarget, tokens: torch.Tensor, h0: torch.Tensor,
+           depth: int) -> list[torch.Tensor]:
     """Logits of every depth: list of [B, T-d, V] (d = 1..depth) from tokens [B, T] and h^0 [B, T, H]."""
     a = target.args
     B, T = tokens.shape
@@ -197,7 +263,8 @@ class MtpLoss(nn.Module):
 
     The frozen target is held outside the module's parameters (DDP neither copies nor syncs it)."""
 
-    def __init__(self, stack: MtpStack, target: Transformer, depth: int, weights: torch.Tensor):
+    def __init__(self, stack: MtpStack, target: Transformer | FrozenTarget | None, depth: int,
+                 weights: torch.Tensor | None):
         super().__init__()
         self.stack, self.depth = stack, depth
         self.frozen = (target, weights)
@@ -208,8 +275,8 @@ class MtpLoss(nn.Module):
 
 
 @torch.no_grad()
-def evaluate(stack: MtpStack, target: Transformer, tokens: torch.Tensor, h0: torch.Tensor, labels: torch.Tensor,
-             depth: int, batch_size: int = 8) -> dict:
+def evaluate(stack: MtpStack, target: Transformer | FrozenTarget, tokens: torch.Tensor, h0: torch.Tensor,
+             labels: torch.Tensor, depth: int, batch_size: int = 8) -> dict:
     """Per-depth top-1 agreement with the target and the expected greedy acceptance length (1 + leading run)."""
     if tokens.shape[0] == 0:
         return {}
@@ -251,6 +318,100 @@ def windows(tokenizer, texts: list[str], seq_len: int, max_windows: int | None =
     return w[:max_windows] if max_windows else w
 
 
+# --------------------------------------------------------------------------- checkpoints of other runs
+
+def module_shapes(args, num_layers: int, layout: str) -> dict[str, tuple[int, ...]]:
+    """name -> shape of every tensor a train-mtp checkpoint holds for a target with ModelArgs ``args``
+    (``MtpLoss``'s state, as ``accelerator.save_state`` writes it), from modules built on the meta device."""
+    with torch.device("meta"):
+        module = MtpLoss(MtpStack(args, num_layers, layout, own_head=False), None, 1, None)
+    return {k: tuple(v.shape) for k, v in module.state_dict().items()}
+
+
+def newest_checkpoint(out: Path) -> Path | None:
+    """The checkpoint ``--resume`` continues from (``L.resume_point``'s choice): the newest folder in
+    out/checkpoints/, else the old single file ``LEGACY_CHECKPOINT``; None where there is neither."""
+    ckpts = C.checkpoint_dirs(out)
+    return ckpts[-1] if ckpts else (out / LEGACY_CHECKPOINT if (out / LEGACY_CHECKPOINT).is_file() else None)
+
+
+def read_checkpoint(path: Path) -> tuple[dict[str, tuple[int, ...]], dict]:
+    """(name -> shape of its module tensors, its state) of a checkpoint folder (its model.safetensors header,
+    its trainer_state.json) or of the old single file (its "stack"; the whole file is the state)."""
+    if path.is_dir():
+        from specctl.models import open_safetensors
+
+        shapes = {}
+        if (path / "model.safetensors").is_file():
+            with open_safetensors(path / "model.safetensors") as fh:
+                shapes = {k: tuple(fh.get_slice(k).get_shape()) for k in fh.keys()}
+        return shapes, json.loads((path / C.TRAINER_STATE).read_text())
+    st = torch.load(path, map_location="cpu", weights_only=False)
+    st = st if isinstance(st, dict) else {}
+    if isinstance(st.get("stack"), dict):
+        return {f"stack.{k}": tuple(v.shape) for k, v in st["stack"].items()}, st
+    return {f"{k}.*": () for k in st}, st  # another trainer's file: its entries, to name them
+
+
+def _some(names) -> str:
+    """The first three of ``names``, sorted, and "..." for the rest."""
+    names = sorted(names)
+    return ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+
+
+def _settings(path: Path) -> dict:
+    """The training_config.json beside a checkpoint ({} where it is missing or unreadable)."""
+    try:
+        d = json.loads(((path if path.is_dir() else path.parent) / C.TRAINING_CONFIG).read_text())
+    except (OSError, ValueError):
+        return {}
+    return d if isinstance(d, dict) else {}
+
+
+def refuse_foreign_checkpoint(out: Path, path: Path, found: dict[str, tuple[int, ...]],
+                              want: dict[str, tuple[int, ...]]) -> None:
+    """Checkpoint ``path`` in run folder ``out`` with tensors ``found``, none of them train-mtp's (``want``),
+    is another trainer's (a copied train-eagle run, say): one line (ModelError) before any data or model is
+    read, with or without --resume (``resume_point`` would advise resuming it). Checkpoints record no
+    trainer's name: their tensors say whose they are, their settings (named) which trainer made them."""
+    if set(found) & set(want):
+        return
+    why = (f"its weights are {_some({k.split('.', 1)[0] + '.*' for k in found})}, train-mtp's are "
+           f"{_some({k.split('.', 1)[0] + '.*' for k in want})}") if found else "it holds no module weights"
+    other = set(_settings(path)) - {f.name for f in dataclasses.fields(MtpTrainConfig)}
+    if other:
+        why += f"; its settings include {_some(other)}, which train-mtp has not"
+    raise ModelError(f"{out} holds a checkpoint train-mtp did not make ({path.relative_to(out)}: {why})",
+                     "give train-mtp a new --output (resume that run with the trainer that made it)")
+
+
+def misfit_reason(found: dict[str, tuple[int, ...]], want: dict[str, tuple[int, ...]]) -> str | None:
+    """Why train-mtp checkpoint tensors ``found`` cannot be loaded as this run's ``want``, or None where they fit."""
+    missing, extra = set(want) - set(found), set(found) - set(want)
+    if missing or extra:
+        return ", ".join(([f"{len(missing)} tensors missing ({_some(missing)})"] if missing else [])
+                         + ([f"{len(extra)} unexpected ({_some(extra)})"] if extra else []))
+    bad = next((k for k in want if found[k] != want[k]), None)
+    return None if bad is None else f"{bad} is {list(found[bad])} there, {list(want[bad])} for this target"
+
+
+def check_resumable(path: Path, found: dict[str, tuple[int, ...]], state: dict, want: dict[str, tuple[int, ...]],
+                    layout: str, global_batch: int) -> None:
+    """A train-mtp checkpoint this run could not load (another target's sizes, another layout, another global
+    batch) is one line before the target's states are computed, not a state_dict error after them."""
+    why = misfit_reason(found, want)
+    if why is not None:
+        was = _settings(path).get("model")
+        raise ModelError(f"--resume: the checkpoint {path} does not fit this run ({why})", "resume with the --model "
+                         f"it was trained for{f' ({was})' if was else ''}, or choose a new --output")
+    legacy = path.is_file()
+    was_layout = state.get("layout", "deepseek_v3" if legacy else None)  # the old file predates other layouts
+    L.need(was_layout == layout, f"the checkpoint {path} was trained for the {was_layout} layout, not {layout}",
+           f"pass --layout {was_layout}, or drop --resume")
+    if not legacy:
+        L.check_global_batch(state, global_batch)
+
+
 # --------------------------------------------------------------------------- training
 
 def train_mtp(cfg: MtpTrainConfig, progress: Callable[[str], None] = lambda s: None, command: str | None = None,
@@ -274,11 +435,20 @@ def train_mtp(cfg: MtpTrainConfig, progress: Callable[[str], None] = lambda s: N
     bar = bar if main else (lambda *a: None)
     L.check_push(cfg, acc)
     model_dir = resolve_model(cfg.model, dtype="float32" if cfg.dtype in ("float32", "fp32") else "bfloat16")
-    layout = resolve_layout(cfg.layout, ModelArgs.from_hf_config(json.loads((Path(model_dir) / "config.json").read_text())),
-                            stitch=cfg.stitch, num_layers=cfg.num_layers, warn=log)
+    args = ModelArgs.from_hf_config(json.loads((Path(model_dir) / "config.json").read_text()))
+    layout = resolve_layout(cfg.layout, args, stitch=cfg.stitch, num_layers=cfg.num_layers, warn=log)
     torch.manual_seed(cfg.seed)
     out = Path(cfg.output).expanduser()
+    want, gbs = module_shapes(args, cfg.num_layers, layout), L.global_batch_size(cfg, acc)
+    newest = newest_checkpoint(out)  # checked before anything costly (data, the model, the target's states)
+    found, state = read_checkpoint(newest) if newest is not None else ({}, {})
+    if newest is not None:
+        refuse_foreign_checkpoint(out, newest, found, want)
     resume_from = L.resume_point(cfg, log, legacy=out / LEGACY_CHECKPOINT)
+    if resume_from is not None:
+        if resume_from != newest:
+            found, state = read_checkpoint(resume_from)
+        check_resumable(resume_from, found, state, want, layout, gbs)
     texts = [t for p in cfg.data for t in D.read_texts(p)]  # bad data fails before the model loads
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     target = load_transformer(model_dir, parse_dtype(cfg.dtype), device=dev)
@@ -295,36 +465,29 @@ def train_mtp(cfg: MtpTrainConfig, progress: Callable[[str], None] = lambda s: N
     h_all, y_all = h_all.cpu(), y_all.cpu()  # batches go to the device as they are used
 
     stack = init_stack(target, cfg.num_layers, layout).to(dev)
-    gbs = L.global_batch_size(cfg, acc)
+    frozen = FrozenTarget(target)  # what the modules read of the target, in their fp32
     per_epoch = math.ceil(train_w.shape[0] / gbs)
     total = cfg.steps or max(1, math.ceil(cfg.epochs * per_epoch))
     opt = torch.optim.AdamW([p for p in stack.parameters() if p.requires_grad], lr=cfg.lr, weight_decay=cfg.weight_decay)
     sched = L.warmup_cosine(opt, total, cfg.warmup)
     weights = step_weights(cfg.depth, cfg.beta).to(dev)
-    model, opt = acc.prepare(MtpLoss(stack, target, cfg.depth, weights), opt)
+    model, opt = acc.prepare(MtpLoss(stack, frozen, cfg.depth, weights), opt)
     acc.register_for_checkpointing(sched)
     step, losses, history = 0, [], []
-    if resume_from is not None and resume_from.name == LEGACY_CHECKPOINT.name:
-        st = torch.load(resume_from, map_location="cpu", weights_only=False)
-        L.need(st.get("layout", "deepseek_v3") == layout, f"the checkpoint in {resume_from.parent} was trained for the "
-               f"{st.get('layout', 'deepseek_v3')} layout, not {layout}",
-               f"pass --layout {st.get('layout', 'deepseek_v3')}, or drop --resume")
-        stack.load_state_dict(st["stack"])
-        opt.load_state_dict(st["optim"])
-        sched.load_state_dict(st["sched"])
-        step, losses = st["step"], st.get("losses", [])
+    if resume_from is not None and resume_from.is_file():  # LEGACY_CHECKPOINT: ``state`` is the whole file
+        stack.load_state_dict(state["stack"])
+        opt.load_state_dict(state["optim"])
+        sched.load_state_dict(state["sched"])
+        step, losses = state["step"], state.get("losses", [])
     elif resume_from is not None:
         state = C.load_checkpoint(resume_from, acc)
-        L.check_global_batch(state, gbs)
-        L.need(state.get("layout") == layout, f"the checkpoint {resume_from} was trained for the {state.get('layout')} "
-               f"layout, not {layout}", f"pass --layout {state.get('layout')}, or drop --resume")
         step, losses, history = state["step"], state["losses"], state["history"]
     if step:
         log(f"resumed from step {step}")
 
     def run_eval() -> dict:
         stack.eval()
-        ev = evaluate(stack, target, eval_w.to(dev), h_all[:n_eval].to(dev), y_all[:n_eval].to(dev), cfg.depth,
+        ev = evaluate(stack, frozen, eval_w.to(dev), h_all[:n_eval].to(dev), y_all[:n_eval].to(dev), cfg.depth,
                       cfg.batch_size)
         stack.train()
         return ev
@@ -356,7 +519,8 @@ def train_mtp(cfg: MtpTrainConfig, progress: Callable[[str], None] = lambda s: N
         bar("train", step, total)
         losses.append(float(L.reduce_sum(acc, step_loss)))
         if step % max(1, min(10, total // 10)) == 0 or step == total:
-            log(f"step {step}/{total} loss {sum(losses[-10:]) / len(losses[-10:]):.4f} lr {sched.get_last_lr()[0]:.2e}")
+            # this step's own loss, as the other trainers log it
+            log(f"step {step}/{total} loss {losses[-1]:.4f} lr {sched.get_last_lr()[0]:.2e}")
         ckpt = cfg.save_every and (step % cfg.save_every == 0 or step == total)
         if (cfg.eval_every and step % cfg.eval_every == 0) or ckpt or step == total:
             ev = run_eval()
@@ -368,20 +532,27 @@ def train_mtp(cfg: MtpTrainConfig, progress: Callable[[str], None] = lambda s: N
             save(step)
     if not ev:  # a resumed run that had already reached its steps
         ev = run_eval()
-    summary = {"output": str(out), "form": "stitched" if cfg.stitch else "draft", "target": str(model_dir),
-               "num_layers": cfg.num_layers, "depth": cfg.depth, "layout": layout, "steps": step, "windows": int(w.shape[0]),
-               "train_tokens": int(train_w.numel()), "final_loss": round(sum(losses[-10:]) / max(1, len(losses[-10:])), 4),
+    # the target as the user named it (a catalogue name, a path, a Hub id): specctl resolves it again
+    summary = {"output": str(out), "form": "stitched" if cfg.stitch else "draft", "model": cfg.model,
+               "target": str(model_dir), "num_layers": cfg.num_layers, "depth": cfg.depth, "layout": layout,
+               "steps": step, "windows": int(w.shape[0]), "train_tokens": int(train_w.numel()),
+               "first_loss": round(losses[0], 4) if losses else None,
+               "final_loss": round(losses[-1], 4) if losses else None,  # the last step's, as the other trainers report
                "eval": ev, "losses": losses, "global_batch": gbs, "processes": acc.num_processes,
                "use": ({"--model": str(out), "--speculative-config": {"method": "mtp", "num_speculative_tokens": cfg.depth}}
                        if cfg.stitch else
-                       {"--model": str(model_dir), "--speculative-config": {"method": "mtp", "model": str(out),
-                                                                             "num_speculative_tokens": cfg.depth}})}
-    if layout == "mimo":  # vLLM: the target as is, this folder as its MTP draft (one token per step is what it runs)
-        summary["vllm"] = {"model": str(model_dir), "hf_overrides": {"num_nextn_predict_layers": cfg.num_layers},
+                       {"--model": cfg.model, "--speculative-config": {"method": "mtp", "model": str(out),
+                                                                        "num_speculative_tokens": cfg.depth}})}
+    no_vllm = vllm_unavailable(layout, args, stitch=cfg.stitch)
+    if no_vllm is None:  # vLLM: the target as is, this folder as its MTP draft (one token per step is what it runs)
+        summary["vllm"] = {"model": vllm_model_name(cfg.model, model_dir),
+                           "hf_overrides": {"num_nextn_predict_layers": cfg.num_layers},
                            "speculative_config": {"method": "mtp", "model": str(out.resolve()), "num_speculative_tokens": 1}}
+    else:
+        summary["vllm_unavailable"] = no_vllm
     if main:
-        export_mtp(stack, model_dir, out, stitch=cfg.stitch, head_weight=target.head_weight.float(), layout=layout,
-                   embed_weight=target.embed.weight.float())
+        export_mtp(stack, model_dir, out, stitch=cfg.stitch, head_weight=frozen.head_weight, layout=layout,
+                   embed_weight=frozen.embed.weight)
         C.write_training_config(out, cfg.to_dict())
         if cfg.stitch:
             log("no model card for a stitched target (it is a copy of the target, not a draft vLLM loads beside it)")

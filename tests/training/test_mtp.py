@@ -207,3 +207,146 @@ def test_resume_reads_the_old_checkpoint_layout(tiny_model_dir, data_file, tmp_p
     a, b = load_file(str(tmp_path / "a" / MTP_FILE)), load_file(str(tmp_path / "b" / MTP_FILE))
     for k in a:
         torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=0)
+
+
+def _pack_amx(model) -> None:
+    """Every bf16 projection in AMX tiles, as ``pack_for_amx`` leaves a bf16 target on an AMX CPU (done by
+    hand, so on any CPU: ``amx_linear.pack`` is plain torch; only running the packed model needs AMX)."""
+    from torch import nn
+
+    from kernels import amx_linear
+
+    for block in model.layers:
+        for layer in (block.qkv, block.o, block.gate_up, block.down):
+            if not getattr(layer, "amx_packed", False):
+                assert amx_linear.packable(layer.weight)
+                layer.weight = nn.Parameter(amx_linear.pack(layer.weight.data), requires_grad=False)
+                layer.amx_packed = True
+
+
+def test_init_stack_reads_a_packed_bf16_target(tiny_model_dir):
+    """A bf16 target on an AMX CPU holds its projections as tiles [N/16, K/32, 16, 16, 2]: the modules start
+    from the same dense weights as from a plain target (the packed state_dict did not load into a Block)."""
+    plain = load_transformer(tiny_model_dir, torch.bfloat16, kernels="torch")
+    packed = load_transformer(tiny_model_dir, torch.bfloat16, kernels="torch")
+    _pack_amx(packed)
+    assert packed.layers[-1].qkv.weight.dim() == 5
+    want, got = init_stack(plain, 2, "mimo"), init_stack(packed, 2, "mimo")
+    for (n, a), (_, b) in zip(want.state_dict().items(), got.state_dict().items()):
+        assert a.dtype == torch.float32 and torch.equal(a, b), n
+    from specctl.training.mtp import dense_block_state
+
+    for k, v in dense_block_state(packed.layers[-1]).items():
+        assert torch.equal(v, plain.layers[-1].state_dict()[k]), k
+
+
+def test_bf16_target_trains_and_logs_each_steps_own_loss(tiny_model_dir, data_file, tmp_path):
+    """--dtype bfloat16 end to end (the target's projections packed where this CPU runs AMX; the modules read
+    its embedding and head in fp32); every step logs its own loss, final_loss is the last step's; a layout
+    vLLM cannot load for this target offers no vLLM command, and says why."""
+    said: list[str] = []
+    s = train_mtp(_cfg(tiny_model_dir, data_file, tmp_path / "bf", steps=3, dtype="bfloat16", layout="deepseek_v3"),
+                  progress=said.append)
+    assert s["steps"] == 3 and len(s["losses"]) == 3 and s["eval"]["top1_per_depth"]
+    logged = [float(line.split(" loss ")[1].split()[0]) for line in said if line.startswith("step ")]
+    assert logged == [round(x, 4) for x in s["losses"]]
+    assert s["final_loss"] == round(s["losses"][-1], 4) and s["first_loss"] == round(s["losses"][0], 4)
+    assert "vllm" not in s and "DeepSeek-V3 targets" in s["vllm_unavailable"]
+    assert s["use"]["--model"] == str(tiny_model_dir)  # the target as named, not a cache copy
+
+
+def test_use_names_the_target_as_given(tiny_model_dir, data_file, tmp_path):
+    """The summary's commands name the model as the user did; vLLM's needs a path or Hub id, not a catalogue
+    name (only specctl knows those: then the folder it made)."""
+    from specctl.training.mtp import vllm_model_name
+
+    s = train_mtp(_cfg(tiny_model_dir, data_file, tmp_path / "m", steps=1, layout="mimo"))
+    assert s["model"] == s["use"]["--model"] == s["vllm"]["model"] == str(tiny_model_dir)
+    assert "vllm_unavailable" not in s
+    assert vllm_model_name("HuggingFaceTB/SmolLM2-135M-Instruct", "/c/x") == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert vllm_model_name("smollm2-135m", "/cache/smollm2-135m-float32") == "/cache/smollm2-135m-float32"
+
+
+def _foreign_run(out, legacy: bool):
+    """A copied train-eagle run folder: its checkpoint's tensors are the EAGLE draft's, its settings EAGLE's."""
+    from safetensors.torch import save_file
+
+    if legacy:
+        (out / "checkpoint").mkdir(parents=True)
+        torch.save({"draft": {"d2t": torch.zeros(4)}, "opt": {}, "sched": {}, "step": 5},
+                   out / "checkpoint" / "state.pt")
+        return out / "checkpoint"
+    ck = out / "checkpoints" / "step-0000005"
+    ck.mkdir(parents=True)
+    save_file({"draft.d2t": torch.zeros(4, dtype=torch.long), "draft.fc.weight": torch.zeros(64, 192)},
+              str(ck / "model.safetensors"))
+    (ck / "trainer_state.json").write_text(json.dumps({"step": 5, "history": [], "losses": [1.0] * 5,
+                                                       "global_batch": 8}))
+    (ck / "training_config.json").write_text(json.dumps({"model": "x", "version": 3, "ttt_steps": 3,
+                                                         "draft_vocab_size": 32, "seq_len": 32}))
+    return ck
+
+
+def _no_expensive_work(monkeypatch):
+    import specctl.modeling
+    import specctl.training.mtp as M
+
+    def never(*a, **k):
+        raise AssertionError("the check came after loading the target")
+
+    monkeypatch.setattr(specctl.modeling, "load_transformer", never)
+    monkeypatch.setattr(M, "target_states", never)
+
+
+@pytest.mark.parametrize("legacy", [False, True], ids=["checkpoints", "old-state.pt"])
+@pytest.mark.parametrize("resume", [True, False], ids=["resume", "no-resume"])
+def test_another_trainers_checkpoint_is_one_line_up_front(tiny_model_dir, data_file, tmp_path, monkeypatch,
+                                                          legacy, resume):
+    from specctl.errors import ModelError
+
+    out = tmp_path / "e3copy"
+    ck = _foreign_run(out, legacy)
+    _no_expensive_work(monkeypatch)
+    with pytest.raises(ModelError) as e:
+        train_mtp(_cfg(tiny_model_dir, data_file, out, steps=2, resume=resume))
+    msg = str(e.value)
+    assert "\n" not in msg and str(out) in msg and ck.name in msg and "did not make" in msg and "new --output" in msg
+    assert "draft" in msg and "stack.*" in msg
+    if not legacy:
+        assert "ttt_steps" in msg
+
+
+def test_a_checkpoint_that_does_not_fit_is_one_line_up_front(tiny_model_dir, data_file, tmp_path, monkeypatch):
+    """train-mtp's own checkpoint, for another target (another hidden size) or another layout, is refused
+    before the target loads, naming the folder and the fix."""
+    from safetensors.torch import save_file
+
+    from specctl.drafts.mtp import MtpStack
+    from specctl.errors import ModelError, UsageError
+    from specctl.modeling import ModelArgs
+    from specctl.training.mtp import MtpLoss
+
+    def weights(args) -> dict:  # what train-mtp's checkpoint holds (accelerate saves MtpLoss's state)
+        return {k: torch.zeros(v.shape) for k, v in MtpLoss(MtpStack(args, 1, "mimo", own_head=False), None, 1,
+                                                             None).state_dict().items()}
+
+    out = tmp_path / "run"
+    cfg = _cfg(tiny_model_dir, data_file, out, steps=2, resume=True, layout="mimo")
+    ck = out / "checkpoints" / "step-0000001"
+    ck.mkdir(parents=True)
+    (ck / "training_config.json").write_text(json.dumps({**cfg.to_dict(), "model": "/elsewhere/big-model"}))
+    base = json.loads((tiny_model_dir / "config.json").read_text())
+    other = ModelArgs.from_hf_config({**base, "hidden_size": 128})
+    save_file(weights(other), str(ck / "model.safetensors"))
+    (ck / "trainer_state.json").write_text(json.dumps({"step": 1, "losses": [1.0], "history": [], "layout": "mimo",
+                                                       "global_batch": 8}))
+    _no_expensive_work(monkeypatch)
+    with pytest.raises(ModelError, match="does not fit this run") as e:
+        train_mtp(cfg)
+    assert str(ck) in str(e.value) and "/elsewhere/big-model" in str(e.value) and "[128]" in str(e.value)
+    mine = ModelArgs.from_hf_config(base)
+    save_file(weights(mine), str(ck / "model.safetensors"))
+    (ck / "trainer_state.json").write_text(json.dumps({"step": 1, "losses": [1.0], "history": [],
+                                                       "layout": "deepseek_v3", "global_batch": 8}))
+    with pytest.raises(UsageError, match="deepseek_v3 layout, not mimo"):
+        train_mtp(cfg)
