@@ -210,12 +210,30 @@ def model_card_text(folder: str | Path, *, base_model: str, method: str, data: A
         serve[-1] += " \\"
         serve.append(f"  --hf-overrides '{json.dumps(overrides)}'")
     serve.append("```")
+    try:
+        own_cfg = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        own_cfg = None
+    from specctl.vllm_compat import vllm_mtp_refusal
+
+    # a DeepSeek-V3-layout MTP folder carries its target's config: what vLLM would build it for
+    refusal = vllm_mtp_refusal(dict(spec, model=str(folder)), own_cfg)
+    if refusal:
+        serve = [f"Not with this layout: vLLM loads DeepSeek-V3's MTP layout only for DeepSeek-V3 targets. Export it "
+                 "with `specctl train-mtp --layout mimo` for vLLM; specctl's own runtime reads this one."]
+    if spec["method"] == "eagle" and (folder / "sglang" / "config.json").is_file():
+        where = "DIR" if repo else str(folder.resolve())
+        serve += ["", "SGLang names EAGLE-1 `LlamaForCausalLMEagle` (vLLM has no class by that name); `sglang/` "
+                  "holds the same weights under it" + (f" (DIR: `hf download {repo} --local-dir DIR`)" if repo else "")
+                  + ":", "", "```bash",
+                  f"python -m sglang.launch_server --model-path {base_model} --speculative-algorithm EAGLE \\",
+                  f"  --speculative-draft-model-path {where}/sglang", "```"]
     body = [
         f"# {title} for {base_model}", "",
         (f"A speculative-decoding {title} (method `{spec['method']}`) trained with specctl for the target model "
          f"`{base_model}`. It does not generate text on its own: it proposes tokens that the target verifies, "
          "so the output is the target's, faster where the drafts are accepted."), "",
-        "## Serve it with vLLM", "",
+        "## Serve it with vLLM" + (" or SGLang" if spec["method"] == "eagle" else ""), "",
         *serve, "",
         "specctl's own runtime takes the same config (`specctl serve --model BASE --speculative-config ...`)"
         + (f" with `model` set to a local copy of this folder (`hf download {repo} --local-dir DIR`)." if repo

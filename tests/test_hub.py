@@ -98,6 +98,25 @@ def test_model_card_of_a_mimo_mtp_draft_gives_the_hf_overrides(tmp_path):
     assert "--hf-overrides '{\"num_nextn_predict_layers\": 1}'" in text
 
 
+def test_model_card_of_a_deepseek_layout_mtp_draft_for_another_target_offers_no_vllm_command(tmp_path):
+    """vLLM loads DeepSeek-V3's MTP layout only for DeepSeek-V3 targets (the folder carries its target's config)."""
+    folder = draft(tmp_path, {"architectures": ["LlamaForCausalLM"], "num_nextn_predict_layers": 1})
+    text = hub.model_card_text(folder, base_model="HuggingFaceTB/SmolLM2-135M-Instruct", method="mtp", data="d",
+                               command="specctl train-mtp --layout deepseek_v3", held_out=None)
+    assert "vllm serve" not in text and "--layout mimo" in text
+
+
+def test_model_card_of_an_eagle1_draft_serves_it_in_sglang_too(tmp_path):
+    folder = draft(tmp_path, {"architectures": ["LlamaForCausalLM"]})
+    (folder / "sglang").mkdir()
+    (folder / "sglang" / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLMEagle"]}))
+    text = hub.model_card_text(folder, base_model="Qwen/Qwen2.5-Coder-1.5B-Instruct", method="eagle", data="d",
+                               command="specctl train-eagle --version 1", held_out=None, repo="me/e1")
+    assert "vllm serve Qwen/Qwen2.5-Coder-1.5B-Instruct" in text
+    assert "--speculative-draft-model-path DIR/sglang" in text and "hf download me/e1 --local-dir DIR" in text
+    assert "## Serve it with vLLM or SGLang" in text
+
+
 def test_model_card_write_is_atomic(tmp_path, monkeypatch):
     folder = draft(tmp_path, {"model_type": "medusa", "num_heads": 2})
     (folder / "README.md").write_text("old card")

@@ -36,6 +36,7 @@ from specctl.runtime.proposers.base import DraftOutput, SlotProposer, batch_draf
 from specctl.runtime.proposers.base import DraftSampling as _Sampling
 
 log = logging.getLogger("specctl")
+_WARNED: set[tuple[int, int]] = set()  # (k, layers) pairs warned about in this process
 # vLLM's warning, in substance (vllm/config/speculative.py)
 RECURSIVE_WARNING = ("num_speculative_tokens (%d) > num_nextn_predict_layers (%d): the MTP layers will be run "
                      "recursively, which may result in lower acceptance rate")
@@ -85,7 +86,8 @@ class MtpProposer(SlotProposer):
         given = None if "num_speculative_tokens" in getattr(config, "defaulted", ()) else config.num_speculative_tokens
         self.k = int(given or stack.num_layers)
         config.num_speculative_tokens = self.k  # what runs (a bench row's k)
-        if self.k > stack.num_layers:
+        if self.k > stack.num_layers and (self.k, stack.num_layers) not in _WARNED:  # once (bench builds one a pass)
+            _WARNED.add((self.k, stack.num_layers))
             log.warning(RECURSIVE_WARNING, self.k, stack.num_layers)
         p = target.model.embed.weight
         self.dtype, self.device = p.dtype, p.device

@@ -141,7 +141,17 @@ def test_greedy_equals_plain_with_drafts_accepted(loaded, trained_stack):
     assert 1 + accepted / drafts > 1.5, (accepted, drafted, drafts)  # trained on the model's own outputs
 
 
-def test_recursion_warns(loaded, trained_stack, caplog):
+def test_recursion_warns(loaded, trained_stack, caplog, monkeypatch):
+    import specctl.runtime.proposers.mtp as mtp_mod
+
+    monkeypatch.setattr(mtp_mod, "_WARNED", set())
+    for _ in range(2):  # once a process: bench builds a proposer for each pass
+        with caplog.at_level(logging.WARNING, logger="specctl"):
+            MtpProposer(SpecConfig.from_dict({"method": "mtp", "num_speculative_tokens": 4}), target=loaded,
+                        max_model_len=64, stack=trained_stack)
+    assert caplog.text.count("recursively") == 1
+    caplog.clear()
+    monkeypatch.setattr(mtp_mod, "_WARNED", set())
     with caplog.at_level(logging.WARNING, logger="specctl"):
         MtpProposer(SpecConfig.from_dict({"method": "mtp", "num_speculative_tokens": 4}), target=loaded,
                     max_model_len=64, stack=trained_stack)
