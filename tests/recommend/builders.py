@@ -135,3 +135,14 @@ def gguf_llama(path: Path, layers: int = 2, hidden: int = H, vocab: int = V, unt
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def refuse_dense(monkeypatch) -> None:
+    """Fail any GGUF -> dense conversion or dense pull: recommend must read the GGUF's header alone."""
+    from specctl import gguf_files, models
+
+    def refuse(*a, **k):
+        raise AssertionError("recommend converted or pulled dense weights")
+
+    monkeypatch.setattr(gguf_files, "gguf_to_dense", refuse)
+    monkeypatch.setattr(models, "_pull", refuse)

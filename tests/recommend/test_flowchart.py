@@ -10,7 +10,7 @@ from safetensors.torch import save_file
 
 from specctl.errors import ModelError, UsageError
 from specctl.recommend.flowchart import recommend
-from tests.recommend.builders import H, V, answers, llama, q
+from tests.recommend.builders import H, V, answers, llama, q, refuse_dense
 
 
 def test_nothing_falls_through_to_ngram(target):
@@ -75,22 +75,12 @@ def test_bad_input_raises_one_line_errors(tmp_path, target):
         recommend(str(target), drafts=[str(tmp_path / "missing")])
 
 
-def _refuse_dense(monkeypatch):
-    from specctl import gguf_files, models
-
-    def refuse(*a, **k):
-        raise AssertionError("recommend converted or pulled dense weights")
-
-    monkeypatch.setattr(gguf_files, "gguf_to_dense", refuse)
-    monkeypatch.setattr(models, "_pull", refuse)
-
-
 def test_gguf_target_commands_carry_quantization_and_serve_the_file(tmp_path, monkeypatch):
     """What runs is what the commands say: --quantization gguf on specctl's, the .gguf itself for vLLM
     (with its source repo's tokenizer; where the file names none, the line to complete, in the reason)."""
     from tests.recommend.builders import gguf_llama
 
-    _refuse_dense(monkeypatch)
+    refuse_dense(monkeypatch)
     f = gguf_llama(tmp_path / "m.gguf")
     rec = recommend(str(f), candidates=[], workload="code", quantization="gguf")
     for c in [rec.choice, *rec.alternatives]:
@@ -113,7 +103,7 @@ def test_catalogue_target_as_its_kept_gguf_pulls_no_dense_weights(monkeypatch):
     from specctl.models import gguf_path
     from tests.recommend.builders import gguf_llama
 
-    _refuse_dense(monkeypatch)
+    refuse_dense(monkeypatch)
     kept = gguf_path("smollm2-135m")
     kept.parent.mkdir(parents=True)
     gguf_llama(kept)

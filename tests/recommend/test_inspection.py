@@ -8,6 +8,7 @@ from safetensors.torch import save_file
 
 from specctl.errors import ModelError
 from specctl.recommend.inspection import tensor_index
+from tests.recommend.builders import refuse_dense
 
 
 def test_tensor_index_reads_every_file_header(tmp_path):
@@ -23,22 +24,11 @@ def test_damaged_header_is_one_line(tmp_path):
     assert "\n" not in str(e.value)
 
 
-def _no_conversion(monkeypatch):
-    """Fail any GGUF -> dense conversion or dense pull: recommend must read the GGUF's header alone."""
-    from specctl import gguf_files, models
-
-    def refuse(*a, **k):
-        raise AssertionError("recommend converted or pulled dense weights")
-
-    monkeypatch.setattr(gguf_files, "gguf_to_dense", refuse)
-    monkeypatch.setattr(models, "_pull", refuse)
-
-
 def test_gguf_file_is_read_from_its_header_not_converted(tmp_path, monkeypatch):
     from specctl.recommend.inspection import inspect_model
     from tests.recommend.builders import H, V, gguf_llama
 
-    _no_conversion(monkeypatch)
+    refuse_dense(monkeypatch)
     f = gguf_llama(tmp_path / "tiny.Q4.gguf", layers=3)
     info = inspect_model(str(f), pull=True)
     assert (info.source, info.path, info.gguf_file) == ("gguf", None, str(f.resolve()))
@@ -65,7 +55,7 @@ def test_gguf_names_its_source_repo(tmp_path):
 def test_unreadable_gguf_is_one_line(tmp_path, monkeypatch, content):
     from specctl.recommend.inspection import inspect_model
 
-    _no_conversion(monkeypatch)
+    refuse_dense(monkeypatch)
     f = tmp_path / "bad.gguf"
     f.write_bytes(content)
     with pytest.raises(ModelError, match="cannot read the GGUF header of") as e:
