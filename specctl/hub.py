@@ -219,8 +219,9 @@ def model_card_text(folder: str | Path, *, base_model: str, method: str, data: A
     # a DeepSeek-V3-layout MTP folder carries its target's config: what vLLM would build it for
     refusal = vllm_mtp_refusal(dict(spec, model=str(folder)), own_cfg)
     if refusal:
-        serve = [f"Not with this layout: vLLM loads DeepSeek-V3's MTP layout only for DeepSeek-V3 targets. Export it "
-                 "with `specctl train-mtp --layout mimo` for vLLM; specctl's own runtime reads this one."]
+        serve = ["Not with this layout: vLLM loads DeepSeek-V3's MTP layout only for DeepSeek-V3 targets. Export it "
+                 "with `specctl train-mtp --layout mimo` for vLLM; specctl's own runtime reads this one:", "",
+                 "```bash", f"specctl serve --model {base_model} --speculative-config '{json.dumps(spec)}'", "```"]
     if spec["method"] == "eagle" and (folder / "sglang" / "config.json").is_file():
         where = "DIR" if repo else str(folder.resolve())
         serve += ["", "SGLang names EAGLE-1 `LlamaForCausalLMEagle` (vLLM has no class by that name); `sglang/` "
@@ -233,7 +234,7 @@ def model_card_text(folder: str | Path, *, base_model: str, method: str, data: A
         (f"A speculative-decoding {title} (method `{spec['method']}`) trained with specctl for the target model "
          f"`{base_model}`. It does not generate text on its own: it proposes tokens that the target verifies, "
          "so the output is the target's, faster where the drafts are accepted."), "",
-        "## Serve it with vLLM" + (" or SGLang" if spec["method"] == "eagle" else ""), "",
+        "## Serve it" + ("" if refusal else " with vLLM") + (" or SGLang" if spec["method"] == "eagle" else ""), "",
         *serve, "",
         "specctl's own runtime takes the same config (`specctl serve --model BASE --speculative-config ...`)"
         + (f" with `model` set to a local copy of this folder (`hf download {repo} --local-dir DIR`)." if repo

@@ -104,6 +104,7 @@ def test_model_card_of_a_deepseek_layout_mtp_draft_for_another_target_offers_no_
     text = hub.model_card_text(folder, base_model="HuggingFaceTB/SmolLM2-135M-Instruct", method="mtp", data="d",
                                command="specctl train-mtp --layout deepseek_v3", held_out=None)
     assert "vllm serve" not in text and "--layout mimo" in text
+    assert "specctl serve --model HuggingFaceTB/SmolLM2-135M-Instruct --speculative-config" in text
 
 
 def test_model_card_of_an_eagle1_draft_serves_it_in_sglang_too(tmp_path):
