@@ -10,6 +10,8 @@ kernel refused the tile state): callers then keep plain weights and F.linear.
 
 from __future__ import annotations
 
+import math
+
 import mmap
 import sys
 
@@ -103,12 +105,9 @@ class Arena:
         n = self.size(shape, dtype)
         if self.used + n > self.nbytes:
             raise ValueError(f"the arena's {self.nbytes} bytes are spent ({self.used} used, {n} asked)")
-        view = self.buf[self.used:self.used + n]
+        view = self.buf[self.used:self.used + n]  # n: a multiple of ALIGN, so of the dtype's size
         self.used += n
-        numel = 1
-        for s in shape:
-            numel *= s
-        return view[:numel * torch.empty((), dtype=dtype).element_size()].view(dtype).view(shape)
+        return view.view(dtype)[:math.prod(shape)].view(shape)
 
 
 def pack(w: torch.Tensor, huge: bool = False) -> torch.Tensor:
