@@ -11,7 +11,6 @@ kernel refused the tile state): callers then keep plain weights and F.linear.
 from __future__ import annotations
 
 import math
-
 import mmap
 import sys
 
