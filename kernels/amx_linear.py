@@ -109,15 +109,24 @@ class Arena:
         return view.view(dtype)[:math.prod(shape)].view(shape)
 
 
-def pack(w: torch.Tensor, huge: bool = False) -> torch.Tensor:
+def packed_shape(N: int, K: int) -> tuple[int, int, int, int, int]:
+    """``pack``'s output shape for a weight [N, K] (as many elements as the weight)."""
+    return (N // 16, K // 32, 16, 16, 2)
+
+
+def pack(w: torch.Tensor, huge: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
     """w [N, K] -> [N/16, K/32, 16, 16, 2]: element (nb, kb, kp, n, j) = w[16 nb + n, 32 kb + 2 kp + j].
 
-    ``huge``: place the packed copy on huge pages (for weights the model streams every step)."""
+    ``out``: the packed copy's place (``packed_shape``, w's dtype; a model's weights share one huge-page
+    ``Arena``). ``huge``: a huge-page mapping of its own (a whole spare huge page: for one large tensor only)."""
     N, K = w.shape
     tiles = w.view(N // 16, 16, K // 32, 16, 2).permute(0, 2, 3, 1, 4)
-    if not huge:
+    if out is None and not huge:
         return tiles.contiguous()
-    out = huge_empty(tuple(tiles.shape), w.dtype)
+    if out is None:
+        out = huge_empty(tuple(tiles.shape), w.dtype)
+    elif tuple(out.shape) != packed_shape(N, K) or out.dtype != w.dtype:
+        raise ValueError(f"pack's out is {w.dtype} {list(packed_shape(N, K))}, not {out.dtype} {list(out.shape)}")
     out.copy_(tiles)
     return out
 

@@ -24,7 +24,7 @@ Torch-free: pure arithmetic.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 
 @dataclass(frozen=True)
@@ -36,21 +36,30 @@ class Shapes:
     head_dim: int
     intermediate: int
     vocab: int
-    bytes_per_param: int = 2  # bf16
+    bytes_per_param: float = 2  # the weights' bytes per parameter read (bf16: 2; GGUF Q4_K_M: ~0.6)
+    kv_bytes: int = 2  # bytes of one cached K or V element (bf16), whatever the weights' format
 
     @classmethod
-    def from_config(cls, cfg: dict, bytes_per_param: int = 2) -> "Shapes":
+    def from_config(cls, cfg: dict, bytes_per_param: float = 2, kv_bytes: int = 2) -> "Shapes":
         heads = cfg["num_attention_heads"]
         return cls(cfg["num_hidden_layers"], cfg["hidden_size"], heads, cfg.get("num_key_value_heads") or heads,
                    cfg.get("head_dim") or cfg["hidden_size"] // heads, cfg["intermediate_size"], cfg["vocab_size"],
-                   bytes_per_param)
+                   bytes_per_param, kv_bytes)
 
     @classmethod
     def of(cls, model) -> "Shapes":
-        """The shapes of a loaded specctl Transformer, at the width of its weights."""
+        """The shapes of a loaded specctl Transformer: its weights at the bytes a forward reads of them
+        (``weight_bytes_read``: a GGUF model's blocks, not a dense width), its KV cache at the model's dtype."""
         a = model.args
-        return cls(a.num_layers, a.hidden_size, a.num_heads, a.num_kv_heads, a.head_dim, a.intermediate_size,
-                   a.vocab_size, model.embed.weight.element_size())
+        width = model.embed.weight.element_size()
+        s = cls(a.num_layers, a.hidden_size, a.num_heads, a.num_kv_heads, a.head_dim, a.intermediate_size,
+                a.vocab_size, width, width)
+        return replace(s, bytes_per_param=weight_bytes_read(model) / s.params_read)
+
+    @property
+    def params_read(self) -> int:
+        """Parameters a forward reads: every layer's projections and the LM head."""
+        return self.layers * self.layer_params + self.vocab * self.hidden
 
     @property
     def layer_params(self) -> int:
@@ -60,15 +69,15 @@ class Shapes:
     @property
     def weight_bytes(self) -> float:
         """Weights a forward reads: every layer and the LM head (the embedding row is negligible)."""
-        return (self.layers * self.layer_params + self.vocab * self.hidden) * self.bytes_per_param
+        return self.params_read * self.bytes_per_param
 
     @property
     def linear_flops_per_row(self) -> float:
-        return 2.0 * (self.layers * self.layer_params + self.vocab * self.hidden)
+        return 2.0 * self.params_read
 
     @property
     def kv_bytes_per_position(self) -> float:
-        return self.layers * 2 * self.kv_heads * self.head_dim * self.bytes_per_param
+        return self.layers * 2 * self.kv_heads * self.head_dim * self.kv_bytes
 
     @property
     def attention_flops_per_position(self) -> float:
@@ -78,6 +87,19 @@ class Shapes:
     def kv_share(self, context: int, batch: int = 1) -> float:
         """The KV cache read in one decode step over the weights read (batch requests at ``context``)."""
         return batch * context * self.kv_bytes_per_position / self.weight_bytes
+
+
+def weight_bytes_read(model) -> int:
+    """Bytes of weights one forward of a loaded specctl Transformer reads: its projections and LM head as
+    they are stored (dense at their width, or a GGUF QuantLinear's blocks: ``nbytes``)."""
+    def nbytes(layer) -> int:
+        if getattr(layer, "quantized", False):
+            return layer.nbytes
+        return layer.weight.numel() * layer.weight.element_size()
+
+    layers = sum(nbytes(layer) for b in model.layers for layer in (b.qkv, b.o, b.gate_up, b.down))
+    head = model.quant_head
+    return layers + (nbytes(head) if head is not None else model.head_weight.numel() * model.head_weight.element_size())
 
 
 @dataclass(frozen=True)

@@ -89,25 +89,25 @@ def _dense_bf16(layer) -> bool:
 
 
 def weights_on_huge_pages(model: "Transformer") -> None:
-    """Every bf16 projection and the LM head onto transparent huge pages (kernels.amx_linear.huge_empty),
+    """Every bf16 projection and the LM head onto transparent huge pages (one kernels.amx_linear.Arena),
     as the AMX path's packed copies are: a decode step streams them once, and 4 KiB pages cost a page walk
     every 4 KiB of each of the kernel's weight streams (where THP is "madvise", as here, torch's own
     allocations get 4 KiB pages; Qwen2.5-Coder-1.5B decode on an AMD EPYC, alternated in one process:
     118.9 -> 108.9 ms a step, median of 45)."""
-    from kernels.amx_linear import huge_empty
+    from kernels.amx_linear import Arena
 
-    def moved(w: torch.Tensor) -> nn.Parameter:
-        h = huge_empty(tuple(w.shape), w.dtype)
-        h.copy_(w.data)
-        return nn.Parameter(h, requires_grad=False)
-
-    for block in model.layers:
-        for layer in (block.qkv, block.o, block.gate_up, block.down):
-            if _dense_bf16(layer):
-                layer.weight = moved(layer.weight)
+    layers = [layer for block in model.layers for layer in (block.qkv, block.o, block.gate_up, block.down)
+              if _dense_bf16(layer)]
     head = model.embed if model.lm_head is None else model.lm_head
     if model.quant_head is None and _dense_bf16(head):
-        head.weight = moved(head.weight)
+        layers.append(head)
+    # one arena for all of them (one mapping: its spare huge page is paid once, not once a weight)
+    arena = Arena(sum(Arena.size(tuple(layer.weight.shape), layer.weight.dtype) for layer in layers))
+    for layer in layers:
+        w = layer.weight
+        h = arena.take(tuple(w.shape), w.dtype)
+        h.copy_(w.data)
+        layer.weight = nn.Parameter(h, requires_grad=False)
 
 
 def enable_exact_bf16(model: "Transformer") -> bool:

@@ -62,15 +62,22 @@ def pack_for_amx(model: "Transformer") -> bool:
     """
     if amx_linear.load() is None:
         return False
-    for block in model.layers:
-        for layer in (block.qkv, block.o, block.gate_up, block.down):
-            if getattr(layer, "quantized", False):  # GGUF blocks (specctl.runtime.quant): not packed; no fused block
-                continue
-            if amx_linear.packable(layer.weight) and not getattr(layer, "amx_packed", False):
-                layer.weight = nn.Parameter(amx_linear.pack(layer.weight.data, huge=True), requires_grad=False)
-                layer.amx_packed = True
-    if model.quant_head is None and amx_linear.packable(model.head_weight):
-        model.head_packed = amx_linear.pack(model.head_weight.data, huge=True)
+    todo = [layer for block in model.layers for layer in (block.qkv, block.o, block.gate_up, block.down)
+            if not getattr(layer, "quantized", False)  # GGUF blocks (specctl.runtime.quant): not packed; no fused block
+            and amx_linear.packable(layer.weight) and not getattr(layer, "amx_packed", False)]
+    head = model.quant_head is None and amx_linear.packable(model.head_weight)
+    weights = [layer.weight for layer in todo] + ([model.head_weight] if head else [])
+    # the packed copies in one arena (one huge-page mapping, not one each: its spare page is paid once)
+    arena = amx_linear.Arena(sum(amx_linear.Arena.size(tuple(w.shape), w.dtype) for w in weights))
+
+    def packed(w: torch.Tensor) -> torch.Tensor:
+        return amx_linear.pack(w.data, out=arena.take(amx_linear.packed_shape(*w.shape), w.dtype))
+
+    for layer in todo:
+        layer.weight = nn.Parameter(packed(layer.weight), requires_grad=False)
+        layer.amx_packed = True
+    if head:
+        model.head_packed = packed(model.head_weight)
     return True
 
 

@@ -80,7 +80,8 @@ def _hub_repo(url) -> str | None:
 def read_gguf(path: Path) -> dict:
     """A GGUF's header, without loading a tensor: ``config`` (HF-style sizes: model_type, hidden_size,
     num_hidden_layers, vocab_size, heads, intermediate_size, ...), ``params`` and ``cost_params`` (from
-    the tensor shapes; an untied input embedding is a lookup), ``names`` (general.name, basename, the
+    the tensor shapes; an untied input embedding is a lookup), ``cost_bytes`` (the bytes of those as the file
+    stores them: what a decode step reads where the model runs as this GGUF), ``names`` (general.name, basename, the
     source repo), ``hub_id`` (the Hugging Face repo it was converted from, when the file says so:
     ``general.source.huggingface.repository`` / ``general.source.url``) and ``mtp`` (``gguf_mtp``'s fields).
     An unreadable file: one ModelError naming it."""
@@ -116,14 +117,17 @@ def read_gguf(path: Path) -> dict:
         cfg["head_dim"] = num("attention.key_length")
     cfg = {k: v for k, v in cfg.items() if v is not None}
     params = sum(int(t.n_elements) for t in r.tensors) or None
-    cost = params - int(embd.n_elements) if params and embd is not None and "output.weight" in tensors else params
+    untied = embd is not None and "output.weight" in tensors
+    cost = params - int(embd.n_elements) if params and untied else params
+    cost_bytes = sum(int(t.n_bytes) for t in r.tensors) - (int(embd.n_bytes) if untied else 0)
     hub = _hub_repo(_gguf_field(r, "general.source.huggingface.repository")) or _hub_repo(
         _gguf_field(r, "general.source.url"))
     names = [v for k in ("general.name", "general.basename") if isinstance(v := _gguf_field(r, k), str) and v.strip()]
     mtp = {name: int(v) for name in r.fields if name.endswith(".nextn_predict_layers")
            and isinstance(v := _gguf_field(r, name), (int, float))}
     mtp["nextn_tensors"] = sum(".nextn." in n for n in tensors)
-    return {"config": cfg, "params": params, "cost_params": cost, "names": names + ([hub] if hub else []),
+    return {"config": cfg, "params": params, "cost_params": cost, "cost_bytes": cost_bytes or None,
+            "names": names + ([hub] if hub else []),
             "hub_id": hub, "mtp": mtp}
 
 
@@ -184,6 +188,7 @@ class ModelInfo:
     config: dict = field(default_factory=dict, repr=False)
     tensors: dict = field(default_factory=dict, repr=False)
     gguf: dict = field(default_factory=dict, repr=False)  # MTP fields read from a GGUF
+    cost_bytes: int | None = None  # bytes read per decode step where it runs as its GGUF (quantization="gguf")
 
     def to_dict(self) -> dict:
         return {k: v for k, v in asdict(self).items() if k not in ("config", "tensors", "gguf")}
@@ -215,7 +220,7 @@ def _from_gguf(spec: str, name: str, source: str, file: Path, extra_names: list[
     return ModelInfo(spec, name, source, None, c.get("model_type"), [], g["params"], g["cost_params"],
                      c.get("num_hidden_layers"), c.get("hidden_size"), c.get("vocab_size"),
                      names=list(dict.fromkeys(names)), config=c, gguf=g["mtp"], gguf_file=str(file),
-                     hub_id=g["hub_id"])
+                     hub_id=g["hub_id"], cost_bytes=g["cost_bytes"])
 
 
 def inspect_model(spec: str, *, pull: bool = False, dtype: str = "bfloat16", quantization: str | None = None) -> ModelInfo:
@@ -276,11 +281,13 @@ def inspect_model(spec: str, *, pull: bool = False, dtype: str = "bfloat16", qua
     for e in CATALOGUE.values():  # a catalogue folder in the cache goes by the catalogue's names too
         if folder.name.startswith(e.name + "-"):
             names += [e.name, e.upstream]
+    # a dense folder here, run as the kept GGUF beside it: the bytes a step reads are the GGUF's
+    cost_bytes = read_gguf(Path(gguf_file))["cost_bytes"] if quantization == "gguf" and gguf_file else None
     return ModelInfo(spec, entry.name if entry else folder.name, source, str(folder), tc.get("model_type"),
                      list(cfg.get("architectures") or []), params, cost, tc.get("num_hidden_layers"),
                      tc.get("hidden_size"), tc.get("vocab_size"), names=list(dict.fromkeys(names)), config=cfg,
                      tensors=tensors, gguf_file=str(gguf_file) if gguf_file else None, quantization=quantization,
-                     hub_id=(entry.hub_id or None) if entry else None)
+                     hub_id=(entry.hub_id or None) if entry else None, cost_bytes=cost_bytes)
 
 
 def _kept_gguf(spec: str) -> Path | None:

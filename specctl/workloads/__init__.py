@@ -157,7 +157,7 @@ def _load_jsonl(path: Path) -> list[Request]:
     if not path.is_file():
         raise DataError(f"Prompt file {path} does not exist", f"Check the path, or use a built-in workload: {', '.join(WORKLOADS)}")
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        lines = path.read_text(encoding="utf-8-sig").splitlines()  # a byte-order mark (Windows editors) is dropped
     except (OSError, UnicodeDecodeError) as e:
         raise DataError(f"Cannot read prompt file {path}: {e}", "Give a readable UTF-8 .jsonl file") from e
     reqs: list[Request] = []

@@ -7,6 +7,8 @@ and feeding different tokens gives the logits of a fresh forward of the resultin
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -327,3 +329,38 @@ def test_compiled_decode_step_gives_the_uncompiled_greedy_tokens(tiny_model_fact
     compiled_runner.forward(torch.tensor([[10]]))
     assert torch.allclose(compiled_runner.last_aux, r.last_aux, atol=1e-5)
     assert torch.allclose(compiled_runner.last_hidden, r.last_hidden, atol=1e-5)
+
+
+def _projections(model) -> list:
+    return [layer for b in model.layers for layer in (b.qkv, b.o, b.gate_up, b.down)]
+
+
+def test_dense_weights_move_into_one_arena_unchanged(tiny_model_factory):
+    from specctl.modeling.load import weights_on_huge_pages
+
+    model = load_transformer(tiny_model_factory("qwen2", tie_word_embeddings=False), torch.bfloat16, kernels="torch")
+    layers = _projections(model) + [model.lm_head]
+    before = [layer.weight.detach().clone() for layer in layers]
+    weights_on_huge_pages(model)
+    after = [layer.weight for layer in layers]
+    assert all(torch.equal(a, b) for a, b in zip(after, before))
+    # one storage for them all (not a mapping each), and no two weights overlap in it
+    assert len({w.untyped_storage().data_ptr() for w in after}) == 1
+    spans = sorted((w.data_ptr(), w.data_ptr() + w.numel() * w.element_size()) for w in after)
+    assert all(end <= start for (_, end), (start, _) in itertools.pairwise(spans))
+
+
+def test_amx_packed_weights_share_one_arena(tiny_model_factory):
+    from kernels import amx_linear
+    from specctl.modeling.transformer import pack_for_amx
+
+    if amx_linear.load() is None:
+        pytest.skip("needs AMX (the packed layout is only built where it runs)")
+    model = load_transformer(tiny_model_factory("llama", tie_word_embeddings=True), torch.bfloat16, kernels="torch")
+    layers = _projections(model)
+    before = [layer.weight.detach().clone() for layer in layers]
+    assert pack_for_amx(model)
+    packed = [layer.weight for layer in layers] + [model.head_packed]
+    assert all(torch.equal(amx_linear.unpack(p), w) for p, w in zip(packed, before))
+    assert torch.equal(amx_linear.unpack(model.head_packed), model.head_weight)
+    assert len({p.untyped_storage().data_ptr() for p in packed}) == 1

@@ -67,3 +67,27 @@ def test_ngram_prior_fits_benchs_measured_speedups():
     assert 6.0 < ngram_prediction(get_workload("humaneval"), 10) < 7.0
     assert 1.0 < ngram_prediction(get_workload("chat"), 10) < 1.1
     assert ngram_prediction(get_workload("translation"), 10) is None
+
+
+def _kv_question(rec):
+    def walk(n):
+        yield n
+        for c in n.children:
+            yield from walk(c)
+    return next(n for n in walk(rec.tree) if n.text.startswith("Is the KV cache a large share"))
+
+
+def test_sparse_attn_weighs_a_gguf_target_at_the_bytes_it_stores(tmp_path):
+    """Run as its GGUF, a target's step reads the file's blocks (here F32: 4 bytes a weight), not bf16's 2:
+    the same context is half as large a share of the reads, and the reason says why."""
+    import re
+
+    from tests.recommend.builders import gguf_llama
+
+    f = gguf_llama(tmp_path / "m.gguf")
+    dense = _kv_question(recommend(str(f), candidates=[], workload="long-context", context=4096, batch=1))
+    quant = _kv_question(recommend(str(f), candidates=[], workload="long-context", context=4096, batch=1,
+                                   quantization="gguf"))
+    share = [int(re.search(r"is (\d+)% of the weights read", n.reason).group(1)) for n in (dense, quant)]
+    assert share[1] == pytest.approx(share[0] / 2, abs=1)
+    assert "bits a weight" not in dense.reason and "at the GGUF's 32.0 bits a weight" in quant.reason

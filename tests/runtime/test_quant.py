@@ -243,3 +243,16 @@ def test_an_architecture_the_runtime_cannot_run_is_not_sent_to_the_dense_path(tm
     with pytest.raises(ModelError, match="'gemma3' cannot run quantized in the own runtime yet \\(nor dequantized\\)") as e:
         load_gguf_transformer(tmp_path / "gemma.gguf", torch.float32)
     assert "dequantized" not in e.value.fix
+
+
+def test_the_roofline_reads_a_quantized_model_at_its_blocks(ggufs):
+    """Shapes.of a GGUF model: the weights a step reads are its blocks (Q4_K/Q8_0: well under bf16's 2 bytes a
+    weight), while its KV cache stays at the model's dtype (the roofline's bandwidth and KV share use both)."""
+    from specctl.roofline import Shapes
+
+    model = load_gguf_transformer(ggufs["qwen2"][1], torch.bfloat16)
+    s = Shapes.of(model)
+    blocks = sum(m.nbytes for m in model.modules() if isinstance(m, QuantLinear))
+    assert s.weight_bytes == pytest.approx(blocks)
+    assert 0.5 < s.bytes_per_param < 1.2 and s.kv_bytes == 2
+    assert s.kv_bytes_per_position == s.layers * 2 * s.kv_heads * s.head_dim * 2

@@ -110,6 +110,12 @@ def test_jsonl_good_file(tmp_path):
     assert [r.id for r in load_workload(str(p), num_prompts=2)] == ["mine:1", "q2"]
 
 
+def test_jsonl_with_a_byte_order_mark(tmp_path):
+    p = tmp_path / "bom.jsonl"
+    p.write_bytes(b'\xef\xbb\xbf{"prompt": "Say hi"}\n')  # what Windows editors save
+    assert load_workload(str(p))[0].messages == [{"role": "user", "content": "Say hi"}]
+
+
 @pytest.mark.parametrize(
     "bad, needle",
     [
