@@ -2,14 +2,14 @@
 // [T, W] bool mask (W >= T: the call's rows and the W - T tree slots just before them) becomes each
 // node's visible-slots list (see specctl::attn::tree_rows).
 #pragma once
-#include <torch/extension.h>
+#include "torch_ext.h"
 #include "decode_attention.h"
 
 namespace specctl::attn {
 
 // Returns the mask's width W (0: no mask, the rows are a chain); fills anc/cnt, or fails on a bad mask.
 // Row i then attends to slots [0, start + T - W) and start + T - W + anc[i * W + j] for j < cnt[i].
-inline int64_t read_tree(const c10::optional<torch::Tensor>& tree, int64_t T, int64_t start,
+inline int64_t read_tree(const c10::optional<at::Tensor>& tree, int64_t T, int64_t start,
                          std::vector<int32_t>& anc, std::vector<int64_t>& cnt) {
   if (!tree.has_value() || !tree->defined()) return 0;
   auto tm = tree->to(at::kBool).contiguous();
