@@ -38,6 +38,7 @@ class EagleTrainConfig(L.TrainConfig):
     """Every setting of a train-eagle run (saved as training_config.json beside every checkpoint);
     the shared ones are ``TrainConfig``'s."""
 
+    TRAINER = "train-eagle"  # a class attribute (no annotation): not a setting
     version: int = 3
     """3 = EAGLE-3, 1 = EAGLE-1."""
     draft_vocab_size: int | None = None

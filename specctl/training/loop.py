@@ -47,8 +47,10 @@ def _paths(x) -> list[str]:
 
 @dataclass
 class TrainConfig:
-    """Settings every trainer shares; saved in training_config.json beside every checkpoint."""
+    """Settings every trainer shares; saved in training_config.json beside every checkpoint, with the
+    trainer's name (``TRAINER``: another trainer's run folder is refused by name)."""
 
+    TRAINER: ClassVar[str] = ""  # the command: "train-medusa", "train-eagle", "train-mtp"
     model: str
     """Target model: an HF folder, a .gguf file, a Hub id or a catalogue name."""
     output: str
@@ -147,7 +149,7 @@ class TrainConfig:
         return self
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        return {**dataclasses.asdict(self), **({"trainer": self.TRAINER} if self.TRAINER else {})}
 
 
 def _default(cfg, name: str):
@@ -259,6 +261,8 @@ def resume_point(cfg: TrainConfig, log: Log, legacy: Path | None = None) -> Path
     out = Path(cfg.output)
     ckpts = C.checkpoint_dirs(out)
     old_layout = legacy is not None and legacy.is_file()
+    if ckpts:
+        check_trainer(cfg, out, ckpts[-1])
     if not ckpts and not old_layout and not is_run_folder(out):
         found = sorted(p.name for p in out.iterdir() if not p.name.startswith("."))
         raise SpecctlError(f"--output {out} already holds files of its own ({', '.join(found[:3])}"
@@ -291,6 +295,33 @@ def resume_point(cfg: TrainConfig, log: Log, legacy: Path | None = None) -> Path
         return legacy
     log(f"--resume: no checkpoint in {out / C.CHECKPOINTS}; starting a new run")
     return None
+
+
+def made_by(cfg: TrainConfig, settings: dict) -> str | None:
+    """Which other trainer made a run whose training_config.json is ``settings``: its recorded name where that
+    is not ``cfg``'s, or, for a run from before names were recorded, "another trainer" when it has settings
+    that ``cfg``'s trainer has not (its own keys: a Medusa run's num_heads, an EAGLE run's ttt_steps). None:
+    ``cfg``'s own (or nothing to tell)."""
+    was = settings.get("trainer")
+    if isinstance(was, str) and was:
+        return None if was == cfg.TRAINER else was
+    other = set(settings) - {f.name for f in dataclasses.fields(cfg)} - {"trainer"}
+    return f"another trainer (settings {', '.join(sorted(other)[:3])})" if other and cfg.TRAINER else None
+
+
+def check_trainer(cfg: TrainConfig, out: Path, checkpoint: Path) -> None:
+    """A run folder whose ``checkpoint`` another trainer made: one line naming it, before any data or model is
+    read (with or without --resume: resuming it here would load the wrong modules)."""
+    from specctl.training import checkpoints as C
+
+    try:
+        settings = json.loads((checkpoint / C.TRAINING_CONFIG).read_text())
+    except (OSError, ValueError):
+        return
+    was = made_by(cfg, settings) if isinstance(settings, dict) else None
+    if was is not None:
+        raise UsageError(f"{out} holds a run that {was} made ({checkpoint.relative_to(out)}), not {cfg.TRAINER}",
+                         f"give {cfg.TRAINER} a new --output (resume that run with the command that made it)")
 
 
 def is_run_folder(out: Path) -> bool:

@@ -34,6 +34,7 @@ class MedusaTrainConfig(L.TrainConfig):
     """Every setting of a train-medusa run (saved as training_config.json beside every checkpoint);
     the shared ones are ``TrainConfig``'s."""
 
+    TRAINER = "train-medusa"  # a class attribute (no annotation): not a setting
     num_heads: int = 3
     """K, the number of heads (draft tokens per step)."""
     num_layers: int = 1

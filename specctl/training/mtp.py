@@ -26,7 +26,6 @@ What it does not know: the CLI, the decode loop, the network's files (``specctl.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import time
@@ -41,18 +40,19 @@ from torch import nn
 
 from specctl.drafts.mtp import MtpStack, mtp_logits, mtp_step
 from specctl.drafts.mtp_files import export_mtp, mimo_unfit_reason
-from specctl.errors import DataError, ModelError, UsageError
+from specctl.errors import DataError, UsageError
 from specctl.modeling import KVCache, Transformer
 from specctl.training import checkpoints as C
 from specctl.training import loop as L
-
-LEGACY_CHECKPOINT = Path("checkpoint") / "state.pt"  # before checkpoints/: one torch.save'd dict
+from specctl.training import mtp_resume as R
 
 
 @dataclass
 class MtpTrainConfig(L.TrainConfig):
     """Every setting of a train-mtp run (saved as training_config.json beside every checkpoint); the
     shared ones are ``TrainConfig``'s."""
+
+    TRAINER = "train-mtp"  # a class attribute (no annotation): not a setting
 
     num_layers: int = 1
     """MTP modules to train (num_nextn_predict_layers)."""
@@ -328,90 +328,6 @@ def module_shapes(args, num_layers: int, layout: str) -> dict[str, tuple[int, ..
     return {k: tuple(v.shape) for k, v in module.state_dict().items()}
 
 
-def newest_checkpoint(out: Path) -> Path | None:
-    """The checkpoint ``--resume`` continues from (``L.resume_point``'s choice): the newest folder in
-    out/checkpoints/, else the old single file ``LEGACY_CHECKPOINT``; None where there is neither."""
-    ckpts = C.checkpoint_dirs(out)
-    return ckpts[-1] if ckpts else (out / LEGACY_CHECKPOINT if (out / LEGACY_CHECKPOINT).is_file() else None)
-
-
-def read_checkpoint(path: Path) -> tuple[dict[str, tuple[int, ...]], dict]:
-    """(name -> shape of its module tensors, its state) of a checkpoint folder (its model.safetensors header,
-    its trainer_state.json) or of the old single file (its "stack"; the whole file is the state)."""
-    if path.is_dir():
-        from specctl.models import open_safetensors
-
-        shapes = {}
-        if (path / "model.safetensors").is_file():
-            with open_safetensors(path / "model.safetensors") as fh:
-                shapes = {k: tuple(fh.get_slice(k).get_shape()) for k in fh.keys()}
-        return shapes, json.loads((path / C.TRAINER_STATE).read_text())
-    st = torch.load(path, map_location="cpu", weights_only=False)
-    st = st if isinstance(st, dict) else {}
-    if isinstance(st.get("stack"), dict):
-        return {f"stack.{k}": tuple(v.shape) for k, v in st["stack"].items()}, st
-    return {f"{k}.*": () for k in st}, st  # another trainer's file: its entries, to name them
-
-
-def _some(names) -> str:
-    """The first three of ``names``, sorted, and "..." for the rest."""
-    names = sorted(names)
-    return ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
-
-
-def _settings(path: Path) -> dict:
-    """The training_config.json beside a checkpoint ({} where it is missing or unreadable)."""
-    try:
-        d = json.loads(((path if path.is_dir() else path.parent) / C.TRAINING_CONFIG).read_text())
-    except (OSError, ValueError):
-        return {}
-    return d if isinstance(d, dict) else {}
-
-
-def refuse_foreign_checkpoint(out: Path, path: Path, found: dict[str, tuple[int, ...]],
-                              want: dict[str, tuple[int, ...]]) -> None:
-    """Checkpoint ``path`` in run folder ``out`` with tensors ``found``, none of them train-mtp's (``want``),
-    is another trainer's (a copied train-eagle run, say): one line (ModelError) before any data or model is
-    read, with or without --resume (``resume_point`` would advise resuming it). Checkpoints record no
-    trainer's name: their tensors say whose they are, their settings (named) which trainer made them."""
-    if set(found) & set(want):
-        return
-    why = (f"its weights are {_some({k.split('.', 1)[0] + '.*' for k in found})}, train-mtp's are "
-           f"{_some({k.split('.', 1)[0] + '.*' for k in want})}") if found else "it holds no module weights"
-    other = set(_settings(path)) - {f.name for f in dataclasses.fields(MtpTrainConfig)}
-    if other:
-        why += f"; its settings include {_some(other)}, which train-mtp has not"
-    raise ModelError(f"{out} holds a checkpoint train-mtp did not make ({path.relative_to(out)}: {why})",
-                     "give train-mtp a new --output (resume that run with the trainer that made it)")
-
-
-def misfit_reason(found: dict[str, tuple[int, ...]], want: dict[str, tuple[int, ...]]) -> str | None:
-    """Why train-mtp checkpoint tensors ``found`` cannot be loaded as this run's ``want``, or None where they fit."""
-    missing, extra = set(want) - set(found), set(found) - set(want)
-    if missing or extra:
-        return ", ".join(([f"{len(missing)} tensors missing ({_some(missing)})"] if missing else [])
-                         + ([f"{len(extra)} unexpected ({_some(extra)})"] if extra else []))
-    bad = next((k for k in want if found[k] != want[k]), None)
-    return None if bad is None else f"{bad} is {list(found[bad])} there, {list(want[bad])} for this target"
-
-
-def check_resumable(path: Path, found: dict[str, tuple[int, ...]], state: dict, want: dict[str, tuple[int, ...]],
-                    layout: str, global_batch: int) -> None:
-    """A train-mtp checkpoint this run could not load (another target's sizes, another layout, another global
-    batch) is one line before the target's states are computed, not a state_dict error after them."""
-    why = misfit_reason(found, want)
-    if why is not None:
-        was = _settings(path).get("model")
-        raise ModelError(f"--resume: the checkpoint {path} does not fit this run ({why})", "resume with the --model "
-                         f"it was trained for{f' ({was})' if was else ''}, or choose a new --output")
-    legacy = path.is_file()
-    was_layout = state.get("layout", "deepseek_v3" if legacy else None)  # the old file predates other layouts
-    L.need(was_layout == layout, f"the checkpoint {path} was trained for the {was_layout} layout, not {layout}",
-           f"pass --layout {was_layout}, or drop --resume")
-    if not legacy:
-        L.check_global_batch(state, global_batch)
-
-
 # --------------------------------------------------------------------------- training
 
 def train_mtp(cfg: MtpTrainConfig, progress: Callable[[str], None] = lambda s: None, command: str | None = None,
@@ -440,15 +356,15 @@ def train_mtp(cfg: MtpTrainConfig, progress: Callable[[str], None] = lambda s: N
     torch.manual_seed(cfg.seed)
     out = Path(cfg.output).expanduser()
     want, gbs = module_shapes(args, cfg.num_layers, layout), L.global_batch_size(cfg, acc)
-    newest = newest_checkpoint(out)  # checked before anything costly (data, the model, the target's states)
-    found, state = read_checkpoint(newest) if newest is not None else ({}, {})
+    newest = R.newest_checkpoint(out)  # checked before anything costly (data, the model, the target's states)
+    found, state = R.read_checkpoint(newest) if newest is not None else ({}, {})
     if newest is not None:
-        refuse_foreign_checkpoint(out, newest, found, want)
-    resume_from = L.resume_point(cfg, log, legacy=out / LEGACY_CHECKPOINT)
+        R.refuse_foreign_checkpoint(cfg, out, newest, found, want)
+    resume_from = L.resume_point(cfg, log, legacy=out / R.LEGACY_CHECKPOINT)
     if resume_from is not None:
         if resume_from != newest:
-            found, state = read_checkpoint(resume_from)
-        check_resumable(resume_from, found, state, want, layout, gbs)
+            found, state = R.read_checkpoint(resume_from)
+        R.check_resumable(resume_from, found, state, want, layout, gbs)
     texts = [t for p in cfg.data for t in D.read_texts(p)]  # bad data fails before the model loads
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     target = load_transformer(model_dir, parse_dtype(cfg.dtype), device=dev)
@@ -474,7 +390,7 @@ def train_mtp(cfg: MtpTrainConfig, progress: Callable[[str], None] = lambda s: N
     model, opt = acc.prepare(MtpLoss(stack, frozen, cfg.depth, weights), opt)
     acc.register_for_checkpointing(sched)
     step, losses, history = 0, [], []
-    if resume_from is not None and resume_from.is_file():  # LEGACY_CHECKPOINT: ``state`` is the whole file
+    if resume_from is not None and resume_from.is_file():  # the old single file: ``state`` is the whole file
         stack.load_state_dict(state["stack"])
         opt.load_state_dict(state["optim"])
         sched.load_state_dict(state["sched"])
