@@ -3,10 +3,10 @@
     python benchmarks/block_ab.py --path avx512_bf16 [--rev HEAD] [--model qwen2.5-coder-1.5b] [--rows 1 8]
     python benchmarks/block_ab.py --path amx_int8 --gguf Qwen2.5-Coder-1.5B-Instruct.gguf [--rows 1 9]
 
-Paths: ``amx`` and ``avx512_bf16`` (a bf16 model: kernels/csrc/decode_layer.cpp's build for it and the
+Paths: ``amx`` and ``avx512_bf16`` (a bf16 model: specctl/kernels/csrc/decode_layer.cpp's build for it and the
 linear kernel the LM head takes, amx_linear.cpp or skinny_linear.cpp), ``amx_int8`` and ``avx512_vnni`` (a
 GGUF file run as it is: the quantized block's build and quant_linear.cpp's). Both sets are built from their
-sources (the revision's from ``git show REV:kernels/csrc/...``, headers included), the model is loaded once,
+sources (the revision's from ``git show REV:specctl/kernels/csrc/...``, headers included), the model is loaded once,
 and forwards of each row count (one token after a 256-token prompt, or a verify forward of several) run
 with the two sets' calls alternated in rounds, checked equal bit for bit. Prints the CPU, each set's time
 (the lower quartile of its steps), their ratio, and each set's cost of a forward against one row.
@@ -43,11 +43,17 @@ def args() -> argparse.Namespace:
 
 
 def sources(rev: str) -> tuple[Path, str]:
-    """The revision's kernels/csrc in a temporary folder, and its short hash."""
+    """The revision's specctl/kernels/csrc (kernels/csrc before the package moved under specctl/) in a
+    temporary folder, and its short hash."""
     src = Path(tempfile.mkdtemp(prefix="block_ab_"))
     git = ["git", "-C", str(ROOT)]
-    for f in subprocess.run([*git, "ls-tree", "--name-only", rev, "kernels/csrc/"], capture_output=True, text=True,
-                            check=True).stdout.split():
+    files = []
+    for folder in ("specctl/kernels/csrc/", "kernels/csrc/"):
+        files = subprocess.run([*git, "ls-tree", "--name-only", rev, folder], capture_output=True, text=True,
+                               check=True).stdout.split()
+        if files:
+            break
+    for f in files:
         (src / Path(f).name).write_bytes(subprocess.run([*git, "show", f"{rev}:{f}"], capture_output=True,
                                                         check=True).stdout)
     return src, subprocess.run([*git, "rev-parse", "--short", rev], capture_output=True, text=True,
@@ -57,7 +63,7 @@ def sources(rev: str) -> tuple[Path, str]:
 def main() -> None:
     a = args()
     if a.path == "avx512_bf16" and "SPECCTL_CPU_HIDE" not in os.environ and \
-            " amx_bf16" in Path("/proc/cpuinfo").read_text():  # before kernels.cpu reads it
+            " amx_bf16" in Path("/proc/cpuinfo").read_text():  # before specctl.kernels.cpu reads it
         os.environ["SPECCTL_CPU_HIDE"] = "amx_bf16,amx_tile,amx_int8"
     import specctl
 
@@ -65,9 +71,9 @@ def main() -> None:
     import torch
     from torch.utils.cpp_extension import load
 
-    from kernels import amx_linear, decode_layer, quant_linear, skinny_linear
-    from kernels._build import CFLAGS
-    from kernels.cpu import name as cpu_name
+    from specctl.kernels import amx_linear, decode_layer, quant_linear, skinny_linear
+    from specctl.kernels._build import CFLAGS
+    from specctl.kernels.cpu import name as cpu_name
     from specctl.runtime.runner import TargetRunner
 
     quant = a.path in ("amx_int8", "avx512_vnni")

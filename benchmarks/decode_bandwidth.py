@@ -2,7 +2,7 @@
 
     python benchmarks/decode_bandwidth.py [--model qwen2.5-coder-1.5b] [--steps 48] [--rounds 6] [--llama-gguf F.gguf]
 
-Bandwidth: two independent plain reads of a 2 GiB buffer, torch's sum and kernels/csrc/membw.cpp (all
+Bandwidth: two independent plain reads of a 2 GiB buffer, torch's sum and specctl/kernels/csrc/membw.cpp (all
 threads, 4 streams each, prefetch, huge pages), the faster counting. Decode: one-token forwards after a
 256-token prompt; bytes per step = every weight read once (projections, norms, the LM head; the
 embedding row read is negligible) plus the KV cache read. Reads and decode steps alternate in rounds,
@@ -29,15 +29,15 @@ from pathlib import Path
 
 import torch
 
-from kernels.cpu import name as cpu_name
+from specctl.kernels.cpu import name as cpu_name
 
 
 def readers(gib: float = 2.0):
     """Two independent plain reads of a 2 GiB buffer, each a function that returns its GB/s: torch's sum
-    over fp32, and kernels/csrc/membw.cpp (all threads, 4 streams each, prefetch, huge pages; None where
+    over fp32, and specctl/kernels/csrc/membw.cpp (all threads, 4 streams each, prefetch, huge pages; None where
     it does not build). Decode is judged against the faster of them, measured in the same rounds."""
-    from kernels._build import build
-    from kernels.amx_linear import huge_empty
+    from specctl.kernels._build import build
+    from specctl.kernels.amx_linear import huge_empty
 
     buf = torch.ones(int(gib * 2**30) // 4, dtype=torch.float32)
     buf.sum()

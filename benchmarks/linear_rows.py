@@ -3,7 +3,7 @@
     python benchmarks/linear_rows.py                     # this CPU as it is
     ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 python benchmarks/linear_rows.py   # torch as on a CPU without AMX
 
-Exact bf16 mode on a CPU without AMX sends every linear through kernels/csrc/skinny_linear.cpp, for
+Exact bf16 mode on a CPU without AMX sends every linear through specctl/kernels/csrc/skinny_linear.cpp, for
 any row count (a row-count threshold would make a row's rounding depend on its forward's size).
 This prints, for Qwen2.5-Coder-1.5B's shapes and 1..1024 rows, the best of 5 runs of each and the
 ratio kernel / torch: decode rows (1-16) should be below 1, prefill (hundreds of rows) near 1 when
@@ -22,8 +22,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from kernels import skinny_linear
-from kernels.cpu import name as cpu_name
+from specctl.kernels import skinny_linear
+from specctl.kernels.cpu import name as cpu_name
 
 
 def best(fn, reps: int = 5) -> float:

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from kernels.cpu import name as cpu_name
+from specctl.kernels.cpu import name as cpu_name
 
 DECODED = re.compile(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds")
 EVAL = re.compile(r"(?<!prompt )eval time =\s+([\d.]+) ms /\s+(\d+) (?:runs|tokens)")
@@ -115,7 +115,7 @@ def main() -> None:
 
     target, decoders = specctl_decoders()
     if a.hide:
-        from kernels import cpu
+        from specctl.kernels import cpu
 
         with cpu.hidden(*a.hide.split(",")):  # the models loaded here keep the kernels such a CPU takes
             decoders.update(specctl_decoders(a.hide)[1])

@@ -17,7 +17,7 @@ import time
 
 import numpy as np
 
-from kernels.ngram import ngram_propose_batch
+from specctl.kernels.ngram import ngram_propose_batch
 
 
 def per_request_us(tokens: np.ndarray, lens: np.ndarray, k: int, reps: int) -> float:

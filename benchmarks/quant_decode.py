@@ -11,7 +11,7 @@ effective bandwidth (bytes of weights one step reads: the blocks of every QuantL
 tensors it reads, and the KV cache, over the step's time) against the machine's best plain read
 (benchmarks/decode_bandwidth.py's probe), the cost of verify forwards (5 and 9 rows) over one row,
 and end-to-end greedy generation tok/s (the decoder loop, 64 new tokens). ``--paths`` runs the GGUF
-once per kernel path of kernels/quant_linear.py (the same file, each projection forced to the path)
+once per kernel path of specctl/kernels/quant_linear.py (the same file, each projection forced to the path)
 beside the dense model, so paths compare within one run (default: the path chosen for bf16).
 ``--micro`` first times single linears (Qwen2.5-Coder-1.5B's gate|up [8960, 1536] Q4_K, down
 [1536, 8960] Q6_K; 0.5B's [4864, 896] Q5_0 and Q8_0) at 1, 5 and 9 rows on each path: G weights/s
@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from kernels.cpu import name as cpu_name
+from specctl.kernels.cpu import name as cpu_name
 
 
 def find_gguf(entry, gguf_dir: Path, fetch: bool) -> Path | None:
@@ -69,7 +69,7 @@ def weight_bytes(model) -> int:
 
 def use_path(file: Path, path: str):
     """The GGUF loaded with every QuantLinear on kernel ``path`` (a packed path packs its weights at load)."""
-    from kernels import quant_linear as ql
+    from specctl.kernels import quant_linear as ql
     from specctl.runtime.quant import load_gguf_transformer
 
     if ql.load(path) is None:
@@ -81,7 +81,7 @@ def micro(paths: list[str], reps: int = 30) -> None:
     """Single quantized linears per path, bf16 x, best of ``reps``."""
     import numpy as np
 
-    from kernels import quant_linear as ql
+    from specctl.kernels import quant_linear as ql
 
     rng = np.random.default_rng(0)
     threads = torch.get_num_threads()
@@ -118,7 +118,7 @@ def main() -> None:
                     "(default: the one chosen for bf16)")
     ap.add_argument("--micro", action="store_true", help="also time single linears on each path")
     a = ap.parse_args()
-    from kernels import quant_linear as ql
+    from specctl.kernels import quant_linear as ql
 
     paths = a.paths or [ql.best_path(torch.bfloat16)]
 

@@ -2,8 +2,8 @@
 
     python benchmarks/quant_linear_ab.py [--rev HEAD] [--rows 1 4 8 9] [--rounds 5]
 
-Builds kernels/csrc/quant_linear.cpp twice (the avx512_vnni path: the one bf16 x takes on VNNI CPUs), from
-the revision's kernels/csrc (``git show REV:...``, headers included) and from the working tree, and times
+Builds specctl/kernels/csrc/quant_linear.cpp twice (the avx512_vnni path: the one bf16 x takes on VNNI CPUs), from
+the revision's specctl/kernels/csrc (``git show REV:...``, headers included) and from the working tree, and times
 both on Qwen2.5-Coder-1.5B's shapes (gate|up
 [8960, 1536] Q4_K, down [1536, 8960] Q6_K; random blocks with small scales) at each row count, calls of the
 two builds alternated in rounds (this machine is shared and noisy: each figure is the median over rounds
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from kernels.cpu import name as cpu_name
+from specctl.kernels.cpu import name as cpu_name
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -32,8 +32,8 @@ def build(name: str, source: Path):
     """``source`` built against the headers beside it (a revision's own gguf_q8.h, not the tree's)."""
     from torch.utils.cpp_extension import load
 
-    from kernels import quant_linear as ql
-    from kernels._build import CFLAGS
+    from specctl.kernels import quant_linear as ql
+    from specctl.kernels._build import CFLAGS
 
     return load(name=name, sources=[str(source)], extra_include_paths=[str(source.parent)],
                 extra_cflags=[*CFLAGS, *ql._FLAGS["avx512_vnni"], "-ffp-contract=off"],
@@ -41,7 +41,7 @@ def build(name: str, source: Path):
 
 
 def blocks(qtype: str, N: int, K: int, g: torch.Generator) -> torch.Tensor:
-    from kernels import quant_linear as ql
+    from specctl.kernels import quant_linear as ql
 
     w = torch.randint(0, 256, (N, ql.row_bytes(qtype, K)), dtype=torch.uint8, generator=g)
     v = w.view(N, -1, ql.TYPES[qtype][2])
@@ -54,8 +54,8 @@ def blocks(qtype: str, N: int, K: int, g: torch.Generator) -> torch.Tensor:
 
 
 def main() -> None:
-    from kernels import cpu
-    from kernels import quant_linear as ql
+    from specctl.kernels import cpu
+    from specctl.kernels import quant_linear as ql
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--rev", default="HEAD", help="the git revision to compare against")
@@ -66,9 +66,9 @@ def main() -> None:
         raise SystemExit("this CPU lacks AVX512-VNNI: the int8 path does not run here")
     from block_ab import sources  # beside this script
 
-    tmp, rev = sources(a.rev)  # the revision's kernels/csrc, headers included
+    tmp, rev = sources(a.rev)  # the revision's specctl/kernels/csrc, headers included
     exts = {rev: build(f"specctl_ql_ab_{rev}", tmp / "quant_linear.cpp"),
-            "tree": build("specctl_ql_ab_tree", ROOT / "kernels/csrc/quant_linear.cpp")}
+            "tree": build("specctl_ql_ab_tree", ROOT / "specctl/kernels/csrc/quant_linear.cpp")}
     g = torch.Generator().manual_seed(0)
     cases = [("Q4_K", 8960, 1536), ("Q6_K", 1536, 8960)]
     ws = {c: blocks(c[0], c[1], c[2], g) for c in cases}

@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from kernels.cpu import name as cpu_name
+from specctl.kernels.cpu import name as cpu_name
 
 
 def main() -> None:
@@ -30,7 +30,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--paths", nargs="+", default=["amx_int8", "avx512_vnni"])
     a = ap.parse_args()
-    from kernels import quant_linear as ql
+    from specctl.kernels import quant_linear as ql
     from specctl.fetch import cache_dir
     from specctl.models import CATALOGUE
     from specctl.runtime.quant import load_gguf_transformer

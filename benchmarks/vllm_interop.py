@@ -314,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
         _worker(args.worker)
         return 0
 
-    from kernels.cpu import name as cpu_name
+    from specctl.kernels.cpu import name as cpu_name
     from specctl.workloads import load_workload, render_prompt
     from specctl.config import SpecConfig
     from specctl.models import resolve_model

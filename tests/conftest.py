@@ -73,14 +73,14 @@ _prebuild: subprocess.Popen | None = None
 
 def pytest_sessionstart(session):
     """Under pytest -n (pyproject's default), the controller compiles the C++ kernels in the background
-    (kernels.prebuild, two builds at a time) while the workers start on the tests: a worker that needs a
+    (specctl.kernels.prebuild, two builds at a time) while the workers start on the tests: a worker that needs a
     kernel not built yet waits on torch's build lock for that build, instead of each worker compiling them
     one after another as it meets them."""
     global _prebuild
     cfg = session.config
     if hasattr(cfg, "workerinput") or not cfg.getoption("numprocesses", None):
         return
-    _prebuild = subprocess.Popen([sys.executable, "-m", "kernels.prebuild", "--jobs", "2"], cwd=_TESTS.parent,
+    _prebuild = subprocess.Popen([sys.executable, "-m", "specctl.kernels.prebuild", "--jobs", "2"], cwd=_TESTS.parent,
                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
@@ -242,7 +242,7 @@ BF16_PATHS = {
 @pytest.fixture(params=list(BF16_PATHS))
 def bf16_path(request):
     """The name of the bf16 path under test; the CPU looks, meanwhile, like one that selects it."""
-    from kernels import cpu
+    from specctl.kernels import cpu
 
     name = request.param
     needs, hide = BF16_PATHS[name]
@@ -402,7 +402,7 @@ def tiny_quant_gguf(tiny_model_factory, tmp_path_factory) -> Path:
     """A tiny llama as a quantized GGUF file with its tokenizer (``write_quant_gguf``); skipped without gguf
     or without the quant_linear kernel."""
     pytest.importorskip("gguf")
-    from kernels import quant_linear as ql
+    from specctl.kernels import quant_linear as ql
 
     if ql.best_path(torch.float32) is None:
         pytest.skip("the quant_linear kernel did not build here (no C++ compiler?)")
@@ -419,7 +419,7 @@ def fma_form(module, path: str = "avx512"):
     """``module``'s build as a CPU with AVX-512 but no AVX512-BF16 takes it (``path`` "avx512": vdpbf16ps's
     arithmetic in fp32 FMAs, csrc/bf16.h), or one with AVX2 alone ("avx2": that form on two ymm halves,
     csrc/vec16.h), beside the AVX512-BF16 build that ``module`` loads here; skips unless both run."""
-    from kernels import cpu, skinny_linear
+    from specctl.kernels import cpu, skinny_linear
 
     if skinny_linear.path() != "avx512_bf16":
         pytest.skip("needs a CPU with AVX512-BF16, to compare the two forms")

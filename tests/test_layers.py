@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # (module prefix, layer): the longest matching prefix decides; higher layers may import lower ones
 LAYERS = [
-    ("kernels", 0),
+    ("specctl.kernels", 0),
     ("specctl", 1),  # the base: errors, config, files, chat, models, hub, fetch, roofline, vllm_compat
     ("specctl.modeling", 2),
     ("specctl.drafts", 3),
@@ -36,7 +36,7 @@ SIBLINGS = {"specctl.bench", "specctl.training"}  # same layer, and neither impo
 
 def _modules() -> dict[str, Path]:
     out = {}
-    for top in ("specctl", "kernels"):
+    for top in ("specctl",):
         for p in (ROOT / top).rglob("*.py"):
             parts = p.relative_to(ROOT).with_suffix("").parts
             name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)

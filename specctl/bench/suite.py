@@ -177,7 +177,7 @@ class BenchReport:
 
 
 def machine_header(loaded: LoadedModel, max_new_tokens: int, temperature: float) -> dict:
-    from kernels.cpu import name as cpu_name
+    from specctl.kernels.cpu import name as cpu_name
 
     cpu = cpu_name()
     dev = loaded.device

@@ -221,7 +221,7 @@ class EagleDraft(nn.Module):
 
 
 class FusedEagle3:
-    """An EAGLE-3 draft for a bf16 target on an AMX CPU: its layer is one C++ call (kernels/decode_layer's
+    """An EAGLE-3 draft for a bf16 target on an AMX CPU: its layer is one C++ call (specctl/kernels/decode_layer's
     ``eagle3_layer``), fc and the draft head are AMX linears on weights packed once, all in bf16.
 
     At batch 1 the fp32 per-op layer cost ~1.3 ms per call for SmolLM2-135M's width, mostly torch
@@ -234,7 +234,7 @@ class FusedEagle3:
     dtype = torch.bfloat16
 
     def __init__(self, draft: EagleDraft):
-        from kernels import amx_linear
+        from specctl.kernels import amx_linear
 
         pk = lambda w: amx_linear.pack(w.detach().to(torch.bfloat16).contiguous())  # noqa: E731
         bf = lambda w: w.detach().to(torch.bfloat16).contiguous()  # noqa: E731
@@ -258,7 +258,7 @@ class FusedEagle3:
 
     @classmethod
     def build(cls, draft: EagleDraft, target_dtype: torch.dtype, device) -> "FusedEagle3 | None":
-        from kernels import amx_linear, decode_layer
+        from specctl.kernels import amx_linear, decode_layer
 
         a, H = draft.spec.args, draft.spec.args.hidden_size
         fits = (draft.version == 3 and target_dtype == torch.bfloat16 and torch.device(device).type == "cpu"
@@ -271,7 +271,7 @@ class FusedEagle3:
         return cls(draft)
 
     def feature(self, target_hidden, target_aux: torch.Tensor) -> torch.Tensor:
-        from kernels import amx_linear
+        from specctl.kernels import amx_linear
 
         return amx_linear.linear(target_aux.to(torch.bfloat16).contiguous(), self.fc, self.fc_bias)
 
@@ -281,7 +281,7 @@ class FusedEagle3:
     def forward_cached(self, emb, h, start: int, k_cache, v_cache, positions=None, mask=None) -> torch.Tensor:
         """As EagleDraft.forward_cached; a tree ``mask`` [T, start+T] must see the whole prefix before
         the tree's first slot (as the proposer's masks do)."""
-        from kernels import decode_layer
+        from specctl.kernels import decode_layer
 
         T, R = h.shape[1], decode_layer.MAX_ROWS
         if T > R:  # a prompt's feature rows: causal chunks of what one call takes
@@ -306,6 +306,6 @@ class FusedEagle3:
         return torch.cat(outs, 1)
 
     def logits(self, out: torch.Tensor, head_weight=None) -> torch.Tensor:
-        from kernels import amx_linear
+        from specctl.kernels import amx_linear
 
         return amx_linear.linear(self.norm(out.to(torch.bfloat16)).contiguous(), self.head).float()

@@ -36,7 +36,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels import skinny_linear
+from specctl.kernels import skinny_linear
 from specctl.modeling import Block, ModelArgs, RMSNorm, Segment, Transformer
 
 LAYOUTS = ("deepseek_v3", "qwen3_next", "mimo")

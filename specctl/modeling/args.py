@@ -11,12 +11,12 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import decode_layer
+from specctl.kernels import decode_layer
 from specctl.config import SUPPORTED_ARCHS
 from specctl.errors import ModelError
 # Forwards of at most this many tokens are "decode/verify" forwards (a chain's k+1 rows, a draft
 # tree's nodes): every op in them computes a row exactly as a one-token forward would (see
-# Block.forward and kernels/skinny_linear.py), so greedy speculative output equals plain greedy
+# Block.forward and specctl/kernels/skinny_linear.py), so greedy speculative output equals plain greedy
 # output bit for bit, in bf16 too. Longer forwards are prefill (attention through SDPA).
 VERIFY_ROWS = decode_layer.MAX_ROWS
 # Without the C++ attention (fp32, CUDA), verify rows up to this many attend one SDPA call per row,

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from kernels import decode_attention, decode_layer, skinny_linear
+from specctl.kernels import decode_attention, decode_layer, skinny_linear
 from specctl.errors import ModelError, UsageError
 from specctl.modeling.args import ModelArgs, rope_inv_freq
 from specctl.modeling.transformer import Transformer, pack_for_amx
@@ -89,12 +89,12 @@ def _dense_bf16(layer) -> bool:
 
 
 def weights_on_huge_pages(model: "Transformer") -> None:
-    """Every bf16 projection and the LM head onto transparent huge pages (one kernels.amx_linear.Arena),
+    """Every bf16 projection and the LM head onto transparent huge pages (one specctl.kernels.amx_linear.Arena),
     as the AMX path's packed copies are: a decode step streams them once, and 4 KiB pages cost a page walk
     every 4 KiB of each of the kernel's weight streams (where THP is "madvise", as here, torch's own
     allocations get 4 KiB pages; Qwen2.5-Coder-1.5B decode on an AMD EPYC, alternated in one process:
     118.9 -> 108.9 ms a step, median of 45)."""
-    from kernels.amx_linear import Arena
+    from specctl.kernels.amx_linear import Arena
 
     layers = [layer for block in model.layers for layer in (block.qkv, block.o, block.gate_up, block.down)
               if _dense_bf16(layer)]

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import amx_linear, decode_attention, decode_layer, skinny_linear
+from specctl.kernels import amx_linear, decode_attention, decode_layer, skinny_linear
 from specctl.modeling.args import SDPA_ROWS, VERIFY_ROWS, ModelArgs, rope_inv_freq
 from specctl.modeling.kv_cache import KVCache, scored_upto
 
@@ -110,8 +110,8 @@ class Block(nn.Module):
         self.post_norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.gate_up = nn.Linear(a.hidden_size, 2 * a.intermediate_size, bias=a.mlp_bias)
         self.down = nn.Linear(a.intermediate_size, a.hidden_size, bias=a.mlp_bias)
-        self.exact_attention = False  # decode/verify rows through kernels/decode_attention (bf16 CPU)
-        self.fused = False  # decode/verify rows through kernels/decode_layer (one call per block)
+        self.exact_attention = False  # decode/verify rows through specctl/kernels/decode_attention (bf16 CPU)
+        self.fused = False  # decode/verify rows through specctl/kernels/decode_layer (one call per block)
 
     def forward(self, x, cos, sin, k_cache, v_cache, start: int, mask, tree: bool = False,
                 tree_mask: torch.Tensor | None = None):
@@ -228,7 +228,7 @@ class Transformer(nn.Module):
         self.head_packed: torch.Tensor | None = None  # the LM head in AMX tiles (pack_for_amx)
         self.quant_head: nn.Module | None = None  # the LM head as GGUF blocks (specctl.runtime.quant), fp32 logits
         # the row-independent C++ path its bf16 linears take on a CPU ("amx", "avx512_bf16", "avx512", "avx2"; see
-        # kernels/cpu.py), or None for torch's own kernels
+        # specctl/kernels/cpu.py), or None for torch's own kernels
         self.cpu_kernels: str | None = None
 
     @property
@@ -299,7 +299,7 @@ class Transformer(nn.Module):
         """One forward over many requests' rows: tokens [R] (the segments' tokens one after the
         other), each segment at its own cache and positions (a decode row, a verify block, a draft
         tree or a prompt). The linears read the weights once for all R rows; on the row-independent
-        paths (AMX, AVX512-BF16: kernels/cpu.py) every row equals, bit for bit, what the request's
+        paths (AMX, AVX512-BF16: specctl/kernels/cpu.py) every row equals, bit for bit, what the request's
         own ``forward`` computes. Returns (logits [R', V]: every row, but only the last of a
         ``last_only`` segment; hidden [R, H], final-normed); ``aux_out`` [R, len(aux_layers) * H].
         ``layers``: run only these (a draft that skips layers; the others' caches are left as they are)."""

@@ -4,7 +4,7 @@
 mapped) into ``specctl.modeling.Transformer``: the config from the GGUF metadata; the token
 embeddings and norms in the activation dtype (small: the embedding is dequantized once by the
 kernel's own decoder); every attention and MLP projection, and the LM head where it is stored
-quantized, as a ``QuantLinear`` holding the raw blocks (kernels/quant_linear.py). A projection's
+quantized, as a ``QuantLinear`` holding the raw blocks (specctl/kernels/quant_linear.py). A projection's
 forward reads its blocks once per forward for all rows; a row's output does not depend on the rows
 beside it, so speculation (verification) stays lossless relative to the quantized model.
 
@@ -27,8 +27,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from kernels import quant_linear as ql
-from kernels.amx_linear import Arena
+from specctl.kernels import quant_linear as ql
+from specctl.kernels.amx_linear import Arena
 from specctl.errors import ModelError, UsageError
 from specctl.modeling import ModelArgs, Transformer, enable_exact_bf16, rope_inv_freq
 
@@ -39,7 +39,7 @@ DENSE_TYPES = ("F32", "F16", "BF16")
 class QuantLinear(nn.Module):
     """y = x @ W^T + b with W as GGUF blocks: ``parts`` [(blocks [N_p, row_bytes] uint8, ggml type)],
     their outputs side by side (a fused q|k|v whose parts have different types). ``out_fp32``: fp32
-    outputs whatever x is (an LM head's logits). ``path``: the kernel path (kernels.quant_linear),
+    outputs whatever x is (an LM head's logits). ``path``: the kernel path (specctl.kernels.quant_linear),
     fixed at construction. ``weight`` is a dense copy made on first use (for code that reads a
     head's rows); the forward never uses it."""
 
@@ -220,7 +220,7 @@ def load_gguf_transformer(path: str | Path, dtype: torch.dtype = torch.bfloat16,
     """The own Transformer over a GGUF file's quantized weights (see the module docstring).
     ``kernels``: the attention path of a bf16 model, as ``load_transformer``'s (the projections
     always take the quantized kernel). ``quant_path``: the quant_linear path of every projection
-    (default: kernels.quant_linear.best_path)."""
+    (default: specctl.kernels.quant_linear.best_path)."""
     from specctl.gguf_files import open_gguf
 
     path = Path(path)
@@ -245,7 +245,7 @@ def load_gguf_transformer(path: str | Path, dtype: torch.dtype = torch.bfloat16,
     if head[0] is None:  # tied: the head reads the embedding's blocks (as stored, quantized or not)
         ts.used.discard("token_embd.weight")
         head = ts.take("token_embd.weight")
-    # every projection's parts first, so that all of them go into one arena sized for them (kernels.amx_linear.Arena)
+    # every projection's parts first, so that all of them go into one arena sized for them (specctl.kernels.amx_linear.Arena)
     linears: list[tuple[nn.Module, str, list, int, torch.Tensor | None, str]] = []  # (owner, attribute, parts, K, bias, name)
     for i, block in enumerate(model.layers):
         p = f"blk.{i}."

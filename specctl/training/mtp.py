@@ -139,7 +139,7 @@ def dense_weight(layer: nn.Module) -> torch.Tensor:
     """[out, in] row-major weight of a target projection, whatever form its kernel reads: a bf16 target on an
     AMX CPU holds AMX tiles [out/16, in/32, 16, 16, 2] (``pack_for_amx``), a GGUF ``QuantLinear`` dequantizes."""
     if getattr(layer, "amx_packed", False):
-        from kernels import amx_linear
+        from specctl.kernels import amx_linear
 
         return amx_linear.unpack(layer.weight)
     return layer.weight

@@ -407,7 +407,7 @@ def test_kernels_option_picks_the_bf16_cpu_path_and_is_recorded(tiny_model_dir, 
     assert h["kernels"] == "torch" and h["cpu_kernels"] is None  # torch's own ops, as asked
     r = run_cli(*args, env_extra=env)
     h = json.loads(r.stdout)["header"]
-    from kernels import cpu
+    from specctl.kernels import cpu
 
     assert h["kernels"] == "auto" and h["cpu_kernels"] == (None if cpu.bf16_path() == "torch" else cpu.bf16_path())
     assert h["machine"] == cpu.name()  # the CPU named beside the figures: /proc/cpuinfo's model name

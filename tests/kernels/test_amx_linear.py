@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import amx_linear, cpu
+from specctl.kernels import amx_linear, cpu
 
 needs_amx = pytest.mark.skipif(not amx_linear.available(), reason=cpu.why_not(cpu.AMX, built=False))
 

@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from kernels import (
+from specctl.kernels import (
     amx_linear,
     cpu,
     decode_attention,
@@ -53,7 +53,7 @@ def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path, capsys):
     import os
     import time
 
-    from kernels._build import STALE_LOCK_S, clear_stale_lock
+    from specctl.kernels._build import STALE_LOCK_S, clear_stale_lock
 
     lock = tmp_path / "lock"
     lock.touch()

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu, decode_attention
+from specctl.kernels import cpu, decode_attention
 from specctl.runtime.runner import tree_attention_mask
 
 pytestmark = pytest.mark.skipif(decode_attention.load() is None, reason=cpu.why_not(cpu.AVX512, built=False))

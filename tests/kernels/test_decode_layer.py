@@ -1,4 +1,4 @@
-"""The fused decode block (kernels/decode_layer), each build (AMX; AVX512-BF16 without AMX, as on an AMD
+"""The fused decode block (specctl/kernels/decode_layer), each build (AMX; AVX512-BF16 without AMX, as on an AMD
 EPYC; AVX-512 without BF16, as on an Intel Ice Lake; AVX2 alone, as on an AMD Zen 3; GGUF quantized weights on AVX512-VNNI): the same block as the per-op path to bf16 rounding, the same
 keys and values in the cache, and rows independent of how many share the call."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cpu, decode_layer
+from specctl.kernels import cpu, decode_layer
 from specctl.modeling import KVCache, load_transformer
 from specctl.runtime.runner import tree_attention_mask, tree_depths
 

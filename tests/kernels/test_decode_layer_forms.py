@@ -1,4 +1,4 @@
-"""The fused decode block's FMA-form builds (kernels/decode_layer: "avx512" for AVX-512 without BF16, "avx2" for
+"""The fused decode block's FMA-form builds (specctl/kernels/decode_layer: "avx512" for AVX-512 without BF16, "avx2" for
 AVX2 alone) against its AVX512-BF16 build. Apart from test_decode_layer.py, whose module-wide model fixture
 keeps CPU features hidden while its builds are under test."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cpu, decode_layer
+from specctl.kernels import cpu, decode_layer
 from specctl.modeling import KVCache, load_transformer
 from specctl.runtime.runner import tree_attention_mask
 

@@ -1,47 +1,37 @@
-"""Our top-level ``kernels`` package must never be mistaken for the Hugging Face Hub ``kernels`` package.
-
-transformers enables hub kernels when ``is_kernels_available()`` (a version check on the
-distribution that provides ``kernels``) says so; with specctl installed that distribution is
-specctl itself, whose version is outside transformers' accepted range, so the check is False.
-"""
+"""specctl's kernels live in ``specctl.kernels``: a top-level ``kernels`` is the Hugging Face Hub package,
+which transformers (>= 5.25) installs as a dependency and which took the import name from specctl's own
+top-level ``kernels`` package in a fresh environment (every C++ and numba kernel was then missing)."""
 
 from __future__ import annotations
 
+import ast
 import importlib
 import subprocess
 import sys
 from pathlib import Path
 
-import kernels
+from specctl import kernels
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-def test_kernels_is_this_repositorys_package():
-    path = Path(kernels.__file__).resolve()
-    assert path == REPO / "kernels" / "__init__.py"
-    ngram = importlib.import_module("kernels.ngram")
-    assert Path(ngram.__file__).resolve().parent == REPO / "kernels"
-
-
-def test_transformers_does_not_see_hub_kernels_in_process():
-    from transformers.utils import import_utils
-
-    check = import_utils.is_kernels_available
-    if hasattr(check, "cache_clear"):
-        check.cache_clear()
-    assert check() is False
-
-
-def test_transformers_does_not_see_hub_kernels_in_a_fresh_interpreter():
-    code = (
-        "import kernels, pathlib\n"
-        "from transformers.utils.import_utils import is_kernels_available\n"
-        "print(pathlib.Path(kernels.__file__).resolve())\n"
-        "print(is_kernels_available())\n"
-    )
+def test_the_kernels_are_this_repositorys_package_from_anywhere():
+    assert Path(kernels.__file__).resolve() == REPO / "specctl" / "kernels" / "__init__.py"
+    ngram = importlib.import_module("specctl.kernels.ngram")
+    assert Path(ngram.__file__).resolve().parent == REPO / "specctl" / "kernels"
+    code = "import pathlib, specctl.kernels.cpu as c; print(pathlib.Path(c.__file__).resolve())"
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/", timeout=60)
     assert res.returncode == 0, res.stderr
-    file_line, available = res.stdout.strip().splitlines()[-2:]
-    assert Path(file_line) == REPO / "kernels" / "__init__.py"  # importable from anywhere, not via cwd
-    assert available == "False"
+    assert Path(res.stdout.strip()) == REPO / "specctl" / "kernels" / "cpu.py"
+
+
+def test_nothing_imports_a_top_level_kernels_package():
+    """A top-level ``kernels`` is the Hub's (or nothing): no module of specctl, its tests or benchmarks imports it."""
+    bad = []
+    for top in ("specctl", "tests", "benchmarks"):
+        for p in (REPO / top).rglob("*.py"):
+            for node in ast.walk(ast.parse(p.read_text(encoding="utf-8"))):
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                    [node.module] if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 else []
+                bad += [f"{p.relative_to(REPO)}: {n}" for n in names if n == "kernels" or n.startswith("kernels.")]
+    assert not bad, bad

@@ -1,4 +1,4 @@
-"""kernels.ngram against a plain-Python reference of the algorithm, plus hand cases.
+"""specctl.kernels.ngram against a plain-Python reference of the algorithm, plus hand cases.
 
 Reference semantics (vLLM's prompt lookup): among the suffix n-grams of the sequence with
 min_n <= n <= max_n, take the longest that also occurs earlier (an occurrence ending before the
@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kernels.ngram import ngram_match, ngram_propose_batch
+from specctl.kernels.ngram import ngram_match, ngram_propose_batch
 
 
 def reference(tokens: list[int], min_n: int, max_n: int, k: int, max_model_len: int = 1 << 30) -> list[int]:

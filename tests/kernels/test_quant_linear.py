@@ -26,8 +26,8 @@ import numpy as np
 import pytest
 import torch
 
-from kernels import cpu
-from kernels import quant_linear as ql
+from specctl.kernels import cpu
+from specctl.kernels import quant_linear as ql
 
 gguf = pytest.importorskip("gguf")
 

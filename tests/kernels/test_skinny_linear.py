@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu, skinny_linear
+from specctl.kernels import cpu, skinny_linear
 
 needs_kernel = pytest.mark.skipif(not skinny_linear.available(), reason=cpu.why_not(cpu.AVX512, built=False))
 

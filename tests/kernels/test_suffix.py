@@ -1,4 +1,4 @@
-"""kernels.suffix against a brute-force reference, plus hand-built cases with known drafts.
+"""specctl.kernels.suffix against a brute-force reference, plus hand-built cases with known drafts.
 
 Reference semantics (ArcticInference's suffix tree, path speculation): every string s of length
 <= D has count(s) = its number of occurrences over the stored sequences. For match lengths
@@ -16,7 +16,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from kernels.suffix import BEST, CHILD, CNT, DIRTY, NEXT, TOK, SuffixTree, _bench
+from specctl.kernels.suffix import BEST, CHILD, CNT, DIRTY, NEXT, TOK, SuffixTree, _bench
 
 # ------------------------------------------------------------------------------ reference
 

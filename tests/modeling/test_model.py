@@ -351,7 +351,7 @@ def test_dense_weights_move_into_one_arena_unchanged(tiny_model_factory):
 
 
 def test_amx_packed_weights_share_one_arena(tiny_model_factory):
-    from kernels import amx_linear
+    from specctl.kernels import amx_linear
     from specctl.modeling.transformer import pack_for_amx
 
     if amx_linear.load() is None:

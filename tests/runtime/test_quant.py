@@ -25,7 +25,7 @@ from specctl.runtime.runner import LoadedModel, TargetRunner
 from tests.conftest import TINY_QUANT_SHAPE, write_quant_gguf
 
 gguf = pytest.importorskip("gguf")
-from kernels import quant_linear as ql
+from specctl.kernels import quant_linear as ql
 
 if ql.best_path(torch.float32) is None:
     pytest.skip("the quant_linear kernel did not build here (no C++ compiler?)", allow_module_level=True)
@@ -154,7 +154,7 @@ def test_load_model_runs_a_gguf_file_quantized(tiny_quant_gguf, tiny_model_dir):
     assert all(isinstance(getattr(b, n), QuantLinear) for b in lm.model.layers for n in ("qkv", "o", "gate_up", "down"))
     assert 5 in lm.stop_token_ids  # <|im_end|>, the tiny tokenizer's eos
     bf16 = load_model(tiny_quant_gguf, "bfloat16").model  # the exact-bf16 set-up leaves the blocks quantized:
-    from kernels import decode_layer
+    from specctl.kernels import decode_layer
 
     # fused only by the block's quantized build (where the CPU has VNNI), and no dense copy made to check
     assert all(b.fused == decode_layer.fits_quant(b) for b in bf16.layers)
@@ -210,7 +210,7 @@ def test_quant_linear_packs_once_on_the_amx_path():
 
 
 def test_parts_share_one_arena_sized_to_their_data(ggufs):
-    """A loaded model's quantized parts live in one buffer (kernels.amx_linear.Arena) whose bytes are
+    """A loaded model's quantized parts live in one buffer (specctl.kernels.amx_linear.Arena) whose bytes are
     within a few % of the parts' own: a huge-page mapping per part once cost a spare 2 MiB page each
     (SmolLM2-135M's 211 parts: 117 MiB of data in 539 MiB of storage)."""
     for dtype in (torch.bfloat16, torch.float32):

@@ -214,7 +214,7 @@ def _pack_amx(model) -> None:
     hand, so on any CPU: ``amx_linear.pack`` is plain torch; only running the packed model needs AMX)."""
     from torch import nn
 
-    from kernels import amx_linear
+    from specctl.kernels import amx_linear
 
     for block in model.layers:
         for layer in (block.qkv, block.o, block.gate_up, block.down):

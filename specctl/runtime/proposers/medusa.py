@@ -109,7 +109,7 @@ class MedusaProposer(Proposer):
         self.stop_ids = set(target.stop_token_ids) if target is not None else set()
         self.linear = F.linear
         if device.type == "cpu" and dtype == torch.bfloat16:
-            from kernels import skinny_linear  # bf16 GEMV for 1..16 rows: the heads' LM heads read fast
+            from specctl.kernels import skinny_linear  # bf16 GEMV for 1..16 rows: the heads' LM heads read fast
 
             self.linear = skinny_linear.linear
         self.temperature, self.top_k, self.top_p = 0.0, None, None  # default for slots never announced

@@ -1,6 +1,6 @@
 """NgramProposer: prompt-lookup drafting with vLLM's KMP-over-the-reversed-sequence algorithm.
 
-Deterministic (no draft probabilities). The numba kernel in ``kernels/ngram.py`` does the work for
+Deterministic (no draft probabilities). The numba kernel in ``specctl/kernels/ngram.py`` does the work for
 every request of the batch in one call; this class only holds the config and the output buffers.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kernels.ngram import ngram_propose_batch
+from specctl.kernels.ngram import ngram_propose_batch
 from specctl.config import SpecConfig
 from specctl.runtime.proposers.base import DraftOutput, Proposer
 

@@ -1,6 +1,6 @@
 """SuffixProposer: suffix decoding (arXiv 2411.04975) as ArcticInference implements it and vLLM's ``suffix`` calls it.
 
-Two kinds of suffix trees (``kernels/suffix.py``), both of depth ``suffix_decoding_max_tree_depth``:
+Two kinds of suffix trees (``specctl/kernels/suffix.py``), both of depth ``suffix_decoding_max_tree_depth``:
 
 - a *local* tree per request over its prompt and everything generated so far, appended as tokens
   are verified (``on_verified``; the first token, emitted by the prefill, is read from the context);
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kernels.suffix import SuffixTree
+from specctl.kernels.suffix import SuffixTree
 from specctl.config import SpecConfig
 from specctl.runtime.proposers.base import DraftOutput, Proposer
 

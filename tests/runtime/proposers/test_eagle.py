@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from kernels import cpu
+from specctl.kernels import cpu
 from specctl.chat import template_ids
 from specctl.config import SpecConfig
 from specctl.drafts.eagle import EagleDraft, FusedEagle3, spec_from_target
@@ -311,7 +311,7 @@ def test_tree_options_are_validated():
 # --------------------------------------------------------------------------- the fused bf16 EAGLE-3 draft
 
 def _fused_ok() -> bool:
-    from kernels import amx_linear, decode_layer
+    from specctl.kernels import amx_linear, decode_layer
 
     return decode_layer.load() is not None and amx_linear.load() is not None
 

@@ -145,7 +145,7 @@ def test_scores_are_attention_weights_and_change_nothing(target):
 def test_fused_kernel_writes_the_same_scores(tiny_model_factory):
     """On the fused CPU path the attention kernel writes the weights while it attends (no second pass):
     the same as the recomputed ones to bf16 rounding, and the outputs unchanged bit for bit."""
-    from kernels import cpu, decode_layer
+    from specctl.kernels import cpu, decode_layer
     from specctl.modeling import Segment
 
     if decode_layer.load() is None:

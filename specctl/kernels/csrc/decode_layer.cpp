@@ -362,7 +362,7 @@ Lin lin_of(const WArg& a, int64_t K, int64_t N, const char* what) {
   int64_t n = 0;
   for (size_t i = 0; i < ws.size(); ++i) {
 #if defined(__AMX_INT8__)
-    if (types[i] >= gg::amx8::PACKED) {  // AMX-INT8 panels (kernels/quant_linear.py pack)
+    if (types[i] >= gg::amx8::PACKED) {  // AMX-INT8 panels (specctl/kernels/quant_linear.py pack)
       TORCH_CHECK(i == 0 || l.parts[0].packed, what, ": parts are all packed or none");
       l.parts.push_back(gg::amx8::packed_part(ws[i], types[i], K, what));
       l.need |= gg::amx8::need_of(l.parts.back().type);

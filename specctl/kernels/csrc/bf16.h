@@ -39,7 +39,7 @@ inline f32x16 load_bf16x16(const uint16_t* p) {
 // each) or with AVX-512F or AVX2 alone (the same arithmetic in fp32 FMAs and integer ops, bit for bit under
 // the flush-to-zero / denormals-are-zero mode specctl's runtime sets; without it they part only where a
 // product or a sum is subnormal). A build without -mavx512bf16 takes the second: the "avx512" and "avx2"
-// paths of kernels.cpu.
+// paths of specctl.kernels.cpu.
 #if defined(__AVX512BF16__)
 using bf16x32 = __m512bh;  // 32 bf16 values, as vdpbf16ps reads them
 inline bf16x32 load_bf16x32(const uint16_t* p) { return (__m512bh)_mm512_loadu_si512(p); }

@@ -1,7 +1,7 @@
-"""Compile a C++ kernel in ``kernels/csrc`` once per machine (torch cpp_extension, cached).
+"""Compile a C++ kernel in ``specctl/kernels/csrc`` once per machine (torch cpp_extension, cached).
 
 ``build(name, source, needs, cflags)`` returns the extension module, or None where it cannot
-run here: the CPU lacks one of ``needs`` (as /proc/cpuinfo names them, see ``kernels.cpu``), or there is no
+run here: the CPU lacks one of ``needs`` (as /proc/cpuinfo names them, see ``specctl.kernels.cpu``), or there is no
 compiler; callers then keep torch's path. Every kernel is built with OpenMP: ATen's
 ``at::parallel_for`` is a header template, and without -fopenmp it silently runs on one thread.
 """
@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from kernels import cpu
+from specctl.kernels import cpu
 
 CSRC = Path(__file__).parent / "csrc"
 

@@ -82,7 +82,7 @@ def why_not(features: tuple[str, ...], built: bool = True) -> str:
 def bf16_path() -> str:
     """"amx", "avx512_bf16", "avx512", "avx2" or "torch": the bf16 path that the CPU's features select (and the
     compiler allows: a kernel that cannot build counts as absent)."""
-    from kernels import amx_linear, skinny_linear
+    from specctl.kernels import amx_linear, skinny_linear
 
     if amx_linear.available():
         return "amx"
@@ -90,7 +90,7 @@ def bf16_path() -> str:
 
 
 def _kernel_modules():
-    from kernels import amx_linear, decode_attention, decode_layer, skinny_linear
+    from specctl.kernels import amx_linear, decode_attention, decode_layer, skinny_linear
 
     return (amx_linear, decode_attention, decode_layer, skinny_linear)
 
@@ -101,7 +101,7 @@ def hidden(*names: str):
     loaders answer again, and models loaded inside take that CPU's path. Restored on exit."""
     mods = _kernel_modules()
     saved = [(m, m._ext, m._tried) for m in mods]
-    from kernels import skinny_linear
+    from specctl.kernels import skinny_linear
 
     enabled, before = skinny_linear.ENABLED, set(_hidden)
     _hidden.update(names)

@@ -1,6 +1,6 @@
 """Build every C++ kernel this CPU can run, ahead of the first model load, several at a time.
 
-    python -m kernels.prebuild [--jobs N] [--only-selected]
+    python -m specctl.kernels.prebuild [--jobs N] [--only-selected]
 
 Each kernel otherwise compiles the first time a model needs it (20-40 s each, one core); in a fresh
 container or CI job that is minutes spent one build at a time. Here every build the loaders could ask for on
@@ -24,7 +24,7 @@ Spec = tuple[str, str, tuple[str, ...], list[str]]  # (extension name, source, C
 
 def specs(only_selected: bool = False) -> list[Spec]:
     """The builds this CPU can run, the ones its own paths load first (then every other path's)."""
-    from kernels import (
+    from specctl.kernels import (
         amx_linear,
         cpu,
         decode_attention,
@@ -61,7 +61,7 @@ def specs(only_selected: bool = False) -> list[Spec]:
 
 
 def _build_one(spec: Spec) -> tuple[str, bool, float]:
-    from kernels._build import build
+    from specctl.kernels._build import build
 
     t0 = time.perf_counter()
     ok = build(*spec) is not None
@@ -80,8 +80,8 @@ def build_all(jobs: int, only_selected: bool = False, log=None) -> list[tuple[st
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m kernels.prebuild", description=__doc__.split("\n\n")[0],
-                                 epilog="example: python -m kernels.prebuild --jobs 2")
+    ap = argparse.ArgumentParser(prog="python -m specctl.kernels.prebuild", description=__doc__.split("\n\n")[0],
+                                 epilog="example: python -m specctl.kernels.prebuild --jobs 2")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="builds at a time (default: the CPU count)")
     ap.add_argument("--only-selected", action="store_true", help="only the builds this CPU's own paths load")
     a = ap.parse_args(argv)

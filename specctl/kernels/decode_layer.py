@@ -12,7 +12,7 @@ kernels/skinny_linear, one shared core: csrc/skinny_gemm.h).
 length and draft tree (the batched engine).
 
 ``load_quant()`` builds the same block over GGUF quantized weights as stored (``-DSPECCTL_QUANT``: the
-int8 core kernels/quant_linear.py runs, csrc/gguf_q8.h, so each projection equals its QuantLinear bit for
+int8 core specctl/kernels/quant_linear.py runs, csrc/gguf_q8.h, so each projection equals its QuantLinear bit for
 bit; CPUs with AVX512-VNNI and AVX512-BF16); ``layer``/``layer_ragged`` take it for a block whose linears
 are ``specctl.runtime.quant.QuantLinear`` on the "avx512_vnni" path (``fits_quant``).
 
@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels import amx_linear, cpu, skinny_linear
-from kernels._build import build
+from specctl.kernels import amx_linear, cpu, skinny_linear
+from specctl.kernels._build import build
 
 _ext = None
 _tried = False
@@ -80,7 +80,7 @@ def load_quant(path: str = "avx512_vnni"):
     AMX-INT8 panels), None where the CPU lacks what it needs or there is no compiler."""
     if path not in _ext_q:
         if path == "amx_int8":  # the OS grants AMX state to the process when quant_linear's build loads
-            from kernels import quant_linear
+            from specctl.kernels import quant_linear
 
             _ext_q[path] = None if quant_linear.load(path) is None else _build(path)
         else:

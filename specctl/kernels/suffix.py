@@ -36,7 +36,7 @@ suffixes are kept in ``act``); eviction removes the oldest complete sequence (FI
 
 What it does not know: requests, slots, local vs global trees (``specctl/runtime/proposers/suffix.py``).
 
-``python -m kernels.suffix`` prints the proposal latency at an 8k-token context with 1,000 cached
+``python -m specctl.kernels.suffix`` prints the proposal latency at an 8k-token context with 1,000 cached
 responses.
 """
 

@@ -412,7 +412,7 @@ constexpr int rec_codes(int t) { return t == Q8_0 ? 4096 : t == Q5_0 ? 2048 + 51
 constexpr int rec_scales(int t) { return t == Q4_1 ? 512 : t == Q4_K ? 320 : t == Q6_K ? 288 : 256; }
 constexpr int rec_bytes(int t) { return (rec_codes(t) + rec_scales(t) + 63) / 64 * 64; }
 constexpr int64_t chunks(int64_t K) { return (K + 255) / 256; }
-constexpr int64_t PACKED = 256;  // a ggml type id + PACKED: the part is in panels (kernels/quant_linear.py pack)
+constexpr int64_t PACKED = 256;  // a ggml type id + PACKED: the part is in panels (specctl/kernels/quant_linear.py pack)
 
 // A packed part as the kernels take it (type id + PACKED), checked: [N / 16, chunks * rec_bytes] uint8
 inline Part packed_part(const at::Tensor& w, int64_t id, int64_t K, const char* what) {

@@ -16,12 +16,12 @@ import sys
 
 import torch
 
-from kernels._build import build
+from specctl.kernels._build import build
 
 _ext = None
 _tried = False
 FLAGS = ["-mamx-tile", "-mamx-bf16", "-mavx512f", "-mavx512bf16", "-mavx512vl"]
-# (extension name, source, CPU features, compiler flags): what load() builds (kernels.prebuild builds it ahead)
+# (extension name, source, CPU features, compiler flags): what load() builds (specctl.kernels.prebuild builds it ahead)
 SPEC = ("specctl_amx_linear", "amx_linear.cpp", ("amx_bf16", "amx_tile", "avx512_bf16"), FLAGS)
 
 

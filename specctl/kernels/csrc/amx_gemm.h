@@ -14,7 +14,7 @@
 //   * G = 4 output blocks at once: 4 independent C tiles (tdpbf16ps has a long latency; one
 //     accumulator chain would stall on it) and 4 weight streams in flight;
 //   * software prefetch of the weight tiles PF k-blocks ahead (the hardware prefetcher stops at
-//     every 4 KiB page; the weights should also sit on huge pages, see kernels/amx_linear.py);
+//     every 4 KiB page; the weights should also sit on huge pages, see specctl/kernels/amx_linear.py);
 //   * output blocks split over ATen's threads; for prefill (M > 16) the 4 blocks' tiles are read
 //     from memory once and from L2 for the other row chunks.
 #pragma once

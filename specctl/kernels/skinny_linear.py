@@ -23,8 +23,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu
-from kernels._build import build
+from specctl.kernels import cpu
+from specctl.kernels._build import build
 
 _ext = None
 _tried = False

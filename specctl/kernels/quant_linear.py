@@ -29,9 +29,9 @@ from __future__ import annotations
 
 import torch
 
-from kernels import cpu
-from kernels._build import build
-from kernels.amx_linear import huge_empty
+from specctl.kernels import cpu
+from specctl.kernels._build import build
+from specctl.kernels.amx_linear import huge_empty
 
 # ggml type name -> (ggml type id, weights per block, bytes per block)
 TYPES: dict[str, tuple[int, int, int]] = {
@@ -60,7 +60,7 @@ def spec(path: str) -> tuple[str, str, tuple[str, ...], list[str]]:
 
 def load(path: str = "avx512"):
     """The extension built for ``path``, or None where this CPU lacks its features or it cannot
-    build (built once per path; the CPU's features are asked on every call, see kernels.cpu.hidden)."""
+    build (built once per path; the CPU's features are asked on every call, see specctl.kernels.cpu.hidden)."""
     if any(not cpu.has(f) for f in NEEDS[path]):
         return None
     if path not in _ext:
@@ -140,7 +140,7 @@ def packed_shape(N: int, qtype: str, K: int) -> tuple[int, int]:
 def pack(blocks: torch.Tensor, qtype: str, K: int, huge: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
     """GGUF rows [N, row_bytes] (N a multiple of 16) -> the amx_int8 path's panels [N / 16, ...] uint8
     (lossless: ``unpack`` gives the rows back). ``out``: the panels' place (``packed_shape``; a model's parts
-    share one huge-page ``kernels.amx_linear.Arena``, as weights streamed every step want: measured, 4 KiB
+    share one huge-page ``specctl.kernels.amx_linear.Arena``, as weights streamed every step want: measured, 4 KiB
     pages made a 1.5B Q4_K_M decode step 11 % slower). ``huge``: a huge-page mapping of its own (a whole
     spare huge page: for one large tensor only)."""
     shape = packed_shape(blocks.shape[0], qtype, K)

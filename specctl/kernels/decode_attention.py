@@ -14,8 +14,8 @@ import math
 
 import torch
 
-from kernels import skinny_linear
-from kernels._build import build
+from specctl.kernels import skinny_linear
+from specctl.kernels._build import build
 
 _ext = None
 _tried = False
