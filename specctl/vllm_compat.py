@@ -133,6 +133,13 @@ def vllm_hf_overrides(sent: dict[str, Any]) -> dict[str, Any]:
 _DEEPSEEK_V3_TARGETS = ("DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM", "KimiK2ForCausalLM")
 
 
+def vllm_loads_mtp(draft_arch: str | None, target_arch: str | None) -> bool:
+    """The one rule of which MTP draft layouts vLLM loads: MiMo's (``draft_arch`` MiMoForCausalLM) for any
+    target, DeepSeek-V3's (any other) only for a DeepSeek-V3-family target. An unknown target: assumed loadable
+    (nothing to refuse on). ``vllm_mtp_refusal`` (a folder) and train-mtp's printed lines (a layout) both ask it."""
+    return draft_arch == "MiMoForCausalLM" or target_arch is None or target_arch in _DEEPSEEK_V3_TARGETS
+
+
 def vllm_mtp_refusal(sent: dict[str, Any], target_config: dict | None) -> str | None:
     """Why vLLM cannot serve the MTP draft of ``sent`` for a target with ``target_config`` (None: it can,
     as far as the files tell): a DeepSeek-V3-layout draft (``model.layers.N.eh_proj``, a separate
@@ -148,7 +155,7 @@ def vllm_mtp_refusal(sent: dict[str, Any], target_config: dict | None) -> str | 
         return None
     arch = (cfg.get("architectures") or [None])[0]
     target_arch = ((target_config or {}).get("architectures") or [None])[0]
-    if arch == "MiMoForCausalLM" or target_arch in _DEEPSEEK_V3_TARGETS or target_arch is None:
+    if vllm_loads_mtp(arch, target_arch):
         return None
     return (f"{sent['model']} holds MTP modules in DeepSeek-V3's layout, which vLLM loads only for DeepSeek-V3 "
             f"targets, not {target_arch}")

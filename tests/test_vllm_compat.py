@@ -235,3 +235,23 @@ def test_k_left_unset_is_left_to_vllm_where_the_draft_sets_it(method):
 def test_tree_defaults_filled_by_specctl_are_not_named_as_dropped():
     spec = SpecConfig.from_dict({"method": "eagle3", "model": "/d/x", "speculative_eagle_topk": 2})
     assert dropped_keys(spec.to_dict(), vllm_speculative_config(spec), spec.defaulted) == ["speculative_eagle_topk"]
+
+
+@pytest.mark.parametrize("target_arch", ["Qwen2ForCausalLM", "LlamaForCausalLM", "DeepseekV3ForCausalLM"])
+@pytest.mark.parametrize("layout", ["mimo", "deepseek_v3"])
+def test_train_mtps_lines_and_serves_refusal_follow_one_rule(tiny_model_factory, tmp_path, layout, target_arch):
+    """What train-mtp prints of vLLM (from the layout) and what serve / the model card refuse (from the exported
+    folder's config) agree for every layout and target: both ask vllm_compat.vllm_loads_mtp."""
+    from specctl.modeling import ModelArgs
+    from specctl.training.mtp import vllm_unavailable
+    from specctl.vllm_compat import vllm_mtp_refusal
+
+    folder = tiny_model_factory("qwen2")
+    args = ModelArgs.from_hf_config(json.loads((folder / "config.json").read_text()))
+    draft = tmp_path / "mtp"
+    draft.mkdir()
+    (draft / "config.json").write_text(json.dumps({"architectures": ["MiMoForCausalLM" if layout == "mimo" else target_arch]}))
+    refusal = vllm_mtp_refusal({"method": "mtp", "model": str(draft)}, {"architectures": [target_arch]})
+    printed = vllm_unavailable(layout, args, target_arch=target_arch)
+    assert (refusal is None) == (printed is None)
+    assert (printed is None) == (layout == "mimo" or target_arch == "DeepseekV3ForCausalLM")

@@ -157,10 +157,15 @@ def dense_block_state(block: nn.Module) -> dict[str, torch.Tensor]:
     return sd
 
 
-def vllm_unavailable(layout: str, args, *, stitch: bool = False) -> str | None:
-    """Why vLLM cannot run an export in ``layout`` for a target with ModelArgs ``args``, in a line; None where
-    it can (the MiMo layout: ``resolve_layout`` writes it only where vLLM's MiMoMTPModel loads it)."""
-    if layout == "mimo":
+def vllm_unavailable(layout: str, args, *, stitch: bool = False, target_arch: str | None = None) -> str | None:
+    """Why vLLM cannot run an export in ``layout`` for a target with ModelArgs ``args`` and HF architecture
+    ``target_arch``, in a line; None where it can (``vllm_compat.vllm_loads_mtp``, the rule serve and the model
+    card apply to the exported folder; the MiMo layout: ``resolve_layout`` writes it only where vLLM's
+    MiMoMTPModel loads it)."""
+    from specctl.vllm_compat import vllm_loads_mtp
+
+    # a target whose config names no architecture is not a DeepSeek-V3 one (train-mtp trains for none of those)
+    if vllm_loads_mtp("MiMoForCausalLM" if layout == "mimo" else None, target_arch or "unnamed"):
         return None
     if stitch:
         return "the stitched copy carries the DeepSeek-V3 MTP layout, which vLLM loads only for DeepSeek-V3 targets"
@@ -351,7 +356,9 @@ def train_mtp(cfg: MtpTrainConfig, progress: Callable[[str], None] = lambda s: N
     bar = bar if main else (lambda *a: None)
     L.check_push(cfg, acc)
     model_dir = resolve_model(cfg.model, dtype="float32" if cfg.dtype in ("float32", "fp32") else "bfloat16")
-    args = ModelArgs.from_hf_config(json.loads((Path(model_dir) / "config.json").read_text()))
+    target_cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    args = ModelArgs.from_hf_config(target_cfg)
+    target_arch = (target_cfg.get("architectures") or [None])[0]
     layout = resolve_layout(cfg.layout, args, stitch=cfg.stitch, num_layers=cfg.num_layers, warn=log)
     torch.manual_seed(cfg.seed)
     out = Path(cfg.output).expanduser()
@@ -459,7 +466,7 @@ def train_mtp(cfg: MtpTrainConfig, progress: Callable[[str], None] = lambda s: N
                        if cfg.stitch else
                        {"--model": cfg.model, "--speculative-config": {"method": "mtp", "model": str(out),
                                                                         "num_speculative_tokens": cfg.depth}})}
-    no_vllm = vllm_unavailable(layout, args, stitch=cfg.stitch)
+    no_vllm = vllm_unavailable(layout, args, stitch=cfg.stitch, target_arch=target_arch)
     if no_vllm is None:  # vLLM: the target as is, this folder as its MTP draft (one token per step is what it runs)
         summary["vllm"] = {"model": vllm_model_name(cfg.model, model_dir),
                            "hf_overrides": {"num_nextn_predict_layers": cfg.num_layers},
