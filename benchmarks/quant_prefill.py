@@ -30,8 +30,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--paths", nargs="+", default=["amx_int8", "avx512_vnni"])
     a = ap.parse_args()
-    from specctl.kernels import quant_linear as ql
     from specctl.fetch import cache_dir
+    from specctl.kernels import quant_linear as ql
     from specctl.models import CATALOGUE
     from specctl.runtime.quant import load_gguf_transformer
     from specctl.runtime.runner import TargetRunner

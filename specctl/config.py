@@ -135,6 +135,11 @@ class SpecConfig:
                               "--engine vllm")
         return q
 
+    def given(self, key: str) -> Any:
+        """``key``'s value as the user set it: None where ``validated`` filled in specctl's default (``defaulted``),
+        so that a draft with its own (Medusa's heads, MTP's modules) decides, as in vLLM."""
+        return None if key in getattr(self, "defaulted", ()) else getattr(self, key)
+
     # ------------------------------------------------------------------ construction
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "SpecConfig":

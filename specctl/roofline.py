@@ -97,7 +97,7 @@ def weight_bytes_read(model) -> int:
             return layer.nbytes
         return layer.weight.numel() * layer.weight.element_size()
 
-    layers = sum(nbytes(layer) for b in model.layers for layer in (b.qkv, b.o, b.gate_up, b.down))
+    layers = sum(nbytes(layer) for b in model.layers for layer in b.projections)
     head = model.quant_head
     return layers + (nbytes(head) if head is not None else model.head_weight.numel() * model.head_weight.element_size())
 

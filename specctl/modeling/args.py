@@ -11,9 +11,10 @@ from dataclasses import dataclass
 
 import torch
 
-from specctl.kernels import decode_layer
 from specctl.config import SUPPORTED_ARCHS
 from specctl.errors import ModelError
+from specctl.kernels import decode_layer
+
 # Forwards of at most this many tokens are "decode/verify" forwards (a chain's k+1 rows, a draft
 # tree's nodes): every op in them computes a row exactly as a one-token forward would (see
 # Block.forward and specctl/kernels/skinny_linear.py), so greedy speculative output equals plain greedy

@@ -96,8 +96,7 @@ def weights_on_huge_pages(model: "Transformer") -> None:
     118.9 -> 108.9 ms a step, median of 45)."""
     from specctl.kernels.amx_linear import Arena
 
-    layers = [layer for block in model.layers for layer in (block.qkv, block.o, block.gate_up, block.down)
-              if _dense_bf16(layer)]
+    layers = [layer for block in model.layers for layer in block.projections if _dense_bf16(layer)]
     head = model.embed if model.lm_head is None else model.lm_head
     if model.quant_head is None and _dense_bf16(head):
         layers.append(head)
@@ -136,7 +135,7 @@ def enable_exact_bf16(model: "Transformer") -> bool:
         fused_kind = decode_layer.kind()  # the build that runs here, and so the weights it takes
         for block in model.layers:
             block.exact_attention = decode_attention.supports(probe, a.num_kv_heads)
-            linears = (block.qkv, block.o, block.gate_up, block.down)
+            linears = block.projections
             if fused_kind == "amx":  # the fused block's AMX build takes the packed weights
                 weights_fit = all(getattr(l, "amx_packed", False) for l in linears)
             else:  # its other builds the skinny linear's row-major ones (None: no build)

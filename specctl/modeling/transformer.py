@@ -62,7 +62,7 @@ def pack_for_amx(model: "Transformer") -> bool:
     """
     if amx_linear.load() is None:
         return False
-    todo = [layer for block in model.layers for layer in (block.qkv, block.o, block.gate_up, block.down)
+    todo = [layer for block in model.layers for layer in block.projections
             if not getattr(layer, "quantized", False)  # GGUF blocks (specctl.runtime.quant): not packed; no fused block
             and amx_linear.packable(layer.weight) and not getattr(layer, "amx_packed", False)]
     head = model.quant_head is None and amx_linear.packable(model.head_weight)
@@ -100,6 +100,8 @@ class Segment:
 
 
 class Block(nn.Module):
+    PROJECTIONS = ("qkv", "o", "gate_up", "down")  # its linears: the ones the CPU kernels repack or read quantized
+
     def __init__(self, a: ModelArgs):
         super().__init__()
         self.a = a
@@ -112,6 +114,11 @@ class Block(nn.Module):
         self.down = nn.Linear(a.intermediate_size, a.hidden_size, bias=a.mlp_bias)
         self.exact_attention = False  # decode/verify rows through specctl/kernels/decode_attention (bf16 CPU)
         self.fused = False  # decode/verify rows through specctl/kernels/decode_layer (one call per block)
+
+    @property
+    def projections(self) -> tuple[nn.Module, ...]:
+        """The block's linears (``PROJECTIONS``), in that order."""
+        return tuple(getattr(self, name) for name in self.PROJECTIONS)
 
     def forward(self, x, cos, sin, k_cache, v_cache, start: int, mask, tree: bool = False,
                 tree_mask: torch.Tensor | None = None):

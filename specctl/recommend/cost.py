@@ -132,10 +132,12 @@ def sparse_attn_choice(target, w: Workload, tree: Node, choice: Choice, context:
     from specctl.roofline import Machine, Shapes, sparse_attn_estimate
 
     cfg = text_config(target.config) if target.config else {}
+    weights = ""
     try:
         shapes = Shapes.from_config(cfg)
         if target.quantization == "gguf" and target.cost_bytes:  # the GGUF's blocks, not 2 bytes a weight
             shapes = replace(shapes, bytes_per_param=target.cost_bytes / shapes.params_read)
+            weights = f" at the GGUF's {8 * shapes.bytes_per_param:.1f} bits a weight"
     except KeyError:
         tree.add(Node("note", "sparse_attn not judged", reason="the target's config.json is not at hand (pull it)"))
         return None, False
@@ -145,7 +147,6 @@ def sparse_attn_choice(target, w: Workload, tree: Node, choice: Choice, context:
     m = machine or Machine(1.0, float("inf"), float("inf"), "bytes only")
     est = sparse_attn_estimate(shapes, m, context=context, batch=batch, k=k, tau=tau, algorithm="vegas")
     bound = "" if machine is not None else " (bytes only: an upper bound; --probe measures this machine)"
-    weights = f" at the GGUF's {8 * shapes.bytes_per_param:.1f} bits a weight" if shapes.bytes_per_param != 2 else ""
     reason = (f"at {context} tokens of context and batch {batch}, the KV cache read per step is "
               f"{100 * est.kv_share:.0f}% of the weights read{weights} ({shapes.kv_heads} KV heads of {shapes.head_dim}, "
               f"{shapes.layers} layers); drafting over {est.draft_positions} positions with the target's own layers "

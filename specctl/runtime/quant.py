@@ -27,9 +27,9 @@ import numpy as np
 import torch
 from torch import nn
 
+from specctl.errors import ModelError, UsageError
 from specctl.kernels import quant_linear as ql
 from specctl.kernels.amx_linear import Arena
-from specctl.errors import ModelError, UsageError
 from specctl.modeling import ModelArgs, Transformer, enable_exact_bf16, rope_inv_freq
 
 GGUF_ARCHS = ("llama", "qwen2")

@@ -297,6 +297,24 @@ def resume_point(cfg: TrainConfig, log: Log, legacy: Path | None = None) -> Path
     return None
 
 
+def some(names) -> str:
+    """The first three of ``names``, sorted, and "..." for the rest (a one-line message's list)."""
+    names = sorted(names)
+    return ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+
+
+def run_settings(checkpoint: Path) -> dict:
+    """The training_config.json beside a checkpoint (a folder, or the old single file): {} where it is missing
+    or unreadable."""
+    from specctl.training import checkpoints as C
+
+    try:
+        d = json.loads(((checkpoint if checkpoint.is_dir() else checkpoint.parent) / C.TRAINING_CONFIG).read_text())
+    except (OSError, ValueError):
+        return {}
+    return d if isinstance(d, dict) else {}
+
+
 def made_by(cfg: TrainConfig, settings: dict) -> str | None:
     """Which other trainer made a run whose training_config.json is ``settings``: its recorded name where that
     is not ``cfg``'s, or, for a run from before names were recorded, "another trainer" when it has settings
@@ -306,19 +324,13 @@ def made_by(cfg: TrainConfig, settings: dict) -> str | None:
     if isinstance(was, str) and was:
         return None if was == cfg.TRAINER else was
     other = set(settings) - {f.name for f in dataclasses.fields(cfg)} - {"trainer"}
-    return f"another trainer (settings {', '.join(sorted(other)[:3])})" if other and cfg.TRAINER else None
+    return f"another trainer (settings {some(other)})" if other and cfg.TRAINER else None
 
 
 def check_trainer(cfg: TrainConfig, out: Path, checkpoint: Path) -> None:
     """A run folder whose ``checkpoint`` another trainer made: one line naming it, before any data or model is
     read (with or without --resume: resuming it here would load the wrong modules)."""
-    from specctl.training import checkpoints as C
-
-    try:
-        settings = json.loads((checkpoint / C.TRAINING_CONFIG).read_text())
-    except (OSError, ValueError):
-        return
-    was = made_by(cfg, settings) if isinstance(settings, dict) else None
+    was = made_by(cfg, run_settings(checkpoint))
     if was is not None:
         raise UsageError(f"{out} holds a run that {was} made ({checkpoint.relative_to(out)}), not {cfg.TRAINER}",
                          f"give {cfg.TRAINER} a new --output (resume that run with the command that made it)")

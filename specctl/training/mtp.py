@@ -132,9 +132,6 @@ def resolve_layout(layout: str, args, *, stitch: bool = False, num_layers: int =
     return layout
 
 
-PROJECTIONS = ("qkv", "o", "gate_up", "down")  # a Block's linears, the ones the CPU kernels may repack
-
-
 def dense_weight(layer: nn.Module) -> torch.Tensor:
     """[out, in] row-major weight of a target projection, whatever form its kernel reads: a bf16 target on an
     AMX CPU holds AMX tiles [out/16, in/32, 16, 16, 2] (``pack_for_amx``), a GGUF ``QuantLinear`` dequantizes."""
@@ -148,8 +145,8 @@ def dense_weight(layer: nn.Module) -> torch.Tensor:
 def dense_block_state(block: nn.Module) -> dict[str, torch.Tensor]:
     """A target Block's state as a fresh ``Block`` loads it: its projections as plain [out, in] weights
     (``dense_weight``), not the packed or quantized forms its state_dict holds where the kernels repacked them."""
-    sd = {k: v for k, v in block.state_dict().items() if k.split(".", 1)[0] not in PROJECTIONS}
-    for name in PROJECTIONS:
+    sd = {k: v for k, v in block.state_dict().items() if k.split(".", 1)[0] not in block.PROJECTIONS}
+    for name in block.PROJECTIONS:
         layer = getattr(block, name)
         sd[f"{name}.weight"] = dense_weight(layer)
         if layer.bias is not None:

@@ -45,21 +45,6 @@ def read_checkpoint(path: Path) -> tuple[dict[str, tuple[int, ...]], dict]:
     return {f"{k}.*": () for k in st}, st  # another trainer's file: its entries, to name them
 
 
-def _some(names) -> str:
-    """The first three of ``names``, sorted, and "..." for the rest."""
-    names = sorted(names)
-    return ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
-
-
-def _settings(path: Path) -> dict:
-    """The training_config.json beside a checkpoint ({} where it is missing or unreadable)."""
-    try:
-        d = json.loads(((path if path.is_dir() else path.parent) / C.TRAINING_CONFIG).read_text())
-    except (OSError, ValueError):
-        return {}
-    return d if isinstance(d, dict) else {}
-
-
 def refuse_foreign_checkpoint(cfg: L.TrainConfig, out: Path, path: Path, found: dict[str, tuple[int, ...]],
                               want: dict[str, tuple[int, ...]]) -> None:
     """Checkpoint ``path`` in run folder ``out`` with tensors ``found``, none of them train-mtp's (``want``),
@@ -68,9 +53,9 @@ def refuse_foreign_checkpoint(cfg: L.TrainConfig, out: Path, path: Path, found: 
     train-mtp's (an old single-file checkpoint has no settings beside it); its settings (``L.made_by``) whose it is."""
     if set(found) & set(want):
         return
-    why = (f"its weights are {_some({k.split('.', 1)[0] + '.*' for k in found})}, train-mtp's are "
-           f"{_some({k.split('.', 1)[0] + '.*' for k in want})}") if found else "it holds no module weights"
-    was = L.made_by(cfg, _settings(path))
+    why = (f"its weights are {L.some({k.split('.', 1)[0] + '.*' for k in found})}, train-mtp's are "
+           f"{L.some({k.split('.', 1)[0] + '.*' for k in want})}") if found else "it holds no module weights"
+    was = L.made_by(cfg, L.run_settings(path))
     if was:
         why += f"; {was} made it"
     raise ModelError(f"{out} holds a checkpoint train-mtp did not make ({path.relative_to(out)}: {why})",
@@ -81,8 +66,8 @@ def misfit_reason(found: dict[str, tuple[int, ...]], want: dict[str, tuple[int, 
     """Why train-mtp checkpoint tensors ``found`` cannot be loaded as this run's ``want``, or None where they fit."""
     missing, extra = set(want) - set(found), set(found) - set(want)
     if missing or extra:
-        return ", ".join(([f"{len(missing)} tensors missing ({_some(missing)})"] if missing else [])
-                         + ([f"{len(extra)} unexpected ({_some(extra)})"] if extra else []))
+        return ", ".join(([f"{len(missing)} tensors missing ({L.some(missing)})"] if missing else [])
+                         + ([f"{len(extra)} unexpected ({L.some(extra)})"] if extra else []))
     bad = next((k for k in want if found[k] != want[k]), None)
     return None if bad is None else f"{bad} is {list(found[bad])} there, {list(want[bad])} for this target"
 
@@ -93,7 +78,7 @@ def check_resumable(path: Path, found: dict[str, tuple[int, ...]], state: dict, 
     batch) is one line before the target's states are computed, not a state_dict error after them."""
     why = misfit_reason(found, want)
     if why is not None:
-        was = _settings(path).get("model")
+        was = L.run_settings(path).get("model")
         raise ModelError(f"--resume: the checkpoint {path} does not fit this run ({why})", "resume with the --model "
                          f"it was trained for{f' ({was})' if was else ''}, or choose a new --output")
     legacy = path.is_file()

@@ -332,7 +332,7 @@ def test_compiled_decode_step_gives_the_uncompiled_greedy_tokens(tiny_model_fact
 
 
 def _projections(model) -> list:
-    return [layer for b in model.layers for layer in (b.qkv, b.o, b.gate_up, b.down)]
+    return [layer for b in model.layers for layer in b.projections]
 
 
 def test_dense_weights_move_into_one_arena_unchanged(tiny_model_factory):

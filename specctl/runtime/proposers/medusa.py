@@ -76,7 +76,7 @@ class MedusaProposer(Proposer):
 
         if heads is None:
             heads = load_medusa(resolve_draft(config.model, what="Medusa heads", trainer="train-medusa"))
-        given = None if "num_speculative_tokens" in getattr(config, "defaulted", ()) else config.num_speculative_tokens
+        given = config.given("num_speculative_tokens")
         self.k = min(int(given or heads.num_heads), heads.num_heads)  # unset: one token a head, as vLLM
         if given and given > heads.num_heads:
             log.warning("num_speculative_tokens (%d) > the %d Medusa heads: drafting %d tokens a step",

@@ -83,7 +83,7 @@ class MtpProposer(SlotProposer):
             stack = load_mtp(source, target.model)
         self.stack = stack
         # unset: one token a module, as vLLM (num_nextn_predict_layers)
-        given = None if "num_speculative_tokens" in getattr(config, "defaulted", ()) else config.num_speculative_tokens
+        given = config.given("num_speculative_tokens")
         self.k = int(given or stack.num_layers)
         config.num_speculative_tokens = self.k  # what runs (a bench row's k)
         if self.k > stack.num_layers and (self.k, stack.num_layers) not in _WARNED:  # once (bench builds one a pass)

@@ -9,8 +9,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from specctl.kernels.ngram import ngram_propose_batch
 from specctl.config import SpecConfig
+from specctl.kernels.ngram import ngram_propose_batch
 from specctl.runtime.proposers.base import DraftOutput, Proposer
 
 

@@ -29,8 +29,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from specctl.kernels.suffix import SuffixTree
 from specctl.config import SpecConfig
+from specctl.kernels.suffix import SuffixTree
 from specctl.runtime.proposers.base import DraftOutput, Proposer
 
 

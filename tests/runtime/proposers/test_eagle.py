@@ -10,12 +10,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from specctl.kernels import cpu
 from specctl.chat import template_ids
 from specctl.config import SpecConfig
 from specctl.drafts.eagle import EagleDraft, FusedEagle3, spec_from_target
 from specctl.drafts.eagle_files import export_eagle, load_eagle_draft
 from specctl.errors import UsageError
+from specctl.kernels import cpu
 from specctl.runtime.decoder import SamplingParams, SpecDecoder
 from specctl.runtime.proposers import build_proposer
 from specctl.runtime.runner import TargetRunner, load_model
