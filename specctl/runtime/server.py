@@ -49,6 +49,8 @@ log = logging.getLogger("specctl.serve")
 DEFAULT_MAX_MODEL_LEN = 4096  # cap on the default: every pool slot preallocates this many positions
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # /v1/completions without max_tokens (OpenAI's legacy API, vLLM)
 RETRY_AFTER_S = 1  # the 429's Retry-After
+# the chat roles OpenAI's API takes -> the role the chat template gets ("developer" is OpenAI's newer "system")
+CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 
 
 def resolve_max_model_len(loaded: LoadedModel, requested: int | None) -> int:
@@ -96,6 +98,9 @@ class _Ctx:
     def chat_prompt(self, messages: list[ChatMessage]) -> list[int]:
         msgs = []
         for i, m in enumerate(messages):
+            if m.role not in CHAT_ROLES:
+                raise ApiError(400, f"invalid 'messages[{i}].role': {m.role!r} is not a role this server knows; use one "
+                               f"of {', '.join(CHAT_ROLES)}", code="invalid_value", param=f"messages[{i}].role")
             content = m.content
             if isinstance(content, list):
                 parts = []
@@ -105,7 +110,7 @@ class _Ctx:
                                        f"type {p.get('type')!r}", param="messages")
                     parts.append(p["text"])
                 content = "\n".join(parts)
-            msgs.append({"role": m.role, "content": content or ""})
+            msgs.append({"role": CHAT_ROLES[m.role], "content": content or ""})
         try:
             return render_messages(self.tok, msgs)
         except Exception as e:  # noqa: BLE001 - a template that refuses these messages (role order, ...)

@@ -325,11 +325,68 @@ def encode(tokenizer, record: Record, seq_len: int, stop_ids=()) -> list[Example
     return [Example(ids, mask, record.source)] if any(mask[1:]) else []
 
 
+EVALUATION_WORKLOADS = ("chat", "mt-bench", "humaneval", "math")  # what bench measures drafts on
+
+
+class EvaluationGuard:
+    """Refuses training data that holds an evaluation prompt (an MT-Bench turn, a HumanEval prompt, a
+    CHAMP problem, alone or inside a longer prompt): a draft trained on them measures what it memorised.
+
+    Checked against the evaluation sets in the cache (``specctl bench`` fetches them on first use;
+    ``fetch=True`` fetches them now). A text's word 8-grams are looked up against each evaluation
+    prompt's first eight words, then the whole prompt is compared: linear in the data's size.
+    """
+
+    def __init__(self, fetch: bool = False):
+        from specctl.workloads.data import evaluation_texts
+
+        self.texts = evaluation_texts(fetch)
+        self.heads: dict[tuple, list[str]] = {}
+        for t in self.texts:
+            self.heads.setdefault(tuple(t.split()[:8]), []).append(t)
+
+    def find(self, text: str) -> str | None:
+        """The evaluation set ``text`` holds a prompt of, or None."""
+        from specctl.workloads.data import normalise
+
+        if not self.texts:
+            return None
+        norm = normalise(text)
+        words = norm.split()
+        for i in range(max(1, len(words) - 7)):
+            for t in self.heads.get(tuple(words[i:i + 8]), ()):
+                if t in norm:
+                    return self.texts[t]
+        return None
+
+    def check(self, text: str, where: str) -> None:
+        found = self.find(text)
+        if found is not None:
+            raise DataError(f"{where} holds an evaluation prompt ({found}): a draft trained on it is measured on what "
+                            "it memorised", "remove it from the training data (train on e.g. --self-distill sharegpt)")
+
+
+def check_not_evaluation(records: list[Record], prompts: list = (), guard: EvaluationGuard | None = None) -> None:
+    """DataError when a record's user/system turn or a prompt to self-distill holds an evaluation prompt."""
+    guard = guard or EvaluationGuard()
+    for r in records:
+        texts = [r.text] if r.text is not None else [m["content"] for m in r.messages or () if m["role"] != "assistant"]
+        for t in texts:
+            guard.check(t, r.source or "a training record")
+    for req in prompts:
+        for m in req.messages:
+            if m["role"] != "assistant":
+                guard.check(m["content"], f"self-distillation prompt {req.id}")
+
+
 def distill_requests(cfg) -> list:
     """The prompts of every cfg.self_distill source (each after its hold-out, at most
-    cfg.distill_max_prompts of it), a prompt met twice kept once."""
+    cfg.distill_max_prompts of it), a prompt met twice kept once. An evaluation workload is refused."""
     requests, seen = [], set()
     for spec in cfg.self_distill:
+        if spec in EVALUATION_WORKLOADS:
+            raise DataError(f"--self-distill {spec} is an evaluation workload (specctl bench measures drafts on it)",
+                            "train on other prompts, e.g. --self-distill sharegpt --distill-max-prompts 2000")
         for r in load_prompts(spec, cfg.hold_out)[:cfg.distill_max_prompts]:
             if r.id not in seen:
                 seen.add(r.id)
@@ -360,7 +417,9 @@ def distill_records(cfg, loaded, *, seq_len: int | None, log: Callable[[str], No
     """The target's answers to the cfg.self_distill prompts (cached in the run's data/ folder)."""
     if not cfg.self_distill:
         return []
-    return self_distill(loaded, distill_requests(cfg), max_new_tokens=cfg.max_new_tokens,
+    requests = distill_requests(cfg)
+    check_not_evaluation([], requests)
+    return self_distill(loaded, requests, max_new_tokens=cfg.max_new_tokens,
                         temperature=cfg.distill_temperature, seed=cfg.seed, seq_len=seq_len,
                         samples=cfg.distill_samples, cache=distill_cache(cfg.output), progress=progress, log=log)
 
@@ -373,6 +432,7 @@ def build_examples(cfg, loaded, log: Callable[[str], None] = lambda m: None,
     if records is None:
         records = [r for path in cfg.data for r in read_records(path)]
     records = list(records)
+    check_not_evaluation(records)
     if records:
         log(f"{len(records)} record(s) from {', '.join(map(str, cfg.data))}")
     records += distill_records(cfg, loaded, seq_len=cfg.seq_len, log=log, progress=progress)

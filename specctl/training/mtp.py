@@ -369,7 +369,9 @@ def train_mtp(cfg: MtpTrainConfig, progress: Callable[[str], None] = lambda s: N
         if resume_from != newest:
             found, state = R.read_checkpoint(resume_from)
         R.check_resumable(resume_from, found, state, want, layout, gbs)
-    texts = [t for p in cfg.data for t in D.read_texts(p)]  # bad data fails before the model loads
+    given = [D.Record(text=t, source=f"--data {p}") for p in cfg.data for t in D.read_texts(p)]
+    D.check_not_evaluation(given)  # bad data fails before the model loads
+    texts = [r.text for r in given]
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     target = load_transformer(model_dir, parse_dtype(cfg.dtype), device=dev)
     loaded = LoadedModel(model_dir, target, tok, stop_token_ids(model_dir, tok), target.embed.weight.dtype, dev)

