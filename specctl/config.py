@@ -90,8 +90,9 @@ class SpecConfig:
     proposers: list | None = None
     """hybrid (specctl's extension): the sub-proposers' configs, each vLLM-shaped, tried in order."""
     policy: str | None = None
-    """hybrid: how a step picks its draft: "first" (the first sub-proposer with a draft of at least
-    ``hybrid_min_match`` tokens), "score" (best measured accepted tokens per second first) or "tree"
+    """hybrid: how a step picks its draft: "score" (the default: the part with the most expected accepted
+    tokens per second of its step, catching up included, or none where no part beats a plain step),
+    "first" (the first sub-proposer with a draft of at least ``hybrid_min_match`` tokens) or "tree"
     (every draft merged into one tree, verified in one forward; greedy requests)."""
     hybrid_min_match: int | None = None
     """hybrid, policy "first": the shortest draft that wins (default 2); the last sub-proposer's
@@ -328,7 +329,7 @@ class SpecConfig:
 
     def _validate_hybrid(self) -> None:
         subs = self.sub_configs()
-        self.policy = self.policy or "first"
+        self.policy = self.policy or "score"
         if self.policy not in HYBRID_POLICIES:
             raise ConfigError(f"unknown hybrid policy '{self.policy}'", f"use one of: {', '.join(HYBRID_POLICIES)}")
         if self.hybrid_min_match is None:

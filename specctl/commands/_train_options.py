@@ -47,7 +47,8 @@ DataOpt = Annotated[Optional[list[str]], typer.Option(
     "conversations, text; self-distilled records keep their exact ids), .txt/.py/.md text, or a folder of them.")]
 SelfDistillOpt = Annotated[Optional[list[str]], typer.Option(
     "--self-distill", help="Prompts the target answers itself, as data (repeatable): a .jsonl/.txt prompt file or a "
-    "workload name (code-edit, chat, agentic).")]
+    "workload name (sharegpt, code-edit, agentic; the evaluation workloads chat, mt-bench, humaneval and math are "
+    "refused).")]
 HoldOutOpt = Annotated[int, typer.Option(
     "--hold-out", help="With a workload name for --self-distill: its first N prompts (those `specctl bench -n N` runs) "
     "are never trained on.")]

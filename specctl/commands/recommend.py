@@ -39,7 +39,7 @@ def recommend_cmd(
     drafts: Annotated[Optional[list[str]], typer.Option("--drafts", "-d", help="A Medusa/EAGLE draft folder, or a folder of them (repeatable). Folders beside MODEL are searched too.")] = None,
     candidates: Annotated[Optional[list[str]], typer.Option("--candidates", "-c", help="A smaller model to consider for draft_model (repeatable). Default: the offline catalogue.")] = None,
     own_training: Annotated[bool, typer.Option("--own-training", help="You train this model yourself (MTP can be trained in).")] = False,
-    workload: Annotated[str, typer.Option("--workload", "-w", help="chat, mt-bench, code, code-edit, humaneval, agentic, batch, rag, summarization, summarize, translation, math, long-context, long-4k, long-16k, long-32k (every built-in workload of bench, and kinds of use).")] = "chat",
+    workload: Annotated[str, typer.Option("--workload", "-w", help="chat, mt-bench, sharegpt, code, code-edit, humaneval, agentic, batch, rag, summarization, summarize, doc-qa, translation, math, long-context, long-4k, long-16k, long-32k (every built-in workload of bench, and kinds of use).")] = "chat",
     context_len: Annotated[Optional[int], typer.Option("--context-len", help="Tokens in the KV cache while decoding (default: the workload's typical: 1024, 2048 for math, 16384 for long-context, 4096/16384/32768 for long-4k/16k/32k); judges sparse_attn.")] = None,
     batch: Annotated[int, typer.Option("--batch", help="Requests decoding together (judges sparse_attn: the KV read grows with it).")] = 1,
     probe: Annotated[bool, typer.Option("--probe", help="Run each applicable, implemented method briefly and rank them by measured speedup.")] = False,

@@ -26,7 +26,7 @@ residual block (zero-initialised) and an LM head initialised from the target's. 
 keeps the target frozen; --joint (Medusa-2) trains it too through LoRA and exports the merged target
 to OUTPUT/base. Data: --data files (prompt/response, messages or ShareGPT conversations, text) and/or
 --self-distill prompts the target answers itself (a .jsonl/.txt prompt file, or a workload name:
-code-edit, chat; their first --hold-out prompts, the ones `specctl bench -n N` runs, are left out).
+sharegpt, code-edit; their first --hold-out prompts, the ones `specctl bench -n N` runs, are left out).
 
 OUTPUT gets the heads (config.json + model.safetensors, vLLM's Medusa layout, with
 training_config.json and a model card, README.md), checkpoints/ (every --save-every steps, atomic;
@@ -36,7 +36,7 @@ summary on stdout.
 
 Examples:
 
-  specctl train-medusa --model smollm2-135m --self-distill chat --self-distill code-edit --num-heads 3 --output heads/
+  specctl train-medusa --model smollm2-135m --self-distill sharegpt --distill-max-prompts 500 --self-distill code-edit --num-heads 3 --output heads/
 
   specctl train-medusa -m ./my-model --data sharegpt.json --num-heads 4 --epochs 2 --save-every 200 --output run/ --json
 

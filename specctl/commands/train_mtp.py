@@ -43,7 +43,7 @@ save_state; --resume continues), data/self_distill.jsonl, and a model card (READ
 
 Examples:
 
-  specctl train-mtp --model smollm2-135m --self-distill chat --distill-max-prompts 32 --output mtp-draft --steps 200
+  specctl train-mtp --model smollm2-135m --self-distill sharegpt --distill-max-prompts 32 --output mtp-draft --steps 200
 
   specctl train-mtp --model ./my-model --data corpus/ --output my-model-mtp --stitch --epochs 2 --json
 

@@ -277,6 +277,12 @@ class DraftLengthController:
         in a batch), its wall time, and of that the time spent drafting (None: not measured apart,
         the whole step counts as v(T))."""
         self.observe_acceptance(num_draft, num_accepted)
+        self.observe_costs(num_draft, tokens_forwarded, seconds, draft_seconds)
+
+    def observe_costs(self, num_draft: int, tokens_forwarded: int, seconds: float,
+                      draft_seconds: float | None = None) -> None:
+        """``observe``'s timing half: a step's forward over ``tokens_forwarded`` tokens, ``num_draft`` of
+        them drafted in ``draft_seconds`` (None: not measured apart), ``seconds`` in all."""
         if draft_seconds is not None and num_draft > 0:
             seconds = max(seconds - draft_seconds, 1e-9)
             per = draft_seconds / num_draft

@@ -128,6 +128,7 @@ class _Plan:
     parents: list[int] | None = None
     base: int = 0
     rows: int = 0  # rows of the whole forward it rode in (every request's)
+    batch: int = 1  # requests decoding in that forward
     forward_s: float = 0.0  # that forward's seconds
     t_done: float = field(default_factory=time.perf_counter)  # reset when its verification starts
 
@@ -162,6 +163,9 @@ class SpecDecoder:
         self._pooled = PooledAcceptance()  # acceptance over this decoder's requests: a new request's prior
         # batched steps draft only while it pays (no probes where drafting again means reading skipped prompts)
         self._guard = BatchGuard(probe=not proposer.reads_prompt) if self.adaptive else None
+        self._own_length = proposer is not None and proposer.chooses_draft_length
+        if proposer is not None:
+            proposer.set_adaptive(self.adaptive)
 
     def generate(self, prompt_ids: list[int], params: SamplingParams,
                  generator: torch.Generator | None = None) -> GenerationResult:
@@ -268,10 +272,16 @@ class SpecDecoder:
             return True
         if not self._guard.drafts_likely(batch):
             return False
+        if self._own_length:  # a hybrid: each part reads the prompt while it pays (its on_prefill decides)
+            return True
         c = self._controller()
         if not c.may_pay(batch):  # a draft as costly as the target: its reading of the prompt would be waste
             return False
-        return batch <= 1 or c.best_len(batch) > 0  # unmeasured costs: it drafts
+        if batch <= 1 and c._draft_cost() is None:
+            return True  # alone, drafting unmeasured: it drafts, and gets measured
+        # in a batch (by the cost hint until measured), or alone after earlier requests measured drafting:
+        # read only where a draft would pay (it catches up if drafting turns on later)
+        return c.best_len(batch) > 0
 
     def step(self, st: DecodeState) -> list[int]:
         """One propose -> verify -> rollback step. Returns the tokens emitted (sets st.finish)."""
@@ -317,7 +327,7 @@ class SpecDecoder:
             return out
         t_fwd = time.perf_counter() - t_fwd
         for i, lg in zip(live, logits):
-            plans[i].rows, plans[i].forward_s = rows, t_fwd
+            plans[i].rows, plans[i].forward_s, plans[i].batch = rows, t_fwd, len(live)
             try:
                 out[i] = self._complete(states[i], plans[i], lg)
             except Exception as e:  # noqa: BLE001
@@ -343,7 +353,7 @@ class SpecDecoder:
         k = min(self.k, room - 1)
         if max_draft is not None:
             k = min(k, max_draft)
-        if st.controller is not None and k > 0:
+        if st.controller is not None and k > 0 and not self._own_length:
             k = min(k, st.controller.draft_len(batch, self._clock))
         return k
 
@@ -451,6 +461,8 @@ class SpecDecoder:
         st.stats.observe(nd, n - 1)
         self._observe_parts(st, nd, n - 1, emitted)
         if self.proposer is not None:
+            self.proposer.observe_step(st.slot, nd, plan.rows, plan.step_seconds(), plan.t1 - plan.t0, plan.batch)
+        if self.proposer is not None:
             self.proposer.on_verified(st.slot, n - 1, emitted)
         st.steps += 1
         return self._emit(st, emitted)
@@ -477,6 +489,8 @@ class SpecDecoder:
             self.proposer.on_target_hidden(st.slot, hidden, None if aux is None else aux[:, idx])
         st.stats.observe(depth, len(path) - 1)
         self._observe_parts(st, depth, len(path) - 1, emitted)
+        self.proposer.observe_step(st.slot, len(parents) - 1, plan.rows, plan.step_seconds(), plan.t1 - plan.t0,
+                                   plan.batch)
         self.proposer.on_verified(st.slot, len(path) - 1, emitted)
         st.steps += 1
         return self._emit(st, emitted)

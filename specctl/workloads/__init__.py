@@ -19,6 +19,10 @@ data on the machine or in wheels (``specctl.workloads.data`` fetches those once 
 - ``long-4k``, ``long-16k``, ``long-32k``: long-context question answering: whole standard-library
   source files, about 4k, 16k or 32k tokens of them, then a question about a function in the first
   file (explain it, quote it): the answer lies a whole context back (sparse_attn's case).
+- ``doc-qa``: long-document questions (RAG, code review): a reference manual section or the start of a
+  standard-library source file (4k-16k characters), then a question whose answer quotes it (entries it
+  defines, grammar rules, subsection titles, sentences naming a term; signatures, a function found by
+  its docstring, raise statements): the answer copies spans of the prompt. Deterministic for a seed.
 - ``math``: the 270 CHAMP competition math problems (5 categories), solved step by step.
 - ``sharegpt``: the first human turns of ShareGPT's 17,671 complete conversations (real users' chat,
   the prompts draft-training recipes start from; ``--self-distill sharegpt`` lets the target answer them).
@@ -59,6 +63,8 @@ WORKLOADS: dict[str, str] = {
     "mt-bench": "Multi-turn chat: both MT-Bench turns, turn 2 after the model's own turn-1 answer (one row per turn).",
     "summarize": "A long real document in the prompt: Python reference sections to summarise, stdlib source "
     "files to answer a question from (summarisation / RAG).",
+    "doc-qa": "Long-document questions (RAG / code review): a reference section or stdlib source file of 1k-4k "
+    "tokens, then a question whose answer quotes it.",
     "math": "Math reasoning: the 270 CHAMP competition problems (5 categories), solved step by step.",
     "sharegpt": "Real users' chat: first human turns of ShareGPT's 17,671 conversations (draft training data).",
     "agentic": "One tool-calling template over real stdlib functions (agent loop / batch job); "
@@ -305,7 +311,7 @@ def _round_robin(groups: list[list]) -> list:
 _LOADERS = {
     "code-edit": "stdlib", "humaneval": _humaneval, "chat": _chat, "mt-bench": _mt_bench,
     "summarize": "stdlib", "math": _math, "agentic": "stdlib", "sharegpt": _sharegpt,
-    "long-4k": "stdlib", "long-16k": "stdlib", "long-32k": "stdlib",
+    "long-4k": "stdlib", "long-16k": "stdlib", "long-32k": "stdlib", "doc-qa": "stdlib",
 }
 assert set(_LOADERS) == set(WORKLOADS)
 _STDLIB_NAMES = ("CODE_MODULES", "MIN_LINES", "MAX_LINES", "AGENTIC_SYSTEM", "AGENTIC_USER", "SUMMARY_INSTRUCTION",

@@ -1,4 +1,4 @@
-"""Workloads built from the Python standard library on the machine: code-edit, agentic, summarize.
+"""Workloads built from the Python standard library on the machine: code-edit, agentic, summarize, long-*, doc-qa.
 
 See ``specctl.workloads`` for what each one is; that module dispatches here by name. The
 prompts are deterministic for a given Python and seed (a fixed list of modules, seeded choices).
@@ -11,8 +11,10 @@ from __future__ import annotations
 import ast
 import functools
 import random
+import re
 import sysconfig
 import textwrap
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -333,3 +335,111 @@ def _public_functions(tree: ast.Module) -> list[str]:
 _long_4k = functools.partial(_long_documents, LONG_TOKENS["long-4k"])
 _long_16k = functools.partial(_long_documents, LONG_TOKENS["long-16k"])
 _long_32k = functools.partial(_long_documents, LONG_TOKENS["long-32k"])
+
+
+# --- doc-qa: a long document, then a question whose answer quotes it -------------------------------
+
+QA_MIN_CHARS, QA_MAX_CHARS = 4000, 16000  # about 1k to 4k tokens (CHARS_PER_TOKEN)
+DOC_QA_INSTRUCTION = "Answer the question using only the document above, quoting it exactly where asked."
+DOC_QA_QUESTIONS = {  # template -> question; the first four ask about reference sections, the rest about source
+    "entries": "List the names of the functions, methods and classes this section defines, in order, each with its "
+               "entry line and the sentence of the document that defines it, quoted exactly.",
+    "grammar": "Quote exactly the grammar rules this section gives (the lines with `::=`), in order; then, for each "
+               "rule named on the left, quote the sentence of the document that explains what it defines.",
+    "headings": "List the titles of this section's subsections, in order, each with the first sentence under it "
+                "quoted exactly.",
+    "term": "Which sentences of this section mention \"{target}\"? Quote each of them exactly, in order, then say in "
+            "one sentence what the section says about \"{target}\".",
+    "signatures": "List every top-level function and class in this file, in order, each with its `def` or `class` line "
+                  "quoted exactly and the first line of its docstring quoted exactly (or \"no docstring\").",
+    "lookup": "Which function in this file is described as \"{target}\"? Give its name, then quote its signature and "
+              "its complete docstring exactly.",
+    "raises": "Which functions in this file raise an exception? For each, quote its `def` line and every `raise` "
+              "statement in it exactly, in file order.",
+}
+_ENTRY = re.compile(r"^((?:class )?[\w.]+\(.*\))\n\n   \S", re.M)  # "str.center(width[, fillchar])" above its text
+_HEADING = re.compile(r"^(\S.*)\n[=-]{3,}$", re.M)  # a subsection title (the section's own is underlined with *)
+_TERM = re.compile(r'"([^"\n]{2,30})"')  # code in running text: "async for", "__slots__"
+_Tasks = dict[str, tuple[list[str], str | None]]  # template -> (quotes, the target the question names)
+
+
+def _reference_tasks(doc: str, rng: random.Random) -> _Tasks:
+    """template -> (the spans of ``doc`` its answer quotes, the term the question names) for a reference section."""
+    out: _Tasks = {}
+    if len(entries := _ENTRY.findall(doc)) >= 3:
+        out["entries"] = (entries, None)
+    if len(rules := [line.strip() for line in doc.splitlines() if "::=" in line]) >= 2:
+        out["grammar"] = (rules, None)
+    if len(titles := _HEADING.findall(doc)) >= 2:
+        out["headings"] = (titles, None)
+    counts = Counter(_TERM.findall(doc))
+    if terms := sorted(t for t, c in counts.items() if 2 <= c <= 6 and t.strip() == t):
+        term = rng.choice(terms)
+        out["term"] = ([f'"{term}"'], term)
+    return out
+
+
+def _source_tasks(source: str, tree: ast.Module, doc: str, rng: random.Random) -> _Tasks:
+    """The same for ``doc``, the start of ``source``: only definitions that lie whole in it are asked about."""
+    lines, last = source.splitlines(), doc.count("\n") + 1
+    kinds = (ast.FunctionDef, ast.AsyncFunctionDef)
+    tops = [n for n in tree.body if isinstance(n, (*kinds, ast.ClassDef)) and n.lineno <= last]  # its def line shown
+    funcs = [n for n in tops if isinstance(n, kinds)] + [
+        m for c in tops if isinstance(c, ast.ClassDef) for m in c.body if isinstance(m, kinds)]
+    funcs = sorted((f for f in funcs if f.end_lineno <= last), key=lambda n: n.lineno)  # whole in the document
+    out: _Tasks = {}
+    if len(tops) >= 2:
+        out["signatures"] = ([lines[n.lineno - 1] for n in tops], None)
+    described = [(f, ast.get_docstring(f).splitlines()[0].strip()) for f in funcs if ast.get_docstring(f)]
+    if described := [(f, s) for f, s in described if len(s) >= 20 and doc.count(s) == 1]:
+        f, summary = rng.choice(described)
+        out["lookup"] = ([lines[f.lineno - 1].strip(), summary], summary)
+    raising = [[lines[f.lineno - 1].strip()] + [ast.get_source_segment(source, r) for r in ast.walk(f)
+                                                if isinstance(r, ast.Raise)] for f in funcs]
+    if raising := [q for quotes in raising if len(quotes) > 1 for q in quotes]:
+        out["raises"] = (raising, None)
+    return out
+
+
+def _doc_qa(num_prompts: int | None, seed: int) -> list[Request]:
+    """Reference sections and source files alternating, each of 4k-16k characters (cut at a blank line), with a
+    question whose answer quotes the document: within each kind, templates round-robin, distinct documents first."""
+    rng = random.Random(seed)
+    try:
+        from pydoc_data.topics import topics
+    except ImportError:
+        topics = {}
+    docs = [[], []]  # (document id, prompt head, document, tasks) of reference sections, then of source files
+    for name in sorted(topics):
+        doc = _cut(topics[name].strip(), QA_MAX_CHARS)
+        head = f'Document: the Python reference manual, section "{name}"\n\n{doc}'
+        docs[0].append((f"reference:{name}", head, doc, _reference_tasks(doc, rng)))
+    for mod, source, tree in _stdlib_sources():
+        module = mod.replace("/__init__", "").replace("/", ".")
+        doc = _cut(source, QA_MAX_CHARS).rstrip("\n")
+        head = f"Document: {module}.py\n\n```python\n{doc}\n```"
+        docs[1].append((f"source:{module}", head, doc, _source_tasks(source, tree, doc, rng)))
+    kinds = []
+    for kind in docs:
+        by_template: dict[str, list] = {}
+        for doc_id, head, doc, tasks in kind:
+            if len(doc) >= QA_MIN_CHARS:
+                for template, (quotes, target) in tasks.items():
+                    by_template.setdefault(template, []).append((doc_id, head, doc, template, quotes, target))
+        for template in sorted(by_template):
+            rng.shuffle(by_template[template])
+        firsts, rest, seen = [], [], set()
+        for task in _round_robin([by_template[t] for t in sorted(by_template)]):
+            (rest if task[0] in seen else firsts).append(task)
+            seen.add(task[0])
+        kinds.append(firsts + rest)
+    if not any(kinds):
+        raise DataError(f"No documents of {QA_MIN_CHARS}-{QA_MAX_CHARS} characters found in the standard library at "
+                        f"{sysconfig.get_paths()['stdlib']}", "Use a Python with its standard library sources installed")
+    return [
+        Request(id=f"doc-qa/{doc_id}/{template}", workload="doc-qa",
+                messages=[{"role": "user", "content": f"{head}\n\n{DOC_QA_INSTRUCTION}\n\nQuestion: "
+                                                      + DOC_QA_QUESTIONS[template].format(target=target)}],
+                meta={"task": template, "document": doc_id, "chars": len(doc), "quotes": quotes, "target": target})
+        for doc_id, head, doc, template, quotes, target in _round_robin(kinds)[:num_prompts]
+    ]

@@ -330,6 +330,99 @@ def test_summarize_long_real_documents_with_summary_and_question_tasks():
             assert f"`{r.meta['function']}`" in text.split("```")[-1]  # the question comes after the document
 
 
+# --- doc-qa (real standard library) -------------------------------------------------------------
+
+
+def _doc_qa_parts(r: Request) -> tuple[str, str, str, str]:
+    """(kind, name, document, question) of a doc-qa prompt: the document first, the question after it."""
+    from specctl.workloads.stdlib import DOC_QA_INSTRUCTION
+
+    head, sep, question = r.messages[0]["content"].partition(f"\n\n{DOC_QA_INSTRUCTION}\n\nQuestion: ")
+    assert sep and question
+    kind, name = r.meta["document"].split(":", 1)
+    if kind == "reference":
+        m = re.fullmatch(r'Document: the Python reference manual, section "([^"]+)"\n\n(.*)', head, re.S)
+    else:
+        m = re.fullmatch(r"Document: (\S+)\.py\n\n```python\n(.*)\n```", head, re.S)
+    assert m and m.group(1) == name
+    return kind, name, m.group(2), question
+
+
+def _doc_qa_original(kind: str, name: str) -> str:
+    if kind == "reference":
+        from pydoc_data.topics import topics
+
+        return topics[name].strip()
+    import sysconfig
+    from pathlib import Path
+
+    base = Path(sysconfig.get_paths()["stdlib"]) / name.replace(".", "/")
+    return next(p for p in (base.with_suffix(".py"), base / "__init__.py") if p.is_file()).read_text(encoding="utf-8")
+
+
+def test_doc_qa_real_documents_cut_at_a_line_alternating_kinds_and_templates():
+    from specctl.workloads.stdlib import QA_MAX_CHARS, QA_MIN_CHARS
+
+    assert (QA_MIN_CHARS, QA_MAX_CHARS) == (4000, 16000)  # about 1k to 4k tokens
+    reqs = load_workload("doc-qa", 16, seed=0)
+    assert len(reqs) == 16 and len({r.id for r in reqs}) == 16
+    assert len({r.meta["document"] for r in reqs}) == 16  # distinct documents first
+    assert [r.meta["document"].split(":")[0] for r in reqs] == ["reference", "source"] * 8
+    assert len({r.meta["task"] for r in reqs}) >= 6  # several question templates
+    for r in reqs:
+        assert r.workload == "doc-qa" and len(r.messages) == 1 and r.messages[0]["role"] == "user"
+        assert r.id == f"doc-qa/{r.meta['document']}/{r.meta['task']}"
+        kind, name, doc, _ = _doc_qa_parts(r)
+        assert QA_MIN_CHARS <= r.meta["chars"] == len(doc) <= QA_MAX_CHARS
+        original = _doc_qa_original(kind, name)
+        assert original.startswith(doc)  # verbatim, from the start
+        assert len(doc) == len(original) or original[len(doc)] == "\n"  # cut at a line end, never mid-line
+
+
+def test_doc_qa_deterministic_for_a_seed_and_seeded():
+    a = load_workload("doc-qa", 12, seed=0)
+    assert [(r.id, r.messages, r.meta) for r in load_workload("doc-qa", 12, seed=0)] == [(r.id, r.messages, r.meta) for r in a]
+    assert [r.id for r in load_workload("doc-qa", 12, seed=1)] != [r.id for r in a]
+    assert [r.id for r in load_workload("doc-qa", 5, seed=0)] == [r.id for r in a[:5]]
+
+
+def test_doc_qa_answers_quote_the_document():
+    reqs = load_workload("doc-qa")
+    assert len({r.id for r in reqs}) == len(reqs) > 60
+    assert {r.meta["task"] for r in reqs} == {"entries", "grammar", "headings", "term", "signatures", "lookup", "raises"}
+    for r in reqs:
+        kind, name, doc, question = _doc_qa_parts(r)
+        quotes, target, task = r.meta["quotes"], r.meta["target"], r.meta["task"]
+        assert quotes and all(q and q in doc for q in quotes), r.id  # the answer copies spans of the document
+        if target is not None:
+            assert f'"{target}"' in question
+        lines = doc.splitlines()
+        if task == "entries":
+            assert len(quotes) >= 3 and all(f"\n{q}\n\n   " in f"\n{doc}" for q in quotes)  # entry line, then its text
+        elif task == "grammar":
+            assert len(quotes) >= 2 and all("::=" in q and any(line.strip() == q for line in lines) for q in quotes)
+        elif task == "headings":
+            assert len(quotes) >= 2 and all(re.search(rf"^{re.escape(q)}\n[=-]+$", doc, re.M) for q in quotes)
+        elif task == "term":
+            assert quotes == [f'"{target}"'] and doc.count(quotes[0]) >= 2
+        else:
+            tree = ast.parse(_doc_qa_original(kind, name))
+            src_lines = _doc_qa_original(kind, name).splitlines()
+            defs = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+                    and n.end_lineno <= len(lines)]  # whole in the document
+            if task == "signatures":
+                assert quotes == [src_lines[n.lineno - 1] for n in tree.body if n.lineno <= len(lines)
+                                  and isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))]
+            elif task == "lookup":
+                assert quotes[1] == target and doc.count(target) == 1
+                assert any(src_lines[f.lineno - 1].strip() == quotes[0] and ast.get_docstring(f).splitlines()[0] == target
+                           for f in defs if ast.get_docstring(f))
+            else:
+                heads = {src_lines[f.lineno - 1].strip() for f in defs}
+                assert quotes[0] in heads and all(q in heads or q.startswith("raise") for q in quotes)
+                assert any(q.startswith("raise") for q in quotes)
+
+
 # --- render_prompt -----------------------------------------------------------------------------
 
 

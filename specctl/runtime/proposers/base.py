@@ -78,6 +78,9 @@ class Proposer:
     # drafts every running request in one call (``propose_batch``): one batched draft forward
     drafts_in_batch: bool = False
     reads_prompt: bool = False  # reads each prompt with a model of its own (``on_prefill``): a draft model
+    # chooses each step's draft length itself (a hybrid weighing its parts): the decoder's controller
+    # does not cut k (``set_adaptive`` says whether to adapt at all; ``observe_step`` gives the timings)
+    chooses_draft_length: bool = False
     # a draft token's forward against a target forward over the same rows, before it is measured (the
     # controller's prior for drafting's cost; 0: free until measured, as n-gram lookup is)
     draft_cost: float = 0.0
@@ -115,6 +118,12 @@ class Proposer:
         after each prefill chunk): a proposer with a prompt of its own to read (a draft model) reads
         along, chunk by chunk, so no single step carries a whole prompt's draft prefill."""
 
+    def backlog(self, slot: int) -> int:
+        """Context tokens the request in ``slot`` has that this proposer must read before it can draft
+        (a draft model that skipped the prompt, or sat out steps another part won): what its next
+        draft pays beyond drafting. 0 for proposers that read nothing of their own."""
+        return 0
+
     def on_target_hidden(self, slot: int, hidden: torch.Tensor, aux: torch.Tensor | None) -> None:
         """Only with ``needs_hidden_states``: the target's states of the rows now in its cache.
 
@@ -128,6 +137,15 @@ class Proposer:
 
     def end_request(self, slot: int) -> None:
         """The request in ``slot`` finished (a proposer may learn from its output here)."""
+
+    def set_adaptive(self, on: bool) -> None:
+        """Whether the decoder adapts the draft length (``chooses_draft_length`` proposers then do it)."""
+
+    def observe_step(self, slot: int, num_draft: int, rows: int, seconds: float, draft_seconds: float,
+                     batch: int = 1) -> None:
+        """After ``slot``'s step (plain or drafted, after ``credit``): ``num_draft`` tokens drafted, the
+        forward's ``rows`` (every request's, ``batch`` requests), the step's ``seconds``, ``draft_seconds``
+        of them drafting."""
 
     def credit(self, slot: int, num_draft: int, num_accepted: int, emitted: list[int]) -> dict[str, tuple[int, int]]:
         """After ``slot``'s step was verified: its sub-proposers that drafted, each with (its draft

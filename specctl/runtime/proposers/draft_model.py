@@ -76,6 +76,7 @@ class _Slot:
         self.step_mode = "same"  # how the last propose drafted (same, tli or text)
         self.sampling: _Sampling | None = None
         self.active = False
+        self.synced = 0  # target tokens of ctx the draft cache reflects (mapped modes; ``backlog``)
 
 
 @dataclass
@@ -218,8 +219,17 @@ class DraftModelProposer(Proposer):
     # ------------------------------------------------------------------ request life
     def start_request(self, slot: int, prompt_ids: np.ndarray) -> None:
         s = self._slot(slot)
-        s.n, s.pieces, s.active = 0, [], True
+        s.n, s.pieces, s.active, s.synced = 0, [], True, 0
         self._extend(s, np.asarray(prompt_ids, dtype=np.int64))
+
+    def backlog(self, slot: int) -> int:
+        """Context tokens not in the draft's cache yet (target tokens): read before the next draft."""
+        s = self.slots.get(slot)
+        if s is None or not s.active:
+            return 0
+        if self.mode == "same":
+            return s.n - self._common_prefix(s, s.ctx[:s.n])
+        return max(s.n - s.synced, 0)
 
     def on_prefill(self, slot: int, upto: int) -> None:
         """The draft reads the prompt in the request's prefill (as vLLM runs the draft's prefill), chunk
@@ -231,6 +241,7 @@ class DraftModelProposer(Proposer):
         want = self._context_ids(s, upto)
         if 0 < len(want) <= s.runner.max_len:
             self._sync(s, want)
+            s.synced = min(upto, s.n)
 
     def end_request(self, slot: int) -> None:
         s = self.slots.get(slot)
@@ -242,6 +253,7 @@ class DraftModelProposer(Proposer):
         if s is None:
             return
         self._extend(s, np.asarray(emitted, dtype=np.int64))
+        s.synced = min(s.synced + min(num_accepted, s.num_fed_drafts), s.n)  # the accepted drafts it fed
         if s.step_mode in ("same", "tli"):
             # drafts map one to one onto draft ids: keep the accepted ones that were fed, drop the rest (O(1))
             keep = s.base + min(num_accepted, s.num_fed_drafts)
@@ -351,10 +363,12 @@ class DraftModelProposer(Proposer):
             if len(want) - c > CATCH_UP:  # far behind (it joined while the batch was not drafting): read a chunk
                 if catch_up > 0:
                     self._sync(s, want[:c + catch_up])
+                    s.synced = s.n * (c + catch_up) // len(want)  # in target tokens, about
                     catch_up = 0
                 s.base, s.num_fed_drafts = s.runner.length, 0
                 continue  # no draft until it has caught up: no step carries a whole prompt's draft forward
             mode = s.step_mode = self._step_mode(s, want)
+            s.synced = s.n
             live.append(_Drafting(j, s, k, mode, self.suppress_text if mode == "text" else self.suppress_tli,
                                   s.sampling or _Sampling(self.temperature, self.top_k, self.top_p), len(want),
                                   self._sync_tokens(s, want, c)))

@@ -9,17 +9,24 @@ model draft pays on new text. Policies:
 
 - ``first``: the sub-proposers are asked in order; the first draft of at least ``hybrid_min_match``
   tokens is the step's draft (the last one's at any length).
-- ``score``: the sub-proposers are asked best first by expected accepted tokens per second, each
-  from its own measured per-position acceptance and drafting time and the measured time of a
-  verification step (unmeasured ones are tried first, optimistically); the first with a draft wins.
+- ``score`` (the default): each part is weighed as the draft-length controller weighs one proposer
+  (``DraftLengthController``, one per part): its measured per-position acceptance, the measured time
+  of a verification over T tokens, and its own drafting time per step, plus what it must catch up on
+  first (``Proposer.backlog``: context tokens it has not read, at its measured seconds per token).
+  The parts whose best draft beats a plain step are asked best first, by expected accepted tokens per
+  second; the first with a draft wins. None beats a plain step: no draft (each part's controller
+  probes again after a wait that doubles, as a single proposer's does).
+- ``first``: the sub-proposers are asked in order; the first draft of at least ``hybrid_min_match``
+  tokens is the step's draft (the last one's at any length).
 - ``tree``: every sub-proposer drafts and the drafts are merged into one token tree (shared
   prefixes once), verified in one forward (greedy requests; sampled ones take ``first``).
 
-Every sub-proposer follows every request whether or not it drafted (start, sampling, the target's
-hidden states, each verification), so one that falls behind catches up from the state it kept: a
-draft model's cache extends over the tokens it missed in one forward, an EAGLE head keeps every
-target feature. Lossless like any proposer: a chain is one sub-proposer's draft, with its
-probabilities when it samples; a tree is verified greedily.
+Every sub-proposer follows every request's verifications (its context, the target's hidden
+states), which costs a lazy draft nothing; a part that reads prompts with a model of its own (a draft
+model) reads a new request's prompt only while it pays (``score``: its controller would draft now, or
+it is unmeasured), so a draft model that sits out costs nothing, and catches up from the cache it
+kept if the choice turns to it (that catching up counted in its score). Lossless like any proposer: a
+chain is one sub-proposer's draft, with its probabilities when it samples; a tree is verified greedily.
 
 ``credit(slot, ...)`` splits a verified step among the parts that drafted it, so the decoder counts
 drafts and acceptance per sub-proposer (bench's rows, /metrics' ``proposer`` label).
@@ -74,12 +81,15 @@ def merge_tree(drafts: list[DraftOutput]) -> tuple[list[int], list[int]]:
 
 
 class _Part:
-    """A sub-proposer's measured record: its acceptance per draft position (the draft-length
-    controller's model of it) and its drafting seconds per call."""
+    """A sub-proposer's measured record (``score``): a draft-length controller of its own (its acceptance
+    per position, the verification's time over T tokens, its drafting time per step) and its seconds
+    per context token caught up."""
 
-    def __init__(self, k: int):
-        self.acceptance = DraftLengthController(k, decay=0.1)
-        self.draft_s: float | None = None
+    def __init__(self, k: int, draft_hint: float):
+        self.acceptance = DraftLengthController(k, decay=0.1, draft_hint=draft_hint)
+        self.draft_s: float | None = None  # seconds of a call (EMA)
+        self.catch_s: float | None = None  # seconds per backlog token (EMA), from calls far behind
+        self.won: int | None = None  # the hybrid's step at which its draft was last the step's draft
 
     def observe(self, num_draft: int, num_accepted: int) -> None:
         self.acceptance.observe_acceptance(num_draft, num_accepted)
@@ -88,33 +98,72 @@ class _Part:
         """1 + p_1 + p_1 p_2 + ...: tokens a k-token draft of this part emits on average."""
         return self.acceptance.expected_tokens(k)
 
+    def timed(self, seconds: float, backlog: int) -> None:
+        """A call took ``seconds`` with ``backlog`` context tokens to read first."""
+        if backlog > CATCH_UP_MIN:  # drafting unmeasured yet: the whole call counts as catching up (an upper bound)
+            per = max(seconds - (self.draft_s or 0.0), 0.0) / backlog
+            self.catch_s = per if self.catch_s is None else self.catch_s + 0.3 * (per - self.catch_s)
+        elif backlog <= CATCH_UP_MIN:
+            self.draft_s = seconds if self.draft_s is None else self.draft_s + 0.2 * (seconds - self.draft_s)
+
+    def value(self, backlog: int, batch: int = 1) -> tuple[int, float, float]:
+        """(d, expected tokens per plain-step time, catching up in plain steps) of its best draft now
+        among ``batch`` requests; d = 0: it does not draft now (its controller also schedules probes:
+        d > 0 with a value below a plain step's 1.0)."""
+        c = self.acceptance
+        d = c.draft_len(batch)
+        if d <= 0:
+            return 0, 0.0, 0.0
+        fit = c._slope()
+        one = fit[0] if fit else 0.0
+        per = self.catch_s
+        if per is None and self.draft_s is not None:  # unmeasured: a context token as a quarter of a draft token
+            per = self.draft_s / (4 * c.k)
+        extra = (per or 0.0) * backlog / one if one > 0 else 0.0
+        return d, c.expected_tokens(d) / (c.cost(d + 1, batch) + extra), extra
+
+    def pays(self) -> bool:
+        """Whether it would draft now with nothing to catch up (unmeasured: yes, so it gets measured)."""
+        c = self.acceptance
+        return not c.costs or (c.may_pay() and c.best_len() > 0)
+
+
+FOLLOW_STEPS = 64  # a part that reads prompts stops reading new ones when it has not won for this many steps
+PROBE_CATCH_UP = 0.25  # a probe of a part that would first catch up for longer (in plain steps) is skipped
+CATCH_UP_MIN = 16  # a call with more context tokens than this to read first is timed as catching up
+
 
 class HybridProposer(Proposer):
     method = "hybrid"
 
-    def __init__(self, config: SpecConfig, *, target=None, max_model_len: int):
+    def __init__(self, config: SpecConfig, *, target=None, max_model_len: int, clock=time.perf_counter):
+        """``clock``: seconds, for timing the parts' calls (tests give a deterministic one)."""
         from specctl.runtime.proposers import build_proposer
 
         subs = config.sub_configs()
         self.subs = [build_proposer(c, max_model_len, target=target) for c in subs]
         self.ks = [int(c.num_speculative_tokens) for c in subs]  # each drafts at most its own k
         self.names = sub_labels(subs)
-        self.policy = config.policy or "first"
+        self.policy = config.policy or "score"
         self.min_match = int(config.hybrid_min_match or 2)
         self.needs_hidden_states = any(p.needs_hidden_states for p in self.subs)
         self.reads_prompt = any(p.reads_prompt for p in self.subs)
         self.aux_layers = tuple(sorted({l for p in self.subs for l in p.aux_layers}))  # every part's, once
         self.learns_across_requests = any(p.learns_across_requests for p in self.subs)
-        self.parts = [_Part(k) for k in self.ks]
+        self.chooses_draft_length = self.policy == "score"  # its parts' controllers do, not the decoder's
+        self.parts = [_Part(k, p.draft_cost) for k, p in zip(self.ks, self.subs)]
+        self.clock = clock
         self._greedy: dict[int, bool] = {}  # slot -> its request is greedy (trees are verified greedily)
         self._drafted: dict[int, list[tuple[int, list[list[int]]]]] = {}  # slot -> [(part, its paths)] this step
-        self._last_propose: dict[int, float] = {}  # slot -> when it last drafted
-        self.verify_s: float | None = None  # a step's time outside drafting (EMA), for ``score``
+        self._step_draft_s: dict[int, dict[int, float]] = {}  # slot -> {part: seconds drafting} this step
+        self._last_drafted: dict[int, list] = {}  # slot -> what credit() counted, for observe_step
+        self._batch: dict[int, int] = {}  # slot -> requests in its last step's forward
+        self._steps = 0  # drafting calls so far (every request's): the clock of ``_Part.won``
+        self.adaptive = True  # the decoder adapts draft lengths (``set_adaptive``): ``score`` weighs the parts
 
     # ------------------------------------------------------------------ every sub-proposer follows
     def start_request(self, slot, prompt_ids) -> None:
         self._drafted.pop(slot, None)
-        self._last_propose.pop(slot, None)
         for p in self.subs:
             p.start_request(slot, prompt_ids)
 
@@ -128,8 +177,17 @@ class HybridProposer(Proposer):
             p.bind_target(slot, runner)
 
     def on_prefill(self, slot, upto) -> None:
-        for p in self.subs:
-            p.on_prefill(slot, upto)
+        """Every part reads along, but a part with a prompt of its own to read only while it pays
+        (``score``): a draft model sitting out reads nothing, and catches up if it is chosen later."""
+        for p, part in zip(self.subs, self.parts):
+            if not p.reads_prompt or self.policy != "score" or not self.adaptive or self._follows(part):
+                p.on_prefill(slot, upto)
+
+    def _follows(self, part: "_Part") -> bool:
+        """A part that reads prompts reads a new one only while it pays: it won a step lately (within
+        FOLLOW_STEPS) and its controller would still draft. A part that never won reads nothing; if the
+        choice turns to it, it catches up then (``backlog``), which its score counts."""
+        return part.won is not None and self._steps - part.won <= FOLLOW_STEPS and part.pays()
 
     def on_target_hidden(self, slot, hidden, aux) -> None:
         for p in self.subs:
@@ -150,60 +208,87 @@ class HybridProposer(Proposer):
 
     def end_request(self, slot) -> None:
         self._drafted.pop(slot, None)
-        self._last_propose.pop(slot, None)
+        self._step_draft_s.pop(slot, None)
+        self._last_drafted.pop(slot, None)
+        self._batch.pop(slot, None)
         for p in self.subs:
             p.end_request(slot)
+
+    def backlog(self, slot: int) -> int:
+        return min(p.backlog(slot) for p in self.subs)
 
     def credit(self, slot: int, num_draft: int, num_accepted: int, emitted: list[int]) -> dict[str, tuple[int, int]]:
         """Each part that drafted this step: (its draft tokens, how many of them were accepted): its
         chain's (or tree's deepest path's) agreement with the accepted tokens."""
         out = {}
         accepted = emitted[:num_accepted]
-        for i, ps in self._drafted.pop(slot, []):
+        self._last_drafted[slot] = drafted = self._drafted.pop(slot, [])
+        for i, ps in drafted:
             best = max((len(p) for p in ps if p == accepted[:len(p)]), default=0)
             depth = max(len(p) for p in ps)
             self.parts[i].observe(depth, best)
             out[self.names[i]] = (depth, best)
         return out
 
+    def set_adaptive(self, on: bool) -> None:
+        self.adaptive = on
+
+    def observe_step(self, slot: int, num_draft: int, rows: int, seconds: float, draft_seconds: float,
+                     batch: int = 1) -> None:
+        """Each part's controller learns the verification's time over ``rows`` tokens (a part that did not
+        draft saw a step it was not charged for), and the part that drafted its own drafting time (its
+        acceptance was counted in ``credit``)."""
+        self._batch[slot] = batch
+        spent = self._step_draft_s.pop(slot, {})
+        verify = max(seconds - draft_seconds, 1e-9)
+        drafted = {i for i, _ in self._drafted.get(slot, [])} | {i for i, _ in self._last_drafted.pop(slot, [])}
+        for i, part in enumerate(self.parts):
+            if i in drafted and num_draft > 0:
+                part.acceptance.observe_costs(num_draft, rows, verify + spent.get(i, 0.0), spent.get(i, 0.0))
+            else:
+                part.acceptance.observe_costs(0, rows, verify)
+
     # ------------------------------------------------------------------ drafting
-    def _ask(self, i: int, token_ids, num_tokens, k, hidden_states, slots) -> DraftOutput:
-        t = time.perf_counter()
-        d = self.subs[i].propose(token_ids, num_tokens, min(k, self.ks[i]), hidden_states, slots=slots)
-        dt = time.perf_counter() - t
-        part = self.parts[i]
-        part.draft_s = dt if part.draft_s is None else part.draft_s + 0.2 * (dt - part.draft_s)
+    def _ask(self, i: int, token_ids, num_tokens, k, hidden_states, slot: int) -> DraftOutput:
+        backlog = self.subs[i].backlog(slot)
+        t = self.clock()
+        d = self.subs[i].propose(token_ids, num_tokens, min(k, self.ks[i]), hidden_states, slots=[slot])
+        dt = self.clock() - t
+        self.parts[i].timed(dt, backlog)
+        self._step_draft_s.setdefault(slot, {})[i] = dt
         return d
 
-    def _order(self, k: int) -> list[int]:
-        """``score``: parts by expected tokens per second of a step with their draft, best first."""
-        v = self.verify_s or 0.0
-
-        def score(i: int) -> float:
-            d = self.parts[i].draft_s
-            if d is None:
-                return float("inf")  # never measured: try it
-            return self.parts[i].expected_tokens(min(k, self.ks[i])) / max(v + d, 1e-9)
-
-        return sorted(range(len(self.subs)), key=score, reverse=True)
+    def _order(self, k: int, slot: int) -> list[tuple[int, int]]:
+        """``score``: (part, its draft length) of the parts whose draft beats a plain step now, best
+        expected tokens per second first; an unmeasured part first of all (so it gets measured)."""
+        scored = []
+        for i, part in enumerate(self.parts):
+            if not part.acceptance.costs:
+                scored.append((float("inf"), i, min(k, self.ks[i])))
+                continue
+            if not self.adaptive:  # a fixed k: every part, the best measured first
+                c = part.acceptance
+                scored.append((c.expected_tokens(self.ks[i]) / c.cost(self.ks[i] + 1), i, min(k, self.ks[i])))
+                continue
+            d, v, extra = part.value(self.subs[i].backlog(slot), self._batch.get(slot, 1))
+            # it beats a plain step; or its controller probes it, and catching up first costs little
+            if d > 0 and (v > 1.0 or extra <= PROBE_CATCH_UP):
+                scored.append((v, i, min(d, k, self.ks[i])))
+        scored.sort(key=lambda x: -x[0])
+        return [(i, d) for _, i, d in scored]
 
     def propose(self, token_ids, num_tokens, k, hidden_states=None, slots=None) -> DraftOutput:
         if token_ids.shape[0] != 1:
             raise ValueError("the hybrid proposer drafts for one request per call (the decoder's way)")
         slot = 0 if slots is None else int(slots[0])
-        t0 = time.perf_counter()
-        last = self._last_propose.get(slot)
-        if last is not None:  # the time since its last draft, less drafting: one verification step
-            drafted = sum(self.parts[i].draft_s or 0.0 for i, _ in self._drafted.get(slot, []))
-            gap = max(t0 - last - drafted, 0.0)
-            self.verify_s = gap if self.verify_s is None else self.verify_s + 0.2 * (gap - self.verify_s)
-        self._last_propose[slot] = t0
+        self._steps += 1
         self._drafted[slot] = []
+        self._step_draft_s[slot] = {}
         empty = DraftOutput(torch.full((1, max(k, 0)), -1, dtype=torch.long), torch.zeros(1, dtype=torch.long))
         if self.policy == "tree" and self._greedy.get(slot, True):
             drafts = []
             for i in range(len(self.subs)):
-                d = self._ask(i, token_ids, num_tokens, k, hidden_states, slots)
+                d = self._ask(i, token_ids, num_tokens, k, hidden_states, slot)
                 if int(d.num_tokens[0]) > 0:
                     drafts.append(d)
                     self._drafted[slot].append((i, paths(d)))
@@ -213,14 +298,14 @@ class HybridProposer(Proposer):
                 return drafts[0]
             tokens, parents = merge_tree(drafts)
             return DraftOutput(torch.tensor([tokens], dtype=torch.long), torch.tensor([len(tokens)]), None, parents)
-        order = self._order(k) if self.policy == "score" else range(len(self.subs))
-        order = list(order)
-        for j, i in enumerate(order):
-            d = self._ask(i, token_ids, num_tokens, k, hidden_states, slots)
+        order = self._order(k, slot) if self.policy == "score" else [(i, k) for i in range(len(self.subs))]
+        for j, (i, ki) in enumerate(order):
+            d = self._ask(i, token_ids, num_tokens, ki, hidden_states, slot)
             n = int(d.num_tokens[0])
             need = self.min_match if self.policy == "first" else 1
             if n >= need or (j == len(order) - 1 and n > 0):
                 self._drafted[slot] = [(i, paths(d))]
+                self.parts[i].won = self._steps
                 return d
         return empty
 

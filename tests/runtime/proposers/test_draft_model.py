@@ -493,6 +493,25 @@ def test_a_request_joining_a_batch_where_the_draft_would_not_pay_leaves_its_prom
     assert dec._reads_prompt(8)
 
 
+def test_a_draft_model_that_stopped_paying_does_not_read_the_next_prompt(target, drafts):
+    """Alone too: once drafting is measured (its cost per token, the verification's) and the drafts of
+    the earlier requests were rejected, a new request's draft does not read the prompt; while they
+    were accepted, it does. Unmeasured, it reads (and gets measured)."""
+    from specctl.runtime.controller import DRAFT
+
+    prop = make_proposer(target, drafts["same"])
+    prop.draft_cost = 0.33  # as a draft a third of its target's size (the tiny one is the target's twin)
+    dec = SpecDecoder(TargetRunner(target.model, MAX_LEN), prop, K, adaptive=True)
+    assert dec._reads_prompt(1)
+    dec._costs.update({1: 0.1, K + 1: 0.104, DRAFT: 0.03})  # a draft token: 0.3 of a plain step
+    for _ in range(60):
+        dec._pooled.observe(K, K)  # every draft accepted: it pays
+    assert dec._reads_prompt(1)
+    for _ in range(200):
+        dec._pooled.observe(K, 0)  # then every one rejected
+    assert not dec._reads_prompt(1)
+
+
 def test_a_draft_gguf_quantization_without_a_gguf_names_the_drafts_keys(tiny_model_dir):
     """It named --model / --quantization, the target's options, for a problem in the draft's config."""
     from specctl.errors import UsageError
