@@ -12,6 +12,8 @@ Stages, each resumable after an interruption (SIGKILL included) without redoing 
 2. train  ``specctl train-eagle`` / ``train-medusa`` / ``train-mtp`` on those files into OUT/train
           (EAGLE-3's target states cached once in OUT/states; checkpoints every few steps, ``--resume``);
           its summary in OUT/train.json, the export beside it.
+   held-out: the target's greedy answers to exactly the prompts bench runs (OUT/data/heldout.jsonl), which
+          EAGLE-3's training evaluates on (``--eval-data``), never trains on.
 3. bench  ``specctl bench`` on held-out prompts (MT-Bench first turns, HumanEval; never training data:
           the trainers refuse evaluation prompts), a chain of k and, for EAGLE-3, a tree of at most 16
           nodes: OUT/bench.json.
@@ -119,6 +121,27 @@ def stage_data(args, plan: Plan, out: Path) -> list[Path]:
     return files
 
 
+def stage_heldout(args, plan: Plan, out: Path) -> Path:
+    """The target's greedy answers to exactly the prompts bench runs (never trained on): the trainer
+    evaluates on them (--eval-data), so the acceptance it prints is what bench then measures."""
+    from specctl.models import resolve_model
+    from specctl.runtime.runner import load_model
+    from specctl.training.data import self_distill
+    from specctl.workloads import load_workload
+
+    path = out / "data" / "heldout.jsonl"
+    done = out / "data" / "heldout.done"
+    if done.is_file():
+        return path
+    reqs = [r for w in HELD_OUT for r in load_workload(w, plan.bench_prompts, 0)]
+    lm = load_model(resolve_model(args.model, dtype="bfloat16"), dtype="bfloat16")
+    say(f"held-out: the target answers bench's {len(reqs)} prompts into {path} (evaluation only)")
+    self_distill(lm, reqs, max_new_tokens=plan.bench_tokens, seq_len=plan.seq_len, cache=path,
+                 progress=eta_printer(path.name), log=say)
+    done.write_text("done\n")
+    return path
+
+
 def train_command(args, plan: Plan, out: Path, files: list[Path]) -> list[str]:
     cmd = {"eagle3": ["train-eagle", "--version", "3", "--cache-hidden-states", str(out / "states")],
            "medusa": ["train-medusa", "--num-heads", str(plan.k)],
@@ -130,7 +153,13 @@ def train_command(args, plan: Plan, out: Path, files: list[Path]) -> list[str]:
         cmd += ["--data", str(f)]
     if args.method == "eagle3":
         cmd += ["--eval-every", "40"]
-    if (out / "train" / "checkpoints").is_dir() and any((out / "train" / "checkpoints").iterdir()):
+    resuming = (out / "train" / "checkpoints").is_dir() and any((out / "train" / "checkpoints").iterdir())
+    saved = out / "train" / "training_config.json"
+    earlier = json.loads(saved.read_text()).get("eval_data", []) if saved.is_file() else None
+    heldout = out / "data" / "heldout.jsonl"
+    if args.method == "eagle3" and heldout.is_file() and (not resuming or earlier):  # a resumed run keeps its setting
+        cmd += ["--eval-data", str(heldout)]
+    if resuming:
         cmd.append("--resume")
     return cmd
 
@@ -222,6 +251,8 @@ def main() -> None:
     write_json(out / "plan.json", {"model": args.model, "method": args.method, **asdict(plan)})
     t0 = time.time()
     files = stage_data(args, plan, out)
+    if args.method == "eagle3":
+        stage_heldout(args, plan, out)
     if args.until == "data":
         return
     summary = stage_train(args, plan, out, files)
@@ -230,7 +261,9 @@ def main() -> None:
         return
     report = stage_bench(args, plan, out, export)
     header = report.get("header", {})
+    final = summary.get("final") or {}
     print(json.dumps({"export": export, "train_s": summary.get("wall_s"), "recipe_s": round(time.time() - t0, 1),
+                      "training_estimate": final.get("decoding_acceptance_length"),
                       "method": args.method, "model": args.model, "cpu": header.get("cpu"),
                       "mean_acceptance_length": acceptance(report),
                       "identical_to_plain": all(r.get("identical_to_baseline") in (True, None)

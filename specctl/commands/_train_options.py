@@ -91,7 +91,7 @@ def config_from(cls, params: dict, **overrides):
 
     names = {f.name for f in dataclasses.fields(cls)}
     kw = {k: (str(v) if isinstance(v, Path) else v) for k, v in params.items() if k in names}
-    for k in ("data", "self_distill"):
+    for k in ("data", "self_distill", "eval_data"):
         kw[k] = [str(x) for x in (kw.get(k) or [])]
     if params.get("distill_max_new_tokens") is not None:
         kw["max_new_tokens"] = params["distill_max_new_tokens"]

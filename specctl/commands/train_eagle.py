@@ -24,7 +24,7 @@ HELP = """Train an EAGLE draft (one decoder layer reading the target's hidden st
 
 EAGLE-3 (default): fc over the target's layers (2, L//2, L-3), a reduced draft vocabulary (--draft-vocab-size, d2t/t2d from the data's token frequencies), training-time test over --ttt-steps steps against the target's distribution. EAGLE-1 (--version 1): fc over (embedding, feature), the target's LM head, feature regression + 0.1 CE.
 
-The target's states are computed online, or once into safetensors shards with --cache-hidden-states DIR (reused across epochs and runs). Each evaluation (--eval-every) prints the per-position acceptance and the simulated acceptance length on the held-out split; checkpoints go to OUTPUT/checkpoints/step-NNNNNNN every --save-every steps (accelerate's save_state, atomic; --resume continues). Runs under `accelerate launch` unchanged: each step learns from --batch-size x processes x --grad-accum sequences, so the loss curve does not depend on how the batch is split.
+The target's states are computed online, or once into safetensors shards with --cache-hidden-states DIR (reused across epochs and runs). Each evaluation (--eval-every) prints the per-position acceptance and the mean acceptance length greedy chain decoding would measure on the held-out split (or on --eval-data: give it the target's answers to bench's prompts and it is what `specctl bench` measures); checkpoints go to OUTPUT/checkpoints/step-NNNNNNN every --save-every steps (accelerate's save_state, atomic; --resume continues). Runs under `accelerate launch` unchanged: each step learns from --batch-size x processes x --grad-accum sequences, so the loss curve does not depend on how the batch is split.
 
 The draft goes to OUTPUT when its name contains 'eagle3' ('eagle' for EAGLE-1), else to OUTPUT/<model>-eagle3, with a model card (README.md). Serve it with --speculative-config '{"method": "eagle3", "model": "DIR", "num_speculative_tokens": 4}'.
 
@@ -55,6 +55,7 @@ def train_eagle_cmd(
     grad_accum: GradAccumOpt = 1,
     seq_len: SeqLenOpt = 512,
     eval_split: EvalSplitOpt = 0.05,
+    eval_data: Annotated[Optional[list[str]], typer.Option("--eval-data", help="Record files evaluated on, never trained on (repeatable; replaces --eval-split): e.g. the target's own greedy answers to the prompts `specctl bench` will run, so the acceptance printed is what bench measures.")] = None,
     eval_every: EvalEveryOpt = 50,
     save_every: SaveEveryOpt = 50,
     resume: ResumeOpt = False,
@@ -105,8 +106,9 @@ def train_eagle_cmd(
                f"{summary['aux_layers']}, {summary['wall_s']} s")
     if "acceptance_per_position" in final:
         acc = ", ".join(f"{x:.2f}" for x in final["acceptance_per_position"])
-        typer.echo(f"held-out per-position acceptance [{acc}], simulated acceptance length "
-                   f"{final['simulated_acceptance_length']:.2f}")
+        typer.echo(f"held-out per-position acceptance [{acc}], mean acceptance length "
+                   f"{final.get('decoding_acceptance_length', final['simulated_acceptance_length']):.2f} as greedy "
+                   f"decoding of {summary['ttt_steps']} draft tokens walks the held-out answers (what bench measures)")
     if summary.get("hub"):
         typer.echo(f"pushed to {summary['hub']}")
     method = "eagle3" if summary["version"] == 3 else "eagle"

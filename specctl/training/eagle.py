@@ -188,8 +188,19 @@ def train(cfg: EagleTrainConfig, loaded=None, log: Callable[[str], None] = _stde
     rng.shuffle(order)
     n_eval = 0 if cfg.eval_split == 0 else max(1, int(round(cfg.eval_split * len(seqs))))
     eval_idx, train_idx = sorted(order[:n_eval]), order[n_eval:]
+    n_train = len(seqs)
+    if cfg.eval_data:  # evaluated on, never trained on: every training sequence trains
+        from specctl.training import data as D
 
-    draft = build_draft(target, cfg, seqs, loaded.tokenizer).to(dev)
+        held = [e for p in cfg.eval_data for r in D.read_records(p)
+                for e in D.encode(loaded.tokenizer, r, cfg.seq_len, loaded.stop_token_ids)]
+        L.need(bool(held), f"--eval-data {', '.join(cfg.eval_data)} has no sequence with tokens to learn",
+               "give records with answers (e.g. the target's answers to bench's prompts)")
+        log(f"evaluating on {len(held)} sequence(s) of --eval-data, training on all {n_train}")
+        seqs, masks = seqs + [e.input_ids for e in held], masks + [list(e.loss_mask) for e in held]
+        eval_idx, train_idx = list(range(n_train, len(seqs))), order
+
+    draft = build_draft(target, cfg, seqs[:n_train], loaded.tokenizer).to(dev)
     spec = draft.spec
     key = {"model": str(path.resolve()), "version": cfg.version, "aux_layers": list(spec.aux_layers),
            "seq_len": cfg.seq_len, "dtype": cfg.dtype}
@@ -267,7 +278,9 @@ def train(cfg: EagleTrainConfig, loaded=None, log: Callable[[str], None] = _stde
             history.append(dict(last, **ev))
             if ev:
                 log(f"eval @ {step}: per-position acceptance {[round(x, 3) for x in ev['acceptance_per_position']]}, "
-                    f"simulated acceptance length {ev['simulated_acceptance_length']:.2f}")
+                    f"mean acceptance length {ev['decoding_acceptance_length']:.2f} as greedy chain decoding of "
+                    f"{cfg.ttt_steps} tokens walks the held-out answers ({ev['simulated_acceptance_length']:.2f} "
+                    "averaged over every position)")
         if ckpt:
             save(step)
     export = export_dir(cfg, path)
@@ -284,7 +297,8 @@ def train(cfg: EagleTrainConfig, loaded=None, log: Callable[[str], None] = _stde
         held_out = None
         if "acceptance_per_position" in final:
             acc_pos = final["acceptance_per_position"]
-            held_out = {"mean_acceptance_length": final["simulated_acceptance_length"],
+            held_out = {"mean_acceptance_length": final.get("decoding_acceptance_length",
+                                                            final["simulated_acceptance_length"]),
                         "acceptance_rate": sum(acc_pos) / len(acc_pos),
                         "acceptance per position": [round(x, 4) for x in acc_pos],
                         "measured": f"teacher-forced greedy chains of {cfg.ttt_steps} on {len(eval_idx)} held-out "

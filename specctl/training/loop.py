@@ -89,6 +89,9 @@ class TrainConfig:
     seed: int = 0
     eval_split: float = 0.05
     """Fraction of the sequences held out for evaluation."""
+    eval_data: list[str] = field(default_factory=list)
+    """Record files evaluated on and never trained on (instead of --eval-split): e.g. the target's own
+    answers to the prompts ``specctl bench`` measures, so training reports what bench will measure."""
     eval_every: int = 0
     """Evaluate every N steps (0: at each checkpoint and at the end)."""
     save_every: int = 0
@@ -106,10 +109,11 @@ class TrainConfig:
 
     # settings a checkpoint was made with that --resume must find unchanged
     RESUME_KEYS: ClassVar[tuple[str, ...]] = ("data", "self_distill", "hold_out", "distill_max_prompts",
-                                              "distill_samples", "seq_len", "seed", "eval_split")
+                                              "distill_samples", "seq_len", "seed", "eval_split", "eval_data")
 
     def __post_init__(self):
         self.data = _paths(self.data)
+        self.eval_data = _paths(self.eval_data)
         self.self_distill = _paths(self.self_distill)
 
     def validated(self):

@@ -188,3 +188,49 @@ def test_resume_reads_the_old_checkpoint_layout(tiny_model_dir, tmp_path):
     a, b = load_file(f"{full['export']}/model.safetensors"), load_file(f"{resumed['export']}/model.safetensors")
     for k in a:
         torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=0)
+
+
+def test_eval_data_reports_the_acceptance_decoding_then_measures(tiny_model_factory, tmp_path):
+    """--eval-data: training evaluates on the target's own greedy answers to the prompts decoding then
+    runs (never trained on), and the mean acceptance length it prints at k = its TTT steps agrees with
+    what greedy speculative decoding with the exported draft measures on those prompts, within 10%."""
+    import numpy as np
+
+    from specctl.config import SpecConfig
+    from specctl.runtime.decoder import SamplingParams, SpecDecoder
+    from specctl.runtime.proposers import build_proposer
+    from specctl.runtime.runner import TargetRunner
+    from specctl.training import data as D
+    from specctl.workloads import Request
+
+    folder = tiny_model_factory(seed=1, initializer_range=0.05)  # greedy output falls into loops: drafts pay
+    loaded = load_model(folder, dtype="float32")
+    rng = np.random.default_rng(3)
+
+    def prompts(n, tag):
+        return [Request(id=f"{tag}{i}", workload="t", messages=[{"role": "user", "content": "".join(
+            chr(c) for c in rng.integers(97, 123, int(rng.integers(6, 14))))}]) for i in range(n)]
+
+    train_reqs, held_reqs = prompts(24, "t"), prompts(6, "h")
+    D.self_distill(loaded, train_reqs, max_new_tokens=40, cache=tmp_path / "train.jsonl")
+    D.self_distill(loaded, held_reqs, max_new_tokens=40, cache=tmp_path / "held.jsonl")
+    cfg = E.EagleTrainConfig(model=str(folder), output=str(tmp_path / "run"), data=[str(tmp_path / "train.jsonl")],
+                             eval_data=[str(tmp_path / "held.jsonl")], steps=60, batch_size=4, seq_len=96,
+                             eval_every=0, save_every=0, lr=3e-3, draft_vocab_size=128, ttt_steps=2)
+    summary = E.train(cfg, loaded=loaded, log=lambda m: None)
+    assert summary["eval_sequences"] == 6 and summary["train_sequences"] == 24
+    trained = summary["final"]["decoding_acceptance_length"]
+
+    spec = SpecConfig.from_dict({"method": "eagle3", "model": summary["export"], "num_speculative_tokens": 2})
+    drafted = accepted = 0
+    for req in held_reqs:
+        ids = D.chat.render(loaded.tokenizer, req.messages)
+        dec = SpecDecoder(TargetRunner(loaded.model, 160), build_proposer(spec, 160, target=loaded), 2)
+        res = dec.generate(ids, SamplingParams(max_new_tokens=40, stop_token_ids=loaded.stop_token_ids))
+        drafted += res.stats.num_drafts
+        accepted += res.stats.num_accepted_tokens
+    measured = 1 + accepted / drafted
+    assert trained > 1.3, trained  # it learnt something: the comparison means something
+    assert abs(trained - measured) <= 0.1 * measured, (trained, measured)
+    print(f"decoding walk {trained:.3f}, every-row average {summary['final']['simulated_acceptance_length']:.3f}, "
+          f"measured {measured:.3f}")

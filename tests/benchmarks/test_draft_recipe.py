@@ -1,0 +1,69 @@
+"""benchmarks/draft_recipe.py: every stage resumes without redoing finished work (a stage whose result
+file exists is skipped; training resumes from its checkpoints with the settings it started with)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def recipe():
+    spec = importlib.util.spec_from_file_location("draft_recipe", ROOT / "benchmarks" / "draft_recipe.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # its dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def args(method="eagle3"):
+    return SimpleNamespace(model="tiny", method=method, lr=None, quick=True)
+
+
+def test_finished_stages_are_skipped(recipe, tmp_path, monkeypatch):
+    monkeypatch.setattr("subprocess.run", lambda *a, **k: pytest.fail("a finished stage ran again"))
+    monkeypatch.setattr("specctl.runtime.runner.load_model", lambda *a, **k: pytest.fail("the model loaded again"))
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "done.json").write_text("{}")
+    (tmp_path / "data" / "heldout.done").write_text("done\n")
+    (tmp_path / "train.json").write_text(json.dumps({"export": "x-eagle3", "final": {}}))
+    report = {"results": [{"workload": "chat", "method": "eagle3:k=3", "mean_acceptance_length": 2.5,
+                           "identical_to_baseline": True}]}
+    (tmp_path / "bench.json").write_text(json.dumps(report))
+    files = recipe.stage_data(args(), recipe.QUICK, tmp_path)
+    assert [f.name for f in files] == ["sharegpt-greedy.jsonl", "sharegpt-t0.8.jsonl"]
+    assert recipe.stage_heldout(args(), recipe.QUICK, tmp_path) == tmp_path / "data" / "heldout.jsonl"
+    assert recipe.stage_train(args(), recipe.QUICK, tmp_path, files)["export"] == "x-eagle3"
+    assert recipe.stage_bench(args(), recipe.QUICK, tmp_path, "x-eagle3") == report
+    assert recipe.acceptance(report) == {"chat": {"eagle3:k=3": 2.5}}
+
+
+def test_training_resumes_from_its_checkpoints_with_the_settings_it_started_with(recipe, tmp_path):
+    files = [tmp_path / "data" / "a.jsonl"]
+    cmd = recipe.train_command(args(), recipe.QUICK, tmp_path, files)
+    assert "--resume" not in cmd and "--eval-data" not in cmd and cmd[cmd.index("--steps") + 1] == "240"
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "heldout.jsonl").write_text("")
+    cmd = recipe.train_command(args(), recipe.QUICK, tmp_path, files)
+    assert cmd[cmd.index("--eval-data") + 1] == str(tmp_path / "data" / "heldout.jsonl")  # a fresh run evaluates on it
+    (tmp_path / "train" / "checkpoints" / "step-0000020").mkdir(parents=True)
+    (tmp_path / "train" / "training_config.json").write_text(json.dumps({"eval_data": []}))
+    cmd = recipe.train_command(args(), recipe.QUICK, tmp_path, files)
+    assert "--resume" in cmd and "--eval-data" not in cmd  # a run started without it resumes without it
+    (tmp_path / "train" / "training_config.json").write_text(json.dumps({"eval_data": ["h"]}))
+    assert "--eval-data" in recipe.train_command(args(), recipe.QUICK, tmp_path, files)
+    medusa = recipe.train_command(args("medusa"), recipe.QUICK, tmp_path, files)
+    assert medusa[3] == "train-medusa" and "--eval-data" not in medusa
+
+
+def test_bench_measures_a_chain_and_for_eagle3_a_tree_of_16_nodes(recipe):
+    c = recipe.bench_configs("eagle3", "d", 3)
+    assert c["chain"]["num_speculative_tokens"] == 3 and c["tree"]["speculative_num_draft_tokens"] == 16
+    assert list(recipe.bench_configs("medusa", "d", 3)) == ["chain"]
