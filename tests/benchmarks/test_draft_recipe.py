@@ -48,7 +48,7 @@ def test_finished_stages_are_skipped(recipe, tmp_path, monkeypatch):
 def test_training_resumes_from_its_checkpoints_with_the_settings_it_started_with(recipe, tmp_path):
     files = [tmp_path / "data" / "a.jsonl"]
     cmd = recipe.train_command(args(), recipe.QUICK, tmp_path, files)
-    assert "--resume" not in cmd and "--eval-data" not in cmd and cmd[cmd.index("--steps") + 1] == "240"
+    assert "--resume" not in cmd and "--eval-data" not in cmd and cmd[cmd.index("--steps") + 1] == "120"
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "heldout.jsonl").write_text("")
     cmd = recipe.train_command(args(), recipe.QUICK, tmp_path, files)
