@@ -15,6 +15,7 @@ import json
 import random
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -129,28 +130,47 @@ class StateSource:
         return {"rows": rows, "row_mask": row_mask}
 
 
+def _seq_id(seq: list[int]) -> str:
+    """A sequence's name in the cache: the hash of its token ids."""
+    import hashlib
+
+    return hashlib.sha1(np.asarray(seq, dtype=np.int64).tobytes()).hexdigest()[:20]
+
+
 def _cached_states(model, seqs, aux_layers: tuple[int, ...], folder: Path, key: dict, log) -> dict[int, dict[str, torch.Tensor]]:
-    """Load the shards in ``folder`` when their index matches ``key``, else compute and write them."""
+    """The target's states of every sequence: those in ``folder``'s shards (made under the same ``key``:
+    model, layers, dtype) read back, the others computed and written, a shard at a time, the index
+    updated after each (atomically): an interrupted run, or a run on more or other data, computes only
+    the sequences not in the cache yet. Sequences are found by the hash of their token ids."""
     from safetensors.torch import load_file, save_file
 
     index = folder / "index.json"
     need_aux = bool(aux_layers)
-    key = dict(key, num_sequences=len(seqs), tokens=sum(len(s) for s in seqs), aux=list(aux_layers))
+    key = dict(key, aux=list(aux_layers), layout=2)
+    names = [_seq_id(s) for s in seqs]
+    shards: dict[str, list[str]] = {}
+    have: dict[str, dict[str, torch.Tensor]] = {}
     if index.exists():
         meta = json.loads(index.read_text())
         if meta.get("key") == key:
-            out: dict[int, dict[str, torch.Tensor]] = {}
-            for shard in meta["shards"]:
-                for name, t in load_file(str(folder / shard)).items():
-                    i, field_ = name.split(".", 1)
-                    out.setdefault(int(i), {})[field_] = t
-            log(f"reusing cached target states from {folder} ({len(out)} sequences)")
-            return out
-        log(f"cached states in {folder} were made for other data or settings: recomputing")
+            wanted = set(names)
+            for shard, inside in meta["shards"].items():
+                shards[shard] = inside
+                if wanted.intersection(inside):
+                    for name, t in load_file(str(folder / shard)).items():
+                        sid, field_ = name.split(".", 1)
+                        if sid in wanted:
+                            have.setdefault(sid, {})[field_] = t
+        else:
+            log(f"cached states in {folder} were made for another model or settings: recomputing")
+    todo = [i for i, n in enumerate(names) if n not in have]
+    if have:
+        log(f"reusing cached target states from {folder} ({len(seqs) - len(todo)} of {len(seqs)} sequences)")
     folder.mkdir(parents=True, exist_ok=True)
-    out, shards, cur, per_shard = {}, [], {}, 64
-    for start in range(0, len(seqs), 8):
-        idx = list(range(start, min(start + 8, len(seqs))))
+    cur: dict[str, torch.Tensor] = {}
+    per_shard = 64
+    for s in range(0, len(todo), 8):
+        idx = todo[s:s + 8]
         ids, lengths = pad_batch([seqs[i] for i in idx])
         st = target_states(model, ids, aux_layers)
         for b, i in enumerate(idx):
@@ -158,13 +178,15 @@ def _cached_states(model, seqs, aux_layers: tuple[int, ...], folder: Path, key: 
             row = {"hidden": st["hidden"][b, :n].to(torch.bfloat16), "argmax": st["argmax"][b, :n].cpu()}
             if need_aux:
                 row["aux"] = st["aux"][b, :n].to(torch.bfloat16)
-            out[i] = row
-            cur.update({f"{i}.{k}": v.contiguous().cpu() for k, v in row.items()})
-        if len(cur) >= per_shard * len(row) or idx[-1] == len(seqs) - 1:
+            have[names[i]] = row
+            cur.update({f"{names[i]}.{k}": v.contiguous().cpu() for k, v in row.items()})
+        if len(cur) >= per_shard * len(row) or s + 8 >= len(todo):
             name = f"shard-{len(shards):05d}.safetensors"
+            while name in shards or (folder / name).exists():
+                name = f"shard-{int(name[6:11]) + 1:05d}.safetensors"
             write_atomic(folder / name, lambda p, t=cur: save_file(t, str(p)))
-            shards.append(name)
+            shards[name] = sorted({k.split(".", 1)[0] for k in cur})
+            write_json_atomic(index, {"key": key, "shards": shards}, indent=1)
             cur = {}
-        log(f"cached target states: {min(start + 8, len(seqs))}/{len(seqs)} sequences")
-    write_json_atomic(index, {"key": key, "shards": shards}, indent=1)
-    return out
+        log(f"cached target states: {len(seqs) - len(todo) + min(s + 8, len(todo))}/{len(seqs)} sequences")
+    return {i: have[n] for i, n in enumerate(names)}

@@ -234,3 +234,34 @@ def test_eval_data_reports_the_acceptance_decoding_then_measures(tiny_model_fact
     assert abs(trained - measured) <= 0.1 * measured, (trained, measured)
     print(f"decoding walk {trained:.3f}, every-row average {summary['final']['simulated_acceptance_length']:.3f}, "
           f"measured {measured:.3f}")
+
+
+def test_state_cache_resumes_and_serves_more_data(tiny_model, tmp_path, monkeypatch):
+    """The states cache is written a shard at a time with its index: a run killed after the first shard
+    computes only the rest, and a run on more data computes only the new sequences."""
+    seqs = [[1 + (i * 7 + j) % 100 for j in range(12 + i % 5)] for i in range(80)]
+    key = {"model": "tiny", "dtype": "float32"}
+    computed = []
+    real = S.target_states
+
+    def counting(model, ids, aux):
+        computed.append(ids.shape[0])
+        if len(computed) == 9:  # the first shard (64 sequences) is written after 8 batches
+            raise KeyboardInterrupt
+        return real(model, ids, aux)
+
+    monkeypatch.setattr(S, "target_states", counting)
+    with pytest.raises(KeyboardInterrupt):
+        S._cached_states(tiny_model, seqs, (0,), tmp_path, key, lambda m: None)
+    computed.clear()
+    monkeypatch.setattr(S, "target_states", lambda m, ids, a: (computed.append(ids.shape[0]), real(m, ids, a))[1])
+    first = S._cached_states(tiny_model, seqs, (0,), tmp_path, key, lambda m: None)
+    assert sum(computed) == 16  # the 64 in the shard were read back
+    computed.clear()
+    more = S._cached_states(tiny_model, seqs + [[5, 6, 7, 8, 9]], (0,), tmp_path, key, lambda m: None)
+    assert sum(computed) == 1
+    monkeypatch.setattr(S, "target_states", real)
+    for i in (0, 63, 64, 79):
+        torch.testing.assert_close(first[i]["hidden"], more[i]["hidden"])
+    fresh = S.target_states(tiny_model, torch.tensor([seqs[70]]), (0,))
+    torch.testing.assert_close(first[70]["hidden"].float(), fresh["hidden"][0].to(torch.bfloat16).float())
