@@ -33,7 +33,8 @@ def main() -> None:
     from specctl.workloads import load_workload, render_prompt
     from specctl.models import resolve_model
     from specctl.runtime.decoder import SamplingParams, SpecDecoder
-    from specctl.runtime.runner import TargetRunner, load_model, parse_dtype
+    from specctl.runtime.loading import load_model, parse_dtype
+    from specctl.runtime.runner import TargetRunner
 
     path = resolve_model(a.model, dtype=a.dtype)
     own = load_model(path, dtype=a.dtype)

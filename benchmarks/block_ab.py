@@ -84,7 +84,7 @@ def main() -> None:
         label = a.gguf.name
     else:
         from specctl.models import resolve_model
-        from specctl.runtime.runner import load_model
+        from specctl.runtime.loading import load_model
 
         m = load_model(resolve_model(a.model), "bfloat16").model
         label = a.model

@@ -356,7 +356,7 @@ def _divergence(c: Case, got: list[int]) -> dict:
 
 def setup_references(ck: Check, s: Suite, d: dict, target: str, dtype: str):
     """Plain greedy outputs (with margins) of the target's candidate prompts; fp32 picks the tie-free ones."""
-    from specctl.runtime.runner import load_model
+    from specctl.runtime.loading import load_model
 
     ck.at("load")
     loaded = load_model(d[f"{target}_dir"], dtype=dtype, device=str(s.device))
@@ -382,9 +382,10 @@ def setup_references(ck: Check, s: Suite, d: dict, target: str, dtype: str):
 
 def setup_train_data(ck: Check, s: Suite, d: dict, target: str) -> list[Case]:
     """The target's greedy answers to every candidate prompt, decoded as the rows of one batch
-    (runner.generate_batch, the self-distillation path): the drafts' training data. Independent of
+    (offline.generate_batch, the self-distillation path): the drafts' training data. Independent of
     SpecDecoder, so the trainers are exercised on D even where speculative decoding fails."""
-    from specctl.runtime.runner import generate_batch, load_model
+    from specctl.runtime.loading import load_model
+    from specctl.runtime.offline import generate_batch
 
     ck.at("load")
     loaded = load_model(d[f"{target}_dir"], dtype="float32", device=str(s.device))
@@ -429,7 +430,7 @@ def setup_medusa(ck: Check, s: Suite, d: dict) -> Path:
 
 
 def setup_eagle(ck: Check, s: Suite, d: dict, version: int) -> str:
-    from specctl.runtime.runner import load_model
+    from specctl.runtime.loading import load_model
     from specctl.training.eagle import EagleTrainConfig, train
 
     cases = s.need("train_cases:base")
@@ -455,7 +456,7 @@ def setup_mtp(ck: Check, s: Suite, d: dict) -> Path:
     on D; exported as a DeepSeek-V3 draft folder (from the trainer's building blocks, on the suite's own loaded target)."""
     import torch
 
-    from specctl.runtime.runner import load_model
+    from specctl.runtime.loading import load_model
     from specctl.training.mtp import init_stack, mtp_loss, step_weights, target_states, unroll
     from specctl.drafts.mtp_files import export_mtp
 
@@ -519,7 +520,8 @@ def check_greedy(ck: Check, s: Suite, d: dict, name: str, dtype: str):
     from specctl.runtime.decoder import SamplingParams, SpecDecoder
     from specctl.runtime.metrics import SpecStats
     from specctl.runtime.proposers import build_proposer
-    from specctl.runtime.runner import TargetRunner, load_model
+    from specctl.runtime.loading import load_model
+    from specctl.runtime.runner import TargetRunner
 
     target, make_cfg, needs = method_table(d)[name]
     cases = s.need(f"cases:{target}:{dtype}")
@@ -619,7 +621,8 @@ def check_sampling(ck: Check, s: Suite, d: dict, name: str):
     from specctl.config import SpecConfig
     from specctl.runtime.decoder import SamplingParams, SpecDecoder
     from specctl.runtime.proposers import build_proposer
-    from specctl.runtime.runner import TargetRunner, load_model
+    from specctl.runtime.loading import load_model
+    from specctl.runtime.runner import TargetRunner
 
     N = d["sizes"].samples
     dev = s.device

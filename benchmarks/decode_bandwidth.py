@@ -75,7 +75,8 @@ def main() -> None:
     a = ap.parse_args()
 
     from specctl.models import resolve_model
-    from specctl.runtime.runner import TargetRunner, load_model
+    from specctl.runtime.loading import load_model
+    from specctl.runtime.runner import TargetRunner
 
     loaded = load_model(resolve_model(a.model), "bfloat16")
     m = loaded.model

@@ -16,7 +16,7 @@ import argparse
 import time
 from pathlib import Path
 
-from specctl.runtime.runner import load_model
+from specctl.runtime.loading import load_model
 from specctl.training.data import load_prompts, self_distill
 
 SOURCES = (("chat", 0.0, 1), ("code-edit", 0.0, 1), ("chat", 0.8, 4), ("humaneval", 0.0, 1))

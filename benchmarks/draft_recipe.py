@@ -97,7 +97,7 @@ def write_json(path: Path, obj) -> None:
 def stage_data(args, plan: Plan, out: Path) -> list[Path]:
     """The target's own answers to ShareGPT prompts (greedy, then sampled), cached a batch at a time."""
     from specctl.models import resolve_model
-    from specctl.runtime.runner import load_model
+    from specctl.runtime.loading import load_model
     from specctl.training.data import check_not_evaluation, load_prompts, self_distill
 
     files = [out / "data" / "sharegpt-greedy.jsonl", out / "data" / f"sharegpt-t{plan.temperature}.jsonl"]
@@ -125,7 +125,7 @@ def stage_heldout(args, plan: Plan, out: Path) -> Path:
     """The target's greedy answers to exactly the prompts bench runs (never trained on): the trainer
     evaluates on them (--eval-data), so the acceptance it prints is what bench then measures."""
     from specctl.models import resolve_model
-    from specctl.runtime.runner import load_model
+    from specctl.runtime.loading import load_model
     from specctl.training.data import self_distill
     from specctl.workloads import load_workload
 

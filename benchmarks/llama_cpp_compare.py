@@ -88,7 +88,8 @@ def main() -> None:
     from specctl.config import SpecConfig
     from specctl.runtime.decoder import SamplingParams, SpecDecoder
     from specctl.runtime.proposers import build_proposer
-    from specctl.runtime.runner import TargetRunner, load_model
+    from specctl.runtime.loading import load_model
+    from specctl.runtime.runner import TargetRunner
     from specctl.workloads import load_workload
 
     tools = {t: a.llama_bin / t for t in ("llama-completion", "llama-lookup", "llama-speculative-simple")}
@@ -115,9 +116,9 @@ def main() -> None:
 
     target, decoders = specctl_decoders()
     if a.hide:
-        from specctl.kernels import cpu
+        from specctl.kernels import select
 
-        with cpu.hidden(*a.hide.split(",")):  # the models loaded here keep the kernels such a CPU takes
+        with select.hidden(*a.hide.split(",")):  # the models loaded here keep the kernels such a CPU takes
             decoders.update(specctl_decoders(a.hide)[1])
     peers = {"plain": (tools["llama-completion"], ["-no-cnv"]),
              "ngram": (tools["llama-lookup"], []),

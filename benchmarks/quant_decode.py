@@ -125,7 +125,8 @@ def main() -> None:
     from specctl.models import CATALOGUE, resolve_model
     from specctl.runtime.decoder import SamplingParams, SpecDecoder
     from specctl.runtime.quant import load_gguf_transformer
-    from specctl.runtime.runner import TargetRunner, load_model
+    from specctl.runtime.loading import load_model
+    from specctl.runtime.runner import TargetRunner
 
     spec = importlib.util.spec_from_file_location("decode_bandwidth", Path(__file__).with_name("decode_bandwidth.py"))
     probe = importlib.util.module_from_spec(spec)

@@ -32,7 +32,8 @@ from specctl.roofline import Shapes, sparse_attn_estimate
 from specctl.runtime.machine import measure_machine
 from specctl.runtime.decoder import SamplingParams, SpecDecoder
 from specctl.runtime.proposers import build_proposer
-from specctl.runtime.runner import TargetRunner, load_model
+from specctl.runtime.loading import load_model
+from specctl.runtime.runner import TargetRunner
 
 
 def tau(stats) -> float:

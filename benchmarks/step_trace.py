@@ -19,7 +19,6 @@ import json
 import time
 from collections import defaultdict
 
-import numpy as np
 
 
 def cpu_name() -> str:
@@ -152,7 +151,7 @@ def main() -> None:
     args = ap.parse_args()
     from specctl.config import SpecConfig
     from specctl.models import resolve_model
-    from specctl.runtime.runner import load_model
+    from specctl.runtime.loading import load_model
     from specctl.workloads import load_workload, render_prompt
 
     loaded = load_model(resolve_model(args.model, dtype=args.dtype), dtype=args.dtype)

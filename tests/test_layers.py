@@ -86,3 +86,25 @@ def test_the_cli_imports_no_torch():
 
     code = "import specctl.cli, sys; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_the_module_graph_has_no_cycle():
+    """No module imports, directly or through others, a module that imports it back (lazy imports
+    included): each module can be read, and tested, above the ones it uses."""
+    import graphlib
+
+    modules = _modules()
+    graph = {name: _imports(path, modules) - {name} for name, path in modules.items()}
+    try:
+        list(graphlib.TopologicalSorter(graph).static_order())
+    except graphlib.CycleError as e:
+        raise AssertionError("an import cycle: " + " -> ".join(e.args[1])) from None
+
+
+MAX_LINES = 500
+
+
+def test_no_module_is_over_500_lines():
+    """A module that grows past this holds more than one job: split it by job."""
+    long = {name: n for name, path in _modules().items() if (n := len(path.read_text(encoding="utf-8").splitlines())) > MAX_LINES}
+    assert not long, f"modules over {MAX_LINES} lines: {long}"

@@ -22,7 +22,7 @@ def test_qwen15b_ngram_code_edit_3x_and_identical():
     from specctl.bench.suite import run_bench
     from specctl.config import SpecConfig
     from specctl.runtime.decoder import SamplingParams
-    from specctl.runtime.runner import load_model
+    from specctl.runtime.loading import load_model
 
     loaded = load_model(_pulled("qwen2.5-coder-1.5b"), "bfloat16")
     params = SamplingParams(max_new_tokens=128, stop_token_ids=loaded.stop_token_ids)
@@ -37,7 +37,8 @@ def test_smollm2_plain_greedy_matches_transformers_in_fp32():
     from transformers import AutoModelForCausalLM
 
     from specctl.runtime.decoder import SamplingParams, SpecDecoder
-    from specctl.runtime.runner import TargetRunner, load_model
+    from specctl.runtime.loading import load_model
+    from specctl.runtime.runner import TargetRunner
 
     path = _pulled("smollm2-135m")
     own = load_model(path, "float32")

@@ -33,7 +33,8 @@ from specctl.workloads import load_workload, render_prompt
 from specctl.config import SpecConfig
 from specctl.runtime.decoder import SamplingParams, SpecDecoder
 from specctl.runtime.metrics import SpecStats
-from specctl.runtime.runner import LoadedModel, TargetRunner, forward_batch
+from specctl.runtime.loading import LoadedModel
+from specctl.runtime.runner import TargetRunner, forward_batch
 from specctl.runtime.scheduler import Request, Scheduler
 
 

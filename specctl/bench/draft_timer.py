@@ -36,7 +36,7 @@ class DraftTimer:
     def __init__(self, inner):
         self.inner = inner
         self._timing = DraftTiming()
-        self._pending = 0  # tokens of the last draft, until they are verified
+        self._pending: dict[int, int] = {}  # slot -> tokens of its last draft, until they are verified
         self._decoding = False
 
     def take(self) -> DraftTiming:
@@ -65,17 +65,18 @@ class DraftTimer:
     def on_target_hidden(self, slot, hidden, aux):
         self._timed(self.inner.on_target_hidden, slot, hidden, aux)
 
-    def propose(self, token_ids, num_tokens, k, hidden_states=None, slots=None):
+    def propose(self, requests, ks):
         self._decoding = True
-        d = self._timed(self.inner.propose, token_ids, num_tokens, k, hidden_states, slots)
-        self._timing.k_asked += k
-        self._pending = int(d.num_tokens[0])
+        d = self._timed(self.inner.propose, requests, ks)
+        self._timing.k_asked += sum(ks)
+        for r, draft in zip(requests, d.drafts):
+            self._pending[r.slot] = len(draft)
         return d
 
     def on_verified(self, slot, num_accepted, emitted):
-        if self._pending > 0:
-            self._timing.steps.append((self._pending, int(num_accepted)))
-        self._pending = 0
+        n = self._pending.pop(slot, 0)
+        if n > 0:
+            self._timing.steps.append((n, int(num_accepted)))
         self._timed(self.inner.on_verified, slot, num_accepted, emitted)
 
     def end_request(self, slot):

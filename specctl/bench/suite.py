@@ -28,91 +28,22 @@ from __future__ import annotations
 import gc
 import json
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
 from specctl.bench.draft_timer import DraftTimer, DraftTiming
-from specctl.bench.labels import config_labels, draft_name, peer_engine
+from specctl.bench.results import BASELINE, BenchReport, MethodRun, first_divergence  # noqa: F401 (here as before)
+from specctl.bench.labels import config_labels, draft_name
 from specctl.workloads import Request, load_workload, render_prompt, turn_messages
 from specctl.config import SpecConfig
 from specctl.errors import UsageError
-from specctl.runtime.decoder import GenerationResult, SamplingParams, SpecDecoder
+from specctl.runtime.decoder import SamplingParams, SpecDecoder
 from specctl.runtime.metrics import SpecStats
 from specctl.runtime.proposers import build_proposer
-from specctl.runtime.runner import LoadedModel, TargetRunner
-
-BASELINE = "baseline"
-
-
-@dataclass
-class MethodRun:
-    """Totals of one method on one workload."""
-
-    method: str
-    workload: str
-    k: int
-    config: dict
-    new_tokens: int = 0
-    decode_tokens: int = 0
-    decode_s: float = 0.0
-    prefill_s: float = 0.0
-    steps: int = 0
-    num_requests: int = 0
-    identical: int = 0  # outputs equal to the baseline's
-    first_divergence: list = field(default_factory=list)  # per request: index or None
-    divergence_margins: list = field(default_factory=list)  # baseline's top-1 - top-2 logit gap there
-    stats: SpecStats = field(default_factory=SpecStats)
-    by_proposer: dict = field(default_factory=dict)  # hybrid: sub-proposer name -> SpecStats
-    rep_tokens: dict = field(default_factory=dict)  # repetition -> decode tokens
-    rep_s: dict = field(default_factory=dict)  # repetition -> decode seconds
-    error: str | None = None  # a peer that failed: why (its row has no figures)
-    draft: DraftTiming | None = None  # with time_drafts: the draft's own time and steps (not in rows())
-
-    @property
-    def rep_rates(self) -> list[float]:
-        return sorted(self.rep_tokens[r] / self.rep_s[r] for r in self.rep_tokens if self.rep_s[r] > 0)
-
-    @property
-    def tokens_per_s(self) -> float:
-        """Median over repetitions of (decode tokens / decode seconds) summed over the prompts."""
-        rates = self.rep_rates
-        if not rates:
-            return 0.0
-        mid = len(rates) // 2
-        return rates[mid] if len(rates) % 2 else (rates[mid - 1] + rates[mid]) / 2
-
-    def add(self, res: GenerationResult, baseline: GenerationResult | None, rep: int = 0,
-            draft: DraftTiming | None = None) -> None:
-        self.rep_tokens[rep] = self.rep_tokens.get(rep, 0) + max(len(res.token_ids) - 1, 0)
-        self.rep_s[rep] = self.rep_s.get(rep, 0.0) + res.decode_s
-        self.new_tokens += len(res.token_ids)
-        self.decode_tokens += max(len(res.token_ids) - 1, 0)
-        self.decode_s += res.decode_s
-        self.prefill_s += res.prefill_s
-        self.steps += res.num_steps
-        self.num_requests += 1
-        self.stats = self.stats.merge(res.stats)
-        for name, s in getattr(res, "by_proposer", {}).items():
-            self.by_proposer[name] = self.by_proposer.get(name, SpecStats()).merge(s)
-        if baseline is not None:
-            div = first_divergence(baseline.token_ids, res.token_ids)
-            self.first_divergence.append(div)
-            self.identical += div is None
-            if div is not None and div < len(baseline.margins):
-                self.divergence_margins.append(baseline.margins[div])
-        if draft is not None:
-            self.draft = draft if self.draft is None else self.draft.merge(draft)
-
-
-def first_divergence(a: list[int], b: list[int]) -> int | None:
-    """Index of the first differing token, or None when the sequences are equal."""
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
-
+from specctl.runtime.loading import LoadedModel
+from specctl.runtime.runner import TargetRunner
 
 def _same_vocab(target: Path, draft: Path) -> bool:
     """Whether a draft folder has the target's tokenizer (what vLLM's draft_model needs)."""
@@ -122,58 +53,6 @@ def _same_vocab(target: Path, draft: Path) -> bool:
 
     a, b = vocab(target), vocab(draft)
     return a is not None and a == b
-
-
-@dataclass
-class BenchReport:
-    header: dict
-    runs: list[MethodRun]
-    memory: dict = field(default_factory=dict)  # method label -> its proposer's extra bytes (bench/memory.py)
-
-    def rows(self) -> list[dict]:
-        """One dict per row (the JSON's results). ``identical_to_baseline`` is None where outputs were
-        not compared (sampling: no token-for-token baseline to equal)."""
-        base = {r.workload: r for r in self.runs if r.method == BASELINE}
-        peer_base = {(peer_engine(r.method), r.workload): r for r in self.runs if r.method.endswith(":plain")}
-        out = []
-        for r in self.runs:
-            # specctl methods against specctl's plain decoding; a peer's against its own plain (hf:plain, ...)
-            eng = peer_engine(r.method)
-            b = base.get(r.workload) if eng is None else peer_base.get((eng, r.workload))
-            speedup = r.tokens_per_s / b.tokens_per_s if b and b.tokens_per_s > 0 and r.error is None else None
-            out.append({
-                "workload": r.workload, "method": r.method, "k": r.k, "config": r.config,
-                "requests": r.num_requests, "new_tokens": r.new_tokens,
-                "tokens_per_s": r.tokens_per_s, "tokens_per_s_min": min(r.rep_rates, default=0.0),
-                "tokens_per_s_max": max(r.rep_rates, default=0.0), "runs": len(r.rep_rates), "speedup": speedup,
-                "speedup_vs_specctl_baseline": (r.tokens_per_s / base[r.workload].tokens_per_s
-                                                if r.workload in base and base[r.workload].tokens_per_s > 0 else None),
-                "ttft_s": r.prefill_s / max(r.num_requests, 1),
-                "target_forwards": r.steps,
-                "identical_to_baseline": (r.num_requests if r.method == BASELINE
-                                          else r.identical if r.first_divergence else None),
-                "first_divergence": r.first_divergence,
-                "divergence_margins": r.divergence_margins,
-                "error": r.error,
-                "extra_memory_mib": (self.memory[r.method] / 2**20 if r.method in self.memory else None),
-                "by_proposer": {n: s.to_dict() for n, s in r.by_proposer.items()},
-                **r.stats.to_dict(),
-            })
-        return out
-
-    def best_k(self) -> dict[str, dict[str, dict]]:
-        """method -> workload -> the fastest k there: {"k", "tokens_per_s", "speedup", "mean_acceptance_length",
-        "by_k": {k: tokens_per_s}}. specctl methods only (peers and the baseline have no k to choose)."""
-        out: dict[str, dict[str, dict]] = {}
-        for r in self.rows():
-            if r["method"] == BASELINE or peer_engine(r["method"]) is not None:
-                continue
-            cell = out.setdefault(r["method"], {}).setdefault(r["workload"], {"by_k": {}})
-            cell["by_k"][r["k"]] = r["tokens_per_s"]
-            if "k" not in cell or r["tokens_per_s"] > cell["tokens_per_s"]:
-                cell.update(k=r["k"], tokens_per_s=r["tokens_per_s"], speedup=r["speedup"],
-                            mean_acceptance_length=r["mean_acceptance_length"])
-        return out
 
 
 def machine_header(loaded: LoadedModel, max_new_tokens: int, temperature: float) -> dict:

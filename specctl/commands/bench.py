@@ -171,7 +171,7 @@ def bench(
         load_workload(w, num_prompts, seed)
 
     from specctl.models import resolve_model
-    from specctl.runtime.runner import load_model
+    from specctl.runtime.loading import load_model
 
     if path is None:
         path = resolve_model(model, dtype=dtype)

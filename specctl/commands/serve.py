@@ -374,7 +374,7 @@ def serve(
     import uvicorn
 
     from specctl.models import DEFAULT_MODEL, resolve_model
-    from specctl.runtime.runner import load_model
+    from specctl.runtime.loading import load_model
     from specctl.runtime.engine import Engine
     from specctl.runtime.server import create_app, resolve_max_model_len
 

@@ -28,6 +28,7 @@ import torch
 
 from specctl.drafts.eagle import EagleDraft, EagleSpec, default_aux_layers
 from specctl.drafts.formats import FormatCheck, TargetFacts, Tensors
+from specctl.drafts.kinds import check_kind, is_eagle, is_eagle3  # noqa: F401 (the detectors: here as before)
 from specctl.errors import ModelError
 from specctl.files import write_atomic, write_json_atomic
 from specctl.modeling import ModelArgs
@@ -59,7 +60,6 @@ def load_eagle_draft(folder: str | Path, target_args: ModelArgs, version: int | 
     Accepts ``midlayer.*`` or ``layers.0.*`` names, with or without a ``model.`` prefix; EAGLE-3
     without d2t means a full draft vocabulary.
     """
-    from specctl.drafts.kinds import check_kind
 
     folder = Path(folder)
     check_kind(folder, {1: "eagle", 3: "eagle3"}.get(version, "eagle"), {1: ("eagle",), 3: ("eagle3",)}.get(version, ("eagle", "eagle3")))
@@ -218,19 +218,6 @@ def sglang_copy(folder: Path, cfg: dict) -> Path:
 
 
 # --------------------------------------------------------------------------- detection and checks (``specctl recommend`` runs them over the folders it finds)
-
-def is_eagle3(cfg: dict, tensors: Tensors) -> bool:
-    archs = " ".join(cfg.get("architectures") or []).lower()
-    return ("eagle3" in archs or "eagle3" in str(cfg.get("model_type", "")).lower() or "draft_vocab_size" in cfg
-            or any(k.startswith("midlayer.") for k in tensors))
-
-
-def is_eagle(cfg: dict, tensors: Tensors) -> bool:
-    """EAGLE-1 (test after ``is_eagle3``, whose folders match this too)."""
-    archs = " ".join(cfg.get("architectures") or []).lower()
-    return ("eagle" in archs or str(cfg.get("model_type", "")).lower() == "eagle"
-            or ("fc.weight" in tensors and any(k.startswith("layers.0.") for k in tensors)))
-
 
 def _eagle_details(cfg: dict) -> dict:
     aux = cfg.get("eagle_aux_hidden_state_layer_ids") or (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")

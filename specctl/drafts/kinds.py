@@ -9,13 +9,40 @@ What it does not know: reading the weights, the target.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
-from specctl.drafts.eagle_files import is_eagle, is_eagle3
 from specctl.drafts.formats import Tensors
-from specctl.drafts.medusa import is_medusa
-from specctl.drafts.mtp_files import is_mtp_draft
 from specctl.errors import UsageError
+
+# tensor names of MTP modules (train-mtp's folders, DeepSeek-V3's and MiMo's layouts)
+MTP_TENSOR = re.compile(r"(^|\.)mtp[._]|mtp_layers|(^|\.)(eh_proj|enorm|hnorm|shared_head)\.")
+
+
+def is_mtp_draft(cfg: dict, tensors: Tensors) -> bool:
+    """MTP modules and no main model (no ``model.layers.0``): train-mtp's folder (MiMo's layout may carry
+    the embedding and head the modules read)."""
+    return any(MTP_TENSOR.search(k) for k in tensors) and not any(k.startswith("model.layers.0.") for k in tensors)
+
+
+def is_medusa(cfg: dict, tensors: Tensors) -> bool:
+    archs = " ".join(cfg.get("architectures") or []).lower()
+    return (str(cfg.get("model_type", "")).lower() == "medusa" or "medusa" in archs or "medusa_num_heads" in cfg
+            or any(k.startswith("medusa_head") for k in tensors))
+
+
+def is_eagle3(cfg: dict, tensors: Tensors) -> bool:
+    archs = " ".join(cfg.get("architectures") or []).lower()
+    return ("eagle3" in archs or "eagle3" in str(cfg.get("model_type", "")).lower() or "draft_vocab_size" in cfg
+            or any(k.startswith("midlayer.") for k in tensors))
+
+
+def is_eagle(cfg: dict, tensors: Tensors) -> bool:
+    """EAGLE-1 (test after ``is_eagle3``, whose folders match this too)."""
+    archs = " ".join(cfg.get("architectures") or []).lower()
+    return ("eagle" in archs or str(cfg.get("model_type", "")).lower() == "eagle"
+            or ("fc.weight" in tensors and any(k.startswith("layers.0.") for k in tensors)))
+
 
 _DETECT_ORDER = (("mtp", is_mtp_draft), ("medusa", is_medusa), ("eagle3", is_eagle3), ("eagle", is_eagle))
 NAMES = {"mtp": "MTP modules", "medusa": "Medusa heads", "eagle3": "an EAGLE-3 draft", "eagle": "an EAGLE-1 draft"}

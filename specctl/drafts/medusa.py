@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specctl.drafts.formats import FormatCheck, TargetFacts, Tensors
+from specctl.drafts.kinds import check_kind, is_medusa  # noqa: F401 (is_medusa: here as before)
 from specctl.errors import ModelError, UsageError
 from specctl.files import write_atomic, write_json_atomic
 
@@ -218,7 +219,6 @@ def detect_layout(folder: str | Path) -> str:
 
 def load_medusa(folder: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> MedusaHeads:
     """Read Medusa heads in either layout (auto-detected) into a MedusaHeads in eval mode."""
-    from specctl.drafts.kinds import check_kind
 
     folder = Path(folder)
     if folder.is_dir():
@@ -323,12 +323,6 @@ def _load_checked(heads: MedusaHeads, sd: dict[str, torch.Tensor], folder: Path)
 
 
 # --------------------------------------------------------------------------- detection and checks (``specctl recommend`` runs them over the folders it finds)
-
-def is_medusa(cfg: dict, tensors: Tensors) -> bool:
-    archs = " ".join(cfg.get("architectures") or []).lower()
-    return (str(cfg.get("model_type", "")).lower() == "medusa" or "medusa" in archs or "medusa_num_heads" in cfg
-            or any(k.startswith("medusa_head") for k in tensors))
-
 
 def check_medusa(cfg: dict, tensors: Tensors, target: TargetFacts) -> FormatCheck:
     heads = cfg.get("num_heads", cfg.get("medusa_num_heads"))

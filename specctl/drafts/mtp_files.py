@@ -50,6 +50,7 @@ from pathlib import Path
 import torch
 
 from specctl.drafts.formats import FormatCheck, TargetFacts, Tensors, text_config
+from specctl.drafts.kinds import MTP_TENSOR, check_kind, is_mtp_draft  # noqa: F401 (is_mtp_draft: here as before)
 from specctl.drafts.mtp import MtpStack
 from specctl.errors import ModelError
 from specctl.files import write_atomic, write_json_atomic
@@ -179,7 +180,6 @@ def _mimo_stack(cfg: dict, sd: dict[str, torch.Tensor], a: ModelArgs, where: str
 
 def load_mtp(source: str | Path, target: Transformer) -> MtpStack:
     """The MTP modules of ``source`` (the target's folder, or a separate draft folder) for ``target``."""
-    from specctl.drafts.kinds import check_kind
 
     check_kind(source, "mtp", ("mtp",))
     cfg, sd = read_mtp_tensors(source)
@@ -326,7 +326,6 @@ def export_mtp(stack, target_dir: str | Path, output: str | Path, *, stitch: boo
 
 # --------------------------------------------------------------------------- detection and checks: MTP layers in a target, a train-mtp folder (``specctl recommend``)
 
-MTP_TENSOR = re.compile(r"(^|\.)mtp[._]|mtp_layers|(^|\.)(eh_proj|enorm|hnorm|shared_head)\.")
 
 
 @dataclass
@@ -368,12 +367,6 @@ def mtp_modules(cfg: dict, tensors: Tensors, gguf: dict | None = None) -> MTPInf
         return MTPInfo(False, declared, evidence, f"num_nextn_predict_layers is {declared} but {len(deepseek)} MTP "
                        "module(s) are in the weights: fix config.json")
     return MTPInfo(bool(found), declared or found, evidence)
-
-
-def is_mtp_draft(cfg: dict, tensors: Tensors) -> bool:
-    """MTP modules and no main model (no ``model.layers.0``): train-mtp's folder (MiMo's layout may carry
-    the embedding and head the modules read)."""
-    return any(MTP_TENSOR.search(k) for k in tensors) and not any(k.startswith("model.layers.0.") for k in tensors)
 
 
 def check_mtp(cfg: dict, tensors: Tensors, target: TargetFacts) -> FormatCheck:

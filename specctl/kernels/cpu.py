@@ -1,6 +1,7 @@
-"""What this CPU offers specctl's kernels, and which bf16 path that selects.
+"""What this CPU offers specctl's kernels (a leaf: the kernel modules ask it; ``specctl.kernels.select``
+names the path they add up to).
 
-``flags()`` is /proc/cpuinfo's feature set; ``bf16_path()`` names the path a bf16 CPU model runs on:
+``flags()`` is /proc/cpuinfo's feature set; ``select.bf16_path()`` names the path a bf16 CPU model runs on:
 
 - ``"amx"``: AMX tiles (amx_bf16) for every linear and the fused decode block;
 - ``"avx512_bf16"``: the AVX512-BF16 skinny kernel for every linear, the row-independent attention;
@@ -14,7 +15,7 @@
 The first four are row-independent: a row forwarded among any number of others (a verify block, a
 draft tree, a batch) equals, bit for bit, the same row forwarded alone.
 
-``hidden(*names)`` hides features for a while, as if the CPU lacked them: the kernel loaders then
+``select.hidden(*names)`` hides features for a while, as if the CPU lacked them: the kernel loaders then
 take the path such a CPU takes (tests run the AVX512-BF16 and torch paths on an AMX machine).
 ``SPECCTL_CPU_HIDE=amx_bf16,amx_tile`` does the same for a whole process (the test suite as an AMD
 EPYC runs it: with ``ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16`` torch's own kernels follow suit).
@@ -23,7 +24,6 @@ EPYC runs it: with ``ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16`` torch's own kernels f
 from __future__ import annotations
 
 import os
-from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
 
@@ -77,41 +77,3 @@ def why_not(features: tuple[str, ...], built: bool = True) -> str:
     if not built:
         return f"the kernel for {', '.join(features)} did not build here (no C++ compiler?)"
     return ""
-
-
-def bf16_path() -> str:
-    """"amx", "avx512_bf16", "avx512", "avx2" or "torch": the bf16 path that the CPU's features select (and the
-    compiler allows: a kernel that cannot build counts as absent)."""
-    from specctl.kernels import amx_linear, skinny_linear
-
-    if amx_linear.available():
-        return "amx"
-    return skinny_linear.path() or "torch"
-
-
-def _kernel_modules():
-    from specctl.kernels import amx_linear, decode_attention, decode_layer, skinny_linear
-
-    return (amx_linear, decode_attention, decode_layer, skinny_linear)
-
-
-@contextmanager
-def hidden(*names: str):
-    """Within the block, the CPU looks as if it lacked ``names`` (e.g. ``"amx_bf16"``): the kernel
-    loaders answer again, and models loaded inside take that CPU's path. Restored on exit."""
-    mods = _kernel_modules()
-    saved = [(m, m._ext, m._tried) for m in mods]
-    from specctl.kernels import skinny_linear
-
-    enabled, before = skinny_linear.ENABLED, set(_hidden)
-    _hidden.update(names)
-    for m in mods:
-        m._ext, m._tried = None, False
-    try:
-        yield
-    finally:
-        _hidden.clear()
-        _hidden.update(before)
-        for m, ext, tried in saved:
-            m._ext, m._tried = ext, tried
-        skinny_linear.ENABLED = enabled

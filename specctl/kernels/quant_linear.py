@@ -60,7 +60,7 @@ def spec(path: str) -> tuple[str, str, tuple[str, ...], list[str]]:
 
 def load(path: str = "avx512"):
     """The extension built for ``path``, or None where this CPU lacks its features or it cannot
-    build (built once per path; the CPU's features are asked on every call, see specctl.kernels.cpu.hidden)."""
+    build (built once per path; the CPU's features are asked on every call, see specctl.kernels.select.hidden)."""
     if any(not cpu.has(f) for f in NEEDS[path]):
         return None
     if path not in _ext:

@@ -36,7 +36,7 @@ suffixes are kept in ``act``); eviction removes the oldest complete sequence (FI
 
 What it does not know: requests, slots, local vs global trees (``specctl/runtime/proposers/suffix.py``).
 
-``python -m specctl.kernels.suffix`` prints the proposal latency at an 8k-token context with 1,000 cached
+``python benchmarks/suffix_tree.py`` prints the proposal latency at an 8k-token context with 1,000 cached
 responses.
 """
 
@@ -47,84 +47,9 @@ from collections import deque
 import numpy as np
 from numba import njit
 
-# node record columns
-TOK, PAR, CNT, DEP, CHILD, NEXT, PREV, RSEQ, RPOS, BEST = range(10)
-NCOL = 10
-DIRTY = -2  # BEST of a node whose children's counts fell (eviction): recomputed when next needed
-# meta entries
-M_HIGH, M_FREE, M_NFREE, M_LIVE, M_HFILL = range(5)
-NMETA = 8
-ROOT = 0
-_EMPTY = np.int64(-1)
-
-
-# ------------------------------------------------------------------------------ hash of children
-
-
-@njit(cache=True, inline="always")
-def _key(parent, tok):
-    return (np.int64(parent) << 31) | np.int64(tok)
-
-
-@njit(cache=True, inline="always")
-def _slot(key, mask):
-    h = np.uint64(key) * np.uint64(0x9E3779B97F4A7C15)
-    return np.int64((h ^ (h >> np.uint64(29))) & np.uint64(mask))
-
-
-@njit(cache=True)
-def _hfind(hk, hv, key):
-    mask = hk.shape[0] - 1
-    i = _slot(key, mask)
-    while hk[i] != -1:
-        if hk[i] == key:
-            return hv[i]
-        i = (i + 1) & mask
-    return -1
-
-
-@njit(cache=True)
-def _hinsert(hk, hv, meta, key, val):
-    mask = hk.shape[0] - 1
-    i = _slot(key, mask)
-    while hk[i] != -1:
-        i = (i + 1) & mask
-    hk[i] = key
-    hv[i] = val
-    meta[M_HFILL] += 1
-
-
-@njit(cache=True)
-def _hdelete(hk, hv, meta, key):
-    """Linear probing with backward-shift deletion (no tombstones)."""
-    mask = hk.shape[0] - 1
-    i = _slot(key, mask)
-    while hk[i] != key:
-        if hk[i] == -1:
-            return
-        i = (i + 1) & mask
-    j = i
-    while True:
-        j = (j + 1) & mask
-        if hk[j] == -1:
-            break
-        home = _slot(hk[j], mask)
-        # move hk[j] into the hole at i unless its home lies cyclically in (i, j]
-        if (j > i and (home <= i or home > j)) or (j < i and home <= i and home > j):
-            hk[i] = hk[j]
-            hv[i] = hv[j]
-            i = j
-    hk[i] = -1
-    meta[M_HFILL] -= 1
-
-
-@njit(cache=True)
-def rehash(nd, meta, hk, hv):
-    """Rebuild the child hash from the node records into empty (hk = -1) tables."""
-    meta[M_HFILL] = 0
-    for x in range(1, meta[M_HIGH]):
-        if nd[x, CNT] > 0:
-            _hinsert(hk, hv, meta, _key(nd[x, PAR], nd[x, TOK]), x)
+from specctl.kernels.suffix_store import (BEST, CHILD, CNT, DEP, DIRTY, M_FREE, M_HFILL, M_HIGH, M_LIVE,  # noqa: F401
+                                          M_NFREE, NCOL, NEXT, NMETA, PAR, PREV, ROOT, RPOS, RSEQ, TOK, _EMPTY,
+                                          _hdelete, _hfind, _hinsert, _key, _slot, rehash)
 
 
 # ------------------------------------------------------------------------------ nodes
@@ -553,72 +478,3 @@ class SuffixTree:
 
 def _pow2(x: int) -> int:
     return 1 << max(int(x) - 1, 1).bit_length()
-
-
-# ------------------------------------------------------------------------------ latency benchmark
-
-
-def _code_tokens(limit: int) -> np.ndarray:
-    """Standard-library source split into words and symbols, hashed into a 50k vocabulary."""
-    import re
-    import sysconfig
-    from pathlib import Path
-    from zlib import crc32
-
-    words: list[int] = []
-    for p in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
-        for w in re.findall(r"\w+|[^\w\s]|\n\s*", p.read_text(encoding="utf-8", errors="replace")):
-            words.append(crc32(w.encode()) % 50_000)
-        if len(words) >= limit:
-            break
-    return np.array(words[:limit], dtype=np.int32)
-
-
-def _bench(context: int = 8192, responses: int = 1000, response_len: int = 256, steps: int = 2000, k: int = 16) -> None:
-    """Decode-like: propose at the end of the context (local + global tree), then append one token."""
-    import time
-
-    toks = _code_tokens(context + steps + responses * response_len)
-    cached = toks[context + steps:]
-    t0 = time.perf_counter()
-    glob = SuffixTree(24, max_seqs=responses)
-    for r in range(responses):
-        glob.start_seq()
-        glob.extend(cached[r * response_len:(r + 1) * response_len])
-        glob.end_seq()
-    t1 = time.perf_counter()
-    local = SuffixTree(24)
-    local.start_seq()
-    local.extend(toks[:context])
-    t2 = time.perf_counter()
-    out, scratch = np.zeros(k, np.int32), np.zeros(k, np.int32)
-    times, drafted, appends = [], 0, 0.0
-    for n in range(context, context + steps):
-        s = time.perf_counter()
-        a = local.speculate(toks, n, k, 1.0, 0.1, out, scratch)
-        b = glob.speculate(toks, n, k, 1.0, 0.1, out, scratch)
-        m = time.perf_counter()
-        local.extend(toks[n:n + 1])
-        appends += time.perf_counter() - m
-        times.append(m - s)
-        drafted += a[0] if a[1] >= b[1] else b[0]
-    us = np.array(times[10:]) * 1e6
-    print(f"global tree: {responses} responses x {response_len} tokens, {glob.num_nodes} nodes, "
-          f"{glob.nbytes() / 2**20:.1f} MiB, built in {t1 - t0:.2f} s")
-    print(f"local tree: {context}-token context, {local.num_nodes} nodes, built in {(t2 - t1) * 1e3:.1f} ms")
-    print(f"proposal latency (local + global tree, k={k}) over {len(us)} steps: mean {us.mean():.1f} us, "
-          f"p50 {np.percentile(us, 50):.1f} us, p99 {np.percentile(us, 99):.1f} us, max {us.max():.1f} us; "
-          f"mean draft {drafted / steps:.2f} tokens")
-    print(f"append: {appends / steps * 1e6:.1f} us per token")
-    s = time.perf_counter()
-    for r in range(100):  # a full cache: each new response evicts the oldest
-        glob.remove_oldest()
-        glob.start_seq()
-        glob.extend(toks[r * response_len:(r + 1) * response_len])
-        glob.end_seq()
-    print(f"evict + insert one {response_len}-token response at {responses} cached: "
-          f"{(time.perf_counter() - s) / 100 * 1e3:.2f} ms; {glob.num_nodes} nodes after")
-
-
-if __name__ == "__main__":
-    _bench()

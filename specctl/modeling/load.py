@@ -1,7 +1,7 @@
 """Checkpoints into the own transformer: an HF folder's config.json and safetensors, fused (q|k|v,
 gate|up), on the kernels the CPU runs (``--kernels``: ``set_kernels``; ``enable_exact_bf16``).
 
-What it does not know: decoding, tokenizers (``specctl.runtime.runner.load_model`` adds them),
+What it does not know: decoding, tokenizers (``specctl.runtime.loading.load_model`` adds them),
 GGUF files (``specctl.runtime.quant``).
 """
 

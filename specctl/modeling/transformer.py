@@ -227,11 +227,6 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.lm_head = None if a.tie_word_embeddings else nn.Linear(a.hidden_size, a.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(a), persistent=False)
-        # Layers whose *input* hidden state (the residual stream, as vLLM's aux hidden states and
-        # transformers' hidden_states[i]) a proposer wants, e.g. EAGLE-3's (2, L//2, L-3). After a
-        # forward, ``aux_out`` holds them concatenated: [B, T, len(aux_layers) * H], else None.
-        self.aux_layers: tuple[int, ...] = ()
-        self.aux_out: torch.Tensor | None = None
         self.head_packed: torch.Tensor | None = None  # the LM head in AMX tiles (pack_for_amx)
         self.quant_head: nn.Module | None = None  # the LM head as GGUF blocks (specctl.runtime.quant), fp32 logits
         # the row-independent C++ path its bf16 linears take on a CPU ("amx", "avx512_bf16", "avx512", "avx2"; see
@@ -252,25 +247,29 @@ class Transformer(nn.Module):
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
     def forward(self, tokens: torch.Tensor, start: int, cache: "KVCache", mask: torch.Tensor | None,
-                logits: str = "all", positions: torch.Tensor | None = None) -> tuple[torch.Tensor | None, torch.Tensor]:
+                logits: str = "all", positions: torch.Tensor | None = None,
+                aux_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
         """tokens: [B, T] at cache slots [start, start+T); mask: [T, start+T] bool or None (T == 1).
         ``positions`` [T] (rotary positions; default start..start+T-1) marks a draft tree: the rows
         then attend as ``mask`` says (each node its ancestors), through SDPA. ``positions`` [B, T]
         with ``mask`` [B, 1, T, start+T]: rows at positions of their own (left-padded rows; the batched
         engine uses ``forward_ragged`` instead, each request in its own cache).
 
+        ``aux_layers``: layers whose *input* hidden state (the residual stream, as vLLM's aux hidden
+        states and transformers' hidden_states[i]) the caller wants, e.g. EAGLE-3's (2, L//2, L-3).
+
         Returns (logits [B, T', V] with T' = T for "all", 1 for "last", None for "none";
-        hidden [B, T, H], the final-normed hidden states the LM head reads).
+        hidden [B, T, H], the final-normed hidden states the LM head reads;
+        aux [B, T, len(aux_layers) * H] the aux layers' inputs concatenated, or None).
         """
         tree = positions is not None
         T = tokens.shape[1]
         if (not tree and tokens.shape[0] == 1 and T <= VERIFY_ROWS and all(b.fused for b in self.layers)
                 and cache.records(T, logits == "last")):
             # scores to record: the fused kernel writes them while it attends, as in a batch of one
-            lg, h = self.forward_ragged(tokens[0], [Segment(cache, start, T, mask, last_only=logits == "last")])
-            if self.aux_out is not None:
-                self.aux_out = self.aux_out[None]
-            return (None if logits == "none" else lg[None]), h[None]
+            lg, h, aux = self.forward_ragged(tokens[0], [Segment(cache, start, T, mask, last_only=logits == "last")],
+                                             aux_layers=aux_layers)
+            return (None if logits == "none" else lg[None]), h[None], (None if aux is None else aux[None])
         x = self.embed(tokens)
         cos, sin = self.rope(start, tokens.shape[1], x.dtype, positions)
         # a draft tree (positions [T], mask [T, start+T]): its own [T, T] part, for the exact kernels
@@ -278,7 +277,7 @@ class Transformer(nn.Module):
         aux = []
         scoring = not tree and tokens.shape[0] == 1 and cache.scoring(start, tokens.shape[1], logits == "last")
         for i, layer in enumerate(self.layers):
-            if i in self.aux_layers:
+            if i in aux_layers:
                 aux.append(x)
             x_in = x
             x = layer(x, cos, sin, cache.k[i], cache.v[i], start, mask, tree, tree_mask)
@@ -286,11 +285,11 @@ class Transformer(nn.Module):
                 cache.scores[i, :, :, :start + tokens.shape[1]] = attention_scores(layer, x_in, cos, sin, cache.k[i], start)
         if scoring:
             cache.scored = scored_upto(start, tokens.shape[1], logits == "last")
-        self.aux_out = torch.cat(aux, dim=-1) if aux else None
+        aux = torch.cat(aux, dim=-1) if aux else None
         h = self.norm(x)
         if logits == "none":
-            return None, h
-        return self.head(h[:, -1:] if logits == "last" else h), h
+            return None, h, aux
+        return self.head(h[:, -1:] if logits == "last" else h), h, aux
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """The LM head over final-normed hidden states, through the exact path the linears take."""
@@ -301,14 +300,14 @@ class Transformer(nn.Module):
         return skinny_linear.linear(h, self.head_weight)
 
 
-    def forward_ragged(self, tokens: torch.Tensor, segs: list[Segment],
-                       layers: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_ragged(self, tokens: torch.Tensor, segs: list[Segment], layers: list[int] | None = None,
+                       aux_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """One forward over many requests' rows: tokens [R] (the segments' tokens one after the
         other), each segment at its own cache and positions (a decode row, a verify block, a draft
         tree or a prompt). The linears read the weights once for all R rows; on the row-independent
         paths (AMX, AVX512-BF16: specctl/kernels/cpu.py) every row equals, bit for bit, what the request's
         own ``forward`` computes. Returns (logits [R', V]: every row, but only the last of a
-        ``last_only`` segment; hidden [R, H], final-normed); ``aux_out`` [R, len(aux_layers) * H].
+        ``last_only`` segment; hidden [R, H], final-normed; aux [R, len(aux_layers) * H] or None).
         ``layers``: run only these (a draft that skips layers; the others' caches are left as they are)."""
         x = self.embed(tokens)[None]  # [1, R, H]
         pos = torch.cat([s.positions.to(torch.float32) if s.positions is not None
@@ -324,7 +323,7 @@ class Transformer(nn.Module):
         for i, layer in enumerate(self.layers):
             if layers is not None and i not in layers:
                 continue
-            if i in self.aux_layers:
+            if i in aux_layers:
                 aux.append(x)
             x_in = x
             if layer.fused and scored:  # the fused kernel writes the weights as it attends
@@ -336,15 +335,16 @@ class Transformer(nn.Module):
                                                                            sin[o:o + s.n], s.cache.k[i], s.start)
         for s, _ in scored:
             s.cache.scored = scored_upto(s.start, s.n, s.last_only)
-        self.aux_out = torch.cat(aux, dim=-1)[0] if aux else None
+        aux = torch.cat(aux, dim=-1)[0] if aux else None
         h = self.norm(x)[0]  # [R, H]
         rows, off = [], 0
         for s in segs:
             rows.extend([off + s.n - 1] if s.last_only else range(off, off + s.n))
             off += s.n
-        return self.head(h if len(rows) == h.shape[0] else h[torch.tensor(rows, device=h.device)]), h
+        return self.head(h if len(rows) == h.shape[0] else h[torch.tensor(rows, device=h.device)]), h, aux
 
-    def decode_step(self, tokens: torch.Tensor, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    def decode_step(self, tokens: torch.Tensor, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    aux_layers: tuple[int, ...] = ()):
         """One token per row in static shapes: tokens [B, 1] at cache slot ``pos`` ([1] int64 tensor).
 
         The shapes never change from step to step (the query attends over the whole preallocated
@@ -361,7 +361,7 @@ class Transformer(nn.Module):
             kmask = kmask & (slots > pos - a.sliding_window)
         aux = []
         for i, layer in enumerate(self.layers):
-            if i in self.aux_layers:
+            if i in aux_layers:
                 aux.append(x)
             x = _step_static(layer, x, cos, sin, k[i], v[i], pos, kmask[None, None, None, :])
         h = self.norm(x)

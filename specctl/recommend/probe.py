@@ -112,7 +112,7 @@ def probe(rec: Recommendation, *, prompts: str | None = None, num_prompts: int =
     from specctl.config import SpecConfig
     from specctl.models import resolve_model
     from specctl.runtime.decoder import SamplingParams
-    from specctl.runtime.runner import load_model
+    from specctl.runtime.loading import load_model
 
     say = progress or (lambda _m: None)
     source = prompts or rec.workload.prompts or "chat"

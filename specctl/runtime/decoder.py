@@ -17,14 +17,14 @@ final token (recovered or bonus) becomes the next ``last``.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from specctl.runtime.controller import BatchGuard, DraftLengthController, PooledAcceptance
 from specctl.runtime.metrics import SpecStats
-from specctl.runtime.proposers.base import DraftOutput, Proposer
+from specctl.runtime.proposers.base import Draft, Proposer
 from specctl.runtime.rejection import (
     coupled_verify,
     greedy_tree_verify,
@@ -34,79 +34,8 @@ from specctl.runtime.rejection import (
     rejection_sample,
     sample_with_uniforms,
 )
-from specctl.runtime.runner import TargetRunner, forward_batch, tree_depths
-
-
-@dataclass
-class SamplingParams:
-    max_new_tokens: int = 128
-    temperature: float = 0.0  # 0 = greedy
-    top_k: int | None = None
-    top_p: float | None = None
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    record_margins: bool = False  # greedy only: keep the top-1 minus top-2 logit gap of each token
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature <= 0.0
-
-
-@dataclass
-class GenerationResult:
-    token_ids: list[int]  # the new tokens
-    finish_reason: str  # "stop" or "length"
-    stats: SpecStats = field(default_factory=SpecStats)
-    prefill_s: float = 0.0  # prompt forward + first token
-    decode_s: float = 0.0  # every later token
-    num_steps: int = 0  # target forwards after prefill
-    margins: list[float] = field(default_factory=list)  # [len(token_ids)] when record_margins
-    by_proposer: dict[str, SpecStats] = field(default_factory=dict)  # hybrid: stats per sub-proposer
-
-    @property
-    def decode_tokens_per_s(self) -> float:
-        n = len(self.token_ids) - 1
-        return n / self.decode_s if self.decode_s > 0 and n > 0 else 0.0
-
-
-@dataclass
-class DecodeState:
-    """One request in flight: its runner (KV cache), token buffer, output and counters."""
-
-    runner: TargetRunner
-    slot: int
-    params: SamplingParams
-    generator: torch.Generator | None
-    ctx: np.ndarray  # [1, max_len] int32: prompt + emitted tokens, for the proposer
-    n_ctx: int
-    stop: set
-    last: int = -1  # emitted, not yet in the KV cache
-    out: list[int] = field(default_factory=list)
-    margins: list[float] = field(default_factory=list)
-    stats: SpecStats = field(default_factory=SpecStats)
-    finish: str | None = None
-    steps: int = 0
-    t_start: float = 0.0
-    t_first: float = 0.0
-    controller: DraftLengthController | None = None
-    hidden: torch.Tensor | None = None  # [1, H] target's final hidden state at the position that produced `last`
-    error: BaseException | None = None  # what ended it, when a step failed (finish is then "error")
-    n_prefilled: int = 0  # prompt tokens already in the KV cache (the prompt is n_ctx until the first token)
-    by_proposer: dict[str, SpecStats] = field(default_factory=dict)  # hybrid: stats per sub-proposer
-    key: int = 0  # sampling: the seed that keys each position's draw (rejection.keyed_uniforms)
-
-    @property
-    def prefilling(self) -> bool:
-        return not self.out and self.finish is None
-
-    def result(self) -> GenerationResult:
-        t_end = time.perf_counter()
-        return GenerationResult(self.out, self.finish or "length", self.stats, self.t_first - self.t_start,
-                                t_end - self.t_first, self.steps, self.margins[: len(self.out)], self.by_proposer)
-
-
-_EMPTY = torch.empty((1, 0), dtype=torch.long)
-_ZERO = torch.zeros(1, dtype=torch.long)
+from specctl.runtime.requests import DecodeState, GenerationResult, SamplingParams  # noqa: F401 (here as before)
+from specctl.runtime.runner import TargetOut, TargetRunner, forward_batch, tree_depths
 
 
 def _fail(st: DecodeState, e: BaseException) -> None:
@@ -114,27 +43,49 @@ def _fail(st: DecodeState, e: BaseException) -> None:
 
 
 @dataclass
-class _Plan:
-    """One request's part of a step: the tokens its verify forward carries ([1, 1+nd]: the last
-    emitted token, then the draft), the draft chain (or the tree's ``parents``), the cache length
-    before the step, and when drafting started and ended."""
+class Block:
+    """One request's rows in a step's target forward: ``tokens`` [1, 1+d] (the last emitted token, then
+    the draft: a chain, or a tree's nodes), the draft itself, the cache length before the step, and the
+    times the controller weighs (drafting t0..t1, the forward, its own verification)."""
 
     tokens: torch.Tensor
-    t0: float
-    t1: float
-    draft_ids: torch.Tensor = _EMPTY
-    num_draft: torch.Tensor = _ZERO
-    draft_probs: torch.Tensor | None = None
-    parents: list[int] | None = None
-    base: int = 0
+    draft: Draft
+    base: int
+    t0: float = 0.0
+    t1: float = 0.0
     rows: int = 0  # rows of the whole forward it rode in (every request's)
     batch: int = 1  # requests decoding in that forward
     forward_s: float = 0.0  # that forward's seconds
-    t_done: float = field(default_factory=time.perf_counter)  # reset when its verification starts
+    t_done: float = 0.0  # when its verification started
+
+    @property
+    def parents(self) -> list[int] | None:
+        """The forward's tree over the block's rows (node 0 = the last token), or None for a chain."""
+        if not self.draft.is_tree:
+            return None
+        return [-1] + [p + 1 for p in self.draft.parents[:len(self.draft)]]
 
     def step_seconds(self) -> float:
         """Its drafting, the forward, and its own verification so far: what the controller weighs."""
         return (self.t1 - self.t0) + self.forward_s + (time.perf_counter() - self.t_done)
+
+
+@dataclass
+class StepOutcome:
+    """What one request's verification decided, which ``commit`` applies and the observers count:
+    the block rows whose keys/values stay (0 = the last token, then the accepted drafts: a tree's
+    path), the tokens to emit (the accepted drafts and the recovered or bonus token)."""
+
+    kept: list[int]
+    emitted: list[int]
+    num_draft: int  # draft positions verified (a tree: its depth)
+    nodes: int  # draft tokens forwarded (a tree: every node)
+    tree: bool = False
+    margins: list[float] | None = None
+
+    @property
+    def accepted(self) -> int:
+        return len(self.kept) - 1
 
 
 EXPLORE_POSITIONS = 8  # pooled draft positions tried before every new request of a batch may draft
@@ -164,6 +115,8 @@ class SpecDecoder:
         # batched steps draft only while it pays (no probes where drafting again means reading skipped prompts)
         self._guard = BatchGuard(probe=not proposer.reads_prompt) if self.adaptive else None
         self._own_length = proposer is not None and proposer.chooses_draft_length
+        # the target layers whose inputs each forward returns for the proposer (EAGLE-3's), and no others
+        self.aux_layers = tuple(proposer.aux_layers) if proposer is not None else ()
         if proposer is not None:
             proposer.set_adaptive(self.adaptive)
 
@@ -186,10 +139,10 @@ class SpecDecoder:
             return st
         while st.prefilling:
             n = self.next_chunk(st, prefill_chunk)
-            logits = st.runner.forward(self.prefill_tokens(st, n), logits="last")
+            out = st.runner.run(self.prefill_tokens(st, n), logits="last", aux_layers=self.aux_layers)
             if self.reuse_prefill and st.n_prefilled + n == st.n_ctx:
-                st.runner.keep_prompt(prompt_ids, logits)
-            self.prefilled(st, n, logits, read)
+                st.runner.keep_prompt(prompt_ids, out)
+            self.prefilled(st, n, out, read)
         return st
 
     @staticmethod
@@ -202,22 +155,24 @@ class SpecDecoder:
         """The request's next n prompt tokens [1, n]."""
         return torch.from_numpy(st.ctx[:, st.n_prefilled:st.n_prefilled + n].astype(np.int64))
 
-    def prefilled(self, st: DecodeState, n: int, logits: torch.Tensor, read_prompt: bool = True) -> list[int]:
-        """n more prompt tokens are in the cache (``logits`` [1, 1, V]: the last one's); after the
-        prompt's last chunk, the first token is chosen and emitted (returned). ``read_prompt``: the
-        proposer reads the chunk too (``on_prefill``; off where the batch is not drafting)."""
-        runner, params = st.runner, st.params
+    def prefilled(self, st: DecodeState, n: int, out: TargetOut, read_prompt: bool = True) -> list[int]:
+        """n more prompt tokens are in the cache (``out``: their forward's, logits [1, 1, V] of the last
+        one); after the prompt's last chunk, the first token is chosen and emitted (returned).
+        ``read_prompt``: the proposer reads the chunk too (``on_prefill``; off where the batch is not
+        drafting)."""
+        runner, params, logits = st.runner, st.params, out.logits
         st.n_prefilled += n
         if self.proposer is not None and read_prompt:
             self.proposer.on_prefill(st.slot, st.n_prefilled)
         if self.proposer is not None and self.proposer.needs_hidden_states:
-            self.proposer.on_target_hidden(st.slot, runner.last_hidden, runner.last_aux)
+            self.proposer.on_target_hidden(st.slot, out.hidden, out.aux)
         if st.n_prefilled < st.n_ctx:
             return []
         if self.proposer is not None and self.proposer.needs_hidden_states:
-            st.hidden = runner.last_hidden[:, -1]
+            st.hidden = out.hidden[:, -1]
         if params.greedy:
-            first = int(runner.greedy(logits, margins=st.margins if params.record_margins else None)[0, -1])
+            margins = st.margins if params.record_margins else None
+            first = int(runner.greedy(logits, margins=margins, hidden=out.hidden)[0, -1])
         else:
             probs = logits_to_probs(logits[0, -1], params.temperature, params.top_k, params.top_p)
             first = int(sample_with_uniforms(probs[None], keyed_uniforms(st.key, st.n_ctx, 1))[0])
@@ -241,8 +196,6 @@ class SpecDecoder:
             )
         ctx = np.zeros((1, runner.max_len), dtype=np.int32)
         ctx[0, :T] = prompt_ids
-        # the target returns the layer inputs this decoder's proposer asked for (EAGLE-3), and no others
-        runner.model.aux_layers = self.proposer.aux_layers if self.proposer is not None else ()
         st = DecodeState(runner, slot, params, generator, ctx, T,
                          set() if params.ignore_eos else set(params.stop_token_ids))
         if not params.greedy:  # the generator's seed (a request's "seed"), or one from torch's global RNG
@@ -292,103 +245,49 @@ class SpecDecoder:
 
     def step_batch(self, states: list[DecodeState], max_draft: int | None = None,
                    prefills: list[tuple[DecodeState, int]] = ()) -> list[list[int]]:
-        """One step for each of many requests (each with its own runner and proposer slot): every
-        request drafts (at most ``max_draft`` tokens, when given), then one target forward verifies
-        all of them (``runner.forward_batch``), then each request is verified and rolled back on its
-        own. A request's tokens are those its own ``step`` would give (bit for bit on the
-        row-independent CPU paths: its rows are computed as if alone). Returns the tokens each
-        request emitted (sets its ``finish``). A request whose drafting or verification fails ends
-        with ``finish = "error"`` and the exception in ``error``; the others go on.
+        """One step for each of many requests (each with its own runner and proposer slot), as data:
+        plan (each request's draft length), draft (one proposer call for all), forward (one target
+        forward for every request's block and the prefill chunks riding along), verify (a
+        ``StepOutcome`` per request), commit (roll back, tell the proposer, the observers), emit. A
+        request's tokens are those its own ``step`` would give (bit for bit on the row-independent CPU
+        paths). Returns the tokens each request emitted (sets its ``finish``); a request whose drafting
+        or verification fails ends with ``finish = "error"`` and the exception in ``error``.
 
         ``prefills``: (request, n) pairs whose next n prompt tokens ride in the same forward (chunked
-        prefill); their first token, once a prompt is complete, follows the decoding requests' lists
-        in the result."""
+        prefill); their first token, once a prompt is complete, follows the decoding requests' lists."""
         t_step = time.perf_counter()
         guard = self._guard if len(states) > 1 else None
         guarded_off = guard is not None and not guard.drafts(len(states))
-        if guarded_off:
-            max_draft = 0
-        plans = self._plan_all(states, max_draft)
-        live = [i for i, p in enumerate(plans) if p is not None]
+        ks = self._plan(states, 0 if guarded_off else max_draft)
+        blocks = self._draft(states, ks)
         out: list[list[int]] = [[] for _ in list(states) + list(prefills)]
-        if not live and not prefills:
+        outs = self._forward(states, blocks, prefills)
+        if outs is None:
             return out
-        fed = [states[i] for i in live] + [st for st, _ in prefills]
-        rows = sum(plans[i].tokens.shape[1] for i in live) + sum(n for _, n in prefills)
-        t_fwd = time.perf_counter()
-        try:
-            logits = forward_batch([st.runner for st in fed],
-                                   [plans[i].tokens for i in live] + [self.prefill_tokens(st, n) for st, n in prefills],
-                                   [plans[i].parents for i in live] + [None] * len(prefills),
-                                   [False] * len(live) + [True] * len(prefills))
-        except Exception as e:  # noqa: BLE001 - the forward failed: every request in it ends
-            for st in fed:
-                _fail(st, e)
-            return out
-        t_fwd = time.perf_counter() - t_fwd
-        for i, lg in zip(live, logits):
-            plans[i].rows, plans[i].forward_s, plans[i].batch = rows, t_fwd, len(live)
+        for i, block in blocks.items():
             try:
-                out[i] = self._complete(states[i], plans[i], lg)
-            except Exception as e:  # noqa: BLE001
+                out[i] = self.commit(states[i], block, outs[i], self.verify(states[i], block, outs[i]))
+            except Exception as e:  # noqa: BLE001 - this request fails, the batch goes on
                 _fail(states[i], e)
-        # a request joining a batch that is not drafting leaves its draft's prompt unread (caught up if drafting resumes)
-        read_prompt = self._reads_prompt(len(states) + 1)
-        for j, ((st, n), lg) in enumerate(zip(prefills, logits[len(live):])):
+        read_prompt = self._reads_prompt(len(states) + 1)  # a joiner of a batch that is not drafting reads nothing
+        for j, (st, n) in enumerate(prefills):
             try:
-                out[len(states) + j] = self.prefilled(st, n, lg, read_prompt)
+                out[len(states) + j] = self.prefilled(st, n, outs[len(states) + j], read_prompt)
             except Exception as e:  # noqa: BLE001
                 _fail(st, e)
-        drafted = any(plans[i].tokens.shape[1] > 1 for i in live)
+        drafted = any(len(b.draft) > 0 for b in blocks.values())
         if guard is not None and not prefills and (drafted or guarded_off):  # a step the guard can read
-            guard.observe(len(states), drafted, sum(len(out[i]) for i in live), time.perf_counter() - t_step)
+            guard.observe(len(states), drafted, sum(len(out[i]) for i in blocks), time.perf_counter() - t_step)
         return out
 
-    def _draft_len(self, st: DecodeState, max_draft: int | None = None, batch: int = 1) -> int | None:
-        """How many tokens the request drafts this step (None: it has finished)."""
-        room = st.params.max_new_tokens - len(st.out)
-        if st.finish is not None or room <= 0:
-            st.finish = st.finish or "length"
-            return None
-        k = min(self.k, room - 1)
-        if max_draft is not None:
-            k = min(k, max_draft)
-        if st.controller is not None and k > 0 and not self._own_length:
-            k = min(k, st.controller.draft_len(batch, self._clock))
-        return k
-
-    def _plan_k(self, st: DecodeState, k: int) -> "_Plan":
-        """The request's own draft of up to k tokens, and its plan."""
-        t0 = time.perf_counter()  # the controller weighs the whole step: drafting (t0..t1) and verifying
-        d = self.proposer.propose(st.ctx, np.array([st.n_ctx], dtype=np.int32), k, st.hidden, slots=[st.slot]) \
-            if k > 0 else None
-        return self._plan_from(st, d, t0, time.perf_counter())
-
-    def _plan_from(self, st: DecodeState, d: DraftOutput | None, t0: float, t1: float) -> "_Plan":
-        """The verify forward's tokens: the last emitted token, then the draft (a chain or a tree)."""
-        params = st.params
-        last = torch.tensor([[st.last]], dtype=torch.long)
-        if d is not None:
-            nd = int(d.num_tokens[0])
-            if d.parents is not None and nd > 0:
-                if not params.greedy:
-                    raise ValueError("draft trees are verified greedily only; the proposer must send a chain when sampling")
-                parents = [-1] + [p + 1 for p in d.parents[:nd]]  # node 0 = the last token, draft i = node i+1
-                return _Plan(torch.cat([last, d.token_ids[:, :nd]], 1), t0, t1, parents=parents, base=st.runner.length)
-            if nd > 0:
-                return _Plan(torch.cat([last, d.token_ids[:, :nd]], 1), t0, t1, d.token_ids[:, :nd], d.num_tokens,
-                             None if d.probs is None else d.probs[:, :nd], base=st.runner.length)
-        return _Plan(last, t0, t0 if d is None else t1, base=st.runner.length)
-
-    def _plan_all(self, states: list[DecodeState], max_draft: int | None) -> list["_Plan | None"]:
-        """Every request's plan; a proposer that drafts for many at once (``propose_batch``: one draft
-        forward per drafting step for all) does so, and each request is charged its share of the time."""
-        plans: list[_Plan | None] = [None] * len(states)
+    # ------------------------------------------------------------------ plan
+    def _plan(self, states: list[DecodeState], max_draft: int | None) -> dict[int, int]:
+        """Each unfinished request's draft length this step: its room, ``max_draft``, its controller.
+        While the draft is unproven (little acceptance pooled yet), one new request a step tries it and
+        the others wait for its evidence: requests that arrive together do not each pay a lazy draft's
+        catch-up over their prompts (MTP, EAGLE, a draft model) to find a bad draft bad."""
         ks: dict[int, int] = {}
         self._clock += 1
-        # while the draft is unproven (little acceptance pooled yet), one new request a step tries it
-        # and the others wait for its evidence: requests that arrive together do not each pay a lazy
-        # draft's catch-up over their prompts (MTP, EAGLE, a draft model) to find a bad draft bad
         prior, explore, explorer = self._pooled.prior(), len(states) > 1 and self._pooled.tried < EXPLORE_POSITIONS, False
         for i, st in enumerate(states):
             fresh = st.controller is not None and st.controller.fresh
@@ -403,104 +302,153 @@ class SpecDecoder:
                 if fresh and explore and k > 0:
                     k, explorer = (0 if explorer else k), True
                 ks[i] = k
+        return ks
+
+    def _draft_len(self, st: DecodeState, max_draft: int | None = None, batch: int = 1) -> int | None:
+        """How many tokens the request drafts this step (None: it has finished)."""
+        room = st.params.max_new_tokens - len(st.out)
+        if st.finish is not None or room <= 0:
+            st.finish = st.finish or "length"
+            return None
+        k = min(self.k, room - 1)
+        if max_draft is not None:
+            k = min(k, max_draft)
+        if st.controller is not None and k > 0 and not self._own_length:
+            k = min(k, st.controller.draft_len(batch, self._clock))
+        return k
+
+    # ------------------------------------------------------------------ draft
+    def _draft(self, states: list[DecodeState], ks: dict[int, int]) -> dict[int, Block]:
+        """One proposer call for every request that drafts; each request's block of rows for the
+        forward, charged its share of the drafting time."""
         drafting = [i for i, k in ks.items() if k > 0]
-        together = len(drafting) > 1 and self.proposer.drafts_in_batch
-        if together:
-            t0 = time.perf_counter()
+        drafts: dict[int, Draft] = {}
+        t0 = t1 = time.perf_counter()
+        if drafting:
             try:
-                ds = self.proposer.propose_batch([(states[i].ctx, states[i].n_ctx, states[i].slot) for i in drafting],
-                                                 [ks[i] for i in drafting], [states[i].hidden for i in drafting])
-            except Exception as e:  # noqa: BLE001 - the batched draft failed: every request in it ends
+                batch = self.proposer.propose([states[i].draft_request() for i in drafting], [ks[i] for i in drafting])
+                drafts = dict(zip(drafting, batch.drafts))
+            except Exception as e:  # noqa: BLE001 - the draft failed: every request in it ends
                 for i in drafting:
                     _fail(states[i], e)
                     ks.pop(i)
-                ds = []
-            share = (time.perf_counter() - t0) / max(len(drafting), 1)
-            for i, d in zip(drafting, ds):
-                plans[i] = self._plan_from(states[i], d, t0, t0 + share)
-        for i, k in ks.items():  # the rest draft on their own (or not at all)
-            if plans[i] is None:
-                try:
-                    plans[i] = self._plan_k(states[i], k)
-                except Exception as e:  # noqa: BLE001
-                    _fail(states[i], e)
-        return plans
+            t1 = t0 + (time.perf_counter() - t0) / len(drafting)
+        blocks = {}
+        for i in ks:
+            st, d = states[i], drafts.get(i, Draft())
+            if d.is_tree and not st.params.greedy:
+                _fail(st, ValueError("draft trees are verified greedily only; the proposer must send a chain when sampling"))
+                continue
+            last = torch.tensor([[st.last]], dtype=torch.long)
+            tokens = torch.cat([last, torch.tensor([d.ids], dtype=torch.long)], 1) if len(d) else last
+            blocks[i] = Block(tokens, d, st.runner.length, t0, t1 if i in drafts else t0)
+        return blocks
 
-    def _complete(self, st: DecodeState, plan: "_Plan", logits: torch.Tensor) -> list[int]:
-        """Verify one request's forward (logits [1, 1+nd, V]), roll back, tell the proposer."""
-        plan.t_done = time.perf_counter()
-        if plan.parents is not None:
-            return self._tree_step(st, plan, logits)
-        runner, params = st.runner, st.params
-        draft_ids, num_draft, draft_probs = plan.draft_ids, plan.num_draft, plan.draft_probs
-        nd = draft_ids.shape[1]
-        dev = logits.device  # verify where the target's logits are (drafts may come from the host)
-        draft_ids, num_draft = draft_ids.to(dev), num_draft.to(dev)
+    # ------------------------------------------------------------------ forward
+    def _forward(self, states: list[DecodeState], blocks: dict[int, Block],
+                 prefills: list[tuple[DecodeState, int]]) -> dict[int, TargetOut] | None:
+        """One target forward over every block and prefill chunk: its outputs by request index (prefill
+        chunks after the states, at len(states) + j). None when nothing ran (or it failed: every
+        request in it ends)."""
+        if not blocks and not prefills:
+            return None
+        fed = [states[i] for i in blocks] + [st for st, _ in prefills]
+        rows = sum(b.tokens.shape[1] for b in blocks.values()) + sum(n for _, n in prefills)
+        t = time.perf_counter()
+        try:
+            outs = forward_batch([st.runner for st in fed],
+                                 [b.tokens for b in blocks.values()] + [self.prefill_tokens(st, n) for st, n in prefills],
+                                 [b.parents for b in blocks.values()] + [None] * len(prefills),
+                                 [False] * len(blocks) + [True] * len(prefills), self.aux_layers)
+        except Exception as e:  # noqa: BLE001 - the forward failed: every request in it ends
+            for st in fed:
+                _fail(st, e)
+            return None
+        t = time.perf_counter() - t
+        for b in blocks.values():
+            b.rows, b.forward_s, b.batch = rows, t, len(blocks)
+        keys = list(blocks) + [len(states) + j for j in range(len(prefills))]
+        return dict(zip(keys, outs))
+
+    # ------------------------------------------------------------------ verify
+    def verify(self, st: DecodeState, block: Block, out: TargetOut) -> StepOutcome:
+        """The request's verification of its block (``out``: its rows' forward): greedy (a chain, or a tree
+        followed along the target's choices), or rejection sampling (coupled to plain sampling for
+        deterministic drafts). Lossless either way."""
+        block.t_done = time.perf_counter()
+        params, d, logits = st.params, block.draft, out.logits
+        nd = len(d)
         if params.greedy:
             margins = [] if params.record_margins else None
-            out_ids, n_emit = greedy_verify(draft_ids, num_draft, runner.greedy(logits, margins=margins))
+            target = st.runner.greedy(logits, margins=margins, hidden=out.hidden)  # [1, 1+d]
+            if block.parents is not None:
+                path, emitted = greedy_tree_verify(block.tokens[0].tolist(), block.parents, target[0].tolist())
+                margins = None if margins is None else [margins[j] for j in path]  # emitted[m] is row path[m]'s choice
+                return StepOutcome(path, emitted, max(tree_depths(block.parents)), nd, True, margins)
+            draft_ids = block.tokens[:, 1:].to(logits.device)
+            out_ids, n_emit = greedy_verify(draft_ids, torch.tensor([nd], device=logits.device), target)
         else:
             probs = logits_to_probs(logits, params.temperature, params.top_k, params.top_p)
-            if draft_probs is None:  # deterministic drafts (or none): coupled to plain sampling, position by position
+            draft_ids, num = block.tokens[:, 1:].to(logits.device), torch.tensor([nd], device=logits.device)
+            if d.q is None:  # deterministic drafts (or none): coupled to plain sampling, position by position
                 u = keyed_uniforms(st.key, st.n_ctx, probs.shape[1])[None]
-                out_ids, n_emit = coupled_verify(draft_ids, num_draft, probs, u)
+                out_ids, n_emit = coupled_verify(draft_ids, num, probs, u)
             else:
-                out_ids, n_emit = rejection_sample(draft_ids, num_draft, draft_probs.to(dev), probs, st.generator)
+                out_ids, n_emit = rejection_sample(draft_ids, num, d.q[None].to(logits.device), probs, st.generator)
+            margins = None
         n = int(n_emit[0])
-        emitted = out_ids[0, :n].tolist()
-        if st.controller is not None:
-            st.controller.observe(nd, n - 1, plan.rows, plan.step_seconds(), plan.t1 - plan.t0)
-            self._pooled.observe(nd, n - 1)
-        if params.record_margins and params.greedy:
-            st.margins.extend(margins[:n])
-        runner.rollback(plan.base + n)  # last + (n-1) accepted drafts are valid
+        return StepOutcome(list(range(n)), out_ids[0, :n].tolist(), nd, nd, False, margins)
+
+    # ------------------------------------------------------------------ commit
+    def commit(self, st: DecodeState, block: Block, out: TargetOut, oc: StepOutcome) -> list[int]:
+        """Apply a verification: keep the block's accepted rows in the target's cache (a chain rolls
+        back in O(1), a tree's path is compacted), hand the kept rows' states to the proposer, tell the
+        observers, emit the tokens."""
+        runner = st.runner
+        if oc.tree:
+            runner.compact(block.base, oc.kept)
+        else:
+            runner.rollback(block.base + len(oc.kept))  # the last token + the accepted drafts are valid
         if self.proposer is not None and self.proposer.needs_hidden_states:
-            st.hidden = runner.last_hidden[:, n - 1]  # row n-1 produced the step's final token
-            aux = runner.last_aux
-            self.proposer.on_target_hidden(st.slot, runner.last_hidden[:, :n], None if aux is None else aux[:, :n])
-        st.stats.observe(nd, n - 1)
-        self._observe_parts(st, nd, n - 1, emitted)
+            idx = torch.tensor(oc.kept, device=out.hidden.device)
+            hidden = out.hidden[:, idx]
+            st.hidden = hidden[:, -1]  # the row that produced the step's final token
+            self.proposer.on_target_hidden(st.slot, hidden, None if out.aux is None else out.aux[:, idx])
+        if oc.margins is not None:
+            st.margins.extend(oc.margins[:len(oc.emitted)])
+        for observe in self.observers:
+            observe(st, block, oc)
         if self.proposer is not None:
-            self.proposer.observe_step(st.slot, nd, plan.rows, plan.step_seconds(), plan.t1 - plan.t0, plan.batch)
-        if self.proposer is not None:
-            self.proposer.on_verified(st.slot, n - 1, emitted)
+            self.proposer.on_verified(st.slot, oc.accepted, oc.emitted)
         st.steps += 1
-        return self._emit(st, emitted)
+        return self._emit(st, oc.emitted)
 
-    def _tree_step(self, st: DecodeState, plan: "_Plan", logits: torch.Tensor) -> list[int]:
-        """Greedy verification of a draft tree (Medusa / EAGLE-2 style), forwarded over every node
-        with a tree mask: from the last token, follow the child that is the target's own choice
-        while one exists; keep that path's keys/values. Lossless: every emitted token is the
-        target's greedy choice given the tokens before it."""
-        runner, parents, tokens = st.runner, plan.parents, plan.tokens
-        path, emitted = greedy_tree_verify(tokens[0].tolist(), parents, runner.greedy(logits)[0].tolist())
-        depth = max(tree_depths(parents))
-        if st.controller is not None:
-            # a tree's drafting is not d draft tokens' worth (one draft call per level, n nodes): the
-            # whole step counts, keyed by the nodes verified
-            st.controller.observe(depth, len(path) - 1, plan.rows, plan.step_seconds())
-            self._pooled.observe(depth, len(path) - 1)
-        runner.compact(plan.base, path)
-        if self.proposer.needs_hidden_states:
-            idx = torch.tensor(path, device=runner.last_hidden.device)
-            hidden = runner.last_hidden[:, idx]
-            aux = runner.last_aux
-            st.hidden = hidden[:, -1]
-            self.proposer.on_target_hidden(st.slot, hidden, None if aux is None else aux[:, idx])
-        st.stats.observe(depth, len(path) - 1)
-        self._observe_parts(st, depth, len(path) - 1, emitted)
-        self.proposer.observe_step(st.slot, len(parents) - 1, plan.rows, plan.step_seconds(), plan.t1 - plan.t0,
-                                   plan.batch)
-        self.proposer.on_verified(st.slot, len(path) - 1, emitted)
-        st.steps += 1
-        return self._emit(st, emitted)
+    # ------------------------------------------------------------------ observers
+    @property
+    def observers(self):
+        """What learns from each verified step, in order: the request's stats (and a hybrid's parts'),
+        its draft-length controller with the pooled acceptance, the proposer's own timing."""
+        return (self._count, self._control, self._time_proposer)
 
-    def _observe_parts(self, st: DecodeState, num_draft: int, num_accepted: int, emitted: list[int]) -> None:
-        """Count the step's draft for the sub-proposers that made it (a hybrid's; nothing otherwise)."""
-        if self.proposer is None or num_draft <= 0:
+    def _count(self, st: DecodeState, block: Block, oc: StepOutcome) -> None:
+        st.stats.observe(oc.num_draft, oc.accepted)
+        if self.proposer is not None and oc.num_draft > 0:  # the sub-proposers that made the draft (a hybrid's)
+            for name, (d, a) in self.proposer.credit(st.slot, oc.num_draft, oc.accepted, oc.emitted).items():
+                st.by_proposer.setdefault(name, SpecStats()).observe(d, a)
+
+    def _control(self, st: DecodeState, block: Block, oc: StepOutcome) -> None:
+        if st.controller is None:
             return
-        for name, (d, a) in self.proposer.credit(st.slot, num_draft, num_accepted, emitted).items():
-            st.by_proposer.setdefault(name, SpecStats()).observe(d, a)
+        # a tree's drafting is not d draft tokens' worth (one draft call per level, n nodes): the whole
+        # step counts, keyed by its depth
+        st.controller.observe(oc.num_draft, oc.accepted, block.rows, block.step_seconds(),
+                              None if oc.tree else block.t1 - block.t0)
+        self._pooled.observe(oc.num_draft, oc.accepted)
+
+    def _time_proposer(self, st: DecodeState, block: Block, oc: StepOutcome) -> None:
+        if self.proposer is not None:
+            self.proposer.observe_step(st.slot, oc.nodes, block.rows, block.step_seconds(), block.t1 - block.t0,
+                                       block.batch)
 
     def finish(self, st: DecodeState) -> GenerationResult:
         """End the request (the proposer may learn from it) and return its result."""

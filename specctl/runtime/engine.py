@@ -27,7 +27,8 @@ from specctl.errors import UsageError
 from specctl.runtime.decoder import SamplingParams, SpecDecoder
 from specctl.runtime.metrics import SpecStats
 from specctl.runtime.proposers import build_proposer
-from specctl.runtime.runner import LoadedModel, TargetRunner, check_compilable
+from specctl.runtime.loading import LoadedModel
+from specctl.runtime.runner import TargetRunner, check_compilable
 from specctl.runtime.scheduler import Request, Scheduler, Update
 
 log = logging.getLogger("specctl.serve")

@@ -12,14 +12,13 @@ llama-arch GGUFs store Q and K rows permuted (llama.cpp's convert script); they 
 order here by moving whole rows of blocks (quantization is per row, so this is exact). Qwen2 GGUFs
 are not permuted.
 
-What it does not know: tokenizers and stop tokens (``load_gguf_model`` adds them through
+What it does not know: tokenizers and stop tokens (``specctl.runtime.loading.load_gguf_model`` adds them through
 transformers' GGUF tokenizer), GPUs (the kernels are CPU kernels), other architectures or
 quantization types (refused in one line naming the fix).
 """
 
 from __future__ import annotations
 
-import sys
 import warnings
 from pathlib import Path
 
@@ -300,27 +299,3 @@ def load_gguf_transformer(path: str | Path, dtype: torch.dtype = torch.bfloat16,
     model.cpu_kernels = f"gguf-{max(set(paths), key=paths.count) if paths else ql.best_path(dtype)}"  # most projections' path
     model.quantization = "gguf"  # what bench's header records (a dense Transformer has none)
     return model
-
-
-def load_gguf_model(path: str | Path, dtype: str = "bfloat16", device: str = "cpu"):
-    """A runner.LoadedModel over a GGUF file run quantized: the model, the tokenizer transformers
-    converts from the GGUF, and the stop tokens its metadata names."""
-    from gguf import GGUFReader
-    from transformers import AutoTokenizer
-
-    from specctl.runtime.runner import LoadedModel, parse_device, parse_dtype
-
-    path = Path(path)
-    tdtype, tdev = parse_dtype(dtype), parse_device(device)
-    model = load_gguf_transformer(path, tdtype, tdev)
-    try:
-        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    except Exception as e:  # noqa: BLE001 - any tokenizer failure is a file problem
-        raise ModelError(f"cannot read the tokenizer of {path} ({type(e).__name__})",
-                         "give a GGUF with its tokenizer (tokenizer.ggml.*)") from None
-    stops = {int(v) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
-             if (v := _field(GGUFReader(str(path)), k)) is not None}
-    if getattr(tok, "eos_token_id", None) is not None:
-        stops.add(int(tok.eos_token_id))
-    print(f"specctl: {path.name} runs quantized ({model.cpu_kernels})", file=sys.stderr)
-    return LoadedModel(path, model, tok, tuple(sorted(stops)), tdtype, tdev)

@@ -9,36 +9,21 @@ What it does not know: drafting, verification, sampling, tokenizers.
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass
-from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
-from specctl.errors import ModelError, UsageError
-from specctl.modeling import VERIFY_ROWS, KVCache, Segment, Transformer, load_transformer
+from specctl.errors import UsageError
+from specctl.modeling import VERIFY_ROWS, KVCache, Segment, Transformer
 
-DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32,
-          "float16": torch.float16, "fp16": torch.float16}
+class TargetOut(NamedTuple):
+    """What one target forward gives a request, as a value: logits [1, T', V] (T' = T, or 1 for a
+    prompt whose last row only is wanted), the final-normed hidden states [1, T, H] the LM head read,
+    and the inputs of the aux layers asked for [1, T, A*H] (EAGLE-3's), or None."""
 
-
-def parse_dtype(name: str) -> torch.dtype:
-    try:
-        return DTYPES[name.lower()]
-    except KeyError:
-        raise UsageError(f"unknown dtype '{name}'", "use bfloat16 or float32") from None
-
-
-def parse_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        dev = torch.device(name)
-    except RuntimeError:
-        raise UsageError(f"unknown device '{name}'", "use cpu, cuda, cuda:N or auto") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise UsageError("--device cuda was asked for but no CUDA device is available", "use --device cpu")
-    return dev
+    logits: torch.Tensor
+    hidden: torch.Tensor
+    aux: torch.Tensor | None = None
 
 
 def tree_attention_mask(parents: list[int]) -> torch.Tensor:
@@ -84,9 +69,8 @@ class TargetRunner:
         self.cache = KVCache(model.args, batch, max_len, p.dtype, p.device)
         self.device = p.device
         self.length = 0
-        self.last_hidden: torch.Tensor | None = None  # [B, T, H] of the latest forward
-        self.last_aux: torch.Tensor | None = None  # [B, T, len(model.aux_layers) * H], when asked
-        self._kept: tuple | None = None  # (ids, last logits, last hidden, aux) of a prompt kept (keep_prompt)
+        self.last_hidden: torch.Tensor | None = None  # [B, T, H] of the latest forward (``forward``'s callers)
+        self._kept: tuple | None = None  # (ids, its TargetOut) of a prompt kept (keep_prompt)
         # compile: one-token steps run Transformer.decode_step through torch.compile (static shapes;
         # CUDA graphs on a GPU). Needs torch's own linears: not the packed AMX/C++ bf16 CPU path.
         self._step = None
@@ -102,42 +86,51 @@ class TargetRunner:
     def reset(self) -> None:
         self.length = 0
 
-    def keep_prompt(self, ids: list[int], logits: torch.Tensor) -> None:
-        """The cache now holds prompt ``ids`` at [0, len(ids)) (``logits`` [1, 1, V]: its last row's); a
-        later request with the same prompt may take them back (``reuse_prompt``) until something is
-        written below len(ids)."""
-        self._kept = (list(ids), logits, self.last_hidden[:, -1:], self.last_aux)
+    def keep_prompt(self, ids: list[int], out: TargetOut) -> None:
+        """The cache now holds prompt ``ids`` at [0, len(ids)) (``out``: its forward's, logits of its last
+        row); a later request with the same prompt may take them back (``reuse_prompt``) until something
+        is written below len(ids)."""
+        self._kept = (list(ids), TargetOut(out.logits, out.hidden[:, -1:], None if out.aux is None else out.aux[:, -1:]))
 
-    def reuse_prompt(self, ids: list[int]) -> torch.Tensor | None:
-        """The kept prompt's last logits, the cache set to hold it, if ``ids`` is that prompt; else None."""
+    def reuse_prompt(self, ids: list[int]) -> TargetOut | None:
+        """The kept prompt's forward output (its last row), the cache set to hold it, if ``ids`` is that
+        prompt; else None."""
         kept = self._kept
         if kept is None or kept[0] != list(ids):
             return None
         self.length = len(ids)
-        self.last_hidden, self.last_aux = kept[2], kept[3]
         return kept[1]
 
     @torch.inference_mode()
-    def forward(self, tokens: torch.Tensor, logits: str = "all") -> torch.Tensor:
-        """tokens: [B, T] int64 -> logits [B, T, V] ("all") or [B, 1, V] ("last")."""
-        seg = self.segment(tokens)
-        if seg.n == 1 and self._step is not None:
+    def run(self, tokens: torch.Tensor, logits: str = "all", parents: list[int] | None = None,
+            aux_layers: tuple[int, ...] = ()) -> TargetOut:
+        """tokens [1, T] at the cache's length (a chain, or with ``parents`` a draft tree as in
+        ``forward_tree``) -> their TargetOut (logits of every row, or of the last for "last")."""
+        seg = self.segment(tokens, parents)
+        if seg.n == 1 and parents is None and self._step is not None:
             pos = torch.tensor([seg.start], device=self.device)
-            out, hidden, aux = self._step(tokens.to(self.device), pos, self.cache.k, self.cache.v)
-            self._advance(seg, hidden, aux)
-            return out
-        out, hidden = self.model(tokens.to(self.device), seg.start, self.cache, seg.mask, logits=logits)
-        self._advance(seg, hidden, self.model.aux_out)
+            out = TargetOut(*self._step(tokens.to(self.device), pos, self.cache.k, self.cache.v, aux_layers))
+        else:
+            out = TargetOut(*self.model(tokens.to(self.device), seg.start, self.cache, seg.mask,
+                                        logits="all" if parents is not None else logits,
+                                        positions=seg.positions, aux_layers=aux_layers))
+        self._advance(seg, out.hidden)
         return out
 
-    def _advance(self, seg: Segment, hidden: torch.Tensor, aux: torch.Tensor | None) -> None:
+    def forward(self, tokens: torch.Tensor, logits: str = "all") -> torch.Tensor:
+        """tokens: [B, T] int64 -> logits [B, T, V] ("all") or [B, 1, V] ("last")."""
+        return self.run(tokens, logits).logits
+
+    def _advance(self, seg: Segment, hidden: torch.Tensor) -> None:
         """After a forward of ``seg``: the cache holds its rows; their hidden states are the latest."""
         self.length = seg.start + seg.n
-        self.last_hidden, self.last_aux = hidden, aux
+        self.last_hidden = hidden
 
     @torch.inference_mode()
-    def greedy(self, logits: torch.Tensor, candidates: int = 4, margins: list | None = None) -> torch.Tensor:
-        """logits [B, T, V] of the latest forward -> argmax token ids [B, T].
+    def greedy(self, logits: torch.Tensor, candidates: int = 4, margins: list | None = None,
+               hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """logits [B, T, V] of a forward -> argmax token ids [B, T] (``hidden`` [B, >= T, H]: that
+        forward's hidden states; by default the latest forward's).
 
         ``margins``, when given, is extended with row 0's top-1 minus top-2 score per position
         (how close each choice was to a tie).
@@ -153,7 +146,7 @@ class TargetRunner:
                 margins.extend((top2[:, 0] - top2[:, 1]).tolist())
             return logits.argmax(-1)
         T = logits.shape[1]
-        h = self.last_hidden[:, -T:].float()  # [B, T, H]
+        h = (self.last_hidden if hidden is None else hidden)[:, -T:].float()  # [B, T, H]
         cand = logits.topk(candidates, dim=-1).indices  # [B, T, c]
         w = self.model.head_weight[cand].float()  # [B, T, c, H]
         exact = (h[:, :, None, :] * w).sum(-1)  # [B, T, c]: a per-row reduction, independent of T
@@ -167,10 +160,7 @@ class TargetRunner:
         """A draft tree: tokens [1, N+1], node 0 the last emitted token, node i's parent parents[i]
         (parents[0] = -1). Node i goes to cache slot length+i at position length+depth(i) and sees
         the prefix and its ancestors. Returns logits [1, N+1, V]; ``compact`` then keeps a path."""
-        seg = self.segment(tokens, parents)
-        out, hidden = self.model(tokens.to(self.device), seg.start, self.cache, seg.mask, positions=seg.positions)
-        self._advance(seg, hidden, self.model.aux_out)
-        return out
+        return self.run(tokens, parents=parents).logits
 
     def segment(self, tokens: torch.Tensor, parents: list[int] | None = None, last_only: bool = False) -> Segment:
         """Where tokens [1, T] go in this runner's cache and what they attend to: a chain at its
@@ -219,122 +209,37 @@ class TargetRunner:
         self.length = length
 
 
-@dataclass
-class LoadedModel:
-    """A target as loaded from a folder: the model, its tokenizer, and its stop tokens."""
-
-    path: Path
-    model: Transformer
-    tokenizer: object
-    stop_token_ids: tuple[int, ...]
-    dtype: torch.dtype
-    device: torch.device
-
-    @property
-    def name(self) -> str:
-        return self.path.name
-
-
-def load_model(path: str | Path, dtype: str = "bfloat16", device: str = "cpu") -> LoadedModel:
-    """Load a dense HF folder (see ``specctl.models.resolve_model``) into the own runtime; a ``.gguf``
-    file (what ``resolve_model(..., quantization="gguf")`` gives) runs quantized, its weights as stored
-    (``specctl.runtime.quant.load_gguf_model``)."""
-    from transformers import AutoTokenizer
-
-    path = Path(path)
-    if path.suffix.lower() == ".gguf" and path.is_file():
-        from specctl.runtime.quant import load_gguf_model
-
-        return load_gguf_model(path, dtype, device)
-    tdtype, tdev = parse_dtype(dtype), parse_device(device)
-    model = load_transformer(path, tdtype, tdev)
-    try:
-        tok = AutoTokenizer.from_pretrained(str(path))
-    except Exception as e:  # noqa: BLE001 - any tokenizer failure is a model-folder problem
-        raise ModelError(f"cannot load the tokenizer from {path} ({type(e).__name__})",
-                         "the folder needs tokenizer.json or tokenizer_config.json") from None
-    return LoadedModel(path, model, tok, stop_token_ids(path, tok), tdtype, tdev)
-
-
-def stop_token_ids(path: Path, tokenizer) -> tuple[int, ...]:
-    """EOS ids from generation_config.json (int or list) plus the tokenizer's eos token."""
-    ids: set[int] = set()
-    gen = path / "generation_config.json"
-    if gen.exists():
-        eos = json.loads(gen.read_text()).get("eos_token_id")
-        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-    if getattr(tokenizer, "eos_token_id", None) is not None:
-        ids.add(int(tokenizer.eos_token_id))
-    return tuple(sorted(ids))
-
-
-def generate_batch(model: Transformer, prompts: list[list[int]], rooms: list[int], *, temperature: float = 0.0,
-                   stop_token_ids=(), generator: torch.Generator | None = None,
-                   max_num_batched_tokens: int | None = 256) -> list[tuple[list[int], str]]:
-    """Answers to prompts of different lengths, decoded together by the continuous-batching
-    scheduler (one target forward per step for every row; ``specctl.runtime.scheduler``).
-
-    Each row computes what it would alone (bit for bit on the row-independent CPU paths), and on a
-    CPU a step reads the weights once for all rows, so n answers cost little more than one. Row i
-    stops at a stop token or after ``rooms[i]`` tokens; returns [(answer ids, "stop" | "length")].
-    Greedy at temperature 0, else sampled from the temperature-scaled distribution, each row with a
-    generator seeded from ``generator`` (the same generator state, the same answers)."""
-    from specctl.runtime.decoder import SamplingParams, SpecDecoder
-    from specctl.runtime.scheduler import Request, Scheduler
-
-    seeds: list[int | None] = [None] * len(prompts)
-    if temperature > 0:
-        g = generator
-        if g is None:
-            g = torch.Generator()
-            g.seed()
-        seeds = [int(torch.randint(0, 2**62, (1,), generator=g, device=g.device)) for _ in prompts]
-    live = [i for i, r in enumerate(rooms) if r > 0]
-    out: list[tuple[list[int], str]] = [([], "length") for _ in prompts]
-    if not live:
-        return out
-    max_len = max(len(prompts[i]) + rooms[i] for i in live) + 1
-    runners = [TargetRunner(model, max_len) for _ in live]
-    sched = Scheduler(SpecDecoder(runners[0]), runners, max_num_batched_tokens=max_num_batched_tokens)
-    reqs = [Request(list(prompts[i]), SamplingParams(max_new_tokens=rooms[i], temperature=temperature,
-                                                     stop_token_ids=tuple(stop_token_ids)), seeds[i]) for i in live]
-    for i, res in zip(live, sched.run(reqs)):
-        out[i] = (res.token_ids, res.finish_reason)
-    return out
-
-
 @torch.inference_mode()
 def forward_batch(runners: list[TargetRunner], tokens: list[torch.Tensor], parents: list[list[int] | None] | None = None,
-                  last_only: list[bool] | None = None) -> list[torch.Tensor]:
+                  last_only: list[bool] | None = None, aux_layers: tuple[int, ...] = ()) -> list[TargetOut]:
     """One target forward over many requests, each with its own runner (KV cache and length):
     tokens[i] [1, T_i] at runners[i]'s length, a chain or (``parents[i]``) a draft tree, or a
     prompt whose last logits only are wanted (``last_only[i]``). The weights are read once for all
-    rows; on the row-independent CPU paths each request's logits equal, bit for bit, those of its
-    own ``forward``/``forward_tree``. Advances every runner as those would (length, last_hidden,
-    last_aux) and returns logits [1, T_i (or 1), V] per request. All runners share one model."""
+    rows; on the row-independent CPU paths each request's outputs equal, bit for bit, those of its
+    own ``run``. Advances every runner as ``run`` would and returns each request's TargetOut
+    (logits [1, T_i (or 1), V], hidden [1, T_i, H], the ``aux_layers``' inputs). All runners share
+    one model."""
     n = len(runners)
     parents = parents or [None] * n
     last_only = last_only or [False] * n
-    out: list[torch.Tensor | None] = [None] * n
+    out: list[TargetOut | None] = [None] * n
     # Longer blocks (prompts) are prefill, which a forward of their own computes (SDPA attention):
     # run them alone so that a request's cache does not depend on the batch it arrived in.
     together = [i for i in range(n) if tokens[i].shape[1] <= VERIFY_ROWS]
     for i in range(n):
         if tokens[i].shape[1] > VERIFY_ROWS or len(together) == 1:
-            r = runners[i]
-            out[i] = (r.forward_tree(tokens[i], parents[i]) if parents[i] is not None
-                      else r.forward(tokens[i], logits="last" if last_only[i] else "all"))
+            out[i] = runners[i].run(tokens[i], "last" if last_only[i] else "all", parents[i], aux_layers)
     if len(together) < 2:
         return out
     model = runners[together[0]].model
     segs = [runners[i].segment(tokens[i], parents[i], last_only[i]) for i in together]
     flat = torch.cat([tokens[i].reshape(-1) for i in together]).to(runners[together[0]].device)
-    logits, hidden = model.forward_ragged(flat, segs)
-    aux = model.aux_out
+    logits, hidden, aux = model.forward_ragged(flat, segs, aux_layers=aux_layers)
     lo = ho = 0
     for i, s in zip(together, segs):
         m = 1 if s.last_only else s.n
-        out[i] = logits[lo:lo + m][None]
-        runners[i]._advance(s, hidden[ho:ho + s.n][None], None if aux is None else aux[ho:ho + s.n][None])
+        h = hidden[ho:ho + s.n][None]
+        out[i] = TargetOut(logits[lo:lo + m][None], h, None if aux is None else aux[ho:ho + s.n][None])
+        runners[i]._advance(s, h)
         lo, ho = lo + m, ho + s.n
     return out

@@ -42,7 +42,7 @@ from specctl.runtime.engine import Engine, EngineRequest, QueueFull
 from specctl.runtime.metrics import SpecStats
 from specctl.runtime.openai_api import (ApiError, ChatMessage, ChatRequest, CompletionRequest, SamplingFields, TextStream,
                                         parse_body, usage_of)
-from specctl.runtime.runner import LoadedModel
+from specctl.runtime.loading import LoadedModel
 
 log = logging.getLogger("specctl.serve")
 

@@ -16,7 +16,7 @@ them) is tokenised as exactly those ids, the response learnt: a self-distillatio
 and including the end-of-turn token), rendered with the target's chat template, or all of a text.
 
 Self-distillation (``self_distill``): the target answers prompts itself with specctl's own runtime,
-many prompts at once through the batched engine (``runner.generate_batch``, the scheduler that
+many prompts at once through the batched engine (``offline.generate_batch``, the scheduler that
 ``serve`` runs: greedy output is the target's own greedy output, bit for bit on the row-independent
 CPU paths; sampled output is distributed as the target's). The exact token ids are kept
 (no decode/re-encode round trip) and every answer is appended to a JSONL cache as soon as it is
@@ -193,7 +193,7 @@ def self_distill(loaded, requests: list, *, max_new_tokens: int, temperature: fl
     """The target (a LoadedModel) answers each request with the own runtime; returns Records with exact ids.
 
     Prompts are sorted by length and answered ``batch_rows`` rows at a time through the batched
-    engine (``runner.generate_batch``): on a CPU a batch step reads the weights once for every row,
+    engine (``offline.generate_batch``): on a CPU a batch step reads the weights once for every row,
     so 32 answers cost a few times one. ``samples`` > 1 (with temperature > 0): that many
     sampled answers per prompt. Answers are appended to ``cache`` as they are done, so an interrupted
     run resumes where it stopped.
@@ -205,7 +205,7 @@ def self_distill(loaded, requests: list, *, max_new_tokens: int, temperature: fl
 
         raise UsageError("several answers per prompt need sampling", "set --distill-temperature > 0 (e.g. 0.7)")
 
-    from specctl.runtime.runner import generate_batch
+    from specctl.runtime.offline import generate_batch
 
     settings = {"model": str(loaded.path), "dtype": str(loaded.dtype).removeprefix("torch."),
                 "max_new_tokens": max_new_tokens, "temperature": temperature, "seed": seed}

@@ -157,7 +157,7 @@ def train(cfg: EagleTrainConfig, loaded=None, log: Callable[[str], None] = _stde
     target already loaded (a LoadedModel); ``command``: the command line for the model card; ``progress``:
     (phase, done, total) for a progress bar (self-distillation, training steps)."""
     from specctl.models import resolve_model
-    from specctl.runtime.runner import load_model
+    from specctl.runtime.loading import load_model
     from specctl.training import data as D
 
     cfg.validated()

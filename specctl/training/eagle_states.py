@@ -54,20 +54,14 @@ def pad_batch(seqs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
 @torch.no_grad()
 def target_states(model, ids: torch.Tensor, aux_layers: tuple[int, ...] = ()) -> dict[str, torch.Tensor]:
     """The target over ids [B, T]: hidden [B, T, H] (final-normed), argmax [B, T], and with
-    ``aux_layers`` aux [B, T, A*H] (the inputs of those layers, EAGLE-3). The model is left as found."""
+    ``aux_layers`` aux [B, T, A*H] (the inputs of those layers, EAGLE-3)."""
     from specctl.modeling import KVCache
 
     B, T = ids.shape
     dev = model.embed.weight.device
     cache = KVCache(model.args, B, T, model.embed.weight.dtype, dev)
     mask = torch.ones(T, T, dtype=torch.bool, device=dev).tril()
-    saved = model.aux_layers
-    model.aux_layers = tuple(aux_layers)
-    try:
-        _, h = model(ids.to(dev), 0, cache, mask if T > 1 else None, logits="none")
-        aux = model.aux_out
-    finally:
-        model.aux_layers = saved
+    _, h, aux = model(ids.to(dev), 0, cache, mask if T > 1 else None, logits="none", aux_layers=tuple(aux_layers))
     out = {"hidden": h.float(), "argmax": F.linear(h, model.head_weight).argmax(-1).cpu()}
     if aux_layers:
         out["aux"] = aux.float()

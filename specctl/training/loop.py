@@ -147,7 +147,7 @@ class TrainConfig:
 
         bad = unwritable(self.output, folder=True)
         need(bad is None, f"--output: {bad}", "choose a folder path you can write to (it is created if missing)")
-        from specctl.runtime.runner import parse_dtype
+        from specctl.runtime.loading import parse_dtype
 
         parse_dtype(self.dtype)
         return self

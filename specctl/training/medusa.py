@@ -73,7 +73,7 @@ class MedusaTrainConfig(L.TrainConfig):
         L.need(not (self.joint and self.shared_lm_head), "--joint and --shared-lm-head do not go together",
                "the shared LM head is the target's own, which --joint changes; drop one of them")
         if self.export_dtype:
-            from specctl.runtime.runner import parse_dtype
+            from specctl.runtime.loading import parse_dtype
 
             parse_dtype(self.export_dtype)
         return self
@@ -91,7 +91,7 @@ def train(cfg: MedusaTrainConfig, log: Callable[[str], None] = _noop, progress: 
     from specctl.errors import UsageError
     from specctl.files import write_json_atomic
     from specctl.models import resolve_model
-    from specctl.runtime.runner import load_model, parse_dtype
+    from specctl.runtime.loading import load_model, parse_dtype
     from specctl.training import data as D
     from specctl.training.medusa_runs import _FrozenRun, _JointRun
 

@@ -224,7 +224,7 @@ def target_states(target: Transformer, tokens: torch.Tensor, chunk: int = 4) -> 
         B, T = t.shape
         cache = KVCache(target.args, B, T, target.embed.weight.dtype, t.device)
         mask = torch.ones(T, T, dtype=torch.bool, device=t.device).tril()
-        _, h = target(t, 0, cache, mask, logits="none")
+        _, h, _ = target(t, 0, cache, mask, logits="none")
         hs.append(h.float())
         ys.append(F.linear(h, target.head_weight).argmax(-1))
     return torch.cat(hs), torch.cat(ys)
@@ -342,7 +342,7 @@ def train_mtp(cfg: MtpTrainConfig, progress: Callable[[str], None] = lambda s: N
     from specctl.files import write_json_atomic
     from specctl.models import resolve_model
     from specctl.modeling import ModelArgs, load_transformer
-    from specctl.runtime.runner import LoadedModel, parse_dtype, stop_token_ids
+    from specctl.runtime.loading import LoadedModel, parse_dtype, stop_token_ids
     from specctl.training import data as D
 
     cfg.validated()

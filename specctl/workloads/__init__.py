@@ -48,12 +48,11 @@ import difflib
 import json
 import os
 import random
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from specctl import chat
 from specctl.errors import DataError, UsageError
+from specctl.workloads.request import Request, _round_robin  # noqa: F401 (Request: here as before)
 
 WORKLOADS: dict[str, str] = {
     "code-edit": "Rework real Python stdlib functions (rename, type hints, docstring, f-strings); "
@@ -74,21 +73,6 @@ WORKLOADS: dict[str, str] = {
     "long-16k": "Long context: the same with about 16k tokens of documents.",
     "long-32k": "Long context: the same with about 32k tokens of documents.",
 }
-
-
-@dataclass
-class Request:
-    """One benchmark prompt: chat ``messages`` (``role``/``content`` dicts) and where it came from."""
-
-    id: str
-    messages: list[dict]
-    workload: str
-    meta: dict[str, Any] = field(default_factory=dict)
-    followups: list[str] = field(default_factory=list)  # later user turns, each asked after the model's answer
-
-    @property
-    def num_turns(self) -> int:
-        return 1 + len(self.followups)
 
 
 def turn_messages(request: Request, answers: list[str]) -> list[dict]:
@@ -298,14 +282,6 @@ def _sharegpt(num_prompts: int | None, seed: int) -> list[Request]:
     random.Random(seed).shuffle(rows)
     return [Request(id=f"sharegpt/{r['id']}", workload="sharegpt",
                     messages=[{"role": "user", "content": r["turns"][0]}]) for r in rows[:num_prompts]]
-
-
-def _round_robin(groups: list[list]) -> list:
-    out, i = [], 0
-    while any(i < len(g) for g in groups):
-        out.extend(g[i] for g in groups if i < len(g))
-        i += 1
-    return out
 
 
 _LOADERS = {

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specctl.errors import DataError
-from specctl.workloads import Request, _round_robin
+from specctl.workloads.request import Request, _round_robin
 
 # --- code-edit: real stdlib functions ----------------------------------------------------------
 

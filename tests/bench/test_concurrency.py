@@ -9,7 +9,7 @@ import pytest
 from specctl.bench.concurrency import run_concurrency
 from specctl.config import SpecConfig
 from specctl.runtime.decoder import SamplingParams
-from specctl.runtime.runner import load_model
+from specctl.runtime.loading import load_model
 
 # a part that never drafts here: a 30-token n-gram cannot repeat in prompts + answers this short
 NEVER = {"method": "ngram", "prompt_lookup_min": 30, "prompt_lookup_max": 30, "num_speculative_tokens": 4}

@@ -18,7 +18,7 @@ from specctl.bench.labels import config_labels, draft_name
 from specctl.bench.suite import run_bench
 from specctl.config import SpecConfig
 from specctl.runtime.decoder import SamplingParams
-from specctl.runtime.runner import load_model
+from specctl.runtime.loading import load_model
 
 OTHER_VOCAB = 130
 
@@ -270,11 +270,11 @@ def _req(messages):
 
 
 def test_sweep_k_runs_each_config_at_each_k_and_loads_a_draft_once(target, drafts, prompts, monkeypatch):
-    import specctl.runtime.runner as runner_mod
+    import specctl.runtime.loading as loading_mod
 
     loads = []
-    real_load = runner_mod.load_model
-    monkeypatch.setattr(runner_mod, "load_model", lambda path, **kw: loads.append(path) or real_load(path, **kw))
+    real_load = loading_mod.load_model
+    monkeypatch.setattr(loading_mod, "load_model", lambda path, **kw: loads.append(path) or real_load(path, **kw))
     cfgs = [SpecConfig(method="ngram").validated(), _draft(str(drafts["same"]))]
     events = []
     report = run_bench(target, cfgs, [prompts], None, SamplingParams(max_new_tokens=10, stop_token_ids=target.stop_token_ids),

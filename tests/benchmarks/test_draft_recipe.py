@@ -29,7 +29,7 @@ def args(method="eagle3"):
 
 def test_finished_stages_are_skipped(recipe, tmp_path, monkeypatch):
     monkeypatch.setattr("subprocess.run", lambda *a, **k: pytest.fail("a finished stage ran again"))
-    monkeypatch.setattr("specctl.runtime.runner.load_model", lambda *a, **k: pytest.fail("the model loaded again"))
+    monkeypatch.setattr("specctl.runtime.loading.load_model", lambda *a, **k: pytest.fail("the model loaded again"))
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "done.json").write_text("{}")
     (tmp_path / "data" / "heldout.done").write_text("done\n")

@@ -150,7 +150,7 @@ def test_a_hybrids_part_that_never_drafted_gets_its_row(tiny_model_dir, tmp_path
     from specctl.commands.bench import render
     from specctl.config import SpecConfig
     from specctl.runtime.decoder import SamplingParams
-    from specctl.runtime.runner import load_model
+    from specctl.runtime.loading import load_model
 
     target = load_model(tiny_model_dir, dtype="float32")
     p = tmp_path / "p.jsonl"
@@ -407,9 +407,9 @@ def test_kernels_option_picks_the_bf16_cpu_path_and_is_recorded(tiny_model_dir, 
     assert h["kernels"] == "torch" and h["cpu_kernels"] is None  # torch's own ops, as asked
     r = run_cli(*args, env_extra=env)
     h = json.loads(r.stdout)["header"]
-    from specctl.kernels import cpu
+    from specctl.kernels import cpu, select
 
-    assert h["kernels"] == "auto" and h["cpu_kernels"] == (None if cpu.bf16_path() == "torch" else cpu.bf16_path())
+    assert h["kernels"] == "auto" and h["cpu_kernels"] == (None if select.bf16_path() == "torch" else select.bf16_path())
     assert h["machine"] == cpu.name()  # the CPU named beside the figures: /proc/cpuinfo's model name
     if os.path.exists("/proc/cpuinfo"):
         with open("/proc/cpuinfo") as f:

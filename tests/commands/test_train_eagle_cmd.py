@@ -74,7 +74,7 @@ def test_a_draft_vocab_over_the_targets_is_a_usage_error(tiny_model_dir, tmp_pat
 
 
 def test_bad_data_fails_before_the_model_loads(tmp_path, monkeypatch):
-    monkeypatch.setattr("specctl.runtime.runner.load_model", lambda *a, **k: pytest.fail("the target was loaded"))
+    monkeypatch.setattr("specctl.runtime.loading.load_model", lambda *a, **k: pytest.fail("the target was loaded"))
     monkeypatch.setattr("specctl.models.resolve_model", lambda *a, **k: pytest.fail("the target was resolved"))
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "a", "response": "b"}\n{"prompt": "no answer"}\n')

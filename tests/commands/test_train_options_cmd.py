@@ -127,7 +127,7 @@ def test_an_empty_output_is_a_usage_error(name, output, tmp_path, monkeypatch):
 def test_a_folder_of_other_files_is_refused_before_the_model_loads(name, tiny_model_dir, tmp_path, monkeypatch):
     """A non-empty folder with no run in it (the user's own README.md, config.json) was silently overwritten."""
     loads = []
-    monkeypatch.setattr("specctl.runtime.runner.load_model", lambda *a, **k: loads.append(a))
+    monkeypatch.setattr("specctl.runtime.loading.load_model", lambda *a, **k: loads.append(a))
     monkeypatch.setattr("specctl.modeling.load_transformer", lambda *a, **k: loads.append(a))
     data = tmp_path / "data.jsonl"
     data.write_text('{"prompt": "a", "response": "b"}\n')

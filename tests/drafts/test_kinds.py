@@ -15,7 +15,7 @@ from specctl.drafts.medusa import MedusaHeads, save_medusa
 from specctl.drafts.mtp_files import export_mtp
 from specctl.errors import ModelError, UsageError
 from specctl.runtime.proposers import build_proposer
-from specctl.runtime.runner import load_model
+from specctl.runtime.loading import load_model
 from specctl.training.mtp import init_stack
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specctl.kernels import cpu, decode_layer
+from specctl.kernels import cpu, decode_layer, select
 from specctl.modeling import KVCache, load_transformer
 from specctl.runtime.runner import tree_attention_mask, tree_depths
 
@@ -40,7 +40,7 @@ def model(request, tiny_model_factory, tmp_path_factory):
         return
     if cpu.why_not(needs):
         pytest.skip(f"the {request.param} build {cpu.why_not(needs)}")
-    with cpu.hidden(*hide):
+    with select.hidden(*hide):
         if decode_layer.kind() != request.param:
             pytest.skip(f"the {request.param} build of the fused block did not build here (no C++ compiler?)")
         folder = tiny_model_factory("qwen2", initializer_range=0.05, hidden_size=128, intermediate_size=256)

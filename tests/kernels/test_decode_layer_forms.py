@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specctl.kernels import cpu, decode_layer
+from specctl.kernels import cpu, decode_layer, select
 from specctl.modeling import KVCache, load_transformer
 from specctl.runtime.runner import tree_attention_mask
 
@@ -21,7 +21,7 @@ def test_fma_form_builds_equal_the_avx512_bf16_block_bit_for_bit(path, tiny_mode
 
     if cpu.why_not(cpu.AVX512_BF16):
         pytest.skip(f"comparing with the avx512_bf16 build {cpu.why_not(cpu.AVX512_BF16)}")
-    with cpu.hidden("amx_bf16", "amx_tile"):
+    with select.hidden("amx_bf16", "amx_tile"):
         ref = decode_layer.load()
         if decode_layer.kind() != "avx512_bf16":
             pytest.skip("the avx512_bf16 build of the fused block did not build here (no C++ compiler?)")

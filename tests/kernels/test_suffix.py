@@ -16,7 +16,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from specctl.kernels.suffix import BEST, CHILD, CNT, DIRTY, NEXT, TOK, SuffixTree, _bench
+from specctl.kernels.suffix import BEST, CHILD, CNT, DIRTY, NEXT, TOK, SuffixTree
 
 # ------------------------------------------------------------------------------ reference
 
@@ -264,9 +264,3 @@ def test_removal_needs_a_complete_oldest_sequence():
         t.start_seq()  # both slots in use
     with pytest.raises(ValueError):
         SuffixTree(0)
-
-
-def test_latency_benchmark_runs(capsys):
-    _bench(context=512, responses=20, response_len=64, steps=50, k=8)
-    out = capsys.readouterr().out
-    assert "proposal latency" in out and "us" in out

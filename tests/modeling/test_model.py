@@ -174,7 +174,7 @@ def test_a_damaged_safetensors_file_is_one_line_naming_it(tiny_model_dir, tmp_pa
     import shutil
 
     from specctl.recommend.inspection import tensor_index
-    from specctl.runtime.runner import load_model
+    from specctl.runtime.loading import load_model
 
     bad = shutil.copytree(tiny_model_dir, tmp_path / "corrupt")
     f = bad / "model.safetensors"
@@ -218,7 +218,7 @@ def _assert_matches(folder):
 
 
 def test_load_model_end_to_end(tiny_model_dir, tiny_model):
-    from specctl.runtime.runner import load_model
+    from specctl.runtime.loading import load_model
 
     lm = load_model(tiny_model_dir, dtype="float32")
     assert lm.dtype == torch.float32 and lm.device == torch.device("cpu") and lm.name == tiny_model_dir.name
@@ -235,7 +235,7 @@ def test_load_model_end_to_end(tiny_model_dir, tiny_model):
 def test_stop_token_ids_read_generation_config_lists(tmp_path):
     from types import SimpleNamespace
 
-    from specctl.runtime.runner import stop_token_ids
+    from specctl.runtime.loading import stop_token_ids
 
     (tmp_path / "generation_config.json").write_text('{"eos_token_id": [7, 3]}')
     assert stop_token_ids(tmp_path, SimpleNamespace(eos_token_id=9)) == (3, 7, 9)
@@ -244,7 +244,7 @@ def test_stop_token_ids_read_generation_config_lists(tmp_path):
 
 
 def test_parse_dtype_and_device():
-    from specctl.runtime.runner import parse_device, parse_dtype
+    from specctl.runtime.loading import parse_device, parse_dtype
 
     assert parse_dtype("fp32") == torch.float32 and parse_dtype("BF16") == torch.bfloat16
     with pytest.raises(UsageError):
@@ -259,7 +259,7 @@ def test_parse_dtype_and_device():
 
 def test_generate_batch_rows_of_different_lengths_equal_their_own_greedy_decoding(tiny_model, make_runner):
     """Left-padded rows with their own positions and key masks: each row decodes as it would alone."""
-    from specctl.runtime.runner import generate_batch
+    from specctl.runtime.offline import generate_batch
 
     prompts = [_ids(s, 1, n)[0].tolist() for s, n in ((1, 5), (2, 17), (3, 1), (4, 9))]
     rooms = [12, 7, 12, 3]
@@ -281,7 +281,7 @@ def test_generate_batch_rows_of_different_lengths_equal_their_own_greedy_decodin
 
 
 def test_generate_batch_sampling_is_seeded(tiny_model):
-    from specctl.runtime.runner import generate_batch
+    from specctl.runtime.offline import generate_batch
 
     prompts = [[7, 8, 9], [10, 11, 12, 13, 14]]
     a = generate_batch(tiny_model, prompts, [10, 10], temperature=1.0, generator=torch.Generator().manual_seed(3))
@@ -320,15 +320,14 @@ def test_compiled_decode_step_gives_the_uncompiled_greedy_tokens(tiny_model_fact
         assert compiled.generate(prompt, SamplingParams(max_new_tokens=24)).token_ids == want
         assert ngram.generate(prompt, SamplingParams(max_new_tokens=24)).token_ids == want
     assert len(calls) >= 3 * 23  # every plain step ran compiled
-    model.aux_layers = (0, 1)  # aux hidden states (EAGLE-3's input) come out of the compiled step too
-    r = TargetRunner(model, 96)
-    r.forward(torch.tensor([[7, 8, 9]]))
-    r.forward(torch.tensor([[10]]))
+    r = TargetRunner(model, 96)  # aux hidden states (EAGLE-3's input) come out of the compiled step too
+    r.run(torch.tensor([[7, 8, 9]]), aux_layers=(0, 1))
+    want = r.run(torch.tensor([[10]]), aux_layers=(0, 1))
     compiled_runner.reset()
-    compiled_runner.forward(torch.tensor([[7, 8, 9]]))
-    compiled_runner.forward(torch.tensor([[10]]))
-    assert torch.allclose(compiled_runner.last_aux, r.last_aux, atol=1e-5)
-    assert torch.allclose(compiled_runner.last_hidden, r.last_hidden, atol=1e-5)
+    compiled_runner.run(torch.tensor([[7, 8, 9]]), aux_layers=(0, 1))
+    got = compiled_runner.run(torch.tensor([[10]]), aux_layers=(0, 1))
+    assert got.aux is not None and torch.allclose(got.aux, want.aux, atol=1e-5)
+    assert torch.allclose(got.hidden, want.hidden, atol=1e-5)
 
 
 def _projections(model) -> list:

@@ -11,7 +11,7 @@ from specctl.drafts.eagle import EagleDraft, spec_from_target
 from specctl.drafts.eagle_files import export_eagle
 from specctl.recommend.flowchart import recommend
 from specctl.recommend.probe import apply_probe, probe
-from specctl.runtime.runner import load_model
+from specctl.runtime.loading import load_model
 
 
 def test_probe_uses_an_exported_eagle3_draft(tiny_model_factory, tmp_path):

@@ -308,18 +308,16 @@ def test_a_draft_rejected_for_earlier_requests_starts_the_next_one_off(tiny_mode
     """The decoder pools acceptance over its requests: after requests whose drafts were all
     rejected, a new request's controller starts pessimistic and does not draft its first step."""
     import numpy as np
-    import torch
 
     from specctl.runtime.decoder import SamplingParams, SpecDecoder
-    from specctl.runtime.proposers.base import DraftOutput, Proposer
+    from specctl.runtime.proposers.base import Draft, Proposer
     from specctl.runtime.runner import TargetRunner
 
     class Wrong(Proposer):
         method = "wrong"
 
-        def propose(self, token_ids, num_tokens, k, hidden_states=None, slots=None):
-            B = token_ids.shape[0]
-            return DraftOutput(torch.zeros(B, k, dtype=torch.long), torch.full((B,), k, dtype=torch.long))
+        def draft_one(self, r, k):
+            return Draft([0] * k)
 
     dec = SpecDecoder(TargetRunner(tiny_model, 128), Wrong(), 4, adaptive=True)
     plain = SpecDecoder(TargetRunner(tiny_model, 128))
@@ -364,10 +362,9 @@ def test_a_draft_as_costly_as_the_target_never_drafts_probes_or_reads_the_prompt
     such a draft run 0.67x of plain with no draft made: the draft's prefill doubled the prompt's cost).
     A draft at half the target's cost still reads the prompt and drafts."""
     import numpy as np
-    import torch
 
     from specctl.runtime.decoder import SamplingParams, SpecDecoder
-    from specctl.runtime.proposers.base import DraftOutput, Proposer
+    from specctl.runtime.proposers.base import Draft, Proposer
     from specctl.runtime.runner import TargetRunner
 
     assert not DraftLengthController(k=4, draft_hint=1.0).may_pay()
@@ -384,10 +381,9 @@ def test_a_draft_as_costly_as_the_target_never_drafts_probes_or_reads_the_prompt
         def on_prefill(self, slot, upto):
             self.prefills += 1
 
-        def propose(self, token_ids, num_tokens, k, hidden_states=None, slots=None):
+        def draft_one(self, r, k):
             self.proposals += 1
-            B = token_ids.shape[0]
-            return DraftOutput(torch.zeros(B, k, dtype=torch.long), torch.full((B,), k, dtype=torch.long))
+            return Draft([0] * k)
 
     plain = SpecDecoder(TargetRunner(tiny_model, 128))
     p = np.random.default_rng(1).integers(6, 128, 12).tolist()

@@ -18,7 +18,7 @@ from specctl.config import SpecConfig
 from specctl.errors import UsageError
 from specctl.runtime.decoder import SamplingParams, SpecDecoder
 from specctl.modeling import load_transformer
-from specctl.runtime.proposers import DraftOutput, Proposer, build_proposer
+from specctl.runtime.proposers import Draft, Proposer, build_proposer
 from specctl.runtime.runner import TargetRunner
 from specctl.testing import emitted_histograms, exact_marginals, null_tv_quantile, tv
 
@@ -147,13 +147,12 @@ class ScriptedProposer(Proposer):
     def __init__(self, prompt_len: int, continuation: list[int], wrong: bool = False):
         self.prompt_len, self.continuation, self.wrong = prompt_len, continuation, wrong
 
-    def propose(self, token_ids, num_tokens, k, hidden_states=None, slots=None) -> DraftOutput:
-        done = int(num_tokens[0]) - self.prompt_len  # tokens emitted so far
+    def draft_one(self, r, k) -> Draft:
+        done = r.n - self.prompt_len  # tokens emitted so far
         ids = self.continuation[done:done + k]
         if self.wrong:
             ids = [(t + 1) % 128 for t in ids]
-        row = ids + [-1] * (k - len(ids))
-        return DraftOutput(torch.tensor([row], dtype=torch.long), torch.tensor([len(ids)], dtype=torch.long))
+        return Draft(ids)
 
 
 @pytest.mark.parametrize("wrong", [False, True], ids=["all-accepted", "all-rejected"])
@@ -326,8 +325,8 @@ def test_reuse_prefill_takes_over_the_prompt(tiny_model):
     params = SamplingParams(max_new_tokens=12, ignore_eos=True)
     want = SpecDecoder(TargetRunner(tiny_model, MAX_LEN), ng, 3).generate(prompt, params).token_ids
     widths = []
-    forward = runner.forward
-    runner.forward = lambda tokens, logits="all": (widths.append(tokens.shape[1]), forward(tokens, logits))[1]
+    run = runner.run
+    runner.run = lambda tokens, *a, **kw: (widths.append(tokens.shape[1]), run(tokens, *a, **kw))[1]
     plain.generate(prompt, params)
     assert widths[0] == len(prompt)
     widths.clear()

@@ -34,19 +34,20 @@ def _check(model, path):
     for i in range(len(lens)):
         r = TargetRunner(model, 128)
         r.forward(prompts[i])
-        lg = r.forward_tree(steps[i], parents[i]) if parents[i] else r.forward(steps[i])
-        alone.append((lg, r.last_hidden, r.length, r.cache.k[:, :, :, :r.length].clone()))
+        o = r.run(steps[i], parents=parents[i], aux_layers=(0, 1))
+        alone.append((o.logits, o.hidden, o.aux, r.length, r.cache.k[:, :, :, :r.length].clone()))
     runners = [TargetRunner(model, 128) for _ in lens]
     first = forward_batch(runners, prompts, last_only=[True] * len(lens))  # every prompt in one forward
     for i, r in enumerate(runners):
         want = TargetRunner(model, 128)
-        _same(path, first[i], want.forward(prompts[i], logits="last"), f"prompt {i}")
-    out = forward_batch(runners, steps, parents)
+        _same(path, first[i].logits, want.forward(prompts[i], logits="last"), f"prompt {i}")
+    out = forward_batch(runners, steps, parents, aux_layers=(0, 1))
     for i, r in enumerate(runners):
-        lg, hid, length, k = alone[i]
-        assert r.length == length and out[i].shape == lg.shape
-        _same(path, out[i], lg, f"request {i} logits")
-        _same(path, r.last_hidden, hid, f"request {i} hidden")
+        lg, hid, aux, length, k = alone[i]
+        assert r.length == length and out[i].logits.shape == lg.shape
+        _same(path, out[i].logits, lg, f"request {i} logits")
+        _same(path, out[i].hidden, hid, f"request {i} hidden")
+        _same(path, out[i].aux, aux, f"request {i} aux layers")
         _same(path, r.cache.k[:, :, :, :length], k, f"request {i} keys")
 
 

@@ -21,7 +21,8 @@ from specctl.runtime.decoder import SamplingParams, SpecDecoder
 from specctl.runtime.proposers import build_proposer
 from specctl.runtime.proposers.draft_model import DraftModelProposer
 from specctl.runtime.quant import QuantLinear, load_gguf_transformer
-from specctl.runtime.runner import LoadedModel, TargetRunner
+from specctl.runtime.loading import LoadedModel
+from specctl.runtime.runner import TargetRunner
 from tests.conftest import TINY_QUANT_SHAPE, write_quant_gguf
 
 gguf = pytest.importorskip("gguf")
@@ -85,8 +86,8 @@ def test_logits_equal_the_dequantized_models(ggufs, name):
     tokens = torch.tensor([[3, 70, 71, 72, 9, 40, 41, 100, 7, 12, 13, 90]])
     from specctl.modeling import KVCache
 
-    got, _ = model(tokens, 0, KVCache(model.args, 1, 32, torch.float32, "cpu"), None)
-    want, _ = dense(tokens, 0, KVCache(dense.args, 1, 32, torch.float32, "cpu"), None)
+    got, _, _ = model(tokens, 0, KVCache(model.args, 1, 32, torch.float32, "cpu"), None)
+    want, _, _ = dense(tokens, 0, KVCache(dense.args, 1, 32, torch.float32, "cpu"), None)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
 
 
@@ -147,7 +148,7 @@ def test_load_model_runs_a_gguf_file_quantized(tiny_quant_gguf, tiny_model_dir):
     """runner.load_model on a .gguf: every projection a QuantLinear, the tokenizer and stop tokens from the file."""
     from transformers import AutoTokenizer
 
-    from specctl.runtime.runner import load_model
+    from specctl.runtime.loading import load_model
 
     lm = load_model(tiny_quant_gguf, "float32")
     assert lm.path == tiny_quant_gguf and lm.model.quantization == "gguf"
@@ -167,7 +168,7 @@ def test_draft_model_runs_a_quantized_draft_from_the_config_key(ggufs, repetitiv
     """{"method": "draft_model", "model": DRAFT.gguf, "quantization": "gguf"}: the proposer loads the draft as
     stored (no dense conversion), and speculation equals plain greedy decoding of the quantized target."""
     from specctl.errors import ConfigError
-    from specctl.runtime.runner import load_model
+    from specctl.runtime.loading import load_model
 
     target = load_model(ggufs["llama"][1], "float32")
     cfg = SpecConfig.from_dict({"method": "draft_model", "model": str(ggufs["draft"][1]), "quantization": "gguf",

@@ -8,7 +8,6 @@ rejection sampling, the batched output keeps the target distribution).
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
@@ -16,7 +15,7 @@ from specctl.config import SpecConfig
 from specctl.runtime.decoder import SamplingParams, SpecDecoder
 from specctl.modeling import load_transformer
 from specctl.runtime.proposers import build_proposer
-from specctl.runtime.proposers.base import DraftOutput, Proposer
+from specctl.runtime.proposers.base import Draft, DraftBatch, Proposer
 from specctl.runtime.runner import TargetRunner
 from specctl.runtime.scheduler import Request, Scheduler
 
@@ -213,12 +212,9 @@ class _WrongDraft(Proposer):
         self.step = 0
         self.V = vocab_size
 
-    def propose(self, token_ids, num_tokens, k, hidden_states=None, slots=None):
-        self.calls += [(self.step, int(s)) for s in slots]
-        B = token_ids.shape[0]
-        last = torch.as_tensor(token_ids[np.arange(B), num_tokens - 1]).long()
-        nxt = (last * 7 + 1) % self.V
-        return DraftOutput(nxt[:, None].repeat(1, k), torch.full((B,), k, dtype=torch.long))
+    def propose(self, requests, ks):
+        self.calls += [(self.step, r.slot) for r in requests]
+        return DraftBatch([Draft([(int(r.ctx[r.n - 1]) * 7 + 1) % self.V] * k) for r, k in zip(requests, ks)])
 
 
 @pytest.mark.parametrize("explore", [8, 0])
@@ -239,7 +235,7 @@ def test_an_unproven_draft_is_tried_by_one_new_request_a_step(tiny_model, repeti
     states = []
     for slot, p in enumerate(prompts):  # all prefilled, then decoding together from the same step
         st = dec.begin(p, params, None, TargetRunner(tiny_model, MAX_LEN), slot)
-        dec.prefilled(st, len(p), st.runner.forward(dec.prefill_tokens(st, len(p)), logits="last"))
+        dec.prefilled(st, len(p), st.runner.run(dec.prefill_tokens(st, len(p)), logits="last"))
         states.append(st)
     while any(st.finish is None for st in states):
         prop.step += 1

@@ -29,7 +29,8 @@ from specctl.config import SpecConfig
 from specctl.runtime.decoder import SamplingParams, SpecDecoder
 from specctl.runtime.engine import Engine
 from specctl.runtime.proposers import build_proposer
-from specctl.runtime.runner import TargetRunner, load_model
+from specctl.runtime.loading import load_model
+from specctl.runtime.runner import TargetRunner
 from specctl.runtime.openai_api import TextStream
 from specctl.runtime.server import create_app
 

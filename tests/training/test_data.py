@@ -152,7 +152,8 @@ def test_workload_prompts_keep_the_held_out_ones_apart():
 def test_self_distill_is_the_targets_greedy_output_and_is_cached(tiny_model_dir, tmp_path):
     from specctl.workloads import Request
     from specctl.runtime.decoder import SamplingParams, SpecDecoder
-    from specctl.runtime.runner import TargetRunner, load_model
+    from specctl.runtime.loading import load_model
+    from specctl.runtime.runner import TargetRunner
 
     lm = load_model(tiny_model_dir, dtype="float32")
     reqs = [Request(id=f"r{i}", messages=[{"role": "user", "content": s}], workload="t")
@@ -184,7 +185,7 @@ def test_self_distill_is_the_targets_greedy_output_and_is_cached(tiny_model_dir,
 def test_several_sampled_answers_per_prompt_decode_as_one_batch(tiny_model_dir, tmp_path):
     from specctl.workloads import Request
     from specctl.errors import UsageError
-    from specctl.runtime.runner import load_model
+    from specctl.runtime.loading import load_model
 
     lm = load_model(tiny_model_dir, dtype="float32")
     reqs = [Request(id="a", messages=[{"role": "user", "content": "abc"}], workload="t"),

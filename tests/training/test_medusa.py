@@ -62,7 +62,8 @@ def loopy(tiny_model_factory):
     import numpy as np
 
     from specctl.runtime.decoder import SamplingParams, SpecDecoder
-    from specctl.runtime.runner import TargetRunner, load_model
+    from specctl.runtime.loading import load_model
+    from specctl.runtime.runner import TargetRunner
 
     path = tiny_model_factory(seed=1, initializer_range=0.05)
     lm = load_model(path, dtype="float32")
@@ -234,7 +235,7 @@ def test_joint_medusa2_trains_lora_and_exports_the_merged_target(loopy, tmp_path
     import stat
 
     from specctl import files
-    from specctl.runtime.runner import load_model
+    from specctl.runtime.loading import load_model
 
     path, _, recs = loopy
     patch_examples(monkeypatch, recs[:4])

@@ -25,7 +25,8 @@ def test_step_weights():
 def data_file(tiny_model_dir, tmp_path_factory):
     """The tiny model's own greedy text (character tokenizer: text round-trips to the same ids)."""
     from specctl.runtime.decoder import SamplingParams, SpecDecoder
-    from specctl.runtime.runner import TargetRunner, load_model
+    from specctl.runtime.loading import load_model
+    from specctl.runtime.runner import TargetRunner
 
     lm = load_model(tiny_model_dir, dtype="float32")
     dec = SpecDecoder(TargetRunner(lm.model, 256))
@@ -148,7 +149,8 @@ def test_mimo_training_and_the_proposer_agree(tiny_model_dir, data_file, tmp_pat
     from specctl.config import SpecConfig
     from specctl.runtime.decoder import SamplingParams, SpecDecoder
     from specctl.runtime.proposers import build_proposer
-    from specctl.runtime.runner import TargetRunner, load_model
+    from specctl.runtime.loading import load_model
+    from specctl.runtime.runner import TargetRunner
 
     out = tmp_path / "mimo"
     bars: list[tuple] = []

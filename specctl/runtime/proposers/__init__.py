@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 
 from specctl.config import PROPOSER_MODULES, SpecConfig
-from specctl.runtime.proposers.base import DraftOutput, Proposer
+from specctl.runtime.proposers.base import Draft, DraftBatch, DraftRequest, Proposer
 
 
 def build_proposer(config: SpecConfig, max_model_len: int, target=None) -> Proposer:
@@ -19,4 +19,4 @@ def build_proposer(config: SpecConfig, max_model_len: int, target=None) -> Propo
     return module.PROPOSERS[config.method](config, target=target, max_model_len=max_model_len)
 
 
-__all__ = ["DraftOutput", "Proposer", "build_proposer"]
+__all__ = ["Draft", "DraftBatch", "DraftRequest", "Proposer", "build_proposer"]

@@ -1,14 +1,15 @@
-"""The Proposer interface every draft method implements, and the DraftOutput it returns.
+"""The Proposer interface every draft method implements: ``propose(requests, ks) -> DraftBatch``.
 
-A proposer sees the request state (all token ids so far; the target's hidden states when it sets
-``needs_hidden_states``) and proposes up to k tokens per request. It knows nothing about
+A proposer is called once per step with every request that drafts (``DraftRequest``: its slot, its
+context, the target's hidden state where asked) and returns one ``Draft`` per request (a chain, or a
+tree with per-row parents, with the draft's distributions where it sampled). It knows nothing about
 verification: the decode loop verifies, rolls the target back, and calls ``on_verified`` so a
 stateful proposer (a draft model with its own KV cache, a suffix tree) can follow.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -17,34 +18,87 @@ from specctl.runtime.rejection import logits_to_probs
 
 
 @dataclass
-class DraftOutput:
-    token_ids: torch.Tensor  # [batch, k] int64, padded with -1
-    num_tokens: torch.Tensor  # [batch] int64, valid draft tokens per request (may be 0)
-    probs: torch.Tensor | None = None  # [batch, k, vocab] q; None = deterministic draft (one-hot)
-    # A draft tree instead of a chain (batch 1, greedy only): parents[i] is the draft index of draft
-    # i's parent, -1 for the last emitted token. None = a chain. Verified by SpecDecoder's tree step.
+class DraftRequest:
+    """One request to draft for. ``slot`` names it (mandatory: a proposer keeps per-request state by
+    slot, and a slot it was never told about is an error, never a guess); ``ctx[:n]`` is its context
+    (prompt + emitted tokens; the decoder's own buffer, not a copy); ``hidden`` [1, H] the target's
+    final hidden state at the position that produced the last token (for proposers with
+    ``needs_hidden_states``, else None)."""
+
+    slot: int
+    ctx: np.ndarray  # [>= n] int32
+    n: int
+    hidden: torch.Tensor | None = None
+
+    @property
+    def tokens(self) -> np.ndarray:
+        return self.ctx[:self.n]
+
+
+@dataclass
+class Draft:
+    """One request's draft: a chain of ``ids``, or a tree when ``parents`` is given (``parents[i]``: the
+    index of draft i's parent, -1 for the last emitted token; parents before children; verified
+    greedily). ``q`` [len(ids), V]: the draft's distributions where it sampled (rejection sampling
+    needs them); None = deterministic (one-hot at the draft token)."""
+
+    ids: list[int] = field(default_factory=list)
+    q: torch.Tensor | None = None
     parents: list[int] | None = None
 
+    def __len__(self) -> int:
+        return len(self.ids)
 
-def batch_draft(drafts: list[tuple[list[int], torch.Tensor | None]], k: int, vocab: int, device) -> DraftOutput:
-    """A batch's DraftOutput from each request's (draft ids, q [n, vocab] or None): ids padded with -1
-    to k; q where any request sampled, with one-hot rows for the deterministic drafts among them."""
-    B = len(drafts)
-    out = torch.full((B, k), -1, dtype=torch.long)
-    num = torch.zeros(B, dtype=torch.long)
-    for b, (ids, _) in enumerate(drafts):
-        out[b, :len(ids)] = torch.tensor(ids, dtype=torch.long)
-        num[b] = len(ids)
-    probs = None
-    if any(q is not None for _, q in drafts):
-        probs = torch.zeros(B, k, vocab, dtype=torch.float32, device=device)  # [B, k, V]
-        for b, (ids, q) in enumerate(drafts):
-            n = len(ids)
-            if q is not None:
-                probs[b, :n] = q[:n]
-            elif n:  # a deterministic row among sampled ones: q one-hot at its tokens
-                probs[b, torch.arange(n), out[b, :n].to(device)] = 1.0
-    return DraftOutput(out, num, probs)
+    @property
+    def is_tree(self) -> bool:
+        return self.parents is not None and len(self.ids) > 0
+
+
+@dataclass
+class DraftBatch:
+    """Every request's draft of one ``propose`` call, in request order, and their padded tensors."""
+
+    drafts: list[Draft]
+
+    def __len__(self) -> int:
+        return len(self.drafts)
+
+    def __getitem__(self, b: int) -> Draft:
+        return self.drafts[b]
+
+    @property
+    def token_ids(self) -> torch.Tensor:
+        """[B, k] int64, padded with -1 (k = the longest draft, at least 1)."""
+        k = max([len(d) for d in self.drafts] + [1])
+        out = torch.full((len(self.drafts), k), -1, dtype=torch.long)
+        for b, d in enumerate(self.drafts):
+            out[b, :len(d)] = torch.tensor(d.ids, dtype=torch.long)
+        return out
+
+    @property
+    def num_tokens(self) -> torch.Tensor:
+        """[B] int64: each request's draft length (may be 0)."""
+        return torch.tensor([len(d) for d in self.drafts], dtype=torch.long)
+
+    @property
+    def probs(self) -> torch.Tensor | None:
+        """[B, k, V] the draft distributions where any request sampled (one-hot rows for the
+        deterministic drafts among them, zeros past each draft), else None."""
+        sampled = [d.q for d in self.drafts if d.q is not None]
+        if not sampled:
+            return None
+        k, V = self.token_ids.shape[1], sampled[0].shape[-1]
+        out = torch.zeros(len(self.drafts), k, V, dtype=torch.float32, device=sampled[0].device)
+        for b, d in enumerate(self.drafts):
+            if d.q is not None:
+                out[b, :len(d)] = d.q[:len(d)]
+            elif len(d):
+                out[b, torch.arange(len(d)), torch.tensor(d.ids, device=out.device)] = 1.0
+        return out
+
+    @property
+    def parents(self) -> list[list[int] | None]:
+        return [d.parents for d in self.drafts]
 
 
 @dataclass
@@ -75,8 +129,6 @@ class Proposer:
     # states, ascending): the decoder has the target return them, in ``on_target_hidden``'s aux
     aux_layers: tuple[int, ...] = ()
     learns_across_requests: bool = False  # e.g. suffix's global cache of earlier responses
-    # drafts every running request in one call (``propose_batch``): one batched draft forward
-    drafts_in_batch: bool = False
     reads_prompt: bool = False  # reads each prompt with a model of its own (``on_prefill``): a draft model
     # chooses each step's draft length itself (a hybrid weighing its parts): the decoder's controller
     # does not cut k (``set_adaptive`` says whether to adapt at all; ``observe_step`` gives the timings)
@@ -96,21 +148,15 @@ class Proposer:
         request's KV cache), told before its prefill; a proposer that drafts with the target itself
         (sparse_attn) keeps it."""
 
-    def propose(
-        self,
-        token_ids: np.ndarray,  # [batch, max_len] int32, row b valid up to num_tokens[b]
-        num_tokens: np.ndarray,  # [batch] int32
-        k: int,
-        hidden_states: torch.Tensor | None = None,  # [batch, H] target's last hidden state, if asked
-        slots=None,  # [batch] the slot of each row's request (the decoder passes it); None: matched by context
-    ) -> DraftOutput:
-        raise NotImplementedError
+    def propose(self, requests: list[DraftRequest], ks: list[int]) -> DraftBatch:
+        """Up to ``ks[b]`` draft tokens for each request (0: none this step): the one draft entry point,
+        which the decoder calls once per step with every request of the batch. This default drafts one
+        request at a time (``draft_one``); a method that drafts many at once (one batched draft forward
+        per drafting step) overrides it."""
+        return DraftBatch([self.draft_one(r, k) if k > 0 else Draft() for r, k in zip(requests, ks)])
 
-    def propose_batch(self, rows: list[tuple[np.ndarray, int, int | None]], ks: list[int],
-                      hidden: list[torch.Tensor | None] | None = None) -> list[DraftOutput]:
-        """Only with ``drafts_in_batch``: each (context ids [1, max_len], context length, slot) gets up
-        to its k tokens, one DraftOutput of batch 1 per row, in order; ``hidden``: each row's
-        ``hidden_states`` [1, H] as ``propose`` gets them (with ``needs_hidden_states``)."""
+    def draft_one(self, request: DraftRequest, k: int) -> Draft:
+        """One request's draft of at most k > 0 tokens (for methods that use the default ``propose``)."""
         raise NotImplementedError
 
     def on_prefill(self, slot: int, upto: int) -> None:
@@ -189,14 +235,15 @@ class SlotProposer(Proposer):
         if slot in self.slots:
             self.slots[slot].active = False
 
-    def _match_slot(self, row: np.ndarray, n: int, slot: int | None = None):
-        """The request's slot when the caller names it (``slot``); else the active slot whose target
-        states fit this context of n tokens (the target holds n - 1), told apart by prompt where
-        several do; None if none."""
-        if slot is not None:
-            s = self.slots.get(slot)
-            return s if s is not None and s.active and self._target_len(s) == n - 1 else None
-        cands = [s for s in self.slots.values() if s.active and self._target_len(s) == n - 1]
-        if len(cands) > 1:
-            cands = [s for s in cands if np.array_equal(s.prompt, row[:len(s.prompt)])] or cands
-        return cands[0] if cands else None
+    def _slot_of(self, r: DraftRequest):
+        """The request's slot, or None where its target states do not reach the context's last token
+        (the target holds n - 1 positions). A slot never started (``start_request``) is an error."""
+        s = self.slots.get(r.slot)
+        if s is None or not s.active:
+            raise unknown_slot(self, r.slot)
+        return s if self._target_len(s) == r.n - 1 else None
+
+
+def unknown_slot(proposer: Proposer, slot: int) -> KeyError:
+    """The error for a request a proposer was never told about (never a guess at which one it is)."""
+    return KeyError(f"{type(proposer).__name__}: no request in slot {slot} (start_request was not called for it)")

@@ -45,7 +45,7 @@ import torch
 
 from specctl.config import SpecConfig
 from specctl.errors import UsageError
-from specctl.runtime.proposers.base import DraftOutput, Proposer, batch_draft
+from specctl.runtime.proposers.base import Draft, DraftBatch, DraftRequest, Proposer, unknown_slot
 from specctl.runtime.proposers.base import DraftSampling as _Sampling
 from specctl.drafts.vocab_map import VocabMap, build_vocab_map, span_agreement, token_bytes, tokenizer_fingerprint
 
@@ -100,7 +100,7 @@ def load_draft(config: SpecConfig, target):
     """The draft model of ``config`` for ``target`` (a LoadedModel), in the target's dtype and device:
     dense, or (``"quantization": "gguf"``) a GGUF run quantized as stored."""
     from specctl.models import resolve_model
-    from specctl.runtime.runner import load_model
+    from specctl.runtime.loading import load_model
 
     from specctl.errors import UsageError
 
@@ -130,7 +130,6 @@ def _weight_bytes(model) -> int:
 class DraftModelProposer(Proposer):
     method = "draft_model"
     reads_prompt = True
-    drafts_in_batch = True
 
     def __init__(self, config: SpecConfig, *, target, max_model_len: int, draft=None, mode: str | None = None,
                  vocab_map: VocabMap | str | None = None):
@@ -269,36 +268,28 @@ class DraftModelProposer(Proposer):
             tb = self.target_bytes
             s.pieces.extend(tb[i] if 0 <= i < len(tb) and tb[i] is not None else b"" for i in ids.tolist())
 
-    def _slot_for_row(self, row: np.ndarray, n: int, slot: int | None = None) -> _Slot:
-        """The given slot, else the one whose known context is the longest prefix of ``row[:n]``."""
-        active = [s for s in self.slots.values() if s.active]
-        if slot is not None:
-            best = self._slot(slot)
-            best.active = True
-        elif len(active) == 1:
-            best = active[0]
-        else:
-            best, best_n = None, -1
-            for s in active:
-                if best_n < s.n <= n and np.array_equal(s.ctx[:s.n], row[:s.n]):
-                    best, best_n = s, s.n
-            if best is None:  # never announced through start_request: adopt a fresh slot
-                best = self._slot(max(self.slots, default=-1) + 1)
-                best.n, best.pieces, best.active = 0, [], True
-        if best.n > n or not np.array_equal(best.ctx[:best.n], row[:best.n]):
-            best.n, best.pieces = 0, []  # the context changed under us: start over from the row
-        self._extend(best, row[best.n:n].astype(np.int64))
-        return best
+    def _slot_for(self, r: DraftRequest) -> _Slot:
+        """The request's slot, its known context caught up to the request's (started over from it where
+        the context changed under it)."""
+        s = self.slots.get(r.slot)
+        if s is None or not s.active:
+            raise unknown_slot(self, r.slot)
+        n, row = r.n, r.ctx
+        if s.n > n or not np.array_equal(s.ctx[:s.n], row[:s.n]):
+            s.n, s.pieces = 0, []
+        self._extend(s, row[s.n:n].astype(np.int64))
+        return s
 
     # ------------------------------------------------------------------ drafting
-    def propose(self, token_ids, num_tokens, k, hidden_states=None, slots=None) -> DraftOutput:
-        """``slots`` [batch] (optional): the slot of each row; without it a row is matched to the slot
-        whose known context it extends (always correct: the draft cache is checked token by token)."""
-        B = token_ids.shape[0]
-        rows = [self._slot_for_row(token_ids[b], int(num_tokens[b]), None if slots is None else int(slots[b]))
-                for b in range(B)]
-        # every row's draft steps batched
-        return batch_draft(self._propose_many(rows, [k] * B), k, self.Vt, self.device)
+    def propose(self, requests: list[DraftRequest], ks: list[int]) -> DraftBatch:
+        """Every request's draft with one draft forward per drafting step for all of them
+        (``runner.forward_batch``: the draft's weights are read once per step, not once per request)."""
+        live = [b for b, k in enumerate(ks) if k > 0]
+        out = [Draft() for _ in requests]
+        drafts = self._propose_many([self._slot_for(requests[b]) for b in live], [ks[b] for b in live])
+        for b, (ids, q) in zip(live, drafts):
+            out[b] = Draft(ids, q)
+        return DraftBatch(out)
 
     def _context_ids(self, s: _Slot, upto: int | None = None) -> np.ndarray:
         """[n_draft] the draft-side ids of the slot's target context (of its first ``upto`` tokens)."""
@@ -324,13 +315,6 @@ class DraftModelProposer(Proposer):
             d_lens.append(self.draft_lens[d] if d < len(self.draft_lens) else 0)
             need -= d_lens[-1]
         return "tli" if span_agreement(t_lens, d_lens[::-1]) >= MIN_TLI_AGREEMENT else "text"
-
-    def propose_batch(self, rows: list[tuple[np.ndarray, int, int]], ks: list[int], hidden=None) -> list[DraftOutput]:
-        """Drafts for many requests at once, (token_ids [1, max_len], n, slot) each, with one draft
-        forward per drafting step for all of them (``runner.forward_batch``: the draft's weights are
-        read once per step, not once per request). Each request's draft is the one ``propose`` gives."""
-        slots = [self._slot_for_row(t[0], n, slot) for t, n, slot in rows]
-        return [batch_draft([d], k, self.Vt, self.device) for d, k in zip(self._propose_many(slots, ks), ks)]
 
     @staticmethod
     def _common_prefix(s: _Slot, want: np.ndarray) -> int:
@@ -377,8 +361,8 @@ class DraftModelProposer(Proposer):
             logits = forward_batch([e.slot.runner for e in feeding], [e.feed for e in feeding],
                                    last_only=[True] * len(feeding))
             nxt = []
-            for e, lg in zip(feeding, logits):
-                lg = lg[0, -1]
+            for e, out in zip(feeding, logits):
+                lg = out.logits[0, -1]
                 if e.suppress is not None:
                     lg = lg.masked_fill(e.suppress, float("-inf"))
                 sp = e.sampling

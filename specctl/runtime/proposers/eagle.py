@@ -41,7 +41,7 @@ from specctl.drafts.eagle_files import load_eagle_draft
 from specctl.errors import UsageError
 from specctl.models import resolve_draft
 from specctl.modeling import ModelArgs
-from specctl.runtime.proposers.base import DraftOutput, SlotProposer, batch_draft
+from specctl.runtime.proposers.base import Draft, DraftBatch, DraftRequest, SlotProposer
 from specctl.runtime.proposers.base import DraftSampling as _Sampling
 
 
@@ -71,7 +71,6 @@ class EagleProposer(SlotProposer):
     method = "eagle"
     version = 1
     needs_hidden_states = True
-    drafts_in_batch = True
 
     def __init__(self, config: SpecConfig, *, target, max_model_len: int, draft: EagleDraft | None = None,
                  embed: torch.Tensor | None = None, fused: bool | None = None):
@@ -140,49 +139,42 @@ class EagleProposer(SlotProposer):
     def on_verified(self, slot: int, num_accepted: int, emitted: list[int]) -> None:
         """Nothing to do: the next ``on_target_hidden`` rows overwrite the rejected chain rows."""
 
-    def _slot_for_row(self, row: np.ndarray, n: int, slot: int | None = None) -> _Slot:
-        s = self._match_slot(row, n, slot)
+    def _slot_for(self, r: DraftRequest) -> _Slot:
+        s = self._slot_of(r)
         if s is None:
             raise UsageError("the EAGLE proposer was asked to draft for a request whose target states it has not seen",
                              "drive it through SpecDecoder (it calls on_target_hidden after every target forward)")
         return s
 
     # ------------------------------------------------------------------ drafting
-    def propose(self, token_ids, num_tokens, k, hidden_states=None, slots=None) -> DraftOutput:
-        B = token_ids.shape[0]
-        rows = [(token_ids[b:b + 1], int(num_tokens[b]), None if slots is None else int(slots[b])) for b in range(B)]
-        if B == 1:
-            return self.propose_batch(rows, [k])[0]
-        return batch_draft(self._drafts(rows, [k] * B), k, self.Vt, self.device)
-
-    def propose_batch(self, rows: list[tuple[np.ndarray, int, int | None]], ks: list[int],
-                      hidden=None) -> list[DraftOutput]:
-        """Drafts for many requests, (token_ids [1, max_len], n, slot) each: the chains advance together,
-        one ragged draft pass and one read of the draft head per step for all of them; greedy requests
-        with a configured tree draft their tree alone."""
-        outs: list[DraftOutput | None] = [None] * len(rows)
+    def propose(self, requests: list[DraftRequest], ks: list[int]) -> DraftBatch:
+        """The chains advance together, one ragged draft pass and one read of the draft head per step for
+        all requests; greedy requests with a configured tree draft their tree (EAGLE-2) on their own."""
+        out = [Draft() for _ in requests]
         chains = []
-        for i, ((ctx, n, slot), k) in enumerate(zip(rows, ks)):
-            if self.tree_topk is not None and k > 0:
-                s = self._slot_for_row(ctx[0], n, slot)
+        for b, (r, k) in enumerate(zip(requests, ks)):
+            if k <= 0:
+                continue
+            if self.tree_topk is not None:
+                s = self._slot_for(r)
                 if (s.sampling or _Sampling()).temperature <= 0:
-                    outs[i] = self._propose_tree(s, ctx[0], n, k)
+                    out[b] = self._propose_tree(s, r.ctx, k)
                     continue
-            chains.append(i)
-        for i, d in zip(chains, self._drafts([rows[i] for i in chains], [ks[i] for i in chains])):
-            outs[i] = batch_draft([d], ks[i], self.Vt, self.device)
-        return outs
+            chains.append(b)
+        for b, (ids, q) in zip(chains, self._drafts([requests[b] for b in chains], [ks[b] for b in chains])):
+            out[b] = Draft(ids, q)
+        return DraftBatch(out)
 
     @torch.inference_mode()
-    def _drafts(self, rows, ks) -> list[tuple[list[int], torch.Tensor | None]]:
-        """Each row's chain (draft ids, q [n_draft, V] or None), all rows stepping together."""
-        out: list[tuple[list[int], torch.Tensor | None]] = [([], None)] * len(rows)
+    def _drafts(self, requests: list[DraftRequest], ks: list[int]) -> list[tuple[list[int], torch.Tensor | None]]:
+        """Each request's chain (draft ids, q [n_draft, V] or None), all stepping together."""
+        out: list[tuple[list[int], torch.Tensor | None]] = [([], None)] * len(requests)
         live: list[_Chain] = []
-        for i, ((ctx, n, slot), k) in enumerate(zip(rows, ks)):
-            s = self._slot_for_row(ctx[0], n, slot)
+        for i, (r, k) in enumerate(zip(requests, ks)):
+            s = self._slot_for(r)
             P = s.n_feat  # = n - 1: positions [0, P) are in the target's cache; row[P] is the last emitted token
             if k > 0 and P > 0 and P + k + 1 <= s.k.shape[2]:
-                live.append(_Chain(i, s, ctx[0], P, k, s.sampling or _Sampling()))
+                live.append(_Chain(i, s, r.ctx, P, k, s.sampling or _Sampling()))
         if not live:
             return out
         o = self._feed(live)  # [J, H] the out of each request's last fed row
@@ -248,11 +240,11 @@ class EagleProposer(SlotProposer):
             s.n_ft, off = s.n_feat, off + n
 
     @torch.inference_mode()
-    def _propose_tree(self, s: _Slot, row: np.ndarray, n: int, depth: int) -> DraftOutput:
-        """EAGLE-2's dynamic tree (see the module docstring): greedy requests, batch 1."""
+    def _propose_tree(self, s: _Slot, row: np.ndarray, depth: int) -> Draft:
+        """EAGLE-2's dynamic tree (see the module docstring): a greedy request's."""
         P, K, d = s.n_feat, self.tree_topk, self.net
         if P == 0 or P + K * depth + 2 > s.k.shape[2]:
-            return DraftOutput(torch.full((1, depth), -1, dtype=torch.long), torch.zeros(1, dtype=torch.long))
+            return Draft()
         o = self._feed([_Chain(-1, s, row, P, depth, _Sampling())])[None]  # [1, 1, H]
         # candidates: target token, parent candidate (-1: the last emitted token), cumulative log-prob, depth
         tok: list[int] = []
@@ -310,9 +302,7 @@ class EagleProposer(SlotProposer):
                 a = parent[a]
         order = sorted(keep, key=lambda c: (level[c], -score[c]))
         index = {c: i for i, c in enumerate(order)}
-        ids = torch.tensor([[tok[c] for c in order]], dtype=torch.long)
-        return DraftOutput(ids, torch.tensor([len(order)]), None,
-                           [-1 if parent[c] < 0 else index[parent[c]] for c in order])
+        return Draft([tok[c] for c in order], None, [-1 if parent[c] < 0 else index[parent[c]] for c in order])
 
 
 @dataclass

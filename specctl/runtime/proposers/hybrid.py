@@ -16,8 +16,6 @@ model draft pays on new text. Policies:
   The parts whose best draft beats a plain step are asked best first, by expected accepted tokens per
   second; the first with a draft wins. None beats a plain step: no draft (each part's controller
   probes again after a wait that doubles, as a single proposer's does).
-- ``first``: the sub-proposers are asked in order; the first draft of at least ``hybrid_min_match``
-  tokens is the step's draft (the last one's at any length).
 - ``tree``: every sub-proposer drafts and the drafts are merged into one token tree (shared
   prefixes once), verified in one forward (greedy requests; sampled ones take ``first``).
 
@@ -40,7 +38,7 @@ import torch
 
 from specctl.config import SpecConfig
 from specctl.runtime.controller import DraftLengthController
-from specctl.runtime.proposers.base import DraftOutput, Proposer
+from specctl.runtime.proposers.base import Draft, DraftRequest, Proposer
 
 
 def sub_labels(configs: list[SpecConfig]) -> list[str]:
@@ -53,10 +51,9 @@ def sub_labels(configs: list[SpecConfig]) -> list[str]:
     return out
 
 
-def paths(d: DraftOutput) -> list[list[int]]:
-    """Every node's token path from the root (a chain: its prefixes) of a one-row draft."""
-    n = int(d.num_tokens[0])
-    toks = d.token_ids[0, :n].tolist()
+def paths(d: Draft) -> list[list[int]]:
+    """Every node's token path from the root (a chain: its prefixes) of a draft."""
+    n, toks = len(d), d.ids
     if d.parents is None:
         return [toks[:i + 1] for i in range(n)]
     out: list[list[int]] = []
@@ -66,7 +63,7 @@ def paths(d: DraftOutput) -> list[list[int]]:
     return out
 
 
-def merge_tree(drafts: list[DraftOutput]) -> tuple[list[int], list[int]]:
+def merge_tree(drafts: list[Draft]) -> tuple[list[int], list[int]]:
     """The drafts as one token trie: (tokens, parents), parents first, -1 for the root's children."""
     index: dict[tuple[int, ...], int] = {}
     tokens, parents = [], []
@@ -249,13 +246,13 @@ class HybridProposer(Proposer):
                 part.acceptance.observe_costs(0, rows, verify)
 
     # ------------------------------------------------------------------ drafting
-    def _ask(self, i: int, token_ids, num_tokens, k, hidden_states, slot: int) -> DraftOutput:
-        backlog = self.subs[i].backlog(slot)
+    def _ask(self, i: int, r: DraftRequest, k: int) -> Draft:
+        backlog = self.subs[i].backlog(r.slot)
         t = self.clock()
-        d = self.subs[i].propose(token_ids, num_tokens, min(k, self.ks[i]), hidden_states, slots=[slot])
+        d = self.subs[i].propose([r], [min(k, self.ks[i])])[0]
         dt = self.clock() - t
         self.parts[i].timed(dt, backlog)
-        self._step_draft_s.setdefault(slot, {})[i] = dt
+        self._step_draft_s.setdefault(r.slot, {})[i] = dt
         return d
 
     def _order(self, k: int, slot: int) -> list[tuple[int, int]]:
@@ -277,37 +274,33 @@ class HybridProposer(Proposer):
         scored.sort(key=lambda x: -x[0])
         return [(i, d) for _, i, d in scored]
 
-    def propose(self, token_ids, num_tokens, k, hidden_states=None, slots=None) -> DraftOutput:
-        if token_ids.shape[0] != 1:
-            raise ValueError("the hybrid proposer drafts for one request per call (the decoder's way)")
-        slot = 0 if slots is None else int(slots[0])
+    def draft_one(self, r: DraftRequest, k: int) -> Draft:
+        """One request's draft, by the policy; the parts that drafted it are remembered for ``credit``.
+        (Requests are drafted one at a time: which part drafts, and its timing, is each request's own.)"""
+        slot = r.slot
         self._steps += 1
         self._drafted[slot] = []
         self._step_draft_s[slot] = {}
-        empty = DraftOutput(torch.full((1, max(k, 0)), -1, dtype=torch.long), torch.zeros(1, dtype=torch.long))
         if self.policy == "tree" and self._greedy.get(slot, True):
             drafts = []
             for i in range(len(self.subs)):
-                d = self._ask(i, token_ids, num_tokens, k, hidden_states, slot)
-                if int(d.num_tokens[0]) > 0:
+                d = self._ask(i, r, k)
+                if len(d) > 0:
                     drafts.append(d)
                     self._drafted[slot].append((i, paths(d)))
-            if not drafts:
-                return empty
-            if len(drafts) == 1:
-                return drafts[0]
+            if len(drafts) <= 1:
+                return drafts[0] if drafts else Draft()
             tokens, parents = merge_tree(drafts)
-            return DraftOutput(torch.tensor([tokens], dtype=torch.long), torch.tensor([len(tokens)]), None, parents)
+            return Draft(tokens, None, parents)
         order = self._order(k, slot) if self.policy == "score" else [(i, k) for i in range(len(self.subs))]
         for j, (i, ki) in enumerate(order):
-            d = self._ask(i, token_ids, num_tokens, ki, hidden_states, slot)
-            n = int(d.num_tokens[0])
+            d = self._ask(i, r, ki)
             need = self.min_match if self.policy == "first" else 1
-            if n >= need or (j == len(order) - 1 and n > 0):
+            if len(d) >= need or (j == len(order) - 1 and len(d) > 0):
                 self._drafted[slot] = [(i, paths(d))]
                 self.parts[i].won = self._steps
                 return d
-        return empty
+        return Draft()
 
 
 PROPOSERS = {"hybrid": HybridProposer}

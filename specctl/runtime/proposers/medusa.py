@@ -11,7 +11,7 @@ decode loop's, lossless; Medusa's "typical acceptance" (lossy) is not offered.
 
 Tree drafting (Medusa's tree attention), with vLLM's ``speculative_token_tree`` key (or
 "default", or "auto": the ``speculative_num_draft_tokens`` likeliest paths by the heads' held-out
-rank accuracies, which ``specctl train-medusa`` records in the export; see ``auto_tree``): for greedy requests ``propose`` returns a tree (``DraftOutput.parents``) built from the
+rank accuracies, which ``specctl train-medusa`` records in the export; see ``auto_tree``): for greedy requests ``propose`` returns a tree (``Draft.parents``) built from the
 "choices" (paths of top-i ranks per head) and cut to the draft length; SpecDecoder verifies it in one
 forward with a tree mask (``TargetRunner.forward_tree``) and keeps the accepted path's keys/values
 (``TargetRunner.compact``). Sampling requests get chains. Worked tree, choices [(0,), (1,), (0, 0)]:
@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from specctl.config import SpecConfig
 from specctl.errors import ConfigError, ModelError
-from specctl.runtime.proposers.base import DraftOutput, Proposer
+from specctl.runtime.proposers.base import Draft, DraftBatch, DraftRequest, Proposer, unknown_slot
 from specctl.runtime.proposers.base import DraftSampling as _Sampling
 from specctl.runtime.rejection import logits_to_probs
 
@@ -66,7 +66,6 @@ def parse_token_tree(tree) -> list[tuple[int, ...]]:
 
 class MedusaProposer(Proposer):
     method = "medusa"
-    drafts_in_batch = True
     needs_hidden_states = True
 
     def __init__(self, config: SpecConfig, *, target=None, max_model_len: int, heads=None):
@@ -113,8 +112,7 @@ class MedusaProposer(Proposer):
 
             self.linear = skinny_linear.linear
         self.temperature, self.top_k, self.top_p = 0.0, None, None  # default for slots never announced
-        self.slots: dict[int, _Sampling] = {}
-        self._buffers: dict[int, int] = {}  # id(decoder's token buffer) -> slot
+        self.slots: dict[int, _Sampling] = {}  # slot -> how its request samples
         self._own_generator = torch.Generator(device=device).manual_seed(int(torch.randint(2**62, ())))
 
     @property
@@ -126,19 +124,16 @@ class MedusaProposer(Proposer):
         self.slots[slot] = _Sampling(float(params.temperature), params.top_k, params.top_p, generator)
 
     def start_request(self, slot: int, prompt_ids: np.ndarray) -> None:
-        buf = prompt_ids.base if isinstance(prompt_ids, np.ndarray) and prompt_ids.base is not None else None
-        if buf is not None:
-            self._buffers[id(buf)] = slot
+        self.slots.setdefault(slot, _Sampling(self.temperature, self.top_k, self.top_p))
 
     def end_request(self, slot: int) -> None:
-        self._buffers = {b: s for b, s in self._buffers.items() if s != slot}
+        self.slots.pop(slot, None)
 
-    def _sampling(self, token_ids: np.ndarray, slot: int | None = None) -> _Sampling:
-        if slot is None:
-            slot = self._buffers.get(id(token_ids))
-        if slot is None and len(self.slots) == 1:
-            slot = next(iter(self.slots))
-        return self.slots.get(slot) or _Sampling(self.temperature, self.top_k, self.top_p)
+    def _sampling(self, slot: int) -> _Sampling:
+        sp = self.slots.get(slot)
+        if sp is None:
+            raise unknown_slot(self, slot)
+        return sp
 
     # ------------------------------------------------------------------ drafting
     @torch.inference_mode()
@@ -146,63 +141,43 @@ class MedusaProposer(Proposer):
         """hidden [B, H] -> [B, n, V'] logits of the first n heads (LM-head rows; see heads.vocab_ids)."""
         return self.heads(hidden.to(self.device, self.dtype), n, self.linear)
 
-    def propose(self, token_ids, num_tokens, k, hidden_states=None, slots=None) -> DraftOutput:
-        B = token_ids.shape[0]
-        n = min(k, self.k)
-        if hidden_states is None or n <= 0:
-            return _no_draft(B, k)
-        sp = self._sampling(token_ids, None if slots is None else int(slots[0]))
-        return self._draft(self.head_logits(hidden_states, n), k, sp)
+    def propose(self, requests: list[DraftRequest], ks: list[int]) -> DraftBatch:
+        """The heads run once over every drafting request's hidden state (one read of their weights and
+        LM heads); then each request drafts its chain (or greedy tree) from its own row."""
+        out = [Draft() for _ in requests]
+        live = [b for b, (r, k) in enumerate(zip(requests, ks)) if min(k, self.k) > 0 and r.hidden is not None]
+        if not live:
+            return DraftBatch(out)
+        hidden = torch.cat([requests[b].hidden.reshape(1, -1) for b in live])  # [J, H]
+        logits = self.head_logits(hidden, min(max(ks[b] for b in live), self.k))  # [J, n, V']
+        for i, b in enumerate(live):
+            out[b] = self._draft(logits[i, :min(ks[b], self.k)], self._sampling(requests[b].slot))
+        return DraftBatch(out)
 
-    def propose_batch(self, rows: list[tuple[np.ndarray, int, int | None]], ks: list[int],
-                      hidden: list[torch.Tensor | None] | None = None) -> list[DraftOutput]:
-        """Drafts for many requests, (token_ids [1, max_len], n, slot) each with its hidden state
-        [1, H]: the heads run once over all of them (one read of their weights and LM heads), then
-        each request drafts its chain (or greedy tree) from its own row, as ``propose`` does."""
-        if hidden is None or any(h is None for h in hidden):
-            return [self.propose(ctx, np.array([n], dtype=np.int32), k, None if hidden is None else hidden[i], [slot])
-                    for i, ((ctx, n, slot), k) in enumerate(zip(rows, ks))]
-        logits = self.head_logits(torch.cat([h.reshape(1, -1) for h in hidden]), min(max(ks), self.k))  # [J, n, V']
-        return [self._draft(logits[i:i + 1, :min(k, self.k)], k, self._sampling(ctx, slot)) if min(k, self.k) > 0
-                else _no_draft(1, k) for i, ((ctx, _, slot), k) in enumerate(zip(rows, ks))]
-
-    def _draft(self, logits: torch.Tensor, k: int, sp: _Sampling) -> DraftOutput:
-        """logits [B, n, V'] of the first n heads -> B drafts of up to k tokens (a greedy tree at B = 1
-        where one is configured; else chains, sampled as ``sp`` says)."""
-        B, n = logits.shape[0], logits.shape[1]
-        if self.tree is not None and sp.temperature <= 0 and B == 1:
-            return self._propose_tree(logits[0], n)
-        probs = None
+    def _draft(self, logits: torch.Tensor, sp: _Sampling) -> Draft:
+        """logits [n, V'] of the first n heads -> the request's draft: a greedy tree where one is
+        configured, else a chain sampled as ``sp`` says, cut after a stop token."""
+        n = logits.shape[0]
+        if self.tree is not None and sp.temperature <= 0:
+            return self._propose_tree(logits, n)
+        q = None
         if sp.temperature <= 0:
-            ids = self.heads.vocab_ids(logits.argmax(-1))  # [B, n]
+            ids = self.heads.vocab_ids(logits.argmax(-1))  # [n]
         else:
-            q = logits_to_probs(logits, sp.temperature, sp.top_k, sp.top_p)  # [B, n, V']
-            rows = torch.multinomial(q.reshape(B * n, -1), 1, generator=sp.generator or self._own_generator).view(B, n)
-            ids = self.heads.vocab_ids(rows)
-            probs = self._to_target_vocab(q)  # [B, n, V_target]
-        ids = ids.long().cpu()
-        num = torch.full((B,), n, dtype=torch.long)
-        if self.stop_ids:  # nothing after a stop token can be accepted: cut the draft there
-            for b in range(B):
-                for i, t in enumerate(ids[b].tolist()):
-                    if t in self.stop_ids:
-                        num[b] = i + 1
-                        break
-        out = torch.full((B, k), -1, dtype=torch.long)
-        out[:, :n] = ids
-        pos = torch.arange(k)[None]
-        out = torch.where(pos < num[:, None], out, torch.full_like(out, -1))
-        if probs is not None and k > n:
-            probs = torch.cat([probs, probs.new_zeros(B, k - n, probs.shape[-1])], 1)
-        return DraftOutput(out, num, probs)
+            p = logits_to_probs(logits, sp.temperature, sp.top_k, sp.top_p)  # [n, V']
+            ids = self.heads.vocab_ids(torch.multinomial(p, 1, generator=sp.generator or self._own_generator).view(n))
+            q = self._to_target_vocab(p[None])[0]  # [n, V_target]
+        ids = ids.long().cpu().tolist()
+        m = next((i + 1 for i, t in enumerate(ids) if t in self.stop_ids), n)  # nothing after a stop is accepted
+        return Draft(ids[:m], None if q is None else q[:m])
 
-    def _propose_tree(self, head_logits: torch.Tensor, depth: int) -> DraftOutput:
+    def _propose_tree(self, head_logits: torch.Tensor, depth: int) -> Draft:
         """Greedy tree drafts from the heads' logits [depth, V']: the configured tree cut to ``depth``
         levels (paths are sorted by length, so the kept nodes are a prefix and keep their indices)."""
         paths, parents, _ = self.tree
         keep = 1 + sum(1 for p in paths[1:] if len(p) <= depth)
         tokens = tree_tokens(head_logits, paths[:keep], self.heads)  # [keep-1]
-        return DraftOutput(tokens[None], torch.tensor([keep - 1]), None, [p - 1 for p in parents[1:keep]])
+        return Draft(tokens.tolist(), None, [p - 1 for p in parents[1:keep]])
 
     def _to_target_vocab(self, q: torch.Tensor) -> torch.Tensor:
         """q over LM-head rows [B, n, V'] -> over the target's vocabulary [B, n, V] (zeros elsewhere)."""
@@ -211,10 +186,6 @@ class MedusaProposer(Proposer):
         idx = self.heads.token_map if self.heads.token_map is not None else torch.arange(q.shape[-1], device=q.device)
         full[..., idx] = q
         return full
-
-
-def _no_draft(B: int, k: int) -> DraftOutput:
-    return DraftOutput(torch.full((B, max(k, 0)), -1, dtype=torch.long), torch.zeros(B, dtype=torch.long))
 
 
 # --------------------------------------------------------------------------- tree drafting (pure functions)

@@ -32,7 +32,7 @@ from specctl.drafts.mtp_files import load_mtp
 from specctl.errors import UsageError
 from specctl.models import resolve_draft
 from specctl.modeling import VERIFY_ROWS, ModelArgs
-from specctl.runtime.proposers.base import DraftOutput, SlotProposer, batch_draft
+from specctl.runtime.proposers.base import Draft, DraftBatch, DraftRequest, SlotProposer
 from specctl.runtime.proposers.base import DraftSampling as _Sampling
 
 log = logging.getLogger("specctl")
@@ -67,7 +67,6 @@ class _Slot:
 class MtpProposer(SlotProposer):
     method = "mtp"
     needs_hidden_states = True
-    drafts_in_batch = True
 
     def __init__(self, config: SpecConfig, *, target, max_model_len: int, stack: MtpStack | None = None):
         """``target``: the LoadedModel drafted for; its folder holds the MTP modules unless ``config.model``
@@ -117,32 +116,25 @@ class MtpProposer(SlotProposer):
 
     # ------------------------------------------------------------------ drafting
     @torch.inference_mode()
-    def propose(self, token_ids, num_tokens, k, hidden_states=None, slots=None) -> DraftOutput:
-        B = token_ids.shape[0]
-        rows = [(token_ids[b:b + 1], int(num_tokens[b]), None if slots is None else int(slots[b])) for b in range(B)]
-        drafts = self._drafts(rows, [k] * B)
-        return batch_draft(drafts, k, self.target.model.args.vocab_size, self.device)
+    def propose(self, requests: list[DraftRequest], ks: list[int]) -> DraftBatch:
+        """Every depth runs once for all drafting requests (``mtp_step_ragged``: one read of the module's
+        weights, one of the LM head)."""
+        return DraftBatch([Draft(ids, q) for ids, q in self._drafts(requests, ks)])
 
-    @torch.inference_mode()
-    def propose_batch(self, rows: list[tuple[np.ndarray, int, int | None]], ks: list[int],
-                      hidden=None) -> list[DraftOutput]:
-        """Drafts for many requests, (token_ids [1, max_len], n, slot) each: every depth runs once for
-        all of them (``mtp_step_ragged``: one read of the module's weights, one of the LM head)."""
-        V = self.target.model.args.vocab_size
-        return [batch_draft([d], k, V, self.device) for d, k in zip(self._drafts(rows, ks), ks)]
-
-    def _drafts(self, rows, ks) -> list[tuple[list[int], torch.Tensor | None]]:
+    def _drafts(self, requests: list[DraftRequest], ks: list[int]) -> list[tuple[list[int], torch.Tensor | None]]:
         """Each row's (draft ids, q [n_draft, V] or None). Depth by depth over the requests still
         drafting; a request whose depth has more rows to catch up than one verify block (its first
         draft after the prompt) runs that depth on its own, as a prefill does."""
-        out: list[tuple[list[int], torch.Tensor | None]] = [([], None)] * len(rows)
+        out: list[tuple[list[int], torch.Tensor | None]] = [([], None)] * len(requests)
         live: list[_Drafting] = []
-        for i, ((ctx, n, slot), k) in enumerate(zip(rows, ks)):
-            s = self._match_slot(ctx[0], n, slot)
-            if s is None or n < 2 or k < 1 or n + k > s.max_len:
-                continue  # no target states for this row (or no room): no draft this step
+        for i, (r, k) in enumerate(zip(requests, ks)):
+            if k < 1:
+                continue
+            s, n = self._slot_of(r), r.n
+            if s is None or n < 2 or n + k > s.max_len:
+                continue  # the target's states do not reach this context (or no room): no draft this step
             s.ensure_depth(k)
-            seq = torch.from_numpy(np.asarray(ctx[0, :n], dtype=np.int64)).to(self.device)
+            seq = torch.from_numpy(np.asarray(r.tokens, dtype=np.int64)).to(self.device)
             live.append(_Drafting(i, s, seq, k, s.sampling or _Sampling(self.temperature)))
         model = self.target.model
         d = 1

@@ -7,11 +7,9 @@ every request of the batch in one call; this class only holds the config and the
 from __future__ import annotations
 
 import numpy as np
-import torch
-
 from specctl.config import SpecConfig
 from specctl.kernels.ngram import ngram_propose_batch
-from specctl.runtime.proposers.base import DraftOutput, Proposer
+from specctl.runtime.proposers.base import Draft, DraftBatch, DraftRequest, Proposer
 
 
 class NgramProposer(Proposer):
@@ -22,12 +20,22 @@ class NgramProposer(Proposer):
         self.max_n = int(config.prompt_lookup_max)
         self.max_model_len = int(config.max_model_len or max_model_len)
 
-    def propose(self, token_ids, num_tokens, k, hidden_states=None, slots=None) -> DraftOutput:
-        batch = token_ids.shape[0]
-        draft = np.empty((batch, k), dtype=np.int32)
-        num = np.empty(batch, dtype=np.int32)
-        ngram_propose_batch(token_ids, num_tokens, self.min_n, self.max_n, k, self.max_model_len, draft, num)
-        return DraftOutput(torch.from_numpy(draft).long(), torch.from_numpy(num).long(), None)
+    def propose(self, requests: list[DraftRequest], ks: list[int]) -> DraftBatch:
+        """Every request's lookup in one kernel call (each row to its own k)."""
+        B, k = len(requests), max(ks, default=0)
+        if k <= 0:
+            return DraftBatch([Draft() for _ in requests])
+        if B == 1:  # the request's own buffer, no copy
+            ctx = requests[0].ctx[None]
+        else:
+            ctx = np.zeros((B, max(r.n for r in requests)), dtype=np.int32)
+            for b, r in enumerate(requests):
+                ctx[b, :r.n] = r.tokens
+        draft = np.empty((B, k), dtype=np.int32)
+        num = np.empty(B, dtype=np.int32)
+        ngram_propose_batch(ctx, np.array([r.n for r in requests], dtype=np.int32), self.min_n, self.max_n, k,
+                            self.max_model_len, draft, num)
+        return DraftBatch([Draft(draft[b, :min(int(num[b]), kb)].tolist()) for b, kb in enumerate(ks)])
 
 
 PROPOSERS = {"ngram": NgramProposer}

@@ -35,7 +35,7 @@ import torch
 from specctl.config import SpecConfig
 from specctl.errors import UsageError
 from specctl.modeling import KVCache
-from specctl.runtime.proposers.base import DraftOutput, DraftSampling, SlotProposer, batch_draft
+from specctl.runtime.proposers.base import Draft, DraftBatch, DraftRequest, DraftSampling, SlotProposer
 from specctl.roofline import budget as draft_budget
 
 # StreamingLLM's attention sinks: vLLM's reference keeps the first KV block (16 positions)
@@ -129,7 +129,6 @@ class _Slot:
 
 class SparseAttnProposer(SlotProposer):
     method = "sparse_attn"
-    drafts_in_batch = True
 
     def __init__(self, config: SpecConfig, *, target, max_model_len: int):
         if target is None:
@@ -183,41 +182,37 @@ class SparseAttnProposer(SlotProposer):
             s.scratch = KVCache(self.model.args, 1, self.scratch_len, p.dtype, p.device)
 
     # ------------------------------------------------------------------ drafting
-    def propose(self, token_ids, num_tokens, k, hidden_states=None, slots=None) -> DraftOutput:
-        B = token_ids.shape[0]
-        rows = [(token_ids[b:b + 1], int(num_tokens[b]), None if slots is None else int(slots[b])) for b in range(B)]
-        return batch_draft(self._drafts(rows, [k] * B), k, self.model.args.vocab_size, self.device)
-
-    def propose_batch(self, rows: list[tuple[np.ndarray, int, int | None]], ks: list[int],
-                      hidden=None) -> list[DraftOutput]:
-        """Drafts for many requests, (token_ids [1, max_len], n, slot) each: every drafting step is one
-        ragged forward of the target over all of them (one read of the weights), each request's row
-        attending to its own scratch cache."""
-        V = self.model.args.vocab_size
-        return [batch_draft([d], k, V, self.device) for d, k in zip(self._drafts(rows, ks), ks)]
-
-    def _drafts(self, rows: list[tuple[np.ndarray, int, int | None]],
-                ks: list[int]) -> list[tuple[list[int], torch.Tensor | None]]:
-        """(draft ids, q or None) per request of ``rows``, with the layers "auto" picks this step."""
+    def propose(self, requests: list[DraftRequest], ks: list[int]) -> DraftBatch:
+        """Every drafting step is one ragged forward of the target over every drafting request (one read
+        of the weights), each request's row attending to its own scratch cache; the layers are those
+        "auto" picks this step."""
+        out = [Draft() for _ in requests]
+        live = [b for b, k in enumerate(ks) if k > 0]
+        if not live:
+            return DraftBatch(out)
         slots = []
-        for t, n, slot in rows:
-            s = self._match_slot(t[0], n, slot)
+        for b in live:
+            s = self._slot_of(requests[b])
             if s is None:
                 raise UsageError("sparse_attn was asked to draft for a request whose KV cache it was not given",
                                  "drive it through SpecDecoder (it binds each request's runner)")
             slots.append(s)
-        lasts = [int(t[0, n - 1]) for t, n, _ in rows]
+        lasts = [int(requests[b].ctx[requests[b].n - 1]) for b in live]
+        kl = [ks[b] for b in live]
         if self.chooser is None:
-            return self._draft(slots, lasts, ks, self.skipping)
-        choice = self.chooser.pick()
-        skip = self.chooser.candidates[choice]
-        layers = [i for i in range(self.model.args.num_layers) if i not in skip] if skip else None
-        t0 = time.perf_counter()
-        drafts = self._draft(slots, lasts, ks, layers)
-        self.chooser.observe(choice, sum(len(ids) for ids, _ in drafts), time.perf_counter() - t0)
-        for s in slots:
-            s.skip_choice = choice
-        return drafts
+            drafts = self._draft(slots, lasts, kl, self.skipping)
+        else:
+            choice = self.chooser.pick()
+            skip = self.chooser.candidates[choice]
+            layers = [i for i in range(self.model.args.num_layers) if i not in skip] if skip else None
+            t0 = time.perf_counter()
+            drafts = self._draft(slots, lasts, kl, layers)
+            self.chooser.observe(choice, sum(len(ids) for ids, _ in drafts), time.perf_counter() - t0)
+            for s in slots:
+                s.skip_choice = choice
+        for b, (ids, q) in zip(live, drafts):
+            out[b] = Draft(ids, q)
+        return DraftBatch(out)
 
     def select(self, s: _Slot) -> torch.Tensor:
         """The cached positions the next draft attends to: [m] (every layer) or [layers, m]."""
@@ -266,7 +261,7 @@ class SparseAttnProposer(SlotProposer):
             segs = [Segment(d.slot.scratch, d.m + j, 1, positions=torch.tensor([float(d.L + j)], device=self.device))
                     for d in live]
             tokens = torch.tensor([d.feed for d in live], device=self.device)
-            logits, _ = self.model.forward_ragged(tokens, segs, layers=layers)  # [len(live), V]
+            logits, _, _ = self.model.forward_ragged(tokens, segs, layers=layers)  # [len(live), V]
             still = []
             for d, lg in zip(live, logits):
                 sp = d.sampling

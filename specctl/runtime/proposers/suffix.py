@@ -14,10 +14,9 @@ min(k, floor(``suffix_decoding_max_spec_factor`` x match length)) tokens; score 
 probabilities) and keeps the better: the global draft only when its score is strictly higher. The
 draft is deterministic (``probs=None``) and its length varies from step to step.
 
-Which request a context row belongs to: the decoder passes a request's own context buffer (the
-array whose view ``start_request`` received), so a row is matched to its slot by that buffer;
-otherwise row b is slot b. A row whose tokens do not continue its slot's tree restarts that slot's
-tree from the row (drafts are then only less informed, never wrong: verification is lossless).
+Each request names its slot (``DraftRequest.slot``); a slot never started is an error. A context whose
+tokens do not continue its slot's tree restarts that slot's tree from the context (drafts are then
+only less informed, never wrong: verification is lossless).
 
 What it does not know: verification, models, tokenizers.
 """
@@ -27,18 +26,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-import torch
-
 from specctl.config import SpecConfig
 from specctl.kernels.suffix import SuffixTree
-from specctl.runtime.proposers.base import DraftOutput, Proposer
+from specctl.runtime.proposers.base import Draft, DraftBatch, DraftRequest, Proposer, unknown_slot
 
 
 @dataclass
 class _Request:
     tree: SuffixTree  # local tree: one growing sequence, prompt + generated tokens
     prompt_len: int
-    buffer: np.ndarray | None  # the context buffer [1, max_len] this request was started from, if known
 
     @property
     def length(self) -> int:
@@ -70,8 +66,7 @@ class SuffixProposer(Proposer):
         tree = SuffixTree(self.depth, node_capacity=max(1024, 4 * prompt.size), pool_capacity=prompt.size + 512)
         tree.start_seq()
         tree.extend(prompt)
-        buffer = prompt_ids.base if isinstance(prompt_ids, np.ndarray) and prompt_ids.base is not None else None
-        self.requests[slot] = _Request(tree, prompt.size, buffer)
+        self.requests[slot] = _Request(tree, prompt.size)
 
     def on_verified(self, slot: int, num_accepted: int, emitted: list[int]) -> None:
         req = self.requests.get(slot)
@@ -93,57 +88,39 @@ class SuffixProposer(Proposer):
         g.end_seq()
 
     # ------------------------------------------------------------------ drafting
-    def propose(self, token_ids, num_tokens, k, hidden_states=None, slots=None) -> DraftOutput:
-        batch = token_ids.shape[0]
-        draft = np.full((batch, max(k, 0)), -1, dtype=np.int32)  # [batch, k]
-        num = np.zeros(batch, dtype=np.int32)  # [batch]
-        out_g = np.empty(max(k, 1), dtype=np.int32)
-        scratch = np.empty(max(k, 1), dtype=np.int32)
-        self.last_source = ["none"] * batch
-        for b in range(batch):
-            n = int(num_tokens[b])
-            row = token_ids[b]
-            req = self._sync(token_ids, b, n, None if slots is None else int(slots[b]))
-            max_spec = min(k, self.max_model_len - n - 1)
-            if max_spec <= 0:
-                continue
-            nl, score_l, _ = req.tree.speculate(row, n, max_spec, self.factor, self.min_prob, draft[b], scratch)
-            ng, score_g = 0, 0.0
-            if self.global_tree is not None and self.global_tree.live:
-                ng, score_g, _ = self.global_tree.speculate(row, n, max_spec, self.factor, self.min_prob, out_g, scratch)
-            if score_g > score_l:
-                draft[b, :ng] = out_g[:ng]
-                draft[b, ng:] = -1
-                num[b], self.last_source[b] = ng, "global"
-            else:
-                draft[b, nl:] = -1
-                num[b], self.last_source[b] = nl, "local" if nl else "none"
-        return DraftOutput(torch.from_numpy(draft).long(), torch.from_numpy(num).long(), None)
+    def propose(self, requests: list[DraftRequest], ks: list[int]) -> DraftBatch:
+        self.last_source = ["none"] * len(requests)
+        return DraftBatch([self._draft(b, r, k) if k > 0 else Draft() for b, (r, k) in enumerate(zip(requests, ks))])
 
-    def _sync(self, token_ids: np.ndarray, b: int, n: int, slot: int | None = None) -> _Request:
-        """Row b's request, its local tree caught up to token_ids[b, :n].
+    def _draft(self, b: int, r: DraftRequest, k: int) -> Draft:
+        """Request b's draft: the local tree's or, where it scores strictly higher, the global tree's."""
+        n, row = r.n, r.ctx
+        req = self._sync(r)
+        max_spec = min(k, self.max_model_len - n - 1)
+        if max_spec <= 0:
+            return Draft()
+        draft, out_g = np.empty(max_spec, dtype=np.int32), np.empty(max_spec, dtype=np.int32)
+        scratch = np.empty(max_spec, dtype=np.int32)
+        nl, score_l, _ = req.tree.speculate(row, n, max_spec, self.factor, self.min_prob, draft, scratch)
+        ng, score_g = 0, 0.0
+        if self.global_tree is not None and self.global_tree.live:
+            ng, score_g, _ = self.global_tree.speculate(row, n, max_spec, self.factor, self.min_prob, out_g, scratch)
+        if score_g > score_l:
+            self.last_source[b] = "global"
+            return Draft(out_g[:ng].tolist())
+        self.last_source[b] = "local" if nl else "none"
+        return Draft(draft[:nl].tolist())
 
-        The slot named by the caller, else the one whose buffer is the decoder's; any other row b
-        is slot b. A slot is trusted only if the row continues its tokens (else it restarts from
-        the row).
-        """
-        row = token_ids[b]
-        req = None
-        if slot is not None:
-            req = self.requests.get(slot)
-            if req is not None and (req.length > n or not np.array_equal(req.tokens(), row[:req.length])):
-                req = None
-        elif token_ids.shape[0] == 1:
-            slot = next((s for s, r in self.requests.items() if r.buffer is token_ids), None)
-            req = self.requests.get(slot) if slot is not None else None
-        if req is None and slot is None:
-            slot = b
-            req = self.requests.get(slot)
-            if req is not None and (req.length > n or not np.array_equal(req.tokens(), row[:req.length])):
-                req = None
-        if req is None or req.length > n:
-            self.start_request(slot, row[:n].copy())
-            return self.requests[slot]
+    def _sync(self, r: DraftRequest) -> _Request:
+        """The request's local tree caught up to its context (restarted from it where the context does
+        not continue the tree's tokens)."""
+        req = self.requests.get(r.slot)
+        if req is None:
+            raise unknown_slot(self, r.slot)
+        n, row = r.n, r.ctx
+        if req.length > n or not np.array_equal(req.tokens(), row[:req.length]):
+            self.start_request(r.slot, row[:n].copy())
+            return self.requests[r.slot]
         if n > req.length:
             req.tree.extend(row[req.length:n])
         return req

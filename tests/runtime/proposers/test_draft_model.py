@@ -21,10 +21,11 @@ import torch
 from specctl.config import SpecConfig
 from specctl.errors import DataError, UsageError
 from specctl.runtime.decoder import SamplingParams, SpecDecoder
-from specctl.runtime.proposers import build_proposer
+from specctl.runtime.proposers import DraftRequest, build_proposer
 from specctl.runtime.proposers.draft_model import DraftModelProposer
 from specctl.runtime.rejection import logits_to_probs
-from specctl.runtime.runner import TargetRunner, load_model
+from specctl.runtime.loading import load_model
+from specctl.runtime.runner import TargetRunner
 from specctl.testing import emitted_histograms, exact_marginals, null_tv_quantile
 from specctl.drafts.vocab_map import build_vocab_map
 
@@ -182,7 +183,7 @@ def test_auto_drafts_by_text_where_the_tokenizers_cut_differently(target, drafts
         prop = make_proposer(target, drafts["byte"])
         prompt = ttok.encode(text, add_special_tokens=False)
         prop.start_request(0, np.asarray(prompt))
-        d = prop.propose(np.asarray([prompt], dtype=np.int32), np.asarray([len(prompt)]), K)
+        d = prop.propose([DraftRequest(0, np.asarray(prompt, dtype=np.int32), len(prompt))], [K])
         assert prop.slots[0].step_mode == expected and int(d.num_tokens[0]) > 0
 
 
@@ -228,8 +229,8 @@ def test_draft_cache_is_rolled_back_and_never_reprefilled(target, drafts, greedy
     prompt, expected = greedy_cases[0]
     spec.start(prompt, SamplingParams(max_new_tokens=NEW))  # creates slot 0
     runner = prop.slots[0].runner
-    forward = runner.forward
-    runner.forward = lambda tokens, logits="all": (fed.append(tokens.shape[1]), forward(tokens, logits))[1]
+    run = runner.run
+    runner.run = lambda tokens, *a, **kw: (fed.append(tokens.shape[1]), run(tokens, *a, **kw))[1]
     st = spec.start(prompt, SamplingParams(max_new_tokens=NEW))
     while st.finish is None:
         spec.step(st)
@@ -264,8 +265,8 @@ def test_interleaved_requests_keep_their_own_draft_cache(target, drafts, greedy_
     fed = {0: [], 1: []}
     for i in (0, 1):
         r = prop.slots[i].runner
-        r.forward = (lambda f, log: lambda tokens, logits="all": (log.append(tokens.shape[1]), f(tokens, logits))[1])(
-            r.forward, fed[i])
+        r.run = (lambda f, log: lambda tokens, *a, **kw: (log.append(tokens.shape[1]), f(tokens, *a, **kw))[1])(
+            r.run, fed[i])
     while any(st.finish is None for st in states):
         for st in states:
             if st.finish is None:
@@ -279,7 +280,7 @@ def test_on_verified_rolls_back_in_place(target, drafts):
     prop = make_proposer(target, drafts["byte"], "tli")
     prompt = random_text_prompts(1, seed=5)[0]
     prop.start_request(0, np.asarray(prompt))
-    d = prop.propose(np.asarray([prompt + [0] * 8], dtype=np.int32), np.asarray([len(prompt)]), K)
+    d = prop.propose([DraftRequest(0, np.asarray(prompt + [0] * 8, dtype=np.int32), len(prompt))], [K])
     s = prop.slots[0]
     n = int(d.num_tokens[0])
     assert n == K and d.probs is None and s.runner.length == s.base + K - 1
@@ -297,8 +298,8 @@ def test_prefix_shared_with_an_earlier_request_is_reused(target, drafts, greedy_
     spec.generate(prompt, SamplingParams(max_new_tokens=NEW))
     fed = []
     runner = prop.slots[0].runner
-    forward = runner.forward
-    runner.forward = lambda tokens, logits="all": (fed.append(tokens.shape[1]), forward(tokens, logits))[1]
+    run = runner.run
+    runner.run = lambda tokens, *a, **kw: (fed.append(tokens.shape[1]), run(tokens, *a, **kw))[1]
     assert spec.generate(prompt, SamplingParams(max_new_tokens=NEW)).token_ids == expected
     assert fed[0] < len(prompt)  # the draft kept the prompt's KV from the first request
 
@@ -334,7 +335,7 @@ def test_sampled_draft_returns_q_on_target_ids(target, drafts):
     prop.temperature = 0.8  # the proposer-wide default, for slots without set_sampling
     prompt = random_text_prompts(1, seed=3)[0]
     prop.start_request(0, np.asarray(prompt))
-    d = prop.propose(np.asarray([prompt], dtype=np.int32), np.asarray([len(prompt)]), K)
+    d = prop.propose([DraftRequest(0, np.asarray(prompt, dtype=np.int32), len(prompt))], [K])
     q = d.probs
     assert q is not None and q.shape == (1, K, target.model.args.vocab_size)
     torch.testing.assert_close(q.sum(-1), torch.ones(1, K))
@@ -360,7 +361,7 @@ def test_sampled_draft_returns_q_on_target_ids(target, drafts):
     same = make_proposer(target, drafts["same"])
     same.set_sampling(0, SamplingParams(temperature=0.8, top_k=20))
     same.start_request(0, np.asarray(prompt))
-    d = same.propose(np.asarray([prompt], dtype=np.int32), np.asarray([len(prompt)]), 1)
+    d = same.propose([DraftRequest(0, np.asarray(prompt, dtype=np.int32), len(prompt))], [1])
     logits = TargetRunner(drafts["same"].model, 64).forward(torch.tensor([prompt]))[0, -1]
     torch.testing.assert_close(d.probs[0, 0], logits_to_probs(logits, 0.8, 20))
     assert d.probs[0, 0, int(d.token_ids[0, 0])] > 0 and int((d.probs[0, 0] > 0).sum()) == 20
@@ -371,7 +372,7 @@ def test_text_mode_is_deterministic_from_the_target_view(target, drafts):
     prop.temperature = 0.8
     prompt = random_text_prompts(1, seed=4)[0]
     prop.start_request(0, np.asarray(prompt))
-    d = prop.propose(np.asarray([prompt], dtype=np.int32), np.asarray([len(prompt)]), K)
+    d = prop.propose([DraftRequest(0, np.asarray(prompt, dtype=np.int32), len(prompt))], [K])
     assert d.probs is None and 0 < int(d.num_tokens[0]) <= K
 
 
@@ -428,7 +429,7 @@ def test_batched_greedy_equals_plain(target, drafts, greedy_cases, run_batched, 
     prop = make_proposer(target, drafts[draft_name])
     calls = []
     ragged = prop.draft.model.forward_ragged
-    prop.draft.model.forward_ragged = lambda tokens, segs: (calls.append(len(segs)), ragged(tokens, segs))[1]
+    prop.draft.model.forward_ragged = lambda tokens, segs, **kw: (calls.append(len(segs)), ragged(tokens, segs, **kw))[1]
     dec = SpecDecoder(TargetRunner(target.model, MAX_LEN), prop, K)
     got = run_batched(dec, [p for p, _ in cases], [SamplingParams(max_new_tokens=NEW)] * len(cases))
     assert [r.token_ids for r in got] == [o for _, o in cases]
@@ -466,7 +467,7 @@ def test_a_draft_that_skipped_the_prompt_catches_up_a_chunk_per_step(target, dra
     dec = SpecDecoder(TargetRunner(target.model, MAX_LEN), prop, K)
     prompt, expected = next((p, o) for p, o in greedy_cases if len(p) > 9)
     st = dec.begin(prompt, SamplingParams(max_new_tokens=NEW))
-    dec.prefilled(st, len(prompt), st.runner.forward(dec.prefill_tokens(st, len(prompt)), logits="last"),
+    dec.prefilled(st, len(prompt), st.runner.run(dec.prefill_tokens(st, len(prompt)), logits="last"),
                   read_prompt=False)
     assert sizes == [] and prop.slots[0].runner.length == 0  # the prompt was not read
     while st.finish is None:
@@ -516,7 +517,7 @@ def test_a_draft_gguf_quantization_without_a_gguf_names_the_drafts_keys(tiny_mod
     """It named --model / --quantization, the target's options, for a problem in the draft's config."""
     from specctl.errors import UsageError
     from specctl.runtime.proposers.draft_model import load_draft
-    from specctl.runtime.runner import load_model
+    from specctl.runtime.loading import load_model
 
     cfg = SpecConfig.from_dict({"method": "draft_model", "model": str(tiny_model_dir), "quantization": "gguf"})
     with pytest.raises(UsageError, match="the draft's \"quantization\": \"gguf\"") as e:

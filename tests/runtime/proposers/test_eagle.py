@@ -18,7 +18,8 @@ from specctl.errors import UsageError
 from specctl.kernels import cpu
 from specctl.runtime.decoder import SamplingParams, SpecDecoder
 from specctl.runtime.proposers import build_proposer
-from specctl.runtime.runner import TargetRunner, load_model
+from specctl.runtime.loading import load_model
+from specctl.runtime.runner import TargetRunner
 from specctl.training.eagle import EagleTrainConfig, train
 from specctl.training.eagle_ttt import ttt_forward
 
@@ -188,7 +189,7 @@ def test_greedy_equality_with_accepted_drafts(trained, tiny_model_dir, version):
     prop = build_proposer(SpecConfig.from_dict({"method": method, "model": s["export"], "num_speculative_tokens": 4}),
                           256, target=loaded)
     if version == 3:  # it asks for the layers it reads; building it leaves the shared target as it was
-        assert prop.aux_layers == tuple(s["aux_layers"]) and loaded.model.aux_layers == ()
+        assert prop.aux_layers == tuple(s["aux_layers"])
     spec = SpecDecoder(TargetRunner(loaded.model, 256), prop, 4)
     plain = SpecDecoder(TargetRunner(loaded.model, 256))
     accepted = 0
@@ -208,7 +209,7 @@ def test_sampling_returns_draft_probs_on_target_ids(trained, tiny_model_dir):
     dec = SpecDecoder(TargetRunner(loaded.model, 256), prop, 3)
     ids = loaded.tokenizer("print hello", add_special_tokens=False)["input_ids"]
     st = dec.start(ids, SamplingParams(max_new_tokens=8, temperature=0.8), torch.Generator().manual_seed(0))
-    d = prop.propose(st.ctx, [st.n_ctx], 3)
+    d = prop.propose([st.draft_request()], [3])
     n = int(d.num_tokens[0])
     assert n >= 1 and d.probs.shape == (1, 3, 128)
     q = d.probs[0, :n]
@@ -258,11 +259,11 @@ def test_tree_with_topk_1_is_the_chain(trained, tiny_model_dir):
     for prop in (tree, chain):
         dec = SpecDecoder(TargetRunner(loaded.model, 256), prop, 4)
         st = dec.start(ids, SamplingParams(max_new_tokens=8))
-        outs.append(prop.propose(st.ctx, [st.n_ctx], 4))
+        outs.append(prop.propose([st.draft_request()], [4]))
     t, c = outs
     n = int(c.num_tokens[0])
     assert t.token_ids[0, :n].tolist() == c.token_ids[0, :n].tolist()
-    assert t.parents == [-1] + list(range(n - 1))
+    assert t[0].parents == [-1] + list(range(n - 1))
 
 
 def test_every_tree_node_is_a_top_k_child_of_its_path_run_as_a_chain(trained, tiny_model_dir):
@@ -273,9 +274,9 @@ def test_every_tree_node_is_a_top_k_child_of_its_path_run_as_a_chain(trained, ti
     dec = SpecDecoder(TargetRunner(loaded.model, 256), prop, 4)
     ids = template_ids(loaded.tokenizer, [{"role": "user", "content": trained["prompts"][3]}], True)
     st = dec.start(ids, SamplingParams(max_new_tokens=8))
-    s = prop._slot_for_row(st.ctx[0], st.n_ctx)
-    d = prop.propose(st.ctx, [st.n_ctx], 4)
-    toks, parents = d.token_ids[0].tolist(), d.parents
+    s = prop._slot_for(st.draft_request())
+    d = prop.propose([st.draft_request()], [4])
+    toks, parents = d[0].ids, d[0].parents
     assert len(toks) == 14 and max(p for p in parents) >= 1  # branching, at least 3 levels
     assert len(set(p for p in parents if p >= 0)) < len([p for p in parents if p >= 0])  # some node has 2+ children
     P, draft = s.n_feat, prop.draft
@@ -437,7 +438,6 @@ def test_a_hybrid_of_eagle3_drafts_reading_different_layers(tiny_model_dir, tiny
         {"method": "eagle3", "model": str(dirs[1]), "num_speculative_tokens": 3}]})
     prop = build_proposer(cfg, 256, target=loaded)
     assert [p.aux_layers for p in prop.subs] == [(1,), (0, 1)] and prop.aux_layers == (0, 1)
-    assert loaded.model.aux_layers == ()
     spec, plain = SpecDecoder(TargetRunner(loaded.model, 256), prop, 3), SpecDecoder(TargetRunner(loaded.model, 256))
     for p in ([5, 9, 9, 20, 31], [70, 71, 72, 70, 71, 72, 70]):
         params = SamplingParams(max_new_tokens=16, ignore_eos=True)
@@ -461,11 +461,11 @@ def test_a_batch_steps_the_chains_together_and_each_drafts_as_alone(trained, tin
         seen, sizes = {}, []
         orig = prop._drafts
 
-        def drafts(rows, ks):
-            out = orig(rows, ks)
-            sizes.append(len(rows))
-            for (ctx, n, _), (ids, _) in zip(rows, out):
-                seen.setdefault(tuple(ctx[0, :len(prompts[0]) // 2].tolist()), []).append((n, ids))
+        def drafts(requests, ks):
+            out = orig(requests, ks)
+            sizes.append(len(requests))
+            for r, (ids, _) in zip(requests, out):
+                seen.setdefault(tuple(r.ctx[:len(prompts[0]) // 2].tolist()), []).append((r.n, ids))
             return out
 
         prop._drafts = drafts

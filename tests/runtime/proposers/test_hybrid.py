@@ -9,9 +9,10 @@ import torch
 from specctl.config import SpecConfig
 from specctl.errors import ConfigError
 from specctl.runtime.decoder import SamplingParams, SpecDecoder
-from specctl.runtime.proposers import build_proposer
+from specctl.runtime.proposers import DraftRequest, build_proposer
 from specctl.runtime.proposers.hybrid import HybridProposer
-from specctl.runtime.runner import TargetRunner, load_model
+from specctl.runtime.loading import load_model
+from specctl.runtime.runner import TargetRunner
 from specctl.testing import exact_marginals, null_tv_quantile, tv
 
 MAX_LEN = 192
@@ -176,12 +177,11 @@ def test_sampling_keeps_the_target_distribution(target, folders, which, policy):
 
 
 def test_merge_tree_shares_prefixes():
-    from specctl.runtime.proposers.base import DraftOutput
+    from specctl.runtime.proposers.base import Draft
     from specctl.runtime.proposers.hybrid import merge_tree
 
-    chain = DraftOutput(torch.tensor([[5, 6, 7, -1]]), torch.tensor([3]))
-    other = DraftOutput(torch.tensor([[5, 9, -1, -1]]), torch.tensor([2]))
-    tree = DraftOutput(torch.tensor([[5, 8, 6, 4]]), torch.tensor([4]), None, [-1, -1, 0, 2])  # 5 > 6 > 4, and 8
+    chain, other = Draft([5, 6, 7]), Draft([5, 9])
+    tree = Draft([5, 8, 6, 4], None, [-1, -1, 0, 2])  # 5 > 6 > 4, and 8
     tokens, parents = merge_tree([chain, other, tree])
     assert tokens == [5, 6, 7, 9, 8, 4] and parents == [-1, 0, 1, 0, -1, 1]
 
@@ -239,13 +239,13 @@ class _CostlyDraft:
     def backlog(self, slot):
         return self.n[slot] - self.read[slot]
 
-    def propose(self, token_ids, num_tokens, k, hidden_states=None, slots=None):
-        from specctl.runtime.proposers.base import DraftOutput
+    def propose(self, requests, ks):
+        from specctl.runtime.proposers.base import Draft, DraftBatch
 
-        slot = int(slots[0])
-        self._charge(0.015 * k + 0.002 * self.backlog(slot))
-        self.read[slot] = self.n[slot]
-        return DraftOutput(torch.full((1, k), 1, dtype=torch.long), torch.tensor([k]))  # token 1 never comes
+        (r,), (k,) = requests, ks
+        self._charge(0.015 * k + 0.002 * self.backlog(r.slot))
+        self.read[r.slot] = self.n[r.slot]
+        return DraftBatch([Draft([1] * k)])  # token 1 never comes
 
     def on_verified(self, slot, num_accepted, emitted):
         self.n[slot] += len(emitted)
@@ -276,7 +276,7 @@ def _simulate(prop, clock, requests: int = 10, new: int = 120) -> float:
         prop.on_prefill(0, n)
         while n < len(prompt) + new:
             t0 = clock.t
-            d = prop.propose(ctx, np.array([n]), 4, None, slots=[0])
+            d = prop.propose([DraftRequest(0, ctx[0], n)], [4])
             draft_s = clock.t - t0
             nd = int(d.num_tokens[0])
             drafted = d.token_ids[0, :nd].tolist()

@@ -15,10 +15,11 @@ from specctl.config import SpecConfig
 from specctl.drafts.medusa import MedusaHeads, load_medusa, save_fasterdecoding
 from specctl.errors import ConfigError, ModelError
 from specctl.runtime.decoder import SamplingParams, SpecDecoder
-from specctl.runtime.proposers import build_proposer
+from specctl.runtime.proposers import DraftRequest, build_proposer
 from specctl.runtime.proposers.medusa import MedusaProposer, auto_tree, parse_token_tree, tree_from_choices, tree_tokens
 from specctl.runtime.rejection import greedy_tree_verify
-from specctl.runtime.runner import TargetRunner, load_model, tree_attention_mask
+from specctl.runtime.loading import load_model
+from specctl.runtime.runner import TargetRunner, tree_attention_mask
 from specctl.training import data as D
 from specctl.training.medusa import MedusaTrainConfig, train
 
@@ -85,9 +86,9 @@ def test_tree_greedy_equals_plain_and_accepts(trained):
     c = SpecConfig.from_json(json.dumps({"method": "medusa", "model": str(heads_dir), "num_speculative_tokens": 3,
                                          "speculative_token_tree": "[(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]"}))
     prop = build_proposer(c, 160, target=lm)
-    d = prop.propose(np.zeros((1, 4), dtype=np.int32), np.array([4], dtype=np.int32), 2,
-                     torch.randn(1, lm.model.args.hidden_size))
-    assert d.parents == [-1, -1, 0, 0, 1] and int(d.num_tokens[0]) == 5  # cut to depth 2: (0,0,0) dropped
+    prop.start_request(0, np.zeros(4, dtype=np.int32))
+    d = prop.propose([DraftRequest(0, np.zeros(4, dtype=np.int32), 4, torch.randn(1, lm.model.args.hidden_size))], [2])
+    assert d[0].parents == [-1, -1, 0, 0, 1] and int(d.num_tokens[0]) == 5  # cut to depth 2: (0,0,0) dropped
     assert greedy_acceptance(SpecDecoder(TargetRunner(lm.model, 160), prop, 3), cases) > 2.5
 
 
@@ -126,7 +127,7 @@ def test_sampled_drafts_carry_their_distribution(trained):
     prop = build_proposer(cfg(heads_dir, k=3), 128, target=lm)
     prop.set_sampling(0, SamplingParams(temperature=0.7, top_k=20), torch.Generator().manual_seed(0))
     hidden = torch.randn(1, 64)
-    d = prop.propose(np.zeros((1, 8), np.int32), np.array([4], np.int32), 3, hidden)
+    d = prop.propose([DraftRequest(0, np.zeros(8, np.int32), 4, hidden)], [3])
     assert d.probs.shape == (1, 3, 128)
     want = torch.softmax(prop.head_logits(hidden) / 0.7, -1)
     kth = want.topk(20, -1).values[..., -1:]
@@ -149,8 +150,12 @@ def test_both_layouts_draft_alike_and_k_is_capped(trained, tmp_path):
     ids = np.zeros((2, 8), np.int32)
     a = build_proposer(cfg(heads_dir, k=5), 128, target=lm)
     b = build_proposer(cfg(tmp_path / "fd", k=5), 128, target=lm)
-    da, db = a.propose(ids, np.array([4, 4]), 5, hidden), b.propose(ids, np.array([4, 4]), 5, hidden)
-    assert da.token_ids.shape == (2, 5) and int(da.num_tokens.max()) <= 3  # 3 heads: at most 3 drafts
+    reqs = [DraftRequest(b, ids[b], 4, hidden[b:b + 1]) for b in range(2)]
+    for p in (a, b):
+        for r in reqs:
+            p.start_request(r.slot, r.tokens)
+    da, db = a.propose(reqs, [5, 5]), b.propose(reqs, [5, 5])
+    assert len(da) == 2 and int(da.num_tokens.max()) <= 3  # 3 heads: at most 3 drafts
     assert torch.equal(da.token_ids, db.token_ids) and da.probs is None
 
 
@@ -234,19 +239,19 @@ def test_a_batch_runs_the_heads_once_and_each_draft_is_its_own(trained, run_batc
     extra = {} if tree is None else {"speculative_token_tree": tree}
     prop = build_proposer(cfg(heads_dir, **extra), 160, target=lm)
     calls = []
-    orig = prop.propose_batch
+    orig = prop.propose
 
-    def checked(rows, ks, hidden=None):
-        out = orig(rows, ks, hidden)
-        calls.append((rows, ks, hidden, out))
+    def checked(requests, ks):
+        out = orig(requests, ks)
+        calls.append(([DraftRequest(r.slot, r.tokens.copy(), r.n, r.hidden) for r in requests], ks, out))
         return out
 
-    prop.propose_batch = checked
+    prop.propose = checked
     run_batched(SpecDecoder(TargetRunner(lm.model, 160), prop, 3), [p for p, _ in cases[:8]],
                 [SamplingParams(max_new_tokens=NEW)] * 8)
-    assert calls and max(len(rows) for rows, *_ in calls) > 1
-    for rows, ks, hidden, out in calls:
-        for (ctx, n, slot), k, h, d in zip(rows, ks, hidden, out):
-            alone = prop.propose(ctx, np.array([n], dtype=np.int32), k, h, [slot])
-            assert torch.equal(d.token_ids, alone.token_ids) and torch.equal(d.num_tokens, alone.num_tokens)
-            assert d.parents == alone.parents
+    assert calls and max(len(reqs) for reqs, *_ in calls) > 1
+    for reqs, ks, out in calls:
+        for r, k, d in zip(reqs, ks, out.drafts):
+            prop.start_request(r.slot, r.tokens)
+            alone = orig([r], [k])[0]
+            assert d.ids == alone.ids and d.parents == alone.parents

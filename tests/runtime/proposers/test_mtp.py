@@ -9,7 +9,6 @@ import json
 import logging
 import shutil
 
-import numpy as np
 import pytest
 import torch
 
@@ -19,7 +18,8 @@ from specctl.drafts.mtp_files import MTP_FILE, export_mtp, load_mtp, mtp_state_d
 from specctl.runtime.decoder import SamplingParams, SpecDecoder
 from specctl.runtime.proposers import build_proposer
 from specctl.runtime.proposers.mtp import MtpProposer
-from specctl.runtime.runner import TargetRunner, load_model
+from specctl.runtime.loading import load_model
+from specctl.runtime.runner import TargetRunner
 from specctl.training.mtp import init_stack, mtp_loss, step_weights, target_states, unroll
 
 K = 3
@@ -109,9 +109,9 @@ def test_incremental_drafts_equal_scratch(loaded, trained_stack):
     seen = []
     orig = prop._drafts
 
-    def checked(rows, ks):
-        out = orig(rows, ks)
-        seen.extend((ctx[0, :n].tolist(), ids, k) for (ctx, n, _), k, (ids, _) in zip(rows, ks, out) if ids)
+    def checked(requests, ks):
+        out = orig(requests, ks)
+        seen.extend((r.tokens.tolist(), ids, k) for r, k, (ids, _) in zip(requests, ks, out) if ids)
         return out
 
     prop._drafts = checked
@@ -180,7 +180,7 @@ def test_sampled_drafts_carry_q(loaded, trained_stack):
     dec = SpecDecoder(TargetRunner(loaded.model, 128), prop, K)
     st = dec.start([10, 11, 12, 13], SamplingParams(max_new_tokens=20, temperature=0.8, ignore_eos=True),
                    torch.Generator().manual_seed(0))
-    d = prop.propose(st.ctx, np.array([st.n_ctx], dtype=np.int32), K)
+    d = prop.propose([st.draft_request()], [K])
     assert d.probs is not None and d.probs.shape == (1, K, 128)
     n = int(d.num_tokens[0])
     assert torch.allclose(d.probs[0, :n].sum(-1), torch.ones(n), atol=1e-5)
@@ -219,10 +219,10 @@ def test_a_batch_drafts_every_depth_in_one_pass_and_each_draft_is_the_scratch_on
     calls, seen = [], []
     orig = prop._drafts
 
-    def checked(rows, ks):
-        out = orig(rows, ks)
-        calls.append(len(rows))
-        seen.extend((ctx[0, :n].tolist(), ids, k) for (ctx, n, _), k, (ids, _) in zip(rows, ks, out) if ids)
+    def checked(requests, ks):
+        out = orig(requests, ks)
+        calls.append(len(requests))
+        seen.extend((r.tokens.tolist(), ids, k) for r, k, (ids, _) in zip(requests, ks, out) if ids)
         return out
 
     prop._drafts = checked

@@ -7,7 +7,6 @@ distribution; bad keys get one-line errors."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
@@ -18,7 +17,8 @@ from specctl.modeling import attention_scores
 from specctl.runtime.proposers import build_proposer
 from specctl.runtime.proposers.sparse_attn import (SINK_TOKENS, draft_budget, streamingllm_positions,
                                                    vegas_positions)
-from specctl.runtime.runner import TargetRunner, load_model
+from specctl.runtime.loading import load_model
+from specctl.runtime.runner import TargetRunner
 from specctl.testing import emitted_histograms, exact_marginals, null_tv_quantile, tv
 
 MAX_LEN = 256
@@ -89,7 +89,7 @@ def test_drafting_leaves_the_real_cache_unchanged(target, algo):
     spec.step(st)  # one verification (Vegas then ranks by its scores)
     runner = st.runner
     k0, v0, n0 = runner.cache.k.clone(), runner.cache.v.clone(), runner.length
-    d = prop.propose(st.ctx, np.array([st.n_ctx], dtype=np.int32), 4, slots=[st.slot])
+    d = prop.propose([st.draft_request()], [4])
     assert int(d.num_tokens[0]) == 4
     assert torch.equal(runner.cache.k, k0) and torch.equal(runner.cache.v, v0) and runner.length == n0
     assert prop.slots[st.slot].selected < n0  # it did attend to a subset

@@ -16,7 +16,7 @@ import torch
 from specctl.config import SpecConfig
 from specctl.runtime.decoder import SamplingParams, SpecDecoder
 from specctl.modeling import load_transformer
-from specctl.runtime.proposers import build_proposer
+from specctl.runtime.proposers import DraftRequest, build_proposer
 from specctl.runtime.proposers.suffix import SuffixProposer
 from specctl.runtime.runner import TargetRunner
 
@@ -154,9 +154,10 @@ def test_global_draft_wins_only_with_a_higher_score():
     def propose(p, tokens):
         ctx = np.zeros((1, 64), np.int32)
         ctx[0, :len(tokens)] = tokens
-        d = p.propose(ctx, np.array([len(tokens)], np.int32), 8)
+        p.start_request(0, ctx[0, :len(tokens)])
+        d = p.propose([DraftRequest(0, ctx[0], len(tokens))], [8])
         assert d.probs is None
-        return d.token_ids[0, :d.num_tokens[0]].tolist(), p.last_source[0]
+        return d[0].ids, p.last_source[0]
 
     # local "1 5 6": nothing follows 6 (score 0); global "9 5 6 7 8 9": 7 8 9 with probability 1 (score 3)
     assert propose(proposer_with_response([9, 5, 6, 7, 8, 9]), [1, 5, 6]) == ([7, 8, 9], "global")
@@ -170,24 +171,28 @@ def test_global_draft_wins_only_with_a_higher_score():
 # --------------------------------------------------------------------------- rows, slots, limits
 
 
-def test_rows_without_start_request_and_restarts():
+def test_an_unknown_slot_is_an_error_and_a_changed_context_restarts_its_tree():
     p = SuffixProposer(suffix_config(num_speculative_tokens=4, suffix_decoding_max_cached_requests=0), max_model_len=64)
     ctx = np.zeros((2, 64), np.int32)
     ctx[0, :6] = [1, 2, 3, 1, 2, 3]
     ctx[1, :5] = [7, 8, 7, 8, 7]
-    d = p.propose(ctx, np.array([6, 5], np.int32), 4)
+    with pytest.raises(KeyError, match="slot 0"):  # never a guess at which request a context is
+        p.propose([DraftRequest(0, ctx[0], 6)], [4])
+    p.start_request(0, ctx[0, :1])
+    p.start_request(1, ctx[1, :1])
+    d = p.propose([DraftRequest(0, ctx[0], 6), DraftRequest(1, ctx[1], 5)], [4, 4])
     # row 0: "1 2 3" occurs twice, so the 3-token match drafts 1 2 3 (1/2 each); row 1: "7 8 7" occurs
     # twice (overlapping), its earlier occurrence goes on 8 7; factor 1.0 caps shorter matches' drafts
-    assert d.token_ids.shape == (2, 4) and d.num_tokens.tolist() == [3, 2]
-    assert d.token_ids[0].tolist() == [1, 2, 3, -1] and d.token_ids[1].tolist() == [8, 7, -1, -1]
-    # row 0 now holds another request: its slot restarts from the row
+    assert d.num_tokens.tolist() == [3, 2] and d[0].ids == [1, 2, 3] and d[1].ids == [8, 7]
+    assert d.token_ids.tolist() == [[1, 2, 3], [8, 7, -1]]
+    # slot 0's context changed under it: its tree restarts from the context
     ctx[0, :4] = [4, 4, 4, 4]
-    d = p.propose(ctx, np.array([4, 5], np.int32), 4)
-    assert d.token_ids[0, :d.num_tokens[0]].tolist() == [4, 4]  # "4 4" (3x) -> 4 (2/3) -> 4 (2/3 * 1/2)
+    d = p.propose([DraftRequest(0, ctx[0], 4), DraftRequest(1, ctx[1], 5)], [4, 4])
+    assert d[0].ids == [4, 4]  # "4 4" (3x) -> 4 (2/3) -> 4 (2/3 * 1/2)
     assert p.requests[0].tokens().tolist() == [4, 4, 4, 4]
 
 
-def test_decoder_buffer_identifies_the_slot(loopy_model, greedy_cases):
+def test_each_request_keeps_its_slot(loopy_model, greedy_cases):
     """Two requests stepped alternately (as the server does), each in its own slot and buffer."""
     cfg = suffix_config(num_speculative_tokens=6)
     runners = [TargetRunner(loopy_model, MAX_LEN) for _ in range(2)]
@@ -211,10 +216,10 @@ def test_draft_never_passes_max_model_len():
     p = SuffixProposer(suffix_config(num_speculative_tokens=8, suffix_decoding_max_spec_factor=8.0), max_model_len=12)
     ctx = np.zeros((1, 12), np.int32)
     ctx[0, :8] = [1, 2, 3, 4, 1, 2, 3, 4]
+    p.start_request(0, ctx[0, :1])
     for n, room in [(5, 6), (8, 3), (10, 1), (11, 0)]:
-        d = p.propose(ctx, np.array([n], np.int32), 8)
-        assert int(d.num_tokens[0]) <= min(room, 8)
-        assert (d.token_ids[0, int(d.num_tokens[0]):] == -1).all()
+        d = p.propose([DraftRequest(0, ctx[0], n)], [8])
+        assert len(d[0]) <= min(room, 8)
 
 
 # --------------------------------------------------------------------------- the agentic workload
