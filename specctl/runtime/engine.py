@@ -17,7 +17,7 @@ import itertools
 import logging
 import threading
 import time
-from collections import Counter, deque
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -138,8 +138,7 @@ class Engine:
         self.adaptive = adaptive
         self.metrics = EngineMetrics()
         self.num_running = 0
-        self._cv = threading.Condition()
-        self._waiting: deque[EngineRequest] = deque()  # submitted, not yet handed to the scheduler
+        self._cv = threading.Condition()  # also the scheduler's lock around its waiting queue
         self._reqs: dict[str, EngineRequest] = {}  # every request not yet ended, by id
         self._seen: dict[str, _Seen] = {}  # id -> what the metrics have counted of it
         self._sched: Scheduler | None = None
@@ -152,7 +151,7 @@ class Engine:
     # ------------------------------------------------------------------ handler side (any thread)
     @property
     def num_waiting(self) -> int:
-        return len(self._waiting) + (len(self._sched.waiting) if self._sched is not None else 0)
+        return len(self._sched.waiting) if self._sched is not None else 0
 
     @property
     def alive(self) -> bool:
@@ -188,8 +187,8 @@ class Engine:
                     and self.num_running + self.num_waiting >= self.max_num_seqs + self.max_waiting):
                 raise QueueFull(f"the server is at capacity: {self.num_running} requests running, "
                                 f"{self.num_waiting} waiting (--max-waiting {self.max_waiting})")
-            self._waiting.append(req)
             self._reqs[req.id] = req
+            self._sched.add(req.sched)  # the one waiting queue: the scheduler admits it as a slot frees up
             self._cv.notify()
 
     def abort(self, req: EngineRequest, reason: str = "abort") -> None:
@@ -199,14 +198,8 @@ class Engine:
                 return
             if req.abort_reason is None:
                 req.abort_reason = reason
-            queued = req in self._waiting
-            if queued:  # never reached the scheduler: it ends here
-                self._waiting.remove(req)
-            else:  # the scheduler ends it at its next step
-                req.sched.cancelled = req.sched.cancelled or req.abort_reason
+            self._sched.cancel(req.sched, req.abort_reason)  # its end comes with the scheduler's next step
             self._cv.notify()
-        if queued:
-            self._close(req, Event([], SpecStats(), finish=req.abort_reason))
 
     def abort_all(self, reason: str = "abort") -> int:
         """End every request not yet ended (the server is shutting down): each gets its final event, so a
@@ -229,7 +222,7 @@ class Engine:
         self._decoder = SpecDecoder(runners[0], proposer, self.k, adaptive=self.adaptive)
         self._sched = Scheduler(self._decoder, runners,
                                 disable_by_batch_size=None if self.spec is None else self.spec.disable_by_batch_size,
-                                max_num_batched_tokens=self.max_num_batched_tokens)
+                                max_num_batched_tokens=self.max_num_batched_tokens, lock=self._cv)
         vocab = self.loaded.model.args.vocab_size
         if self.max_model_len >= 24 and vocab > 16:  # warm-up: allocator, numba kernels, first-call costs
             self._decoder.generate([8, 9, 10, 11, 12, 13] * 2, SamplingParams(max_new_tokens=8, ignore_eos=True))
@@ -246,12 +239,10 @@ class Engine:
         try:
             while True:
                 with self._cv:
-                    while not (self._stopping or self._waiting or not sched.idle):
+                    while not (self._stopping or not sched.idle):
                         self._cv.wait()
                     if self._stopping:
                         break
-                    while self._waiting:  # FIFO: the scheduler admits them as slots free up
-                        sched.add(self._waiting.popleft().sched)
                 updates = sched.step()
                 for u in updates:
                     self._publish(u)
@@ -265,8 +256,8 @@ class Engine:
             self._close(self._reqs.get(r.id), Event([], st.stats.copy(), finish="abort",
                                                     error=None if self.failure is None else why))
         with self._cv:
-            left = list(self._waiting) + [self._reqs.get(r.id) for r in sched.waiting]
-            self._waiting.clear()
+            left = [self._reqs.get(r.id) for r in sched.waiting]
+            sched.waiting.clear()
         for req in left:
             self._close(req, Event([], SpecStats(), finish="abort", error=why))
         self.num_running = 0

@@ -20,12 +20,15 @@ places (every ``max_num_batched_tokens`` tokens), whatever else runs, so its cac
 not depend on the batch either; None prefills each prompt whole, alone, when it is admitted.
 
 The scheduler is synchronous (``add``, ``step``, ``cancel``): the server's engine thread drives it
-(``specctl.runtime.engine``) and so does ``specctl bench --concurrency``. What it does not know:
-threads, HTTP, tokenizers.
+(``specctl.runtime.engine``) and so does ``specctl bench --concurrency``. Its waiting queue is the only
+one: the server's handlers ``add`` and ``cancel`` into it from their threads, under the ``lock`` the
+engine gives (held only while the queue changes, never across a forward). What it does not know:
+threads beyond that lock, HTTP, tokenizers.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import time
 from collections import deque
@@ -72,7 +75,7 @@ class Scheduler:
     """FIFO admission into a fixed pool of KV slots, one batched step for every running request."""
 
     def __init__(self, decoder: SpecDecoder, runners: list[TargetRunner], disable_by_batch_size: int | None = None,
-                 max_num_batched_tokens: int | None = None):
+                 max_num_batched_tokens: int | None = None, lock=None):
         if not runners:
             raise ValueError("the scheduler needs at least one runner (KV slot)")
         if max_num_batched_tokens is not None and max_num_batched_tokens < 1:
@@ -83,6 +86,7 @@ class Scheduler:
         self.runners = runners
         self.disable_by_batch_size = disable_by_batch_size
         self.waiting: deque[Request] = deque()
+        self.lock = lock if lock is not None else contextlib.nullcontext()  # around every change of ``waiting``
         self.running: list[tuple[Request, DecodeState]] = []
         self._free = list(range(len(runners) - 1, -1, -1))  # pop() hands out slot 0 first
         self.steps = 0
@@ -102,26 +106,32 @@ class Scheduler:
         return not self.waiting and not self.running and not self.prefilling
 
     def add(self, req: Request) -> None:
-        self.waiting.append(req)
+        with self.lock:
+            self.waiting.append(req)
 
     def cancel(self, req: Request, reason: str = "abort") -> None:
-        """Stop ``req`` at the next step (a waiting request never starts)."""
-        if req.cancelled is None:
-            req.cancelled = reason
+        """Stop ``req`` at the next step (a waiting request never starts: its end is that step's update)."""
+        with self.lock:
+            if req.cancelled is None:
+                req.cancelled = reason
 
     def step(self) -> list[Update]:
         """Admit what fits, then one batched step of every running request. Returns the updates."""
         updates: list[Update] = []
         this_step: dict[str, Update] = {}  # request id -> its update with tokens (a request that ends gets one)
-        kept = deque()
-        for req in self.waiting:  # cancelled before it started: it ends here
-            if req.cancelled is not None:
-                updates.append(Update(req, [], None, finish=req.cancelled))
-            else:
-                kept.append(req)
-        self.waiting = kept
-        while self.waiting and self._free:
-            req, slot = self.waiting.popleft(), self._free.pop()
+        with self.lock:  # cancelled before it started: it ends here; then what fits is admitted
+            kept = deque()
+            for req in self.waiting:
+                if req.cancelled is not None:
+                    updates.append(Update(req, [], None, finish=req.cancelled))
+                else:
+                    kept.append(req)
+            admitted = []
+            while kept and len(admitted) < len(self._free):
+                admitted.append(kept.popleft())
+            self.waiting = kept
+        for req in admitted:
+            slot = self._free.pop()
             upd = self._start(req, slot)
             updates.append(upd)
             if upd.finish is not None:

@@ -399,9 +399,45 @@ def test_bad_requests_get_4xx_json_and_the_server_keeps_serving(server):
 class SlowEngine(Engine):
     """10 ms per step, so that a client can leave while its request is still running."""
 
-    def _step(self, req, st):
-        time.sleep(0.01)
-        return super()._step(req, st)
+    def _setup(self):
+        super()._setup()
+        step = self._sched.step
+        self._sched.step = lambda: (time.sleep(0.01), step())[1]
+
+
+def test_a_waiting_request_aborted_ends_through_the_scheduler(loaded):
+    """One waiting queue (the scheduler's): a request aborted while it waits for the one slot ends with
+    "abort" at the scheduler's next step, the running one is not disturbed, and nothing is left waiting."""
+    import asyncio
+
+    from specctl.runtime.decoder import SamplingParams
+    from specctl.runtime.engine import EngineRequest
+
+    engine = SlowEngine(loaded, None, MAX_LEN, max_num_seqs=1, adaptive=False)
+    engine.start()
+
+    async def run():
+        loop = asyncio.get_running_loop()
+        first = EngineRequest([5, 6, 7], SamplingParams(max_new_tokens=30, ignore_eos=True), None, loop)
+        second = EngineRequest([5, 6, 8], SamplingParams(max_new_tokens=30, ignore_eos=True), None, loop)
+        engine.submit(first)
+        engine.submit(second)
+        assert engine.num_waiting >= 1
+        engine.abort(second)
+        ev = await asyncio.wait_for(second.queue.get(), 10)
+        assert ev.finish == "abort" and not ev.tokens
+        n = 0
+        while True:
+            ev = await asyncio.wait_for(first.queue.get(), 10)
+            n += len(ev.tokens)
+            if ev.finish is not None:
+                return ev.finish, n
+
+    try:
+        assert asyncio.run(run()) == ("length", 30)
+        assert engine.num_waiting == 0
+    finally:
+        engine.shutdown()
 
 
 @pytest.fixture(scope="module")
