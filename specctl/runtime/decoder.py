@@ -17,7 +17,6 @@ final token (recovered or bonus) becomes the next ``last``.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -26,66 +25,17 @@ from specctl.runtime.controller import BatchGuard, DraftLengthController, Pooled
 from specctl.runtime.metrics import SpecStats
 from specctl.runtime.proposers.base import Draft, Proposer
 from specctl.runtime.rejection import (
-    coupled_verify,
-    greedy_tree_verify,
-    greedy_verify,
     keyed_uniforms,
     logits_to_probs,
-    rejection_sample,
     sample_with_uniforms,
 )
 from specctl.runtime.requests import DecodeState, GenerationResult, SamplingParams  # noqa: F401 (here as before)
-from specctl.runtime.runner import TargetOut, TargetRunner, forward_batch, tree_depths
+from specctl.runtime.runner import TargetOut, TargetRunner, forward_batch
+from specctl.runtime.verify import Block, StepOutcome, verify
 
 
 def _fail(st: DecodeState, e: BaseException) -> None:
     st.error, st.finish = e, "error"
-
-
-@dataclass
-class Block:
-    """One request's rows in a step's target forward: ``tokens`` [1, 1+d] (the last emitted token, then
-    the draft: a chain, or a tree's nodes), the draft itself, the cache length before the step, and the
-    times the controller weighs (drafting t0..t1, the forward, its own verification)."""
-
-    tokens: torch.Tensor
-    draft: Draft
-    base: int
-    t0: float = 0.0
-    t1: float = 0.0
-    rows: int = 0  # rows of the whole forward it rode in (every request's)
-    batch: int = 1  # requests decoding in that forward
-    forward_s: float = 0.0  # that forward's seconds
-    t_done: float = 0.0  # when its verification started
-
-    @property
-    def parents(self) -> list[int] | None:
-        """The forward's tree over the block's rows (node 0 = the last token), or None for a chain."""
-        if not self.draft.is_tree:
-            return None
-        return [-1] + [p + 1 for p in self.draft.parents[:len(self.draft)]]
-
-    def step_seconds(self) -> float:
-        """Its drafting, the forward, and its own verification so far: what the controller weighs."""
-        return (self.t1 - self.t0) + self.forward_s + (time.perf_counter() - self.t_done)
-
-
-@dataclass
-class StepOutcome:
-    """What one request's verification decided, which ``commit`` applies and the observers count:
-    the block rows whose keys/values stay (0 = the last token, then the accepted drafts: a tree's
-    path), the tokens to emit (the accepted drafts and the recovered or bonus token)."""
-
-    kept: list[int]
-    emitted: list[int]
-    num_draft: int  # draft positions verified (a tree: its depth)
-    nodes: int  # draft tokens forwarded (a tree: every node)
-    tree: bool = False
-    margins: list[float] | None = None
-
-    @property
-    def accepted(self) -> int:
-        return len(self.kept) - 1
 
 
 EXPLORE_POSITIONS = 8  # pooled draft positions tried before every new request of a batch may draft
@@ -264,9 +214,11 @@ class SpecDecoder:
         outs = self._forward(states, blocks, prefills)
         if outs is None:
             return out
-        for i, block in blocks.items():
+        for i, oc in verify(states, blocks, outs).items():
             try:
-                out[i] = self.commit(states[i], block, outs[i], self.verify(states[i], block, outs[i]))
+                if isinstance(oc, Exception):
+                    raise oc
+                out[i] = self.commit(states[i], blocks[i], outs[i], oc)
             except Exception as e:  # noqa: BLE001 - this request fails, the batch goes on
                 _fail(states[i], e)
         read_prompt = self._reads_prompt(len(states) + 1)  # a joiner of a batch that is not drafting reads nothing
@@ -369,35 +321,6 @@ class SpecDecoder:
             b.rows, b.forward_s, b.batch = rows, t, len(blocks)
         keys = list(blocks) + [len(states) + j for j in range(len(prefills))]
         return dict(zip(keys, outs))
-
-    # ------------------------------------------------------------------ verify
-    def verify(self, st: DecodeState, block: Block, out: TargetOut) -> StepOutcome:
-        """The request's verification of its block (``out``: its rows' forward): greedy (a chain, or a tree
-        followed along the target's choices), or rejection sampling (coupled to plain sampling for
-        deterministic drafts). Lossless either way."""
-        block.t_done = time.perf_counter()
-        params, d, logits = st.params, block.draft, out.logits
-        nd = len(d)
-        if params.greedy:
-            margins = [] if params.record_margins else None
-            target = st.runner.greedy(logits, margins=margins, hidden=out.hidden)  # [1, 1+d]
-            if block.parents is not None:
-                path, emitted = greedy_tree_verify(block.tokens[0].tolist(), block.parents, target[0].tolist())
-                margins = None if margins is None else [margins[j] for j in path]  # emitted[m] is row path[m]'s choice
-                return StepOutcome(path, emitted, max(tree_depths(block.parents)), nd, True, margins)
-            draft_ids = block.tokens[:, 1:].to(logits.device)
-            out_ids, n_emit = greedy_verify(draft_ids, torch.tensor([nd], device=logits.device), target)
-        else:
-            probs = logits_to_probs(logits, params.temperature, params.top_k, params.top_p)
-            draft_ids, num = block.tokens[:, 1:].to(logits.device), torch.tensor([nd], device=logits.device)
-            if d.q is None:  # deterministic drafts (or none): coupled to plain sampling, position by position
-                u = keyed_uniforms(st.key, st.n_ctx, probs.shape[1])[None]
-                out_ids, n_emit = coupled_verify(draft_ids, num, probs, u)
-            else:
-                out_ids, n_emit = rejection_sample(draft_ids, num, d.q[None].to(logits.device), probs, st.generator)
-            margins = None
-        n = int(n_emit[0])
-        return StepOutcome(list(range(n)), out_ids[0, :n].tolist(), nd, nd, False, margins)
 
     # ------------------------------------------------------------------ commit
     def commit(self, st: DecodeState, block: Block, out: TargetOut, oc: StepOutcome) -> list[int]:

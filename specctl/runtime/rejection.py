@@ -63,9 +63,13 @@ def rejection_sample(
     num_draft_tokens: torch.Tensor,  # [B] int
     draft_probs: torch.Tensor | None,  # [B, k, V] float, q; None = deterministic (one-hot) drafts
     target_probs: torch.Tensor,  # [B, k+1, V] float, p (already temperature/top-p processed)
-    generator: torch.Generator | None = None,
+    generator: torch.Generator | list[torch.Generator | None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stochastic verification. Returns (output_token_ids [B, k+1] padded -1, num_emitted [B])."""
+    """Stochastic verification. Returns (output_token_ids [B, k+1] padded -1, num_emitted [B]).
+
+    ``generator``: one for the whole batch, or a list with each row's own (each request of a batch
+    samples from its own generator, which then draws exactly what that row verified alone draws: its
+    num_draft_tokens uniforms, then its one token)."""
     B, k = draft_token_ids.shape
     dev = target_probs.device
     pos = torch.arange(k, device=dev)
@@ -77,7 +81,14 @@ def rejection_sample(
         q_draft = torch.ones_like(p_draft)
     else:
         q_draft = draft_probs.gather(-1, safe_ids[..., None]).squeeze(-1)  # [B, k] q(x_i)
-    u = torch.rand(p_draft.shape, generator=generator, device=dev, dtype=torch.float32)
+    per_row = isinstance(generator, (list, tuple))
+    if per_row:
+        u = torch.ones(B, k, device=dev, dtype=torch.float32)  # past a row's drafts: never accepted (valid masks it)
+        for b, g in enumerate(generator):
+            n = int(num_draft_tokens[b])
+            u[b, :n] = torch.rand((1, n), generator=g, device=dev, dtype=torch.float32)[0]
+    else:
+        u = torch.rand(p_draft.shape, generator=generator, device=dev, dtype=torch.float32)
     # accept iff u < p/q  (written as u*q < p so q = 0 never divides)
     accept = (u * q_draft.float() < p_draft.float()) & valid
     num_accepted = torch.cumprod(accept.to(torch.int32), dim=1).sum(dim=1)  # [B]
@@ -98,7 +109,10 @@ def rejection_sample(
         # p == q exactly gives a zero residual; rejection then had probability 0, keep p to stay finite.
         residual = torch.where(norm > 0, residual / norm.clamp(min=1e-30), p_next)
         p_next = torch.where(rejected[:, None], residual, p_next)
-    sampled = torch.multinomial(p_next, 1, generator=generator).squeeze(1)  # [B]
+    if per_row:
+        sampled = torch.cat([torch.multinomial(p_next[b:b + 1], 1, generator=g)[:, 0] for b, g in enumerate(generator)])
+    else:
+        sampled = torch.multinomial(p_next, 1, generator=generator).squeeze(1)  # [B]
 
     next_tokens = torch.cat([draft_token_ids, torch.full((B, 1), PAD, dtype=draft_token_ids.dtype, device=dev)], 1)
     next_tokens = next_tokens.long()

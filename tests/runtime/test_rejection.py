@@ -296,3 +296,22 @@ def test_logits_to_probs_batched_shapes():
     assert probs.shape == (2, 3, 16)
     torch.testing.assert_close(probs.sum(-1), torch.ones(2, 3))
     assert ((probs > 0).sum(-1) <= 5).all()
+
+
+def test_per_row_generators_draw_what_each_row_draws_alone():
+    """A batch verified in one call, each row with its request's generator, gives every row exactly what
+    that row verified alone gives (the decoder verifies a batch's sampled drafts in one call)."""
+    g = torch.Generator().manual_seed(0)
+    B, k, V = 4, 5, 12
+    nums = [5, 2, 0, 3]
+    p = torch.softmax(torch.randn(B, k + 1, V, generator=g), -1)
+    q = torch.softmax(torch.randn(B, k, V, generator=g), -1)
+    draft = torch.randint(0, V, (B, k), generator=g)
+    for b, n in enumerate(nums):
+        draft[b, n:] = -1
+        q[b, n:] = 0
+    out, n_emit = rejection_sample(draft, torch.tensor(nums), q, p, [torch.Generator().manual_seed(10 + b) for b in range(B)])
+    for b, n in enumerate(nums):
+        alone, m = rejection_sample(draft[b:b + 1, :n], torch.tensor([n]), q[b:b + 1, :n], p[b:b + 1, :n + 1],
+                                    torch.Generator().manual_seed(10 + b))
+        assert int(n_emit[b]) == int(m[0]) and out[b, :int(m[0])].tolist() == alone[0, :int(m[0])].tolist(), b
