@@ -26,6 +26,10 @@ it is unmeasured), so a draft model that sits out costs nothing, and catches up 
 kept if the choice turns to it (that catching up counted in its score). Lossless like any proposer: a
 chain is one sub-proposer's draft, with its probabilities when it samples; a tree is verified greedily.
 
+In a batch, the parts are asked in rounds: every request's first choice in one call per part (a draft
+model drafts all of them in one batched forward per drafting step), then the requests still without a
+draft their next choice; each request's draft is the one it would get alone.
+
 ``credit(slot, ...)`` splits a verified step among the parts that drafted it, so the decoder counts
 drafts and acceptance per sub-proposer (bench's rows, /metrics' ``proposer`` label).
 """
@@ -38,7 +42,7 @@ import torch
 
 from specctl.config import SpecConfig
 from specctl.runtime.controller import DraftLengthController
-from specctl.runtime.proposers.base import Draft, DraftRequest, Proposer
+from specctl.runtime.proposers.base import Draft, DraftBatch, DraftRequest, Proposer
 
 
 def sub_labels(configs: list[SpecConfig]) -> list[str]:
@@ -246,14 +250,17 @@ class HybridProposer(Proposer):
                 part.acceptance.observe_costs(0, rows, verify)
 
     # ------------------------------------------------------------------ drafting
-    def _ask(self, i: int, r: DraftRequest, k: int) -> Draft:
-        backlog = self.subs[i].backlog(r.slot)
+    def _ask(self, i: int, requests: list[DraftRequest], ks: list[int]) -> list[Draft]:
+        """Part i drafts for every request given, in one call (a draft model: one batched forward per
+        drafting step for all of them); each request is charged its share of the call's time."""
+        backlogs = [self.subs[i].backlog(r.slot) for r in requests]
         t = self.clock()
-        d = self.subs[i].propose([r], [min(k, self.ks[i])])[0]
-        dt = self.clock() - t
-        self.parts[i].timed(dt, backlog)
-        self._step_draft_s.setdefault(r.slot, {})[i] = dt
-        return d
+        drafts = self.subs[i].propose(requests, [min(k, self.ks[i]) for k in ks]).drafts
+        share = (self.clock() - t) / len(requests)
+        for r, backlog in zip(requests, backlogs):
+            self.parts[i].timed(share, backlog)
+            self._step_draft_s.setdefault(r.slot, {})[i] = share
+        return drafts
 
     def _order(self, k: int, slot: int) -> list[tuple[int, int]]:
         """``score``: (part, its draft length) of the parts whose draft beats a plain step now, best
@@ -274,33 +281,59 @@ class HybridProposer(Proposer):
         scored.sort(key=lambda x: -x[0])
         return [(i, d) for _, i, d in scored]
 
-    def draft_one(self, r: DraftRequest, k: int) -> Draft:
-        """One request's draft, by the policy; the parts that drafted it are remembered for ``credit``.
-        (Requests are drafted one at a time: which part drafts, and its timing, is each request's own.)"""
-        slot = r.slot
-        self._steps += 1
-        self._drafted[slot] = []
-        self._step_draft_s[slot] = {}
-        if self.policy == "tree" and self._greedy.get(slot, True):
-            drafts = []
-            for i in range(len(self.subs)):
-                d = self._ask(i, r, k)
+    def propose(self, requests: list[DraftRequest], ks: list[int]) -> DraftBatch:
+        """Each request's draft by the policy, asked in rounds: every request's first choice of part in
+        one call per part, then those still without a draft their next choice, and so on; the parts
+        that drafted a request are remembered for ``credit``. A request's draft is the one it would get
+        alone (each part drafts each request as alone); only the calls are shared."""
+        out = [Draft() for _ in requests]
+        orders: dict[int, list[tuple[int, int]]] = {}
+        trees: list[int] = []
+        for b, (r, k) in enumerate(zip(requests, ks)):
+            self._drafted[r.slot], self._step_draft_s[r.slot] = [], {}
+            if k <= 0:
+                continue
+            self._steps += 1
+            if self.policy == "tree" and self._greedy.get(r.slot, True):
+                trees.append(b)
+            else:  # none of the parts beats a plain step (``score``): no draft
+                order = self._order(k, r.slot) if self.policy == "score" else [(i, k) for i in range(len(self.subs))]
+                if order:
+                    orders[b] = order
+        if trees:
+            self._tree_drafts(requests, ks, trees, out)
+        need = self.min_match if self.policy == "first" else 1
+        j = 0
+        while orders:  # round j: each request still without a draft asks its j-th part
+            by_part: dict[int, list[int]] = {}
+            for b, order in orders.items():
+                by_part.setdefault(order[j][0], []).append(b)
+            for i, bs in by_part.items():
+                for b, d in zip(bs, self._ask(i, [requests[b] for b in bs], [orders[b][j][1] for b in bs])):
+                    last = j == len(orders[b]) - 1
+                    if len(d) >= need or (last and len(d) > 0):
+                        self._drafted[requests[b].slot] = [(i, paths(d))]
+                        self.parts[i].won = self._steps
+                        out[b] = d
+            j += 1
+            orders = {b: o for b, o in orders.items() if not len(out[b]) and j < len(o)}
+        return DraftBatch(out)
+
+    def _tree_drafts(self, requests: list[DraftRequest], ks: list[int], trees: list[int], out: list[Draft]) -> None:
+        """``tree``: every part drafts for every greedy request (one call per part), each request's drafts
+        merged into one tree."""
+        per: dict[int, list[Draft]] = {b: [] for b in trees}
+        for i in range(len(self.subs)):
+            for b, d in zip(trees, self._ask(i, [requests[b] for b in trees], [ks[b] for b in trees])):
                 if len(d) > 0:
-                    drafts.append(d)
-                    self._drafted[slot].append((i, paths(d)))
-            if len(drafts) <= 1:
-                return drafts[0] if drafts else Draft()
-            tokens, parents = merge_tree(drafts)
-            return Draft(tokens, None, parents)
-        order = self._order(k, slot) if self.policy == "score" else [(i, k) for i in range(len(self.subs))]
-        for j, (i, ki) in enumerate(order):
-            d = self._ask(i, r, ki)
-            need = self.min_match if self.policy == "first" else 1
-            if len(d) >= need or (j == len(order) - 1 and len(d) > 0):
-                self._drafted[slot] = [(i, paths(d))]
-                self.parts[i].won = self._steps
-                return d
-        return Draft()
+                    per[b].append(d)
+                    self._drafted[requests[b].slot].append((i, paths(d)))
+        for b, drafts in per.items():
+            if len(drafts) == 1:
+                out[b] = drafts[0]
+            elif drafts:
+                tokens, parents = merge_tree(drafts)
+                out[b] = Draft(tokens, None, parents)
 
 
 PROPOSERS = {"hybrid": HybridProposer}

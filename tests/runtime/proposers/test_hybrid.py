@@ -136,9 +136,17 @@ def test_batched_greedy_equals_plain(target, folders, run_batched):
     sp = SamplingParams(max_new_tokens=32, ignore_eos=True)
     plain = SpecDecoder(TargetRunner(target.model, MAX_LEN))
     dec = SpecDecoder(TargetRunner(target.model, MAX_LEN), build_proposer(hybrid(folders[1]), MAX_LEN, target=target), 4)
+    sizes = {}  # part -> the number of requests in each of its calls
+    for i, part in enumerate(dec.proposer.subs):
+        def counted(requests, ks, _orig=part.propose, _i=i):
+            sizes.setdefault(_i, []).append(len(requests))
+            return _orig(requests, ks)
+        part.propose = counted
     got = run_batched(dec, prompts, [sp] * len(prompts), slots=3)
     assert [r.token_ids for r in got] == [plain.generate(p, sp).token_ids for p in prompts]
     assert {n for r in got for n in r.by_proposer} == {"ngram", "draft_model"}
+    # a part drafts for every request that asks it in a step in one call (the draft model: one batched forward)
+    assert max(sizes[0]) > 1 and max(sizes[1]) > 1
 
 
 @pytest.mark.parametrize("which,policy", [("ngram", "first"), ("draft_model", "first"), ("draft_model", "score"),
