@@ -224,6 +224,13 @@ def acceptance(report: dict) -> dict:
     return out
 
 
+def identical_to_plain(report: dict) -> bool:
+    """Whether every compared output equalled plain decoding's (``identical_to_baseline`` counts the
+    requests that did; None where outputs were not compared, as when sampling)."""
+    return all(r.get("identical_to_baseline") is None or r["identical_to_baseline"] == r.get("requests")
+               for r in report.get("results", []))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, help="a catalogue target (qwen2.5-coder-0.5b, ...) or a folder")
@@ -268,10 +275,9 @@ def main() -> None:
     final = summary.get("final") or {}
     print(json.dumps({"export": export, "train_s": summary.get("wall_s"), "recipe_s": round(time.time() - t0, 1),
                       "training_estimate": final.get("decoding_acceptance_length"),
-                      "method": args.method, "model": args.model, "cpu": header.get("cpu"),
+                      "method": args.method, "model": args.model, "cpu": header.get("machine"),
                       "mean_acceptance_length": acceptance(report),
-                      "identical_to_plain": all(r.get("identical_to_baseline") in (True, None)
-                                                for r in report.get("results", []))}))
+                      "identical_to_plain": identical_to_plain(report)}))
 
 
 if __name__ == "__main__":

@@ -221,8 +221,10 @@ class EagleDraft(nn.Module):
 
 
 class FusedEagle3:
-    """An EAGLE-3 draft for a bf16 target on an AMX CPU: its layer is one C++ call (specctl/kernels/decode_layer's
-    ``eagle3_layer``), fc and the draft head are AMX linears on weights packed once, all in bf16.
+    """An EAGLE-3 draft for a bf16 target on specctl's CPU kernels: its layer is one C++ call
+    (specctl/kernels/decode_layer's ``eagle3_layer``, the build the target's blocks take), fc and the draft
+    head are AMX linears on weights packed once (AMX) or skinny-kernel linears on row-major bf16 weights
+    (AVX512-BF16, AVX-512, AVX2), all in bf16.
 
     At batch 1 the fp32 per-op layer cost ~1.3 ms per call for SmolLM2-135M's width, mostly torch
     dispatch; this path reads 8 MB of bf16 weights in one parallel region. The same methods as
@@ -233,11 +235,16 @@ class FusedEagle3:
 
     dtype = torch.bfloat16
 
-    def __init__(self, draft: EagleDraft):
-        from specctl.kernels import amx_linear
+    def __init__(self, draft: EagleDraft, kind: str = "amx"):
+        """``kind``: the fused block's build that runs ("amx": weights packed in AMX tiles, fc and the head
+        AMX linears; "avx512_bf16", "avx512", "avx2": the skinny build, row-major bf16 weights, fc and the
+        head through the skinny kernel)."""
+        from specctl.kernels import amx_linear, skinny_linear
 
-        pk = lambda w: amx_linear.pack(w.detach().to(torch.bfloat16).contiguous())  # noqa: E731
         bf = lambda w: w.detach().to(torch.bfloat16).contiguous()  # noqa: E731
+        pk = (lambda w: amx_linear.pack(bf(w))) if kind == "amx" else bf
+        self.kind = kind
+        self._linear = amx_linear.linear if kind == "amx" else skinny_linear.kernel
         lay, a = draft.midlayer, draft.spec.args
         at = lay.self_attn
         self.spec, self.version, self.a = draft.spec, 3, a
@@ -258,7 +265,7 @@ class FusedEagle3:
 
     @classmethod
     def build(cls, draft: EagleDraft, target_dtype: torch.dtype, device) -> "FusedEagle3 | None":
-        from specctl.kernels import amx_linear, decode_layer
+        from specctl.kernels import amx_linear, decode_layer, skinny_linear
 
         a, H = draft.spec.args, draft.spec.args.hidden_size
         fits = (draft.version == 3 and target_dtype == torch.bfloat16 and torch.device(device).type == "cpu"
@@ -266,14 +273,13 @@ class FusedEagle3:
                 and a.num_heads // a.num_kv_heads <= 16 and (a.num_heads + 2 * a.num_kv_heads) * a.head_dim % 16 == 0
                 and a.intermediate_size % 32 == 0 and draft.spec.draft_vocab_size % 16 == 0
                 and draft.fc.weight.shape[1] % 32 == 0 and a.num_heads * a.head_dim % 32 == 0)
-        if not fits or decode_layer.load() is None or amx_linear.load() is None:
+        kind = decode_layer.kind() if fits else None
+        if kind is None or (amx_linear.load() if kind == "amx" else skinny_linear.load()) is None:
             return None
-        return cls(draft)
+        return cls(draft, kind)
 
     def feature(self, target_hidden, target_aux: torch.Tensor) -> torch.Tensor:
-        from specctl.kernels import amx_linear
-
-        return amx_linear.linear(target_aux.to(torch.bfloat16).contiguous(), self.fc, self.fc_bias)
+        return self._linear(target_aux.to(torch.bfloat16).contiguous(), self.fc, self.fc_bias)
 
     def layer_input(self, emb, h):
         return h
@@ -306,6 +312,4 @@ class FusedEagle3:
         return torch.cat(outs, 1)
 
     def logits(self, out: torch.Tensor, head_weight=None) -> torch.Tensor:
-        from specctl.kernels import amx_linear
-
-        return amx_linear.linear(self.norm(out.to(torch.bfloat16)).contiguous(), self.head).float()
+        return self._linear(self.norm(out.to(torch.bfloat16)).contiguous(), self.head).float()

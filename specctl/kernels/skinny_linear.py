@@ -71,6 +71,15 @@ def path() -> str | None:
     return None if ext is None else next(p for p, b in BUILDS.items() if ext.__name__ == b[0])
 
 
+def kernel(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, w, b) through the kernel itself (bf16 CPU x [..., K], w [N, K] contiguous; ``load()`` ran
+    and gave a build): for weights a caller put in this kernel's layout on purpose (the fused EAGLE-3
+    draft), whether or not a model turned the kernel on for its own linears."""
+    rows = x.numel() // x.shape[-1]
+    y = load().skinny_linear(x.reshape(rows, x.shape[-1]), w, b)
+    return y.view(*x.shape[:-1], w.shape[0])
+
+
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, w, b) for x [..., K], w [N, K]; the kernel path for bf16 CPU x (any rows)."""
     rows = x.numel() // x.shape[-1]

@@ -67,3 +67,12 @@ def test_bench_measures_a_chain_and_for_eagle3_a_tree_of_16_nodes(recipe):
     c = recipe.bench_configs("eagle3", "d", 3)
     assert c["chain"]["num_speculative_tokens"] == 3 and c["tree"]["speculative_num_draft_tokens"] == 16
     assert list(recipe.bench_configs("medusa", "d", 3)) == ["chain"]
+
+
+def test_identical_to_plain_reads_the_counts_bench_reports(recipe):
+    """bench's identical_to_baseline is a count of requests (None where not compared): every request
+    equal is identical, one short is not."""
+    rows = [{"requests": 4, "identical_to_baseline": 4}, {"requests": 4, "identical_to_baseline": None}]
+    assert recipe.identical_to_plain({"results": rows})
+    rows.append({"requests": 4, "identical_to_baseline": 3})
+    assert not recipe.identical_to_plain({"results": rows})

@@ -74,8 +74,8 @@ class EagleProposer(SlotProposer):
 
     def __init__(self, config: SpecConfig, *, target, max_model_len: int, draft: EagleDraft | None = None,
                  embed: torch.Tensor | None = None, fused: bool | None = None):
-        """``fused``: draft through the fused bf16 C++ block (EAGLE-3 beside a bf16 target on an AMX
-        CPU); None follows the target (fused where it runs the AMX kernels)."""
+        """``fused``: draft through the fused bf16 C++ block (EAGLE-3 beside a bf16 target on specctl's CPU
+        kernels); None follows the target (fused where it runs the AMX, AVX-512 or AVX2 kernels)."""
         self._fused = fused
         if target is None:
             raise UsageError(f"the {self.method} method needs the target model it drafts for",
@@ -95,9 +95,10 @@ class EagleProposer(SlotProposer):
                              f"use \"method\": \"{'eagle3' if draft.version == 3 else 'eagle'}\"")
         self.device = tmodel.embed.weight.device
         self.draft = draft.to(self.device)
-        # the network that drafts: the fused bf16 kernels next to a bf16 target on an AMX CPU, else the draft itself
+        # the network that drafts: the fused bf16 kernels next to a bf16 target on specctl's kernels, else the draft itself
         fused = None
-        if self._fused if self._fused is not None else tmodel.cpu_kernels == "amx":  # as the target runs
+        # fused as the target runs: on its AMX or AVX-512/AVX2 kernels (not torch's, not a GGUF's)
+        if self._fused if self._fused is not None else tmodel.cpu_kernels in ("amx", "avx512_bf16", "avx512", "avx2"):
             fused = FusedEagle3.build(self.draft, tmodel.embed.weight.dtype, self.device)
         self.net = fused or self.draft
         self.dtype = FusedEagle3.dtype if fused is not None else torch.float32
