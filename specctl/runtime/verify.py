@@ -8,6 +8,7 @@ What it does not know: drafting, the cache (``commit`` keeps the rows), scheduli
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 
@@ -42,9 +43,10 @@ class Block:
     forward_s: float = 0.0  # that forward's seconds
     t_done: float = 0.0  # when its verification started
 
-    @property
+    @functools.cached_property
     def parents(self) -> list[int] | None:
-        """The forward's tree over the block's rows (node 0 = the last token), or None for a chain."""
+        """The forward's tree over the block's rows (node 0 = the last token), or None for a chain (derived
+        once: the forward, the verification and the outcome read it)."""
         if not self.draft.is_tree:
             return None
         return [-1] + [p + 1 for p in self.draft.parents[:len(self.draft)]]
