@@ -8,7 +8,11 @@ Stages, each resumable after an interruption (SIGKILL included) without redoing 
 1. data   ShareGPT first turns (``--self-distill sharegpt``'s prompts) answered again by the target through
           the batched engine, greedy and sampled (the draft learns the target's distribution, not
           ShareGPT's answers): OUT/data/sharegpt-greedy.jsonl and OUT/data/sharegpt-t<T>.jsonl, appended
-          a batch at a time (``specctl.training.data.self_distill``'s cache).
+          a batch at a time (``specctl.training.data.self_distill``'s cache). Then, for EAGLE-3, more
+          ShareGPT conversations (other ones) with their own answers, OUT/data/sharegpt-read.jsonl: the
+          target only reads them (a forward, no generation) and its distribution at each position is
+          the label (EAGLE-3's loss is against the target's distribution), so they add data at the cost
+          of the state cache alone.
 2. train  ``specctl train-eagle`` / ``train-medusa`` / ``train-mtp`` on those files into OUT/train
           (EAGLE-3's target states cached once in OUT/states; checkpoints every few steps, ``--resume``);
           its summary in OUT/train.json, the export beside it.
@@ -41,6 +45,7 @@ class Plan:
 
     greedy_prompts: int  # ShareGPT prompts answered greedily
     sampled_prompts: int  # ... and answered once more, sampled at `temperature`
+    read_conversations: int  # EAGLE-3: other ShareGPT conversations the target reads with their own answers
     temperature: float
     max_new_tokens: int  # per answer
     steps: int  # optimizer steps
@@ -58,9 +63,9 @@ class Plan:
 
 
 # ~40 minutes on 2 cores for the 0.5B (self-distillation ~15, training ~20, bench ~5); the full recipe ~3 hours.
-QUICK = Plan(greedy_prompts=160, sampled_prompts=64, temperature=0.8, max_new_tokens=256, steps=120, batch_size=4,
+QUICK = Plan(greedy_prompts=160, sampled_prompts=64, read_conversations=300, temperature=0.8, max_new_tokens=256, steps=120, batch_size=4,
              seq_len=768, lr=1e-3, bench_prompts=4, bench_tokens=96)
-FULL = Plan(greedy_prompts=1200, sampled_prompts=400, temperature=0.8, max_new_tokens=320, steps=1600, batch_size=4,
+FULL = Plan(greedy_prompts=1200, sampled_prompts=400, read_conversations=1600, temperature=0.8, max_new_tokens=320, steps=1600, batch_size=4,
             seq_len=1024, lr=1e-3, bench_prompts=8, bench_tokens=128)
 METHOD_LR = {"eagle3": 1e-3, "medusa": 1e-3, "mtp": 1e-3}  # small batches on a CPU: SpecForge's 1e-4 is for 64+
 HELD_OUT = ("chat", "humaneval")  # MT-Bench first turns, HumanEval: what bench measures on
@@ -94,14 +99,34 @@ def write_json(path: Path, obj) -> None:
 
 # --------------------------------------------------------------------------- stages
 
+def write_read(plan: Plan, prompts: list, path: Path) -> None:
+    """The ShareGPT conversations whose prompts come after the answered ones (in the sharegpt workload's
+    order), with their own answers, for the target to read: written once, atomically, into ``path``."""
+    from specctl.files import write_text_atomic
+    from specctl.training.data import check_not_evaluation, parse_record
+    from specctl.workloads.data import sharegpt_dialogues
+
+    by_id = {d["id"]: d for d in sharegpt_dialogues()}  # those that open with a question and hold an answer
+    later = (r.id.split("/", 1)[1] for r in prompts[plan.greedy_prompts + plan.sampled_prompts:])
+    rows = [by_id[i] for i in later if i in by_id][:plan.read_conversations]
+    check_not_evaluation([parse_record(r, f"ShareGPT {r['id']}") for r in rows])
+    write_text_atomic(path, "".join(json.dumps(r) + "\n" for r in rows))
+    say(f"data: {len(rows)} ShareGPT conversations with their own answers, for the target to read, in {path}")
+
+
 def stage_data(args, plan: Plan, out: Path) -> list[Path]:
-    """The target's own answers to ShareGPT prompts (greedy, then sampled), cached a batch at a time."""
+    """The target's own answers to ShareGPT prompts (greedy, then sampled), cached a batch at a time;
+    for EAGLE-3, other conversations it reads as they are."""
     from specctl.models import resolve_model
     from specctl.runtime.loading import load_model
     from specctl.training.data import check_not_evaluation, load_prompts, self_distill
 
     files = [out / "data" / "sharegpt-greedy.jsonl", out / "data" / f"sharegpt-t{plan.temperature}.jsonl"]
     done = out / "data" / "done.json"
+    if args.method == "eagle3" and plan.read_conversations > 0:
+        files.append(out / "data" / "sharegpt-read.jsonl")
+        if not files[-1].is_file():
+            write_read(plan, load_prompts("sharegpt"), files[-1])
     if done.is_file():
         say(f"data: done earlier ({done})")
         return files
@@ -253,7 +278,8 @@ def main() -> None:
 
     cfg = AutoConfig.from_pretrained(resolve_model(args.model, dtype="bfloat16"))
     H, L = cfg.hidden_size, cfg.num_hidden_layers
-    states = plan.answer_tokens * 1.3 * (3 * H + H) * 2 if args.method == "eagle3" else 0  # bf16 aux + last hidden
+    read = plan.read_conversations * plan.seq_len * 0.8  # tokens read (most conversations fill the sequence)
+    states = (plan.answer_tokens * 1.3 + read) * (3 * H + H) * 2 if args.method == "eagle3" else 0  # bf16 aux + hidden
     free = shutil.disk_usage(out).free
     say(f"recipe {args.method} for {args.model} ({L} layers, hidden {H}) in {out}: "
         f"{'quick' if args.quick else 'full'} plan {json.dumps(asdict(plan))}")

