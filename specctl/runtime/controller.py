@@ -29,7 +29,9 @@ this step".
 When drafting is off it probes again after ``probe_every`` steps (a short draft), so acceptance
 that rises later (a repetitive stretch of output) is noticed; each probe that does not turn drafting
 back on doubles the wait before the next (up to ``max_probe_every``), so a draft that never pays
-costs a few probes, not one every few steps. In a batch the probes fall on multiples of the wait of
+costs a few probes, not one every few steps. A probe that would first have the draft catch up on
+context it skipped (a draft model that stopped reading the request) for longer than
+``PROBE_CATCH_UP`` plain steps is skipped: a draft that was switched off then costs nothing more. In a batch the probes fall on multiples of the wait of
 a clock the requests share, so they probe in the same steps and share one drafting forward. Greedy output does not depend on any of this: the
 verifier keeps it lossless whatever d is chosen.
 
@@ -49,6 +51,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+PROBE_CATCH_UP = 0.25  # a probe that would catch up for longer than this (in plain steps) is skipped
 DRAFT = 0  # costs[DRAFT]: drafting seconds per draft token (costs[T], T >= 1: a T-token forward)
 # costs[-d]: drafting seconds of a step that drafted d tokens; over three or more d they give the
 # drafting cost as q0 + q d (q0: what a drafting step pays whatever d is, e.g. a draft model's
@@ -220,12 +223,14 @@ class DraftLengthController:
                 return True
         return False
 
-    def draft_len(self, batch: int = 1, clock: int | None = None) -> int:
+    def draft_len(self, batch: int = 1, clock: int | None = None, catch_up_s: float = 0.0) -> int:
         """The number of draft tokens to ask for this step (0: plain decoding step), for a request
         that steps among ``batch`` requests (one target forward for all). ``clock``: a step count
         shared by the batch's requests; in a batch, a request whose drafting is off probes only on a
         multiple of its wait, so requests probe together: a draft that costs a forward of its own
-        (a draft model, sparse_attn) is then run once for all of them, not once per request."""
+        (a draft model, sparse_attn) is then run once for all of them, not once per request.
+        ``catch_up_s``: seconds the draft would read context first (``Proposer.catch_up_seconds``): a
+        probe that would catch up for longer than ``PROBE_CATCH_UP`` plain steps is skipped."""
         if self._slope() is None or (batch == 1 and 1 not in self.costs):
             return 0  # measure a plain step first: every cost is relative to it
         if not self.may_pay(batch):
@@ -241,6 +246,8 @@ class DraftLengthController:
         if due:
             self._off_steps = 0
             self._gap = min(2 * gap, self.max_probe_every)  # kept if this probe does not turn drafting on
+            if catch_up_s > PROBE_CATCH_UP * self.costs.get(1, float("inf")):
+                return 0  # catching up would cost more than the probe could show: skipped (the wait doubles)
             return min(self.probe_len, self.k)
         return 0
 

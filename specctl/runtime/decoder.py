@@ -266,7 +266,8 @@ class SpecDecoder:
         if max_draft is not None:
             k = min(k, max_draft)
         if st.controller is not None and k > 0 and not self._own_length:
-            k = min(k, st.controller.draft_len(batch, self._clock))
+            catch_up = (self.proposer.catch_up_seconds(st.slot) or 0.0) if self.proposer.reads_prompt else 0.0
+            k = min(k, st.controller.draft_len(batch, self._clock, catch_up))
         return k
 
     # ------------------------------------------------------------------ draft

@@ -393,3 +393,20 @@ def test_a_draft_as_costly_as_the_target_never_drafts_probes_or_reads_the_prompt
         dec = SpecDecoder(TargetRunner(tiny_model, 128), prop, 4, adaptive=True)
         assert dec.generate(p, SamplingParams(max_new_tokens=40)).token_ids == want
         assert (prop.prefills > 0) == used and (prop.proposals > 0) == used, (cost, prop.prefills, prop.proposals)
+
+
+def test_a_probe_that_would_catch_up_for_long_is_skipped():
+    """Drafting off, a probe due: it runs when the draft has little to read first, and is skipped (the
+    wait still doubles) when reading its backlog would cost more than PROBE_CATCH_UP plain steps."""
+    from specctl.runtime.controller import PROBE_CATCH_UP
+
+    def off():
+        c = DraftLengthController(4, alpha=0.0, probe_every=2, costs={1: 0.1, 5: 0.2, DRAFT: 0.05})
+        assert c.best_len() == 0
+        return c
+
+    c = off()
+    assert [c.draft_len(catch_up_s=0.1 * PROBE_CATCH_UP * 0.9) for _ in range(2)] == [0, 2]
+    c = off()
+    assert [c.draft_len(catch_up_s=0.1 * PROBE_CATCH_UP * 1.1) for _ in range(6)] == [0] * 6
+    assert c._gap == 8  # skipped probes back off as failed ones do

@@ -170,6 +170,11 @@ class Proposer:
         draft pays beyond drafting. 0 for proposers that read nothing of their own."""
         return 0
 
+    def catch_up_seconds(self, slot: int) -> float | None:
+        """Seconds its next draft for ``slot`` would spend reading its ``backlog`` first, by its own
+        measurement of reading context (None: not measured yet). 0.0 for proposers that read nothing."""
+        return 0.0
+
     def on_target_hidden(self, slot: int, hidden: torch.Tensor, aux: torch.Tensor | None) -> None:
         """Only with ``needs_hidden_states``: the target's states of the rows now in its cache.
 

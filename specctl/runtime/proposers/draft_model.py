@@ -38,6 +38,7 @@ What it does not know: verification, the target's cache, stop handling beyond no
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -58,6 +59,7 @@ AGREEMENT_WINDOW = 64  # target tokens
 MODES = ("same", "tli", "text", "auto")
 _TEXT_ANCHOR = 3  # target tokens of context re-tokenized with the draft text (keeps word boundaries)
 CATCH_UP = 256  # draft-side tokens read per step for requests far behind (as a prefill chunk), drafting after
+READ_TIMED = 16  # a read of at least this many tokens (a prompt chunk, a catch-up) times ``catch_up_seconds``
 
 
 
@@ -188,6 +190,7 @@ class DraftModelProposer(Proposer):
         # draft tokens per target token can exceed 1 with another tokenizer: room for that
         self.draft_max_len = self.max_model_len + self.k + 1 if same else int(1.5 * self.max_model_len) + self.k + 8
         self.slots: dict[int, _Slot] = {}
+        self._read_s: float | None = None  # seconds per context token read (EMA over reads of >= READ_TIMED tokens)
         # Draft sampling must be independent of everything else (a draft seeded alike for every request
         # would not be distributed as its q across requests): one stream for the proposer's life, seeded
         # from torch's global generator (reproducible under torch.manual_seed) unless a slot brings its own.
@@ -229,6 +232,14 @@ class DraftModelProposer(Proposer):
         if self.mode == "same":
             return s.n - self._common_prefix(s, s.ctx[:s.n])
         return max(s.n - s.synced, 0)
+
+    def catch_up_seconds(self, slot: int) -> float | None:
+        """The backlog at the measured seconds per token of the draft's reads (its prompt chunks, its
+        catching up): what a probe would pay before it drafts."""
+        n = self.backlog(slot)
+        if n == 0:
+            return 0.0
+        return None if self._read_s is None else n * self._read_s
 
     def on_prefill(self, slot: int, upto: int) -> None:
         """The draft reads the prompt in the request's prefill (as vLLM runs the draft's prefill), chunk
@@ -300,8 +311,15 @@ class DraftModelProposer(Proposer):
         return np.asarray(self.draft.tokenizer.encode(text, add_special_tokens=False), dtype=np.int64)
 
     def _sync(self, s: _Slot, want: np.ndarray) -> torch.Tensor:
-        """Make the draft cache hold ``want``, feeding only what differs; returns the last logits [Vd]."""
-        return s.runner.forward(self._sync_tokens(s, want), logits="last")[0, -1]
+        """Make the draft cache hold ``want``, feeding only what differs; returns the last logits [Vd].
+        A read of READ_TIMED tokens or more is timed (``catch_up_seconds``)."""
+        feed = self._sync_tokens(s, want)
+        t = time.perf_counter()
+        logits = s.runner.forward(feed, logits="last")[0, -1]
+        if feed.shape[1] >= READ_TIMED:
+            per = (time.perf_counter() - t) / feed.shape[1]
+            self._read_s = per if self._read_s is None else self._read_s + 0.3 * (per - self._read_s)
+        return logits
 
     def _step_mode(self, s: _Slot, want: np.ndarray) -> str:
         """same / tli / text for this step (auto: by the recent tokenizations' agreement, see the docstring)."""

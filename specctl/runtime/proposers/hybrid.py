@@ -15,7 +15,10 @@ model draft pays on new text. Policies:
   first (``Proposer.backlog``: context tokens it has not read, at its measured seconds per token).
   The parts whose best draft beats a plain step are asked best first, by expected accepted tokens per
   second; the first with a draft wins. None beats a plain step: no draft (each part's controller
-  probes again after a wait that doubles, as a single proposer's does).
+  probes again after a wait that doubles, as a single proposer's does). A part that has not drafted
+  yet is asked first, to be measured, but only where its catching up costs a few plain steps at most:
+  a draft model is not made to read a long prompt before anyone knows it pays (it is measured on a
+  request with a short one).
 - ``tree``: every sub-proposer drafts and the drafts are merged into one token tree (shared
   prefixes once), verified in one forward (greedy requests; sampled ones take ``first``).
 
@@ -41,7 +44,7 @@ import time
 import torch
 
 from specctl.config import SpecConfig
-from specctl.runtime.controller import DraftLengthController
+from specctl.runtime.controller import PROBE_CATCH_UP, DraftLengthController
 from specctl.runtime.proposers.base import Draft, DraftBatch, DraftRequest, Proposer
 
 
@@ -88,8 +91,8 @@ class _Part:
 
     def __init__(self, k: int, draft_hint: float):
         self.acceptance = DraftLengthController(k, decay=0.1, draft_hint=draft_hint)
+        self.draft_hint = draft_hint
         self.draft_s: float | None = None  # seconds of a call (EMA)
-        self.catch_s: float | None = None  # seconds per backlog token (EMA), from calls far behind
         self.won: int | None = None  # the hybrid's step at which its draft was last the step's draft
 
     def observe(self, num_draft: int, num_accepted: int) -> None:
@@ -100,28 +103,38 @@ class _Part:
         return self.acceptance.expected_tokens(k)
 
     def timed(self, seconds: float, backlog: int) -> None:
-        """A call took ``seconds`` with ``backlog`` context tokens to read first."""
-        if backlog > CATCH_UP_MIN:  # drafting unmeasured yet: the whole call counts as catching up (an upper bound)
-            per = max(seconds - (self.draft_s or 0.0), 0.0) / backlog
-            self.catch_s = per if self.catch_s is None else self.catch_s + 0.3 * (per - self.catch_s)
-        elif backlog <= CATCH_UP_MIN:
+        """A call took ``seconds`` with ``backlog`` context tokens to read first: one with little to read
+        times its drafting (catching up is the part's own measurement, ``catch_up_seconds``)."""
+        if backlog <= CATCH_UP_MIN:
             self.draft_s = seconds if self.draft_s is None else self.draft_s + 0.2 * (seconds - self.draft_s)
 
-    def value(self, backlog: int, batch: int = 1) -> tuple[int, float, float]:
+    def value(self, backlog: int, catch_up_s: float | None, batch: int = 1) -> tuple[int, float, float]:
         """(d, expected tokens per plain-step time, catching up in plain steps) of its best draft now
-        among ``batch`` requests; d = 0: it does not draft now (its controller also schedules probes:
-        d > 0 with a value below a plain step's 1.0)."""
+        among ``batch`` requests, with ``catch_up_s`` seconds to read its ``backlog`` first (None:
+        unmeasured); d = 0: it does not draft now (its controller also schedules probes: d > 0 with a
+        value below a plain step's 1.0)."""
         c = self.acceptance
         d = c.draft_len(batch)
         if d <= 0:
             return 0, 0.0, 0.0
-        fit = c._slope()
-        one = fit[0] if fit else 0.0
-        per = self.catch_s
-        if per is None and self.draft_s is not None:  # unmeasured: a context token as a quarter of a draft token
-            per = self.draft_s / (4 * c.k)
-        extra = (per or 0.0) * backlog / one if one > 0 else 0.0
+        extra = self.catch_up_steps(backlog, catch_up_s)
         return d, c.expected_tokens(d) / (c.cost(d + 1, batch) + extra), extra
+
+    def catch_up_steps(self, backlog: int, catch_up_s: float | None) -> float:
+        """Its catching up on ``backlog`` context tokens, in plain steps: ``catch_up_s`` as the part
+        measured it, else estimated (a context token as a quarter of a drafting call's per-token time,
+        or, before it ever drafted, READ_PRIOR of a draft token's cost hint); inf where a plain step
+        is unmeasured and the backlog is more than a few tokens."""
+        if backlog <= 0:
+            return 0.0
+        fit = self.acceptance._slope()
+        one = fit[0] if fit else 0.0
+        if one <= 0:
+            return 0.0 if backlog <= CATCH_UP_MIN else float("inf")
+        if catch_up_s is None:
+            per = self.draft_s / (4 * self.acceptance.k) if self.draft_s is not None else READ_PRIOR * self.draft_hint * one
+            catch_up_s = per * backlog
+        return catch_up_s / one
 
     def pays(self) -> bool:
         """Whether it would draft now with nothing to catch up (unmeasured: yes, so it gets measured)."""
@@ -130,8 +143,9 @@ class _Part:
 
 
 FOLLOW_STEPS = 64  # a part that reads prompts stops reading new ones when it has not won for this many steps
-PROBE_CATCH_UP = 0.25  # a probe of a part that would first catch up for longer (in plain steps) is skipped
-CATCH_UP_MIN = 16  # a call with more context tokens than this to read first is timed as catching up
+CATCH_UP_MIN = 16  # a call with more context tokens than this to read first is not timed as drafting
+EXPLORE_CATCH_UP = 4.0  # a part that has not drafted yet is tried where catching up costs at most this (plain steps)
+READ_PRIOR = 1 / 16  # before a part read or drafted: a context token read as this fraction of its draft token hint
 
 
 class HybridProposer(Proposer):
@@ -218,6 +232,9 @@ class HybridProposer(Proposer):
     def backlog(self, slot: int) -> int:
         return min(p.backlog(slot) for p in self.subs)
 
+    def catch_up_seconds(self, slot: int) -> float | None:
+        return min((s for s in (p.catch_up_seconds(slot) for p in self.subs) if s is not None), default=None)
+
     def credit(self, slot: int, num_draft: int, num_accepted: int, emitted: list[int]) -> dict[str, tuple[int, int]]:
         """Each part that drafted this step: (its draft tokens, how many of them were accepted): its
         chain's (or tree's deepest path's) agreement with the accepted tokens."""
@@ -264,17 +281,21 @@ class HybridProposer(Proposer):
 
     def _order(self, k: int, slot: int) -> list[tuple[int, int]]:
         """``score``: (part, its draft length) of the parts whose draft beats a plain step now, best
-        expected tokens per second first; an unmeasured part first of all (so it gets measured)."""
+        expected tokens per second first. A part that has not drafted yet comes first of all (so it gets
+        measured), where catching up first costs at most EXPLORE_CATCH_UP plain steps: a long prompt's
+        reading is not risked on a draft not known to pay (it is measured on a shorter one)."""
         scored = []
         for i, part in enumerate(self.parts):
-            if not part.acceptance.costs:
-                scored.append((float("inf"), i, min(k, self.ks[i])))
+            c, sub = part.acceptance, self.subs[i]
+            if not self.adaptive:  # a fixed k: every part, the unmeasured, then the best measured first
+                v = c.expected_tokens(self.ks[i]) / c.cost(self.ks[i] + 1) if c.costs else float("inf")
+                scored.append((v, i, min(k, self.ks[i])))
                 continue
-            if not self.adaptive:  # a fixed k: every part, the best measured first
-                c = part.acceptance
-                scored.append((c.expected_tokens(self.ks[i]) / c.cost(self.ks[i] + 1), i, min(k, self.ks[i])))
+            if c._draft_cost() is None:
+                if part.catch_up_steps(sub.backlog(slot), sub.catch_up_seconds(slot)) <= EXPLORE_CATCH_UP:
+                    scored.append((float("inf"), i, min(k, self.ks[i])))
                 continue
-            d, v, extra = part.value(self.subs[i].backlog(slot), self._batch.get(slot, 1))
+            d, v, extra = part.value(sub.backlog(slot), sub.catch_up_seconds(slot), self._batch.get(slot, 1))
             # it beats a plain step; or its controller probes it, and catching up first costs little
             if d > 0 and (v > 1.0 or extra <= PROBE_CATCH_UP):
                 scored.append((v, i, min(d, k, self.ks[i])))

@@ -513,6 +513,34 @@ def test_a_draft_model_that_stopped_paying_does_not_read_the_next_prompt(target,
     assert not dec._reads_prompt(1)
 
 
+@pytest.mark.parametrize("read_s, probes", [(1.0, False), (0.0, True)])
+def test_a_switched_off_draft_model_probes_only_where_catching_up_is_cheap(target, drafts, greedy_cases, read_s, probes):
+    """A draft model measured not paying, whose request's prompt it left unread: a due probe would first
+    read the whole backlog, so it is skipped when that reading (the draft's own measured seconds per
+    token) costs more than PROBE_CATCH_UP plain steps, and the draft model never runs; where reading is
+    cheap, the probe runs and reads. Output equals plain either way."""
+    from specctl.runtime.controller import DRAFT
+
+    prop = make_proposer(target, drafts["same"])
+    sizes = []
+    forward = prop.draft.model.forward
+    prop.draft.model.forward = lambda tokens, *a, **kw: (sizes.append(tokens.shape[1]), forward(tokens, *a, **kw))[1]
+    dec = SpecDecoder(TargetRunner(target.model, MAX_LEN), prop, K, adaptive=True)
+    dec._costs.update({1: 0.1, K + 1: 0.104, DRAFT: 0.03})
+    for _ in range(200):
+        dec._pooled.observe(K, 0)  # earlier requests: every draft rejected
+    prop._read_s = read_s  # seconds per context token read, as measured
+    prompt, expected = next((p, o) for p, o in greedy_cases if len(p) > 9)
+    st = dec.begin(prompt, SamplingParams(max_new_tokens=NEW))
+    dec.prefilled(st, len(prompt), st.runner.run(dec.prefill_tokens(st, len(prompt)), logits="last"),
+                  read_prompt=False)
+    while st.finish is None:
+        dec.step(st)
+    assert probes or prop.catch_up_seconds(0) >= read_s * len(prompt)  # the backlog only grew
+    assert dec.finish(st).token_ids == expected
+    assert bool(sizes) == probes and (st.stats.num_draft_tokens > 0) == probes
+
+
 def test_a_draft_gguf_quantization_without_a_gguf_names_the_drafts_keys(tiny_model_dir):
     """It named --model / --quantization, the target's options, for a problem in the draft's config."""
     from specctl.errors import UsageError
