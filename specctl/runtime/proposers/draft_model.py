@@ -269,6 +269,7 @@ class DraftModelProposer(Proposer):
             keep = s.base + min(num_accepted, s.num_fed_drafts)
             s.runner.rollback(min(keep, s.runner.length))
         # text: drafts and draft ids do not align; the next propose keeps the longest valid prefix
+        s.base, s.num_fed_drafts = s.runner.length, 0  # a step it sits out later rolls nothing back
 
     def _extend(self, s: _Slot, ids: np.ndarray) -> None:
         """Append target ids to the slot's known context (truncating at its capacity)."""
@@ -316,6 +317,7 @@ class DraftModelProposer(Proposer):
         feed = self._sync_tokens(s, want)
         t = time.perf_counter()
         logits = s.runner.forward(feed, logits="last")[0, -1]
+        s.base, s.num_fed_drafts = s.runner.length, 0  # context, not drafts: a verification keeps it
         if feed.shape[1] >= READ_TIMED:
             per = (time.perf_counter() - t) / feed.shape[1]
             self._read_s = per if self._read_s is None else self._read_s + 0.3 * (per - self._read_s)

@@ -285,10 +285,11 @@ def test_on_verified_rolls_back_in_place(target, drafts):
     n = int(d.num_tokens[0])
     assert n == K and d.probs is None and s.runner.length == s.base + K - 1
     drafts_ = d.token_ids[0, :n].tolist()
+    base = s.base
     prop.on_verified(0, 1, [drafts_[0], 9])  # first draft accepted, then a recovered token
-    assert s.runner.length == s.base + 1
-    prop.on_verified(0, 0, [9])
-    assert s.runner.length == s.base  # nothing accepted: back to the context it read
+    assert s.runner.length == base + 1  # the accepted draft it fed is kept, the rejected ones dropped
+    prop.on_verified(0, 0, [9])  # a step it drafted nothing for: nothing of its own to roll back
+    assert s.runner.length == base + 1
 
 
 def test_prefix_shared_with_an_earlier_request_is_reused(target, drafts, greedy_cases):
@@ -511,6 +512,24 @@ def test_a_draft_model_that_stopped_paying_does_not_read_the_next_prompt(target,
     for _ in range(200):
         dec._pooled.observe(K, 0)  # then every one rejected
     assert not dec._reads_prompt(1)
+
+
+def test_a_step_the_draft_sits_out_keeps_its_cache(target, drafts, greedy_cases):
+    """Steps without a draft (the adaptive controller's first, plain step; drafting switched off) leave
+    the draft's cache as it is: the prompt it read in the prefill stays read, so its next draft reads one
+    token, not the whole context again (a stale rollback point once threw the prompt away)."""
+    prop = make_proposer(target, drafts["same"])
+    prop.draft_cost = 0.33  # as a draft a third of its target's size (the tiny one is the target's twin)
+    dec = SpecDecoder(TargetRunner(target.model, MAX_LEN), prop, K, adaptive=True)
+    prompt, expected = next((p, o) for p, o in greedy_cases if len(p) > 9)
+    st = dec.start(prompt, SamplingParams(max_new_tokens=NEW))
+    assert prop.slots[0].runner.length == len(prompt) and prop.backlog(0) == 0  # read in the prefill
+    dec.step(st)
+    assert st.stats.num_draft_tokens == 0  # a plain step: the controller measures one first
+    assert prop.slots[0].runner.length == len(prompt) and prop.backlog(0) == 1  # only the new token is unread
+    while st.finish is None:
+        dec.step(st)
+    assert dec.finish(st).token_ids == expected
 
 
 @pytest.mark.parametrize("read_s, probes", [(1.0, False), (0.0, True)])
