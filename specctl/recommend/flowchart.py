@@ -39,15 +39,18 @@ DRAFT_PREFERENCE = ("eagle3", "eagle", "medusa")  # EAGLE usually accepts more t
 def hybrid_choice(target: ModelInfo, pattern: Choice, model: Choice, w: Workload, model_gain: float | None) -> Choice:
     """A hybrid of a zero-cost pattern proposer (first) and a model draft (where it has nothing),
     with the predicted gain of each part: the pattern part's from its prior where it matches (ρ = 0),
-    the model part's from the cost model."""
+    the model part's from the cost model. Its policy is the default, ``score``: each step the part
+    with the most expected tokens per second as measured, the model part reading prompts only while
+    it pays (measured never below its best part on bench's workloads)."""
     k = int(pattern.config.get("num_speculative_tokens") or 8)
     pattern_gain = best_k(PATTERN_ALPHA_WHEN_MATCHED, 0.0, k)[1]
-    cfg = {"method": "hybrid", "policy": "first", "hybrid_min_match": 2,
-           "proposers": [dict(pattern.config), dict(model.config)]}
+    cfg = {"method": "hybrid", "proposers": [dict(pattern.config), dict(model.config)]}
     why = ("the output copies the prompt" if w.copies_prompt else "requests repeat earlier responses")
-    reason = (f"{pattern.method} first where it matches ({why}): predicted x{pattern_gain:.2f} on those steps "
+    reason = (f"{pattern.method} where it matches ({why}): predicted x{pattern_gain:.2f} on those steps "
               f"(α≈{PATTERN_ALPHA_WHEN_MATCHED} when matched, no draft cost); {model.label} on new text"
-              + (f": predicted x{model_gain:.2f}" if model_gain else "") + "; --probe measures both parts")
+              + (f": predicted x{model_gain:.2f}" if model_gain else "")
+              + "; each step the part that measures more tokens per second, the model only while it pays"
+              + "; --probe measures both parts")
     flags = f"--speculative-config {shlex.quote(json.dumps(cfg))}"
     cmds = commands(target.spec, flags, model.commands.get("vllm", ""), target.quantization)  # vLLM: the model part alone
     note = ("specctl's own method: vLLM runs one proposer at a time (its config below is the model part's)"

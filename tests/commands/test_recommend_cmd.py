@@ -81,6 +81,7 @@ def test_json(target_with_medusa):
     assert data["alternatives"][0]["method"] == "suffix"  # agentic: requests repeat
     hyb = data["alternatives"][1]  # or both: suffix first, the Medusa heads where it has nothing
     assert hyb["method"] == "hybrid" and [p["method"] for p in hyb["config"]["proposers"]] == ["suffix", "medusa"]
+    assert "policy" not in hyb["config"]  # the default, score: the parts weighed by what they measure
     assert hyb["vllm_config"] == data["recommendation"]["vllm_config"] and "one proposer at a time" in hyb["note"]
     text = runner.invoke(app, ["recommend", str(t), "--candidates", str(t), "--workload", "agentic"])
     assert text.exit_code == 0, text.output
