@@ -112,3 +112,12 @@ def test_read_conversations_follow_the_answered_prompts_and_exclude_evaluation_p
     with pytest.raises(DataError, match="ShareGPT s3 holds an evaluation prompt"):
         recipe.write_read(plan, prompts, tmp_path / "other.jsonl")
     assert not (tmp_path / "other.jsonl").exists()
+
+
+def test_the_budget_stated_up_front_grows_with_the_plan_and_the_target(recipe):
+    """The time each stage is expected to take: the quick plan within an hour for the 0.5B, the full about
+    three hours; a larger target costs more; only EAGLE-3 caches states."""
+    quick, full = (sum(recipe.budget(p, "eagle3", 24, 896).values()) for p in (recipe.QUICK, recipe.FULL))
+    assert quick < 3600 < full <= 3.3 * 3600
+    assert sum(recipe.budget(recipe.QUICK, "eagle3", 28, 1536).values()) > 2 * quick
+    assert recipe.budget(recipe.QUICK, "medusa", 24, 896)["states"] == 0
