@@ -199,9 +199,12 @@ def train_command(args, plan: Plan, out: Path, files: list[Path]) -> list[str]:
         cmd += ["--data", str(f)]
     if args.method == "eagle3":
         cmd += ["--eval-every", "40"]
-    resuming = (out / "train" / "checkpoints").is_dir() and any((out / "train" / "checkpoints").iterdir())
-    saved = out / "train" / "training_config.json"
-    earlier = json.loads(saved.read_text()).get("eval_data", []) if saved.is_file() else None
+    ckpts = sorted((out / "train" / "checkpoints").glob("step-*")) if (out / "train" / "checkpoints").is_dir() else []
+    resuming = bool(ckpts)
+    # the settings the run started with: its newest checkpoint's (the output's own copy is written at the end)
+    saved = next((p for p in (*(c / "training_config.json" for c in ckpts[::-1]), out / "train" / "training_config.json")
+                  if p.is_file()), None)
+    earlier = json.loads(saved.read_text()).get("eval_data", []) if saved is not None else None
     heldout = out / "data" / "heldout.jsonl"
     if args.method == "eagle3" and heldout.is_file() and (not resuming or earlier):  # a resumed run keeps its setting
         cmd += ["--eval-data", str(heldout)]

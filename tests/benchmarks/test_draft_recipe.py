@@ -55,10 +55,14 @@ def test_training_resumes_from_its_checkpoints_with_the_settings_it_started_with
     (tmp_path / "data" / "heldout.jsonl").write_text("")
     cmd = recipe.train_command(args(), recipe.QUICK, tmp_path, files)
     assert cmd[cmd.index("--eval-data") + 1] == str(tmp_path / "data" / "heldout.jsonl")  # a fresh run evaluates on it
-    (tmp_path / "train" / "checkpoints" / "step-0000020").mkdir(parents=True)
-    (tmp_path / "train" / "training_config.json").write_text(json.dumps({"eval_data": []}))
+    ckpt = tmp_path / "train" / "checkpoints" / "step-0000020"
+    ckpt.mkdir(parents=True)
+    (ckpt / "training_config.json").write_text(json.dumps({"eval_data": []}))  # as the trainer saves it mid-run
     cmd = recipe.train_command(args(), recipe.QUICK, tmp_path, files)
     assert "--resume" in cmd and "--eval-data" not in cmd  # a run started without it resumes without it
+    (ckpt / "training_config.json").write_text(json.dumps({"eval_data": ["h"]}))
+    assert "--eval-data" in recipe.train_command(args(), recipe.QUICK, tmp_path, files)
+    (ckpt / "training_config.json").unlink()  # an older layout: the output's own copy
     (tmp_path / "train" / "training_config.json").write_text(json.dumps({"eval_data": ["h"]}))
     assert "--eval-data" in recipe.train_command(args(), recipe.QUICK, tmp_path, files)
     medusa = recipe.train_command(args("medusa"), recipe.QUICK, tmp_path, files)
