@@ -31,8 +31,9 @@ that rises later (a repetitive stretch of output) is noticed; each probe that do
 back on doubles the wait before the next (up to ``max_probe_every``), so a draft that never pays
 costs a few probes, not one every few steps. A probe that would first have the draft catch up on
 context it skipped (a draft model that stopped reading the request) for longer than
-``PROBE_CATCH_UP`` plain steps is skipped: a draft that was switched off then costs nothing more. In a batch the probes fall on multiples of the wait of
-a clock the requests share, so they probe in the same steps and share one drafting forward. Greedy output does not depend on any of this: the
+``PROBE_CATCH_UP`` plain steps is skipped: a draft that was switched off then costs nothing more.
+In a batch the probes fall on multiples of the wait of a clock the requests share, so they probe in
+the same steps and share one drafting forward. Greedy output does not depend on any of this: the
 verifier keeps it lossless whatever d is chosen.
 
 In a batch the per-request model can be wrong in ways it cannot see (a shared draft forward
