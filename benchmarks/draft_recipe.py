@@ -74,13 +74,20 @@ FULL = Plan(greedy_prompts=480, sampled_prompts=160, read_conversations=700, tem
 RATES = {"generate_tok_s": 70.0, "read_tok_s": 150.0, "step_s": 5.0, "bench_s": 300.0, "answer_fill": 0.67}
 
 
+def state_tokens(plan: Plan, method: str) -> float:
+    """Tokens whose target states EAGLE-3 caches: the answered prompts with their answers (an answer ~0.6
+    of its prompt's length again), and the read conversations (most fill the sequence); 0 for the others."""
+    if method != "eagle3":
+        return 0.0
+    return plan.answer_tokens * RATES["answer_fill"] * 1.6 + plan.read_conversations * plan.seq_len * 0.8
+
+
 def budget(plan: Plan, method: str, layers: int, hidden: int) -> dict[str, float]:
     """Seconds each stage is expected to take on a 2-core CPU: RATES scaled by the target's size against
     the 0.5B's (24 layers, hidden 896; the draft's step by hidden squared)."""
     size = layers * hidden ** 2 / (24 * 896 ** 2)
-    answers = (plan.greedy_prompts + plan.sampled_prompts) * plan.max_new_tokens * RATES["answer_fill"]
-    read = (answers * 1.6 + plan.read_conversations * plan.seq_len * 0.8) if method == "eagle3" else 0.0
-    return {"data": answers / RATES["generate_tok_s"] * size, "states": read / RATES["read_tok_s"] * size,
+    answers = plan.answer_tokens * RATES["answer_fill"]
+    return {"data": answers / RATES["generate_tok_s"] * size, "states": state_tokens(plan, method) / RATES["read_tok_s"] * size,
             "train": plan.steps * RATES["step_s"] * (hidden / 896) ** 2 * plan.seq_len / 768, "bench": RATES["bench_s"] * size}
 
 
@@ -298,8 +305,7 @@ def main() -> None:
 
     cfg = AutoConfig.from_pretrained(resolve_model(args.model, dtype="bfloat16"))
     H, L = cfg.hidden_size, cfg.num_hidden_layers
-    read = plan.read_conversations * plan.seq_len * 0.8  # tokens read (most conversations fill the sequence)
-    states = (plan.answer_tokens * 1.3 + read) * (3 * H + H) * 2 if args.method == "eagle3" else 0  # bf16 aux + hidden
+    states = state_tokens(plan, args.method) * (3 * H + H) * 2  # bytes: bf16 aux + hidden
     free = shutil.disk_usage(out).free
     say(f"recipe {args.method} for {args.model} ({L} layers, hidden {H}) in {out}: "
         f"{'quick' if args.quick else 'full'} plan {json.dumps(asdict(plan))}")
