@@ -25,7 +25,8 @@ model draft pays on new text. Policies:
 Every sub-proposer follows every request's verifications (its context, the target's hidden
 states), which costs a lazy draft nothing; a part that reads prompts with a model of its own (a draft
 model) reads a new request's prompt only while it pays (``score``: its controller would draft now, or
-it is unmeasured), so a draft model that sits out costs nothing, and catches up from the cache it
+it is unmeasured: read in the prefill, its first draft has nothing to catch up on, so it is tried on
+the first request whatever the prompt's length), so a draft model that sits out costs nothing, and catches up from the cache it
 kept if the choice turns to it (that catching up counted in its score). Lossless like any proposer: a
 chain is one sub-proposer's draft, with its probabilities when it samples; a tree is verified greedily.
 
@@ -192,16 +193,21 @@ class HybridProposer(Proposer):
             p.bind_target(slot, runner)
 
     def on_prefill(self, slot, upto) -> None:
-        """Every part reads along, but a part with a prompt of its own to read only while it pays
-        (``score``): a draft model sitting out reads nothing, and catches up if it is chosen later."""
+        """Every part reads along, but a part with a prompt of its own to read only until it is measured
+        and then while it pays (``score``): a draft model sitting out reads nothing, and catches up if
+        it is chosen later."""
         for p, part in zip(self.subs, self.parts):
             if not p.reads_prompt or self.policy != "score" or not self.adaptive or self._follows(part):
                 p.on_prefill(slot, upto)
 
     def _follows(self, part: "_Part") -> bool:
-        """A part that reads prompts reads a new one only while it pays: it won a step lately (within
-        FOLLOW_STEPS) and its controller would still draft. A part that never won reads nothing; if the
-        choice turns to it, it catches up then (``backlog``), which its score counts."""
+        """A part that reads prompts reads a new one while it is unmeasured (it has never drafted: read in
+        the prefill, its first draft costs no catching up, so it gets tried and measured whatever the
+        prompt's length) and then only while it pays: it won a step lately (within FOLLOW_STEPS) and its
+        controller would still draft. A measured part that stopped winning reads nothing; if the choice
+        turns to it, it catches up then (``backlog``), which its score counts."""
+        if part.acceptance._draft_cost() is None:
+            return True
         return part.won is not None and self._steps - part.won <= FOLLOW_STEPS and part.pays()
 
     def on_target_hidden(self, slot, hidden, aux) -> None:
