@@ -116,14 +116,24 @@ def main() -> None:
         raise SystemExit("the OS refused AMX tile state")
 
     def use(s) -> None:
+        """The model's blocks and linears onto one set of builds (each module holds the build it runs)."""
+        from dataclasses import replace
+
+        from specctl.modeling import AmxLinear, DenseLinear
+
         block, lin = s
+        for b in m.layers:
+            b.fused_ext = block
         if quant:
-            decode_layer._ext_q[a.path] = block
             for h in heads:
                 h._ext = lin
-        else:
-            decode_layer._ext = block
-            (amx_linear if a.path == "amx" else skinny_linear)._ext = lin
+            return
+        m.kernels = replace(m.kernels, block=block, **({"amx": lin} if a.path == "amx" else {"linear": lin}))
+        for mod in m.modules():
+            if isinstance(mod, AmxLinear):
+                mod.ext = lin
+            elif isinstance(mod, DenseLinear):
+                mod.kernels = m.kernels
 
     sets = {"rev": rev, "tree": tree}
     runner = TargetRunner(m, 1024)

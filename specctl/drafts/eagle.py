@@ -235,16 +235,19 @@ class FusedEagle3:
 
     dtype = torch.bfloat16
 
-    def __init__(self, draft: EagleDraft, kind: str = "amx"):
-        """``kind``: the fused block's build that runs ("amx": weights packed in AMX tiles, fc and the head
-        AMX linears; "avx512_bf16", "avx512", "avx2": the skinny build, row-major bf16 weights, fc and the
-        head through the skinny kernel)."""
-        from specctl.kernels import amx_linear, skinny_linear
+    def __init__(self, draft: EagleDraft, kernels):
+        """``kernels``: its target's kernel set (``KernelSet``), whose fused block build runs the layer ("amx":
+        weights packed in AMX tiles, fc and the head AMX linears; "avx512_bf16", "avx512", "avx2": the skinny
+        build, row-major bf16 weights, fc and the head through the skinny kernel)."""
+        from specctl.kernels import amx_linear, decode_layer, skinny_linear
 
+        kind = decode_layer.kind(kernels.block)
         bf = lambda w: w.detach().to(torch.bfloat16).contiguous()  # noqa: E731
         pk = (lambda w: amx_linear.pack(bf(w))) if kind == "amx" else bf
-        self.kind = kind
-        self._linear = amx_linear.linear if kind == "amx" else skinny_linear.kernel
+        self.kind, self.block_ext = kind, kernels.block
+        ext = kernels.amx if kind == "amx" else kernels.linear
+        run = amx_linear.linear if kind == "amx" else skinny_linear.run
+        self._linear = lambda x, w, b=None: run(ext, x, w, b)
         lay, a = draft.midlayer, draft.spec.args
         at = lay.self_attn
         self.spec, self.version, self.a = draft.spec, 3, a
@@ -264,8 +267,10 @@ class FusedEagle3:
         self.num_heads, self.num_kv_heads = a.num_heads, a.num_kv_heads
 
     @classmethod
-    def build(cls, draft: EagleDraft, target_dtype: torch.dtype, device) -> "FusedEagle3 | None":
-        from specctl.kernels import amx_linear, decode_layer, skinny_linear
+    def build(cls, draft: EagleDraft, target_dtype: torch.dtype, device, kernels) -> "FusedEagle3 | None":
+        """The fused draft on its target's kernel set ``kernels``, or None where the draft's shapes or the set do
+        not fit."""
+        from specctl.kernels import decode_layer
 
         a, H = draft.spec.args, draft.spec.args.hidden_size
         fits = (draft.version == 3 and target_dtype == torch.bfloat16 and torch.device(device).type == "cpu"
@@ -273,10 +278,10 @@ class FusedEagle3:
                 and a.num_heads // a.num_kv_heads <= 16 and (a.num_heads + 2 * a.num_kv_heads) * a.head_dim % 16 == 0
                 and a.intermediate_size % 32 == 0 and draft.spec.draft_vocab_size % 16 == 0
                 and draft.fc.weight.shape[1] % 32 == 0 and a.num_heads * a.head_dim % 32 == 0)
-        kind = decode_layer.kind() if fits else None
-        if kind is None or (amx_linear.load() if kind == "amx" else skinny_linear.load()) is None:
+        kind = decode_layer.kind(kernels.block) if fits and kernels.block is not None else None
+        if kind is None or (kernels.amx if kind == "amx" else kernels.linear) is None:
             return None
-        return cls(draft, kind)
+        return cls(draft, kernels)
 
     def feature(self, target_hidden, target_aux: torch.Tensor) -> torch.Tensor:
         return self._linear(target_aux.to(torch.bfloat16).contiguous(), self.fc, self.fc_bias)

@@ -36,7 +36,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from specctl.kernels import skinny_linear
 from specctl.modeling import Block, ModelArgs, RMSNorm, Segment, Transformer
 
 LAYOUTS = ("deepseek_v3", "qwen3_next", "mimo")
@@ -57,7 +56,7 @@ class MtpLayer(nn.Module):
 
     def forward(self, h, emb, cos, sin, k_cache, v_cache, start: int, mask):
         # h, emb: [B, T, H] (h^{d-1}_j and emb(t_{j+d})); caches [B, n_kv, max_len, hd] -> pre-norm [B, T, H]
-        x = skinny_linear.linear(torch.cat([self.enorm(emb), self.hnorm(h)], dim=-1), self.eh_proj.weight)  # [B, T, H]
+        x = self.eh_proj(torch.cat([self.enorm(emb), self.hnorm(h)], dim=-1))  # [B, T, H]
         return self.block(x, cos, sin, k_cache, v_cache, start, mask)
 
 
@@ -133,7 +132,7 @@ def mtp_step_ragged(stack: MtpStack, target: Transformer, d: int,
     if stack.zero_pos0 and bool((pos == 0).any()):
         emb = torch.where((pos == 0)[None, :, None], torch.zeros_like(emb), emb)
     h = torch.cat([hp for hp, _, _, _, _ in parts]).to(emb.dtype)[None]  # [1, R, H]
-    x = skinny_linear.linear(torch.cat([layer.enorm(emb), layer.hnorm(h)], dim=-1), layer.eh_proj.weight)
+    x = layer.eh_proj(torch.cat([layer.enorm(emb), layer.hnorm(h)], dim=-1))
     cos, sin = target.rope(0, pos.shape[0], emb.dtype, positions=pos)
     segs = []
     for _, t, st, kc, vc in parts:
@@ -151,4 +150,4 @@ def mtp_step_ragged(stack: MtpStack, target: Transformer, d: int,
 def mtp_logits(stack: MtpStack, target: Transformer, d: int, normed: torch.Tensor) -> torch.Tensor:
     """[..., H] -> [..., V] with depth d's shared_head.head, or the target's LM head."""
     head = stack.layer_for_depth(d).head
-    return skinny_linear.linear(normed, target.head_weight if head is None else head.weight)
+    return target.kernels.dense(normed, target.head_weight if head is None else head.weight)

@@ -44,10 +44,22 @@ def clear_stale_lock(build_dir: Path, max_age_s: float = STALE_LOCK_S) -> bool:
     return True
 
 
+_built: dict[str, object] = {}  # extension name -> its module or None: each build compiled (or found wanting) once
+
+
 def build(name: str, source: str, needs: tuple[str, ...], cflags: list[str]):
+    """The extension ``name`` compiled from ``source`` (once per process: a cache of built modules, not a choice
+    of kernels; which build a model runs is its ``specctl.kernels.select.KernelSet``), or None where this CPU
+    (as ``cpu.flags()`` sees it now) lacks one of ``needs`` or it cannot build."""
     missing = [f for f in needs if f not in cpu.flags()]
     if missing:
         return None
+    if name not in _built:
+        _built[name] = _compile(name, source, cflags)
+    return _built[name]
+
+
+def _compile(name: str, source: str, cflags: list[str]):
     # torch's own build folder (a private helper): a torch without it only loses the stale-lock check
     with contextlib.suppress(Exception):
         from torch.utils.cpp_extension import _get_build_directory

@@ -1,7 +1,7 @@
 """bf16 linear on Intel AMX with weights packed once at load (decode, verification and prefill).
 
 ``pack(w)`` turns w [N, K] into AMX B tiles [N/16, K/32, 16, 16, 2] (N % 16 == 0, K % 32 == 0);
-``linear(x, wp, b)`` computes F.linear(x, w, b) for bf16 x of any number of rows. Each output is
+``linear(ext, x, wp, b)`` computes F.linear(x, w, b) for bf16 x of any number of rows. Each output is
 accumulated in a fixed order whatever the row count, so the rows of a verification forward equal,
 bit for bit, the same rows decoded one at a time. ``load()`` compiles ``csrc/amx_linear.cpp`` once
 (torch cpp_extension, cached) and returns None where AMX cannot run (no amx_bf16 CPU, no compiler,
@@ -18,8 +18,6 @@ import torch
 
 from specctl.kernels._build import build
 
-_ext = None
-_tried = False
 FLAGS = ["-mamx-tile", "-mamx-bf16", "-mavx512f", "-mavx512bf16", "-mavx512vl"]
 # (extension name, source, CPU features, compiler flags): what load() builds (specctl.kernels.prebuild builds it ahead)
 SPEC = ("specctl_amx_linear", "amx_linear.cpp", ("amx_bf16", "amx_tile", "avx512_bf16"), FLAGS)
@@ -27,16 +25,11 @@ SPEC = ("specctl_amx_linear", "amx_linear.cpp", ("amx_bf16", "amx_tile", "avx512
 
 def load():
     """The compiled extension with AMX tile state granted, or None where AMX cannot run here."""
-    global _ext, _tried
-    if _tried:
-        return _ext
-    _tried = True
     ext = build(*SPEC)
-    if ext is not None and not ext.amx_init():
+    if ext is not None and not ext.amx_init():  # asks the OS for tile state (again: a no-op once granted)
         print("specctl: the OS refused AMX tile state; using torch's linear", file=sys.stderr)
-        ext = None
-    _ext = ext
-    return _ext
+        return None
+    return ext
 
 
 def available() -> bool:
@@ -136,8 +129,8 @@ def unpack(wp: torch.Tensor) -> torch.Tensor:
     return wp.permute(0, 3, 1, 2, 4).reshape(nb * 16, kb * 32)
 
 
-def linear(x: torch.Tensor, wp: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] bf16 on CPU, wp packed -> [..., N]."""
+def linear(ext, x: torch.Tensor, wp: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] bf16 on CPU, wp packed -> [..., N], through build ``ext`` (``load()``'s)."""
     K = x.shape[-1]
-    y = _ext.amx_linear(x.reshape(-1, K), wp, b)
+    y = ext.amx_linear(x.reshape(-1, K), wp, b)
     return y.view(*x.shape[:-1], y.shape[-1])

@@ -27,9 +27,6 @@ import torch
 from specctl.kernels import amx_linear, cpu, skinny_linear
 from specctl.kernels._build import build
 
-_ext = None
-_tried = False
-_ext_q: dict[str, object] = {}  # quant_linear int8 path -> the quantized block's build for it (or None)
 MAX_ROWS = 64  # a chain's k+1 rows, or a draft tree's nodes
 AVX512 = ["-mavx512f", "-mavx512bf16", "-mavx512vl", "-mavx512bw"]
 
@@ -65,27 +62,23 @@ def _build(kind: str):
 
 
 def load():
-    global _ext, _tried
-    if not _tried:
-        _tried = True
-        if amx_linear.load() is not None:  # asks the OS for AMX tile state
-            _ext = _build("amx")
-        elif skinny_linear.load() is not None:
-            _ext = _build(skinny_linear.path())
-    return _ext
+    """The dense block's build for this CPU: "amx" where AMX runs, else the skinny linear's vector path
+    (None: neither)."""
+    if amx_linear.load() is not None:  # asks the OS for AMX tile state
+        return _build("amx")
+    p = skinny_linear.vector_path()
+    return None if p is None or skinny_linear.load() is None else _build(p)
 
 
 def load_quant(path: str = "avx512_vnni"):
     """The quantized block's build for a quant_linear int8 ``path`` ("avx512_vnni", or "amx_int8": its
     AMX-INT8 panels), None where the CPU lacks what it needs or there is no compiler."""
-    if path not in _ext_q:
-        if path == "amx_int8":  # the OS grants AMX state to the process when quant_linear's build loads
-            from specctl.kernels import quant_linear
+    if path == "amx_int8":  # the OS grants AMX state to the process when quant_linear's build loads
+        from specctl.kernels import quant_linear
 
-            _ext_q[path] = None if quant_linear.load(path) is None else _build(path)
-        else:
-            _ext_q[path] = _build(path)
-    return _ext_q[path]
+        if quant_linear.load(path) is None:
+            return None
+    return _build(path)
 
 
 def fits_quant(block) -> bool:
@@ -100,17 +93,17 @@ def fits_quant(block) -> bool:
 def _build_and_weights(block):
     """The build that runs ``block`` and its projections as that build takes them (qkv, o, gate_up, down):
     GGUF parts (or their AMX-INT8 panels) and type ids for the quantized build, the dense (or AMX-packed)
-    weights otherwise."""
+    weights and the block's kernel set's build otherwise."""
     linears = (block.qkv, block.o, block.gate_up, block.down)
     if getattr(block.qkv, "quantized", False):
-        return _ext_q[block.qkv.path], [l.kernel_parts for l in linears]
-    return _ext, [l.weight for l in linears]
+        return block.fused_ext, [l.kernel_parts for l in linears]
+    return block.fused_ext, [l.weight for l in linears]
 
 
-def kind() -> str | None:
-    """"amx", "avx512_bf16", "avx512" or "avx2": the build that runs, and so the weights it takes (None: it cannot run
-    here)."""
-    ext = load()
+def kind(ext=None) -> str | None:
+    """"amx", "avx512_bf16", "avx512" or "avx2": the dense build ``ext`` is (default: ``load()``'s), and so the
+    weights it takes (None: no build)."""
+    ext = load() if ext is None else ext
     if ext is None:
         return None
     return next(k for k in ("amx", "avx512_bf16", "avx512", "avx2") if ext.__name__ == build_spec(k)[0])
@@ -144,8 +137,8 @@ def layer_ragged(block, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, i
 
 def eagle3_layer(w, x: torch.Tensor, emb: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, start: int, tree: torch.Tensor | None = None) -> torch.Tensor:
-    """EAGLE-3's draft layer; ``w`` holds packed bf16 weights (qkv [Nqkv, 2H], o, gate_up, down), the
-    norms (hidden_norm on x, input_norm on emb, post_norm), eps and the head counts."""
-    return _ext.decode_layer(x.contiguous(), w.hidden_norm, w.post_norm, w.eps, w.qkv, None, w.o, None, w.gate_up,
+    """EAGLE-3's draft layer; ``w`` holds the block's build (``block_ext``), packed bf16 weights (qkv [Nqkv, 2H],
+    o, gate_up, down), the norms (hidden_norm on x, input_norm on emb, post_norm), eps and the head counts."""
+    return w.block_ext.decode_layer(x.contiguous(), w.hidden_norm, w.post_norm, w.eps, w.qkv, None, w.o, None, w.gate_up,
                              w.down, cos, sin, k_cache, v_cache, start, w.num_heads, w.num_kv_heads, tree,
                              emb.contiguous(), w.input_norm)

@@ -50,7 +50,6 @@ _FLAGS = {"amx_int8": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", 
           "avx512_vnni": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mfma", "-mf16c"],
           "avx512_bf16": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma", "-mf16c"],
           "avx512": ["-mavx512f", "-mavx512bw", "-mfma", "-mf16c"], "avx2": ["-mavx2", "-mfma", "-mf16c"], "scalar": []}
-_ext: dict[str, object] = {}
 
 
 def spec(path: str) -> tuple[str, str, tuple[str, ...], list[str]]:
@@ -63,10 +62,8 @@ def load(path: str = "avx512"):
     build (built once per path; the CPU's features are asked on every call, see specctl.kernels.select.hidden)."""
     if any(not cpu.has(f) for f in NEEDS[path]):
         return None
-    if path not in _ext:
-        ext = build(*spec(path))
-        _ext[path] = None if ext is None or not getattr(ext, "amx_ready", True) else ext  # the OS may refuse AMX state
-    return _ext[path]
+    ext = build(*spec(path))  # built once (specctl.kernels._build)
+    return None if ext is None or not getattr(ext, "amx_ready", True) else ext  # the OS may refuse AMX state
 
 
 def best_path(dtype: torch.dtype = torch.bfloat16, packed: bool = True) -> str | None:

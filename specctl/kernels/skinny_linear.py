@@ -1,9 +1,9 @@
 """Skinny bf16 linear (decode / verification GEMV) for x86 CPUs with AVX-512 or AVX2.
 
-``linear(x, w, b)`` computes F.linear for bf16 inputs of any number of rows with the C++ kernel in
+``run(ext, x, w, b)`` computes F.linear for bf16 inputs of any number of rows with the C++ kernel in
 ``csrc/skinny_linear.cpp`` (compiled once with torch's cpp_extension, cached in torch's extension
-dir), and falls back to F.linear everywhere else: other dtypes, CUDA, a CPU without AVX2 and FMA, or
-no compiler. ``available()`` says whether it runs, ``path()`` which build: ``"avx512_bf16"``
+dir); ``load()`` gives the build for this CPU, None on a CPU without AVX2 and FMA, or without a compiler
+(``KernelSet.dense`` then takes F.linear, as for other dtypes and CUDA). ``available()`` says whether it runs, ``path()`` which build: ``"avx512_bf16"``
 (vdpbf16ps); on a CPU with AVX-512 but no AVX512-BF16 (Intel Skylake-SP to Ice Lake) ``"avx512"``: the
 same arithmetic in fp32 FMAs, equal to the first bit for bit under flush-to-zero (csrc/bf16.h); on a
 CPU with AVX2 alone (AMD Zen 2/3, Intel Haswell to Comet Lake) ``"avx2"``: that FMA form with every
@@ -15,20 +15,17 @@ verified among k+1 rows (or batched with other requests, or in a draft tree of a
 bit-identical to that row decoded alone (lossless greedy in bf16). Every row count takes the kernel:
 a row-count threshold would hand larger forwards to torch's GEMM, whose rounding differs. For
 prefill the kernel runs within ~15 % of oneDNN's AVX512-BF16 GEMM (benchmarks/linear_rows.py).
-Models use it only when ``ENABLED`` (specctl's exact-bf16 mode: ``--kernels auto`` or ``fused``).
+A model runs it where its kernel set (``specctl.kernels.select.KernelSet``, resolved at load from the CPU and
+``--kernels``) holds this build: its bf16 projections are then ``DenseLinear`` modules reading it.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from specctl.kernels import cpu
 from specctl.kernels._build import build
 
-_ext = None
-_tried = False
-ENABLED = False  # set by the model loader in exact-bf16 mode
 FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512bf16"]
 FLAGS_AVX512 = ["-mavx512f", "-mavx512bw", "-mavx512vl"]  # no -mavx512bf16: csrc/bf16.h's FMA form
 # no AVX-512 at all: csrc/vec16.h's two-ymm form of every zmm operation (no contraction of a * b + c into an
@@ -52,13 +49,10 @@ def vector_path() -> str | None:
 
 
 def load():
-    """The compiled extension, or None where it cannot run here (compiled at most once)."""
-    global _ext, _tried
-    if not _tried:
-        _tried = True
-        p = vector_path()
-        _ext = None if p is None else build(*spec(p))
-    return _ext
+    """The compiled extension for this CPU's features now, or None where none can run here (compiled at most
+    once per build: ``specctl.kernels._build``)."""
+    p = vector_path()
+    return None if p is None else build(*spec(p))
 
 
 def available() -> bool:
@@ -68,22 +62,16 @@ def available() -> bool:
 def path() -> str | None:
     """"avx512_bf16", "avx512" or "avx2": the build that runs (None: none can run here)."""
     ext = load()
-    return None if ext is None else next(p for p, b in BUILDS.items() if ext.__name__ == b[0])
+    return None if ext is None else build_path(ext)
 
 
-def kernel(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, w, b) through the kernel itself (bf16 CPU x [..., K], w [N, K] contiguous; ``load()`` ran
-    and gave a build): for weights a caller put in this kernel's layout on purpose (the fused EAGLE-3
-    draft), whether or not a model turned the kernel on for its own linears."""
+def build_path(ext) -> str:
+    """The path ("avx512_bf16", "avx512", "avx2") a build of this kernel is for."""
+    return next(p for p, b in BUILDS.items() if ext.__name__ == b[0])
+
+
+def run(ext, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, w, b) through build ``ext`` (bf16 CPU x [..., K] with at least one row, w [N, K] contiguous)."""
     rows = x.numel() // x.shape[-1]
-    y = load().skinny_linear(x.reshape(rows, x.shape[-1]), w, b)
+    y = ext.skinny_linear(x.reshape(rows, x.shape[-1]), w, b)
     return y.view(*x.shape[:-1], w.shape[0])
-
-
-def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, w, b) for x [..., K], w [N, K]; the kernel path for bf16 CPU x (any rows)."""
-    rows = x.numel() // x.shape[-1]
-    if (x.dtype is torch.bfloat16 and x.device.type == "cpu" and rows > 0 and w.is_contiguous()
-            and _ext is not None and ENABLED):
-        return kernel(x, w, b)
-    return F.linear(x, w, b)

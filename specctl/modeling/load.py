@@ -14,10 +14,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from specctl.kernels import decode_attention, decode_layer, skinny_linear
+from specctl.kernels import decode_attention, decode_layer
+from specctl.kernels.select import TORCH, KernelSet, resolve
 from specctl.errors import ModelError, UsageError
 from specctl.modeling.args import ModelArgs, rope_inv_freq
-from specctl.modeling.transformer import Transformer, pack_for_amx
+from specctl.modeling.transformer import AmxLinear, Transformer, adopt_kernels, pack_for_amx
 
 def read_config(folder: Path) -> dict:
     path = Path(folder) / "config.json"
@@ -70,7 +71,7 @@ def load_transformer(folder: str | Path, dtype: torch.dtype, device: str | torch
     if mode == "fused" and not bf16_cpu:
         raise UsageError("--kernels fused selects specctl's C++ kernels for bf16 on a CPU",
                          "use --dtype bfloat16 --device cpu, or --kernels auto")
-    if bf16_cpu and mode != "torch" and not enable_exact_bf16(model) and mode == "fused":
+    if bf16_cpu and mode != "torch" and not enable_exact_bf16(model, resolve(mode)) and mode == "fused":
         raise UsageError("--kernels fused needs a CPU with AMX, AVX-512 or AVX2 with FMA (and a C++ compiler); this one "
                          "takes torch's path", "use --kernels auto")
     return model
@@ -109,44 +110,51 @@ def weights_on_huge_pages(model: "Transformer") -> None:
         layer.weight = nn.Parameter(h, requires_grad=False)
 
 
-def enable_exact_bf16(model: "Transformer") -> bool:
-    """Row-independent bf16 linears (AMX tiles, else the AVX-512 skinny kernel): verification
-    then equals plain decoding bit for bit, and decode reads the weights faster than torch's oneDNN
-    GEMV (see benchmarks/decode_bandwidth.py). On by default for bf16 on CPU; ``--kernels torch``
-    keeps torch's F.linear. Returns whether a row-independent path is active; where the CPU has
-    none of AMX, AVX-512 or AVX2 (or no compiler), says so once on stderr and returns False."""
+def enable_exact_bf16(model: "Transformer", kernels: KernelSet | None = None) -> bool:
+    """The model onto a row-independent kernel set (``kernels``, default: what this CPU runs, ``resolve()``):
+    AMX tiles (projections as ``AmxLinear``), else the skinny kernel (``DenseLinear``, weights on huge
+    pages), the row-independent attention and the fused block where they fit. Verification then equals
+    plain decoding bit for bit, and decode reads the weights faster than torch's oneDNN GEMV (see
+    benchmarks/decode_bandwidth.py). On by default for bf16 on CPU; ``--kernels torch`` keeps torch's
+    F.linear. Returns whether a row-independent path is active; where the CPU has none of AMX, AVX-512 or
+    AVX2 (or no compiler), says so once on stderr and returns False."""
     global _told_inexact
-    exact = pack_for_amx(model)
-    if exact:
-        model.cpu_kernels = "amx"
-    elif skinny_linear.load() is not None:
-        skinny_linear.ENABLED = True
-        model.cpu_kernels = skinny_linear.path()  # "avx512_bf16", or "avx512"/"avx2" (its FMA form, same results)
+    ks = resolve() if kernels is None else kernels
+    if ks.amx is not None:
+        pack_for_amx(model, ks.amx)
+    elif ks.linear is not None:
+        adopt_kernels(model, ks)  # the dense projections read by the skinny kernel
         weights_on_huge_pages(model)
-        exact = True
-    if not exact and not _told_inexact:
+    else:
+        ks = TORCH
+    model.kernels = ks
+    model.cpu_kernels = ks.path if ks.exact else None  # "amx", "avx512_bf16", or "avx512"/"avx2" (same results)
+    for block in model.layers:
+        block.kernels = ks
+    if not ks.exact and not _told_inexact:
         _told_inexact = True
         print("specctl: this CPU has neither AMX, AVX-512 nor AVX2 (or no compiler), so bf16 runs on torch's "
               "kernels: greedy speculative output equals plain output except at near-ties (use --dtype float32 "
               "for token-exact output)", file=sys.stderr)
-    if exact and decode_attention.load() is not None:
+    if ks.exact and ks.attention is not None:
         a = model.args
         probe = torch.empty(1, a.num_heads, 1, a.head_dim, dtype=torch.bfloat16)
-        fused_kind = decode_layer.kind()  # the build that runs here, and so the weights it takes
+        fused_kind = decode_layer.kind(ks.block) if ks.block is not None else None  # and so the weights it takes
         for block in model.layers:
             block.exact_attention = decode_attention.supports(probe, a.num_kv_heads)
             linears = block.projections
             if fused_kind == "amx":  # the fused block's AMX build takes the packed weights
-                weights_fit = all(getattr(l, "amx_packed", False) for l in linears)
+                weights_fit = all(isinstance(l, AmxLinear) for l in linears)
             else:  # its other builds the skinny linear's row-major ones (None: no build)
                 weights_fit = fused_kind in ("avx512_bf16", "avx512", "avx2") and all(_dense_bf16(l) for l in linears)
             # GGUF blocks (specctl.runtime.quant) on the int8 path: the block's quantized build
-            weights_fit = weights_fit or decode_layer.fits_quant(block)
-            block.fused = (block.exact_attention and weights_fit
+            quant = not weights_fit and decode_layer.fits_quant(block)
+            block.fused = (block.exact_attention and (weights_fit or quant)
                            and block.gate_up.bias is None and block.down.bias is None
                            and a.sliding_window is None and a.head_dim <= 256
                            and a.intermediate_size % 16 == 0)
-    return exact
+            block.fused_ext = None if not block.fused else decode_layer.load_quant(block.qkv.path) if quant else ks.block
+    return ks.exact
 
 
 def fuse_hf_state_dict(sd: dict[str, torch.Tensor], a: ModelArgs) -> dict[str, torch.Tensor]:

@@ -21,7 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specctl.kernels import amx_linear, decode_attention, decode_layer, skinny_linear
+from specctl.kernels import amx_linear, decode_attention, decode_layer
+from specctl.kernels.select import TORCH, KernelSet
 from specctl.modeling.args import SDPA_ROWS, VERIFY_ROWS, ModelArgs, rope_inv_freq
 from specctl.modeling.kv_cache import KVCache, scored_upto
 
@@ -44,27 +45,53 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-def lin(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
-    """layer(x) through the fastest exact path: AMX on packed weights, the skinny bf16 kernel, F.linear
-    (a GGUF QuantLinear, specctl.runtime.quant, runs its own row-independent kernel)."""
-    if getattr(layer, "quantized", False):
-        return layer(x)
-    if getattr(layer, "amx_packed", False):
-        return amx_linear.linear(x, layer.weight, layer.bias)
-    return skinny_linear.linear(x, layer.weight, layer.bias)
+class DenseLinear(nn.Linear):
+    """A projection with its row-major weight [N, K], computed by its kernel set (``KernelSet.dense``: the
+    skinny bf16 kernel on the vector paths, every row as if alone; torch's F.linear otherwise)."""
+
+    def __init__(self, layer: nn.Linear, kernels: KernelSet):
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = layer.in_features, layer.out_features
+        self.weight, self.bias = layer.weight, layer.bias
+        self.kernels = kernels
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.kernels.dense(x, self.weight, self.bias)
 
 
-def pack_for_amx(model: "Transformer") -> bool:
-    """Repack every bf16 projection (and a copy of the LM head) into AMX tiles, where AMX runs.
+class AmxLinear(nn.Module):
+    """A projection whose weight is held in AMX tiles [N/16, K/32, 16, 16, 2] (``amx_linear.pack``), computed by
+    the AMX build (every row as if alone)."""
 
-    Packed layers keep their nn.Linear but hold the weight as [N/16, K/32, 16, 16, 2]; only
-    ``lin`` reads them. Returns whether the model now runs on AMX.
-    """
-    if amx_linear.load() is None:
-        return False
+    def __init__(self, layer: nn.Linear, packed: torch.Tensor, ext):
+        super().__init__()
+        self.in_features, self.out_features = layer.in_features, layer.out_features
+        self.weight = nn.Parameter(packed, requires_grad=False)
+        self.bias = layer.bias
+        self.ext = ext
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return amx_linear.linear(self.ext, x, self.weight, self.bias)
+
+    def dense_weight(self) -> torch.Tensor:
+        """The weight row-major [N, K] again."""
+        return amx_linear.unpack(self.weight)
+
+
+def _retype(block: nn.Module, make) -> None:
+    """Each of ``block``'s projections replaced by ``make(layer)`` (None: kept)."""
+    for name in block.PROJECTIONS:
+        new = make(getattr(block, name))
+        if new is not None:
+            setattr(block, name, new)
+
+
+def pack_for_amx(model: "Transformer", ext) -> None:
+    """Every bf16 projection into an ``AmxLinear`` (its weight repacked into AMX tiles) and a copy of the LM
+    head (``head_packed``), for the AMX build ``ext``."""
     todo = [layer for block in model.layers for layer in block.projections
-            if not getattr(layer, "quantized", False)  # GGUF blocks (specctl.runtime.quant): not packed; no fused block
-            and amx_linear.packable(layer.weight) and not getattr(layer, "amx_packed", False)]
+            if type(layer) in (nn.Linear, DenseLinear)  # not GGUF blocks (specctl.runtime.quant): no fused block
+            and amx_linear.packable(layer.weight)]
     head = model.quant_head is None and amx_linear.packable(model.head_weight)
     weights = [layer.weight for layer in todo] + ([model.head_weight] if head else [])
     # the packed copies in one arena (one huge-page mapping, not one each: its spare page is paid once)
@@ -73,12 +100,22 @@ def pack_for_amx(model: "Transformer") -> bool:
     def packed(w: torch.Tensor) -> torch.Tensor:
         return amx_linear.pack(w.data, out=arena.take(amx_linear.packed_shape(*w.shape), w.dtype))
 
-    for layer in todo:
-        layer.weight = nn.Parameter(packed(layer.weight), requires_grad=False)
-        layer.amx_packed = True
+    chosen = {id(layer) for layer in todo}
+    for block in model.layers:
+        _retype(block, lambda layer: AmxLinear(layer, packed(layer.weight), ext) if id(layer) in chosen else None)
     if head:
         model.head_packed = packed(model.head_weight)
-    return True
+
+
+def adopt_kernels(module: nn.Module, kernels: KernelSet) -> nn.Module:
+    """``module``'s blocks on ``kernels``: each Block's kernel set, and its dense projections as ``DenseLinear``
+    (where the set has the skinny kernel). A draft that runs blocks of its own (MTP) takes its target's set."""
+    for block in module.modules():
+        if isinstance(block, Block):
+            block.kernels = kernels
+            if kernels.linear is not None:
+                _retype(block, lambda layer: DenseLinear(layer, kernels) if type(layer) is nn.Linear else None)
+    return module
 
 
 @dataclass
@@ -112,8 +149,10 @@ class Block(nn.Module):
         self.post_norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.gate_up = nn.Linear(a.hidden_size, 2 * a.intermediate_size, bias=a.mlp_bias)
         self.down = nn.Linear(a.intermediate_size, a.hidden_size, bias=a.mlp_bias)
+        self.kernels: KernelSet = TORCH  # the model's (``enable_exact_bf16``): the attention's and fused block's builds
         self.exact_attention = False  # decode/verify rows through specctl/kernels/decode_attention (bf16 CPU)
         self.fused = False  # decode/verify rows through specctl/kernels/decode_layer (one call per block)
+        self.fused_ext = None  # that build (the kernel set's dense one, or the GGUF blocks' quantized one)
 
     @property
     def projections(self) -> tuple[nn.Module, ...]:
@@ -138,7 +177,7 @@ class Block(nn.Module):
         """x [B, T, H] -> rotated q [B, nh, T, hd], k and v [B, nkv, T, hd]."""
         a = self.a
         B, T, _ = x.shape
-        qkv = lin(self.input_norm(x), self.qkv)
+        qkv = self.qkv(self.input_norm(x))
         q, k, v = qkv.split([a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.num_kv_heads * a.head_dim], -1)
         q = q.view(B, T, a.num_heads, a.head_dim).transpose(1, 2)  # [B, nh, T, hd]
         k = k.view(B, T, a.num_kv_heads, a.head_dim).transpose(1, 2)  # [B, nkv, T, hd]
@@ -156,7 +195,7 @@ class Block(nn.Module):
         if (self.exact_attention and (not tree or tree_mask is not None) and T <= VERIFY_ROWS
                 and a.sliding_window is None and q.dtype is torch.bfloat16):
             # Decode and verification rows in one kernel call; each row computed as if alone.
-            return decode_attention.attention(q, k_cache, v_cache, start, tree=tree_mask)  # [B, T, nh * hd]
+            return decode_attention.attention(self.kernels.attention, q, k_cache, v_cache, start, tree=tree_mask)  # [B, T, nh * hd]
         if mask is not None and not tree and T <= SDPA_ROWS and a.sliding_window is None:
             # Verification: each row attends exactly as it would when decoded alone (one query, no
             # mask, keys [0, pos]), so its output is bit-identical to plain decoding's.
@@ -173,9 +212,9 @@ class Block(nn.Module):
 
     def _out(self, x, att):
         """The residual after attention's output projection and the MLP."""
-        x = x + lin(att, self.o)
-        gate, up = lin(self.post_norm(x), self.gate_up).chunk(2, dim=-1)
-        return x + lin(F.silu(gate) * up, self.down)
+        x = x + self.o(att)
+        gate, up = self.gate_up(self.post_norm(x)).chunk(2, dim=-1)
+        return x + self.down(F.silu(gate) * up)
 
     def forward_ragged(self, x, cos, sin, layer: int, segs: list["Segment"], weights_out: list | None = None):
         """Many requests' rows in one block: x [1, R, H] (segment after segment), cos/sin [R, hd].
@@ -228,6 +267,7 @@ class Transformer(nn.Module):
         self.lm_head = None if a.tie_word_embeddings else nn.Linear(a.hidden_size, a.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(a), persistent=False)
         self.head_packed: torch.Tensor | None = None  # the LM head in AMX tiles (pack_for_amx)
+        self.kernels: KernelSet = TORCH  # the C++ builds its bf16 CPU forward runs on (``enable_exact_bf16``)
         self.quant_head: nn.Module | None = None  # the LM head as GGUF blocks (specctl.runtime.quant), fp32 logits
         # the row-independent C++ path its bf16 linears take on a CPU ("amx", "avx512_bf16", "avx512", "avx2"; see
         # specctl/kernels/cpu.py), or None for torch's own kernels
@@ -296,8 +336,8 @@ class Transformer(nn.Module):
         if self.quant_head is not None:
             return self.quant_head(h)
         if self.head_packed is not None:
-            return amx_linear.linear(h, self.head_packed)
-        return skinny_linear.linear(h, self.head_weight)
+            return amx_linear.linear(self.kernels.amx, h, self.head_packed)
+        return self.kernels.dense(h, self.head_weight)
 
 
     def forward_ragged(self, tokens: torch.Tensor, segs: list[Segment], layers: list[int] | None = None,
@@ -380,7 +420,7 @@ def attention_scores(block: "Block", x: torch.Tensor, cos: torch.Tensor, sin: to
     T = x.shape[1]
     rows = [0, T - 1] if T > 1 else [0]
     xr = x[:, rows]
-    q = lin(block.input_norm(xr), block.qkv)[..., :a.num_heads * a.head_dim]
+    q = block.qkv(block.input_norm(xr))[..., :a.num_heads * a.head_dim]
     q = q.view(1, len(rows), a.num_heads, a.head_dim).transpose(1, 2)  # [1, nh, r, hd]
     c, s = cos[rows], sin[rows]
     q = (q * c + rotate_half(q) * s)[0]  # [nh, r, hd]

@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specctl.drafts.mtp import MtpStack, mtp_logits, mtp_step
+from specctl.kernels.select import TORCH
 from specctl.drafts.mtp_files import export_mtp, mimo_unfit_reason
 from specctl.errors import DataError, UsageError
 from specctl.modeling import KVCache, Transformer
@@ -135,10 +136,10 @@ def resolve_layout(layout: str, args, *, stitch: bool = False, num_layers: int =
 def dense_weight(layer: nn.Module) -> torch.Tensor:
     """[out, in] row-major weight of a target projection, whatever form its kernel reads: a bf16 target on an
     AMX CPU holds AMX tiles [out/16, in/32, 16, 16, 2] (``pack_for_amx``), a GGUF ``QuantLinear`` dequantizes."""
-    if getattr(layer, "amx_packed", False):
-        from specctl.kernels import amx_linear
+    from specctl.modeling import AmxLinear
 
-        return amx_linear.unpack(layer.weight)
+    if isinstance(layer, AmxLinear):
+        return layer.dense_weight()
     return layer.weight
 
 
@@ -213,6 +214,7 @@ class FrozenTarget:
         emb = target.embed.weight.float()  # [V, H]
         self.embed = SimpleNamespace(weight=emb)
         self.head_weight = emb if target.head_weight is target.embed.weight else target.head_weight.float()  # [V, H]
+        self.kernels = TORCH  # fp32 training: torch's linears (autograd)
 
 
 @torch.no_grad()

@@ -27,7 +27,7 @@ def test_matches_fp32_reference(bias):
     w = torch.randn(64, 96, generator=g).bfloat16()
     b = torch.randn(64, generator=g).bfloat16() if bias else None
     x = torch.randn(3, 5, 96, generator=g).bfloat16()
-    y = amx_linear.linear(x, amx_linear.pack(w), b)
+    y = amx_linear.linear(amx_linear.load(), x, amx_linear.pack(w), b)
     ref = x.float() @ w.float().T + (b.float() if bias else 0)
     assert y.shape == (3, 5, 64) and y.dtype == torch.bfloat16
     assert ((y.float() - ref).abs() <= ref.abs() * 2 ** -7 + 1e-3).all()
@@ -39,11 +39,11 @@ def test_rows_are_independent_bit_for_bit():
     wp = amx_linear.pack(torch.randn(160, 320, generator=g).bfloat16())
     b = torch.randn(160, generator=g).bfloat16()
     x = torch.randn(40, 320, generator=g).bfloat16()
-    full = amx_linear.linear(x, wp, b)
-    alone = torch.cat([amx_linear.linear(x[i:i + 1], wp, b) for i in range(40)])
+    full = amx_linear.linear(amx_linear.load(), x, wp, b)
+    alone = torch.cat([amx_linear.linear(amx_linear.load(), x[i:i + 1], wp, b) for i in range(40)])
     assert torch.equal(full, alone)
     for m in (2, 11, 16, 17, 33):
-        assert torch.equal(amx_linear.linear(x[:m], wp, b), full[:m])
+        assert torch.equal(amx_linear.linear(amx_linear.load(), x[:m], wp, b), full[:m])
 
 
 def test_arena_hands_out_aligned_views_of_one_buffer():

@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from specctl.kernels import cpu, decode_attention
 from specctl.runtime.runner import tree_attention_mask
 
-pytestmark = pytest.mark.skipif(decode_attention.load() is None, reason=cpu.why_not(cpu.AVX512, built=False))
+EXT = decode_attention.load()  # this CPU's build (None: the module is skipped)
+pytestmark = pytest.mark.skipif(EXT is None, reason=cpu.why_not(cpu.AVX512, built=False))
 
 
 @pytest.mark.parametrize("nh,nkv,hd", [(4, 2, 32), (9, 3, 64), (12, 2, 128), (6, 6, 96)])
@@ -20,12 +21,12 @@ def test_matches_reference_and_rows_are_independent(nh, nkv, hd):
     kc = torch.randn(2, nkv, S, hd, generator=g).bfloat16()
     vc = torch.randn(2, nkv, S, hd, generator=g).bfloat16()
     q = torch.randn(2, nh, T, hd, generator=g).bfloat16()
-    out = decode_attention.attention(q, kc, vc, start)  # [B, T, nh * hd]
+    out = decode_attention.attention(EXT, q, kc, vc, start)  # [B, T, nh * hd]
     ref = torch.cat([F.scaled_dot_product_attention(q[:, :, i:i + 1].float(), kc[:, :, :start + i + 1].float(),
                                                     vc[:, :, :start + i + 1].float(), enable_gqa=True)
                      for i in range(T)], 2).transpose(1, 2).reshape(2, T, nh * hd)
     torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
-    alone = torch.cat([decode_attention.attention(q[:, :, i:i + 1], kc, vc, start + i) for i in range(T)], 1)
+    alone = torch.cat([decode_attention.attention(EXT, q[:, :, i:i + 1], kc, vc, start + i) for i in range(T)], 1)
     assert torch.equal(out, alone)
 
 
@@ -46,17 +47,17 @@ def test_tree_rows_equal_their_paths_decoded_alone(nh, nkv, hd):
     vc = torch.randn(1, nkv, S, hd, generator=g).bfloat16()
     q = torch.randn(1, nh, T, hd, generator=g).bfloat16()
     tree = tree_attention_mask(parents)
-    out = decode_attention.attention(q, kc, vc, start, tree=tree)
+    out = decode_attention.attention(EXT, q, kc, vc, start, tree=tree)
     for i in range(T):
         path = [j for j in range(T) if tree[i, j]]
         k2, v2 = kc.clone(), vc.clone()
         k2[:, :, start:start + len(path)] = kc[:, :, [start + j for j in path]]
         v2[:, :, start:start + len(path)] = vc[:, :, [start + j for j in path]]
-        alone = decode_attention.attention(q[:, :, i:i + 1], k2, v2, start + len(path) - 1)
+        alone = decode_attention.attention(EXT, q[:, :, i:i + 1], k2, v2, start + len(path) - 1)
         assert torch.equal(out[:, i:i + 1], alone), i
     # a chain is the tree whose node i's parent is i-1
-    chain = decode_attention.attention(q, kc, vc, start, tree=tree_attention_mask(list(range(-1, T - 1))))
-    assert torch.equal(chain, decode_attention.attention(q, kc, vc, start))
+    chain = decode_attention.attention(EXT, q, kc, vc, start, tree=tree_attention_mask(list(range(-1, T - 1))))
+    assert torch.equal(chain, decode_attention.attention(EXT, q, kc, vc, start))
 
 
 def test_a_wide_mask_reaches_tree_nodes_already_in_the_cache():
@@ -74,17 +75,17 @@ def test_a_wide_mask_reaches_tree_nodes_already_in_the_cache():
     for i, anc in enumerate(ancestors):
         tree[i, anc] = True
         tree[i, start - P + i] = True
-    out = decode_attention.attention(q, kc, vc, start, tree=tree)
+    out = decode_attention.attention(EXT, q, kc, vc, start, tree=tree)
     for i, anc in enumerate(ancestors):
         slots = [P + j for j in anc] + [start + i]
         k2, v2 = kc.clone(), vc.clone()
         k2[:, :, P:P + len(slots)] = kc[:, :, slots]
         v2[:, :, P:P + len(slots)] = vc[:, :, slots]
-        alone = decode_attention.attention(q[:, :, i:i + 1], k2, v2, P + len(slots) - 1)
+        alone = decode_attention.attention(EXT, q[:, :, i:i + 1], k2, v2, P + len(slots) - 1)
         assert torch.equal(out[:, i:i + 1], alone), i
     # the prefix columns may be given too: a [T, start + T] mask whose first P columns are all True
     full = torch.cat([torch.ones(T, P, dtype=torch.bool), tree], 1)
-    assert torch.equal(decode_attention.attention(q, kc, vc, start, tree=full), out)
+    assert torch.equal(decode_attention.attention(EXT, q, kc, vc, start, tree=full), out)
 
 
 def test_a_tree_mask_with_a_later_ancestor_is_refused():
@@ -93,7 +94,7 @@ def test_a_tree_mask_with_a_later_ancestor_is_refused():
     bad = torch.eye(3, dtype=torch.bool)
     bad[0, 2] = True
     with pytest.raises(RuntimeError, match="earlier nodes"):
-        decode_attention.attention(q, kc, kc, 4, tree=bad)
+        decode_attention.attention(EXT, q, kc, kc, 4, tree=bad)
 
 
 @pytest.mark.parametrize("nh,nkv,hd,T", [(14, 2, 64, 5), (14, 2, 64, 20), (16, 1, 128, 33), (4, 4, 32, 64)])
@@ -106,8 +107,8 @@ def test_rows_sharing_a_read_of_the_keys_equal_rows_alone(nh, nkv, hd, T):
     kc = torch.randn(1, nkv, S, hd, generator=g).bfloat16()
     vc = torch.randn(1, nkv, S, hd, generator=g).bfloat16()
     q = torch.randn(1, nh, T, hd, generator=g).bfloat16()
-    out = decode_attention.attention(q, kc, vc, start)
-    alone = torch.cat([decode_attention.attention(q[:, :, i:i + 1], kc, vc, start + i) for i in range(T)], 1)
+    out = decode_attention.attention(EXT, q, kc, vc, start)
+    alone = torch.cat([decode_attention.attention(EXT, q[:, :, i:i + 1], kc, vc, start + i) for i in range(T)], 1)
     assert torch.equal(out, alone)
     ref = torch.cat([F.scaled_dot_product_attention(q[:, :, i:i + 1].float(), kc[:, :, :start + i + 1].float(),
                                                     vc[:, :, :start + i + 1].float(), enable_gqa=True)
@@ -130,4 +131,4 @@ def test_fma_form_equals_avx512_bf16_bit_for_bit(nh, nkv, hd, T, path):
     q = torch.randn(1, nh, T, hd, generator=g).bfloat16()
     for st in (0, start):
         assert torch.equal(fma.decode_attention(q, kc, vc, st, 0.125, None),
-                           decode_attention.attention(q, kc, vc, st, 0.125))
+                           decode_attention.attention(EXT, q, kc, vc, st, 0.125))

@@ -21,7 +21,7 @@ def test_matches_fp32_reference(K, bias):
     b = torch.randn(N, generator=g).bfloat16() if bias else None
     for M in (1, 3, 11, 16, 17, 45):
         x = torch.randn(M, K, generator=g).bfloat16()
-        y = skinny_linear._ext.skinny_linear(x, w, b)
+        y = skinny_linear.load().skinny_linear(x, w, b)
         ref = x.float() @ w.float().T + (b.float() if bias else 0)
         # one bf16 rounding of an fp32 sum: within 2 ulp of bf16 (fp32 summation order differs)
         tol = ref.abs() * 2 ** -7 + 1e-3
@@ -37,29 +37,32 @@ def test_rows_are_independent_bit_for_bit():
     w = torch.randn(517, 1536, generator=g).bfloat16()
     b = torch.randn(517, generator=g).bfloat16()
     x = torch.randn(100, 1536, generator=g).bfloat16()
-    alone = torch.cat([skinny_linear._ext.skinny_linear(x[i:i + 1], w, b) for i in range(100)])
+    alone = torch.cat([skinny_linear.load().skinny_linear(x[i:i + 1], w, b) for i in range(100)])
     for M in list(range(1, 18)) + [31, 32, 33, 64, 100]:
-        assert torch.equal(skinny_linear._ext.skinny_linear(x[:M], w, b), alone[:M]), M
+        assert torch.equal(skinny_linear.load().skinny_linear(x[:M], w, b), alone[:M]), M
 
 
 @needs_kernel
-def test_linear_takes_the_kernel_for_any_rows_when_enabled(monkeypatch):
+def test_a_kernel_set_with_the_kernel_takes_it_for_any_rows():
+    from specctl.kernels.select import KernelSet
+
     g = torch.Generator().manual_seed(1)
     wb = torch.randn(40, 64, generator=g).bfloat16()
     xb = torch.randn(3, 40, 64, generator=g).bfloat16()  # 120 rows
-    monkeypatch.setattr(skinny_linear, "ENABLED", True)
-    assert torch.equal(skinny_linear.linear(xb, wb), skinny_linear._ext.skinny_linear(xb.reshape(120, 64), wb, None).view(3, 40, 40))
+    ks = KernelSet(skinny_linear.path(), linear=skinny_linear.load())
+    assert torch.equal(ks.dense(xb, wb), skinny_linear.load().skinny_linear(xb.reshape(120, 64), wb, None).view(3, 40, 40))
 
 
-def test_linear_falls_back_outside_its_domain(monkeypatch):
+def test_a_kernel_set_takes_torch_outside_its_domain():
+    from specctl.kernels.select import TORCH, KernelSet
+
     g = torch.Generator().manual_seed(1)
     w = torch.randn(40, 64, generator=g)
     x = torch.randn(2, 5, 64, generator=g)
-    monkeypatch.setattr(skinny_linear, "ENABLED", True)
-    torch.testing.assert_close(skinny_linear.linear(x, w), F.linear(x, w))  # fp32: torch's path
-    monkeypatch.setattr(skinny_linear, "ENABLED", False)  # not in exact-bf16 mode: torch's path
+    ks = KernelSet("avx512_bf16", linear=skinny_linear.load())
+    torch.testing.assert_close(ks.dense(x, w), F.linear(x, w))  # fp32: torch's path
     xb, wb = torch.randn(32, 64, generator=g).bfloat16(), w.bfloat16()
-    assert torch.equal(skinny_linear.linear(xb, wb), F.linear(xb, wb))
+    assert torch.equal(TORCH.dense(xb, wb), F.linear(xb, wb))  # a set without the kernel: torch's path
 
 
 @pytest.mark.parametrize("path", ["avx512", "avx2"])
@@ -78,6 +81,6 @@ def test_fma_form_equals_avx512_bf16_bit_for_bit(path):
             b = torch.randn(203, generator=g).bfloat16()
             for M in (1, 2, 4, 5, 8, 16, 17, 33):
                 x = (torch.randn(M, K, generator=g) * torch.exp2(torch.randint(-20, 21, (M, K), generator=g))).bfloat16()
-                assert torch.equal(fma.skinny_linear(x, w, b), skinny_linear._ext.skinny_linear(x, w, b)), (K, M)
+                assert torch.equal(fma.skinny_linear(x, w, b), skinny_linear.load().skinny_linear(x, w, b)), (K, M)
     finally:
         torch.set_flush_denormal(False)

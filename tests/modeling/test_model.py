@@ -358,7 +358,8 @@ def test_amx_packed_weights_share_one_arena(tiny_model_factory):
     model = load_transformer(tiny_model_factory("llama", tie_word_embeddings=True), torch.bfloat16, kernels="torch")
     layers = _projections(model)
     before = [layer.weight.detach().clone() for layer in layers]
-    assert pack_for_amx(model)
+    pack_for_amx(model, amx_linear.load())
+    layers = _projections(model)  # now AmxLinear modules
     packed = [layer.weight for layer in layers] + [model.head_packed]
     assert all(torch.equal(amx_linear.unpack(p), w) for p, w in zip(packed, before))
     assert torch.equal(amx_linear.unpack(model.head_packed), model.head_weight)

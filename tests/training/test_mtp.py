@@ -214,16 +214,15 @@ def test_resume_reads_the_old_checkpoint_layout(tiny_model_dir, data_file, tmp_p
 def _pack_amx(model) -> None:
     """Every bf16 projection in AMX tiles, as ``pack_for_amx`` leaves a bf16 target on an AMX CPU (done by
     hand, so on any CPU: ``amx_linear.pack`` is plain torch; only running the packed model needs AMX)."""
-    from torch import nn
-
     from specctl.kernels import amx_linear
+    from specctl.modeling import AmxLinear
 
     for block in model.layers:
-        for layer in (block.qkv, block.o, block.gate_up, block.down):
-            if not getattr(layer, "amx_packed", False):
+        for name in block.PROJECTIONS:
+            layer = getattr(block, name)
+            if not isinstance(layer, AmxLinear):
                 assert amx_linear.packable(layer.weight)
-                layer.weight = nn.Parameter(amx_linear.pack(layer.weight.data), requires_grad=False)
-                layer.amx_packed = True
+                setattr(block, name, AmxLinear(layer, amx_linear.pack(layer.weight.data), None))
 
 
 def test_init_stack_reads_a_packed_bf16_target(tiny_model_dir):

@@ -99,7 +99,7 @@ class EagleProposer(SlotProposer):
         fused = None
         # fused as the target runs: on its AMX or AVX-512/AVX2 kernels (not torch's, not a GGUF's)
         if self._fused if self._fused is not None else tmodel.cpu_kernels in ("amx", "avx512_bf16", "avx512", "avx2"):
-            fused = FusedEagle3.build(self.draft, tmodel.embed.weight.dtype, self.device)
+            fused = FusedEagle3.build(self.draft, tmodel.embed.weight.dtype, self.device, tmodel.kernels)
         self.net = fused or self.draft
         self.dtype = FusedEagle3.dtype if fused is not None else torch.float32
         self.embed_weight = embed.to(self.device) if embed is not None else tmodel.embed.weight  # [V, H]

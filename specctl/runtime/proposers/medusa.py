@@ -106,11 +106,8 @@ class MedusaProposer(Proposer):
         self.device, self.dtype = device, dtype
         self.max_model_len = int(config.max_model_len or max_model_len)
         self.stop_ids = set(target.stop_token_ids) if target is not None else set()
-        self.linear = F.linear
-        if device.type == "cpu" and dtype == torch.bfloat16:
-            from specctl.kernels import skinny_linear  # bf16 GEMV for 1..16 rows: the heads' LM heads read fast
-
-            self.linear = skinny_linear.linear
+        # the target's kernel set: the skinny bf16 GEMV for 1..16 rows where it has it (the heads' LM heads read fast)
+        self.linear = target.model.kernels.dense if target is not None else F.linear
         self.temperature, self.top_k, self.top_p = 0.0, None, None  # default for slots never announced
         self.slots: dict[int, _Sampling] = {}  # slot -> how its request samples
         self._own_generator = torch.Generator(device=device).manual_seed(int(torch.randint(2**62, ())))

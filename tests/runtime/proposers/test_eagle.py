@@ -313,10 +313,10 @@ def test_tree_options_are_validated():
 
 def _fused_ok() -> bool:
     """The fused EAGLE-3 block runs here: the target's fused build (AMX, or the skinny AVX-512/AVX2 one)."""
-    from specctl.kernels import amx_linear, decode_layer, skinny_linear
+    from specctl.kernels.select import resolve
 
-    kind = decode_layer.kind()
-    return kind is not None and (amx_linear.load() if kind == "amx" else skinny_linear.load()) is not None
+    ks = resolve()
+    return ks.block is not None and (ks.amx if ks.path == "amx" else ks.linear) is not None
 
 
 @pytest.fixture(scope="module")
@@ -343,8 +343,8 @@ def test_fused_draft_matches_the_fp32_draft(wide):
         for i, norm in enumerate((draft.midlayer.input_layernorm, draft.midlayer.hidden_norm,
                                   draft.midlayer.post_attention_layernorm, draft.norm)):
             norm.weight.mul_(1.0 + 0.5 * torch.randn(norm.weight.shape, generator=torch.Generator().manual_seed(i)))
-    fused = FusedEagle3.build(draft, torch.bfloat16, "cpu")
-    assert fused is not None and FusedEagle3.build(draft, torch.float32, "cpu") is None  # bf16 targets only
+    fused = FusedEagle3.build(draft, torch.bfloat16, "cpu", target.kernels)
+    assert fused is not None and FusedEagle3.build(draft, torch.float32, "cpu", target.kernels) is None  # bf16 only
     a, g = draft.spec.args, torch.Generator().manual_seed(0)
     T = 70  # more rows than one kernel call takes: fed in causal chunks
     aux = torch.randn(1, T, draft.fc.weight.shape[1], generator=g).bfloat16()
