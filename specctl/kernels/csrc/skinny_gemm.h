@@ -11,18 +11,26 @@
 // rows), and every tile sweeps a chunk of weight rows while it is in L1/L2: the weights stream from
 // memory once whatever M is.
 //
+// On AVX-512 a tile of a multiple of 4 rows reduces its 4 x 4 passes' 16 dot products transposed, as one
+// vector (reduce16: the same adds on the same operands as reduce_add's tree), and rounds, adds the bias and
+// the residual as vectors: the same bits as the scalar finish, ~17 % less time for [2048, 1536] weights and
+// 2-5 % for [17920, 1536] at 16-2048 rows (an AMD EPYC Zen 4, AVX512-BF16, 2 threads, 458 GFLOP/s of
+// vdpbf16ps: 330 -> 400 and 375 -> 393 GFLOP/s).
+//
 // While a group of 4 weight rows is computed, the next group's rows are prefetched line by line, spread
 // over the group's ceil(M / 4) passes over x, up to the end of the caller's stream (pf_end). Without it
 // the stream stalls while x's later passes compute from L1 and the two never overlap: a forward over
 // 8 rows cost the time of one row plus the time of the arithmetic. Measured on an Intel Xeon with
 // AVX512-BF16 as a CPU without AMX runs it (1 GiB of [N, 1536] weights, 2 threads): 1 row 39.4 ->
 // 34.9 ms, 8 rows 82.5 -> 48.9 ms, 16 rows 133 -> 90 ms.
+
 #pragma once
 #include <immintrin.h>
 #include "bf16.h"
 #include <algorithm>
 #include <array>
 #include <cstdint>
+#include <cstring>
 #include <utility>
 
 namespace specctl::skinny {
@@ -74,6 +82,38 @@ inline void block(const uint16_t* x, const uint16_t* wr, int64_t K, int64_t kful
     for (int m = 0; m < MB; ++m) out[j * ostride + m] = reduce_add(acc[j][m]);
 }
 
+#if defined(__AVX512F__)
+// The 16 lane sums of v[0..15] in one vector: lane i = reduce_add(v[i]), bit for bit (every add takes the
+// same two operands as reduce_add's tree: halves, quarters, then pairs; only the lanes are transposed).
+inline __m512 reduce16(const __m512* v) {
+  __m512 s1[8], s2[4], s3[2];
+  for (int p = 0; p < 8; ++p)  // lanes 0-7: v[2p]'s halves summed, 8-15: v[2p+1]'s
+    s1[p] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * p], v[2 * p + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                          _mm512_shuffle_f32x4(v[2 * p], v[2 * p + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  for (int q = 0; q < 4; ++q)  // quarter c: v[4q + c]'s quarters summed
+    s2[q] = _mm512_add_ps(_mm512_shuffle_f32x4(s1[2 * q], s1[2 * q + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                          _mm512_shuffle_f32x4(s1[2 * q], s1[2 * q + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  for (int r = 0; r < 2; ++r)  // in quarter l: pairs of v[8r + l] (lanes 0, 1), of v[8r + 4 + l] (2, 3)
+    s3[r] = _mm512_add_ps(_mm512_shuffle_ps(s2[2 * r], s2[2 * r + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                          _mm512_shuffle_ps(s2[2 * r], s2[2 * r + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  // lane 4l + c: v[4c + l]'s sum; permuted to lane 4c + l
+  const __m512 t = _mm512_add_ps(_mm512_shuffle_ps(s3[0], s3[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm512_shuffle_ps(s3[0], s3[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), t);
+}
+
+// to_bf16 of 16 lanes (round to nearest even, subnormals kept, NaN -> 0x7fc0), as 16 uint16
+inline __m256i to_bf16x16(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+  const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
+  r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7fc0));
+  return _mm512_cvtepi32_epi16(r);
+}
+inline __m512 from_bf16x16(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
+#endif
+
 template <int M, int NB, int M0>
 inline void group(const uint16_t* x, const uint16_t* wr, int64_t K, int64_t kfull, int tail, float out[][M],
                   const uint16_t* pf) {
@@ -85,6 +125,62 @@ inline void group(const uint16_t* x, const uint16_t* wr, int64_t K, int64_t kful
     group<M, NB, M0 + MB>(x, wr, K, kfull, tail, out, pf);
   }
 }
+
+#if defined(__AVX512F__)
+// One 4 x 4 pass (x rows [M0, M0 + 4) against weight rows [n, n + 4)), its 16 outputs reduced and finished
+// (bias, bf16, residual) as one vector: the same bits as block<4, 4> and finish.
+template <int J0, int J1>
+inline void vblock(const uint16_t* x, const uint16_t* wr, int64_t K, int64_t kfull, int tail, const uint16_t* b,
+                   int64_t n, uint16_t* y, const uint16_t* r, int64_t ldy, const uint16_t* pf) {
+  __m512 acc[16];  // acc[4m + j]: x row m, weight row j
+#pragma GCC unroll 16
+  for (int i = 0; i < 16; ++i) acc[i] = zero16();
+  for (int64_t k = 0; k < kfull; k += 32) {
+    bf16x32 wv[4];
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) wv[j] = load_bf16x32(wr + j * K + k);
+    if (pf) {
+#pragma GCC unroll 4
+      for (int j = J0; j < J1; ++j) _mm_prefetch(reinterpret_cast<const char*>(pf + j * K + k), _MM_HINT_T0);
+    }
+#pragma GCC unroll 4
+    for (int m = 0; m < 4; ++m) {
+      const bf16x32 xv = load_bf16x32(x + m * K + k);
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) acc[4 * m + j] = dot_bf16(acc[4 * m + j], xv, wv[j]);
+    }
+  }
+  if (tail) {
+    bf16x32 wv[4];
+    for (int j = 0; j < 4; ++j) wv[j] = load_bf16x32_n(wr + j * K + kfull, tail);
+    for (int m = 0; m < 4; ++m) {
+      const bf16x32 xv = load_bf16x32_n(x + m * K + kfull, tail);
+      for (int j = 0; j < 4; ++j) acc[4 * m + j] = dot_bf16(acc[4 * m + j], xv, wv[j]);
+    }
+  }
+  __m512 s = reduce16(acc);
+  if (b) s = _mm512_add_ps(s, from_bf16x16(_mm256_broadcastq_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + n)))));
+  __m256i h = to_bf16x16(s);
+  if (r) {
+    const __m256i rv = _mm256_setr_epi64x(*reinterpret_cast<const int64_t*>(r + n), *reinterpret_cast<const int64_t*>(r + ldy + n),
+                                          *reinterpret_cast<const int64_t*>(r + 2 * ldy + n), *reinterpret_cast<const int64_t*>(r + 3 * ldy + n));
+    h = to_bf16x16(_mm512_add_ps(from_bf16x16(rv), from_bf16x16(h)));
+  }
+  alignas(32) int64_t rows4[4];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(rows4), h);
+  for (int m = 0; m < 4; ++m) std::memcpy(y + m * ldy + n, &rows4[m], 8);
+}
+
+template <int M, int M0>
+inline void vgroup(const uint16_t* x, const uint16_t* wr, int64_t K, int64_t kfull, int tail, const uint16_t* b,
+                   int64_t n, uint16_t* y, const uint16_t* r, int64_t ldy, const uint16_t* pf) {
+  if constexpr (M0 < M) {
+    constexpr int P = M / 4, I = M0 / 4;
+    vblock<I * 4 / P, (I + 1) * 4 / P>(x + M0 * K, wr, K, kfull, tail, b, n, y + M0 * ldy, r ? r + M0 * ldy : nullptr, ldy, pf);
+    vgroup<M, M0 + 4>(x, wr, K, kfull, tail, b, n, y, r, ldy, pf);
+  }
+}
+#endif
 
 inline uint16_t finish(float acc, const uint16_t* b, int64_t n, const uint16_t* r) {
   const uint16_t y = to_bf16(acc + (b ? from_bf16(b[n]) : 0.0f));
@@ -101,6 +197,12 @@ void rows_kernel(const uint16_t* x, const uint16_t* w, const uint16_t* b, uint16
   const int tail = static_cast<int>(K - kfull);
   int64_t n = n0;
   for (; n + NB <= n1; n += NB) {
+#if defined(__AVX512F__)
+    if constexpr (M % 4 == 0) {
+      vgroup<M, 0>(x, w + n * K, K, kfull, tail, b, n, y, r, ldy, n + 2 * NB <= pf_end ? w + (n + NB) * K : nullptr);
+      continue;
+    }
+#endif
     float out[NB][M];
     group<M, NB, 0>(x, w + n * K, K, kfull, tail, out, n + 2 * NB <= pf_end ? w + (n + NB) * K : nullptr);
     for (int j = 0; j < NB; ++j)
