@@ -109,6 +109,7 @@ class DraftLengthController:
     draft_hint: float = 0.0  # a draft token's cost in plain steps until drafting is measured (Proposer.draft_cost)
     _off_steps: int = 0
     _gap: int = 0  # the current wait between probes (0: probe_every)
+    _probe_gap: int = 0  # the wait before the probe the last draft_len fired (0: it fired none)
     _prior: float = -1.0  # alpha as given: the prior of the pooled rate
     _pool: PooledAcceptance | None = None  # the pooled rate over all positions (alpha)
     _pos_succ: list[float] = field(default_factory=list)  # the same per draft position
@@ -236,6 +237,7 @@ class DraftLengthController:
             return 0  # measure a plain step first: every cost is relative to it
         if not self.may_pay(batch):
             return 0  # not even at full acceptance: no probes either (a probe would only pay the draft's cost)
+        self._probe_gap = 0
         d = self.best_len(batch)
         if d > 0:
             self._off_steps, self._gap = 0, 0
@@ -249,8 +251,16 @@ class DraftLengthController:
             self._gap = min(2 * gap, self.max_probe_every)  # kept if this probe does not turn drafting on
             if catch_up_s > PROBE_CATCH_UP * self.costs.get(1, float("inf")):
                 return 0  # catching up would cost more than the probe could show: skipped (the wait doubles)
+            self._probe_gap = gap
             return min(self.probe_len, self.k)
         return 0
+
+    def probe_unused(self) -> None:
+        """The probe the last ``draft_len`` asked for came back empty (an n-gram lookup that found no match):
+        it showed nothing, so it is due again at the next step, its wait not doubled. A no-op where that
+        call fired no probe."""
+        if self._probe_gap:
+            self._gap, self._off_steps, self._probe_gap = self._probe_gap, self._probe_gap, 0
 
     @property
     def fresh(self) -> bool:

@@ -289,6 +289,8 @@ class SpecDecoder:
         blocks = {}
         for i in ks:
             st, d = states[i], drafts.get(i, Draft())
+            if i in drafts and not len(d) and st.controller is not None and not self._own_length:
+                st.controller.probe_unused()  # a probe that found nothing to draft is due again
             if d.is_tree and not st.params.greedy:
                 _fail(st, ValueError("draft trees are verified greedily only; the proposer must send a chain when sampling"))
                 continue
@@ -356,7 +358,7 @@ class SpecDecoder:
 
     def _count(self, st: DecodeState, block: Block, oc: StepOutcome) -> None:
         st.stats.observe(oc.num_draft, oc.accepted)
-        if self.proposer is not None and oc.num_draft > 0:  # the sub-proposers that made the draft (a hybrid's)
+        if self.proposer is not None:  # the sub-proposers that made the draft (a hybrid's; and its shadow drafts)
             for name, (d, a) in self.proposer.credit(st.slot, oc.num_draft, oc.accepted, oc.emitted).items():
                 st.by_proposer.setdefault(name, SpecStats()).observe(d, a)
 

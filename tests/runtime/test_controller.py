@@ -125,6 +125,24 @@ def test_failed_probes_back_off_exponentially_and_a_good_probe_resets_the_wait()
     assert c.draft_len() > 0 and c._gap == 0
 
 
+def test_a_probe_that_found_nothing_to_draft_is_due_again_without_a_longer_wait():
+    """An n-gram lookup probed where it had no match showed nothing: the next step probes again (the wait not
+    doubled); the probe that does draft, and fails, doubles it as before."""
+    costs = {1: 0.1, 2: 0.2, 3: 0.2, 4: 0.2, 5: 0.2}
+    c = DraftLengthController(k=4, costs=dict(costs), alpha=0.0, probe_every=8, max_probe_every=64)
+    steps = 0
+    while not c.draft_len():
+        steps += 1
+    c.probe_unused()  # no match: nothing drafted
+    c.probe_unused()  # a second call without a probe in between changes nothing
+    assert c.draft_len() > 0 and c._gap == 16  # due again at once; the wait as after the first probe (8, then 16)
+    c.observe(2, 0, 3, costs[3])  # drafted and rejected: the wait doubles
+    waited = 0
+    while not c.draft_len():
+        waited += 1
+    assert waited == 15 and c._gap == 32
+
+
 def test_drafting_time_is_kept_apart_and_an_outlier_does_not_switch_drafting_off():
     # a draft model: each draft token costs 35% of a target step; verification is flat (AMX bf16)
     c = DraftLengthController(k=4, costs={1: 0.1}, probe_every=1000)

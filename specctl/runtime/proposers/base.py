@@ -199,8 +199,8 @@ class Proposer:
         of them drafting."""
 
     def credit(self, slot: int, num_draft: int, num_accepted: int, emitted: list[int]) -> dict[str, tuple[int, int]]:
-        """After ``slot``'s step was verified: its sub-proposers that drafted, each with (its draft
-        tokens, how many were accepted) (hybrid); {} for a single proposer."""
+        """After each of ``slot``'s verified steps (drafted or plain): its sub-proposers that drafted, each with
+        (its draft tokens, how many were accepted) (hybrid); {} for a single proposer."""
         return {}
 
 

@@ -14,7 +14,8 @@ model draft pays on new text. Policies:
   of a verification over T tokens, and its own drafting time per step, plus what it must catch up on
   first (``Proposer.backlog``: context tokens it has not read, at its measured seconds per token).
   The parts whose best draft beats a plain step are asked best first, by expected accepted tokens per
-  second; the first with a draft wins. None beats a plain step: no draft (each part's controller
+  second; the first with a draft wins. A part whose controller probes (its drafting off, the wait between
+  probes doubling) is asked before them, so that a part written off early is measured again. None beats a plain step: no draft (each part's controller
   probes again after a wait that doubles, as a single proposer's does). A part that has not drafted
   yet is asked first, to be measured, but only where its catching up costs a few plain steps at most:
   a draft model is not made to read a long prompt before anyone knows it pays (it is measured on a
@@ -143,6 +144,7 @@ class _Part:
         return not c.costs or (c.may_pay() and c.best_len() > 0)
 
 
+FREE_METHODS = ("ngram", "suffix")  # parts whose drafting is a lookup: they draft unverified in the shadow (``credit``)
 FOLLOW_STEPS = 64  # a part that reads prompts stops reading new ones when it has not won for this many steps
 CATCH_UP_MIN = 16  # a call with more context tokens than this to read first is not timed as drafting
 EXPLORE_CATCH_UP = 4.0  # a part that has not drafted yet is tried where catching up costs at most this (plain steps)
@@ -175,6 +177,8 @@ class HybridProposer(Proposer):
         self._last_drafted: dict[int, list] = {}  # slot -> what credit() counted, for observe_step
         self._batch: dict[int, int] = {}  # slot -> requests in its last step's forward
         self._steps = 0  # drafting calls so far (every request's): the clock of ``_Part.won``
+        self._probing: set[tuple[int, int]] = set()  # (slot, part) whose controller probes this step
+        self._shadow: dict[int, list[tuple[int, list[int]]]] = {}  # slot -> [(free part, its unverified draft)]
         self.adaptive = True  # the decoder adapts draft lengths (``set_adaptive``): ``score`` weighs the parts
 
     # ------------------------------------------------------------------ every sub-proposer follows
@@ -231,6 +235,7 @@ class HybridProposer(Proposer):
         self._drafted.pop(slot, None)
         self._step_draft_s.pop(slot, None)
         self._last_drafted.pop(slot, None)
+        self._shadow.pop(slot, None)
         self._batch.pop(slot, None)
         for p in self.subs:
             p.end_request(slot)
@@ -252,6 +257,12 @@ class HybridProposer(Proposer):
             depth = max(len(p) for p in ps)
             self.parts[i].observe(depth, best)
             out[self.names[i]] = (depth, best)
+        for i, ids in self._shadow.pop(slot, []):  # a free part's unverified draft, scored on the emitted tokens
+            n = next((j for j, (a, b) in enumerate(zip(ids, emitted)) if a != b), min(len(ids), len(emitted)))
+            if n < min(len(ids), len(emitted)):
+                self.parts[i].observe(len(ids), n)  # rejected at n + 1
+            else:
+                self.parts[i].observe(n, n)  # every token known matched (the rest unknown: a draft of n, all accepted)
         return out
 
     def set_adaptive(self, on: bool) -> None:
@@ -301,10 +312,16 @@ class HybridProposer(Proposer):
                 if part.catch_up_steps(sub.backlog(slot), sub.catch_up_seconds(slot)) <= EXPLORE_CATCH_UP:
                     scored.append((float("inf"), i, min(k, self.ks[i])))
                 continue
-            d, v, extra = part.value(sub.backlog(slot), sub.catch_up_seconds(slot), self._batch.get(slot, 1))
+            batch = self._batch.get(slot, 1)
+            d, v, extra = part.value(sub.backlog(slot), sub.catch_up_seconds(slot), batch)
             # it beats a plain step; or its controller probes it, and catching up first costs little
             if d > 0 and (v > 1.0 or extra <= PROBE_CATCH_UP):
-                scored.append((v, i, min(d, k, self.ks[i])))
+                # a probe goes first: after another part that always drafts it would never be asked, and a
+                # part written off early (n-gram's first draft rejected) would stay written off
+                probe = c.best_len(batch) == 0
+                if probe:
+                    self._probing.add((slot, i))
+                scored.append((float("inf") if probe else v, i, min(d, k, self.ks[i])))
         scored.sort(key=lambda x: -x[0])
         return [(i, d) for _, i, d in scored]
 
@@ -316,8 +333,10 @@ class HybridProposer(Proposer):
         out = [Draft() for _ in requests]
         orders: dict[int, list[tuple[int, int]]] = {}
         trees: list[int] = []
+        self._probing.clear()
         for b, (r, k) in enumerate(zip(requests, ks)):
             self._drafted[r.slot], self._step_draft_s[r.slot] = [], {}
+            self._shadow.pop(r.slot, None)
             if k <= 0:
                 continue
             self._steps += 1
@@ -330,13 +349,16 @@ class HybridProposer(Proposer):
         if trees:
             self._tree_drafts(requests, ks, trees, out)
         need = self.min_match if self.policy == "first" else 1
-        j = 0
+        j, asked = 0, {}  # asked: request -> the parts asked for it this step
         while orders:  # round j: each request still without a draft asks its j-th part
             by_part: dict[int, list[int]] = {}
             for b, order in orders.items():
                 by_part.setdefault(order[j][0], []).append(b)
+                asked.setdefault(b, set()).add(order[j][0])
             for i, bs in by_part.items():
                 for b, d in zip(bs, self._ask(i, [requests[b] for b in bs], [orders[b][j][1] for b in bs])):
+                    if not len(d) and (requests[b].slot, i) in self._probing:
+                        self.parts[i].acceptance.probe_unused()  # it found nothing to draft: due again
                     last = j == len(orders[b]) - 1
                     if len(d) >= need or (last and len(d) > 0):
                         self._drafted[requests[b].slot] = [(i, paths(d))]
@@ -344,7 +366,26 @@ class HybridProposer(Proposer):
                         out[b] = d
             j += 1
             orders = {b: o for b, o in orders.items() if not len(out[b]) and j < len(o)}
+        if self.policy == "score" and self.adaptive:
+            self._shadow_drafts(requests, ks, asked)
         return DraftBatch(out)
+
+    def _shadow_drafts(self, requests: list[DraftRequest], ks: list[int], asked: dict[int, set[int]]) -> None:
+        """The free parts (pattern lookups: FREE_METHODS) that were not asked for a request this step draft for
+        it anyway, unverified: ``credit`` scores that draft against the tokens the step emits. A lookup costs
+        microseconds, and so its acceptance stays measured while another part wins every step (without it,
+        one rejected first draft wrote n-gram off on code editing for good, behind a draft model that
+        always drafted)."""
+        for i, sub in enumerate(self.subs):
+            if sub.method not in FREE_METHODS:
+                continue
+            bs = [b for b, k in enumerate(ks) if k > 0 and i not in asked.get(b, ())]
+            if not bs:
+                continue
+            drafts = sub.propose([requests[b] for b in bs], [min(ks[b], self.ks[i]) for b in bs]).drafts
+            for b, d in zip(bs, drafts):
+                if len(d) and d.parents is None:
+                    self._shadow.setdefault(requests[b].slot, []).append((i, list(d.ids)))
 
     def _tree_drafts(self, requests: list[DraftRequest], ks: list[int], trees: list[int], out: list[Draft]) -> None:
         """``tree``: every part drafts for every greedy request (one call per part), each request's drafts

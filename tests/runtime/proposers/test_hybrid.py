@@ -221,6 +221,23 @@ def test_score_asks_the_best_measured_part_first(target, folders):
     assert [i for i, _ in prop._order(4, 0)] == [0]
 
 
+def test_score_asks_a_probing_part_first(target, folders):
+    """A part written off (n-gram's drafts rejected) probes now and then, and its probe is asked before a part
+    that pays and always drafts (which would otherwise win every step, so that the probe never ran); the
+    probes come further apart while they fail."""
+    prop = build_proposer(hybrid(folders[1], policy="score"), MAX_LEN, target=target)
+    _measure(prop, 0, 0.05, 0.001, 1e-5)
+    _measure(prop, 1, 0.05, 0.001, 0.02, rows=4)
+    for _ in range(20):
+        prop.parts[0].observe(4, 0)
+        prop.parts[1].observe(3, 3)
+    firsts = [prop._order(4, 0)[0][0] for _ in range(200)]
+    probes = [j for j, i in enumerate(firsts) if i == 0]
+    assert len(probes) >= 3 and all(i == 1 for j, i in enumerate(firsts) if j not in probes)
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert gaps == sorted(gaps) and gaps[-1] > gaps[0], gaps  # the wait doubles while the probes fail
+
+
 class _CostlyDraft:
     """A deterministic stand-in for a draft model that never wins: each call charges the clock for its
     drafting and for the context it must catch up on first, reading a prompt charges per token, and
@@ -268,6 +285,54 @@ class _CostlyDraft:
     def bind_target(self, *a): pass
     def end_request(self, slot): pass
     def on_target_hidden(self, *a): pass
+
+
+class _RightDraft(_CostlyDraft):
+    """A stand-in draft model that is always right (it knows the text) and reads nothing."""
+
+    def __init__(self, clock, text):
+        super().__init__(clock, 0.0)
+        self.text = text
+
+    def propose(self, requests, ks):
+        from specctl.runtime.proposers.base import Draft, DraftBatch
+
+        (r,), (k,) = requests, ks
+        return DraftBatch([Draft(self.text[r.n:r.n + k])])
+
+
+def test_a_written_off_free_part_is_measured_in_the_shadow(target):
+    """n-gram written off (its drafts rejected) behind a model part that drafts every step: n-gram still
+    drafts each step unverified, its drafts are scored on the tokens the step emits, and once they prove right
+    it is asked first again (before this, it waited for probes, each further apart)."""
+    from types import SimpleNamespace
+
+    ngram = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    prop = HybridProposer(SpecConfig.from_dict({"method": "hybrid", "proposers": [ngram, ngram]}), target=target,
+                          max_model_len=MAX_LEN + 600, clock=lambda: 0.0)
+    text = list(range(10, 23)) * 12
+    prop.subs[1] = _RightDraft(SimpleNamespace(t=0.0), text)
+    prop.parts[1] = type(prop.parts[1])(4, 0.3)
+    _measure(prop, 0, 0.05, 0.001, 1e-5)
+    _measure(prop, 1, 0.05, 0.001, 0.02)
+    for _ in range(20):
+        prop.parts[0].observe(4, 0)
+        prop.parts[1].observe(4, 4)
+    ctx = np.array([text], dtype=np.int32)
+    n = 40
+    prop.start_request(0, ctx[0, :n])
+    prop.set_sampling(0, SamplingParams(max_new_tokens=100))
+    prop.on_prefill(0, n)
+    firsts = []
+    for _ in range(20):
+        firsts.append(prop._order(4, 0)[0][0])
+        d = prop.propose([DraftRequest(0, ctx[0], n)], [4])
+        nd = int(d.num_tokens[0])
+        emitted = text[n:n + nd + 1]
+        prop.credit(0, nd, nd, emitted)
+        prop.on_verified(0, nd, emitted)
+        n += len(emitted)
+    assert firsts[0] == 1 and firsts[-3:] == [0, 0, 0], firsts
 
 
 def _simulate(prop, clock, requests: int = 10, new: int = 120) -> float:
