@@ -22,7 +22,6 @@ import numpy as np
 import torch
 
 from specctl.runtime.controller import BatchGuard, DraftLengthController, PooledAcceptance
-from specctl.runtime.metrics import SpecStats
 from specctl.runtime.proposers.base import Draft, Proposer
 from specctl.runtime.rejection import (
     keyed_uniforms,
@@ -357,10 +356,9 @@ class SpecDecoder:
         return (self._count, self._control, self._time_proposer)
 
     def _count(self, st: DecodeState, block: Block, oc: StepOutcome) -> None:
-        st.stats.observe(oc.num_draft, oc.accepted)
-        if self.proposer is not None:  # the sub-proposers that made the draft (a hybrid's; and its shadow drafts)
-            for name, (d, a) in self.proposer.credit(st.slot, oc.num_draft, oc.accepted, oc.emitted).items():
-                st.by_proposer.setdefault(name, SpecStats()).observe(d, a)
+        # the sub-proposers that made the draft (a hybrid's; it also scores its shadow drafts)
+        parts = self.proposer.credit(st.slot, oc.num_draft, oc.accepted, oc.emitted) if self.proposer is not None else {}
+        st.count(oc.num_draft, oc.accepted, parts)
 
     def _control(self, st: DecodeState, block: Block, oc: StepOutcome) -> None:
         if st.controller is None:

@@ -18,7 +18,7 @@ import logging
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -46,11 +46,8 @@ class Event:
 
 @dataclass
 class _Seen:
-    """A running request as the metrics last counted it: its stats, a hybrid's parts', and when it
-    last emitted tokens (None: not yet)."""
+    """A running request as the metrics know it: when it last emitted tokens (None: not yet)."""
 
-    stats: SpecStats = field(default_factory=SpecStats)
-    parts: dict[str, SpecStats] = field(default_factory=dict)
     t_last: float | None = None
 
 
@@ -274,18 +271,16 @@ class Engine:
                 if seen is None:  # admitted
                     m.prompt_tokens += len(u.request.prompt_ids)
                     seen = self._seen[u.request.id] = _Seen()
-                # what the request's stats (and a hybrid's parts') counted since its last update
-                m.spec = m.spec.merge(st.stats.minus(seen.stats))
-                for name, s in st.by_proposer.items():
-                    m.by_proposer[name] = m.by_proposer.get(name, SpecStats()).merge(s.minus(seen.parts.get(name, SpecStats())))
+                # what the request's steps (and a hybrid's parts) counted since its last update
+                m.spec = m.spec.merge(u.spec)
+                for name, s in u.parts.items():
+                    m.by_proposer[name] = m.by_proposer.get(name, SpecStats()).merge(s)
                 m.generation_tokens += len(u.tokens)
                 if u.tokens:
                     if seen.t_last is None:
                         m.ttft.observe(now - u.request.t_arrival)
                     else:
                         m.itl.observe(now - seen.t_last)
-            seen.stats = st.stats.copy()
-            seen.parts = {name: s.copy() for name, s in st.by_proposer.items()}
             if u.tokens:
                 seen.t_last = now
             if u.tokens and u.finish is None:

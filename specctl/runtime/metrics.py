@@ -51,14 +51,6 @@ class SpecStats:
             [x + y for x, y in zip(a, b)],
         )
 
-    def minus(self, other: "SpecStats") -> "SpecStats":
-        """What this one counted since ``other`` (an earlier copy of it); returns a new SpecStats."""
-        b = other.num_accepted_tokens_per_pos + [0] * (len(self.num_accepted_tokens_per_pos)
-                                                       - len(other.num_accepted_tokens_per_pos))
-        return SpecStats(self.num_drafts - other.num_drafts, self.num_draft_tokens - other.num_draft_tokens,
-                         self.num_accepted_tokens - other.num_accepted_tokens,
-                         [x - y for x, y in zip(self.num_accepted_tokens_per_pos, b)])
-
     @property
     def acceptance_rate(self) -> float:
         return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0

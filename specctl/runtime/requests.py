@@ -75,6 +75,24 @@ class DecodeState:
     n_prefilled: int = 0  # prompt tokens already in the KV cache (the prompt is n_ctx until the first token)
     by_proposer: dict[str, SpecStats] = field(default_factory=dict)  # hybrid: stats per sub-proposer
     key: int = 0  # sampling: the seed that keys each position's draw (rejection.keyed_uniforms)
+    # what its steps counted since it was last reported (``take_unreported``): the engine's metrics add these
+    unreported: SpecStats = field(default_factory=SpecStats)
+    unreported_parts: dict[str, SpecStats] = field(default_factory=dict)
+
+    def count(self, num_draft: int, num_accepted: int, parts: dict[str, tuple[int, int]]) -> None:
+        """One verified step: its draft and acceptance (and a hybrid's parts'), into the totals and the
+        not-yet-reported deltas alike."""
+        self.stats.observe(num_draft, num_accepted)
+        self.unreported.observe(num_draft, num_accepted)
+        for name, (d, a) in parts.items():
+            self.by_proposer.setdefault(name, SpecStats()).observe(d, a)
+            self.unreported_parts.setdefault(name, SpecStats()).observe(d, a)
+
+    def take_unreported(self) -> tuple[SpecStats, dict[str, SpecStats]]:
+        """What its steps counted since the last call (its stats, a hybrid's parts'), and start again."""
+        out = (self.unreported, self.unreported_parts)
+        self.unreported, self.unreported_parts = SpecStats(), {}
+        return out
 
     @property
     def prefilling(self) -> bool:

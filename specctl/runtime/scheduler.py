@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specctl.runtime.decoder import DecodeState, GenerationResult, SamplingParams, SpecDecoder
+from specctl.runtime.metrics import SpecStats
 from specctl.runtime.runner import TargetRunner
 
 
@@ -69,6 +70,13 @@ class Update:
     finish: str | None = None  # "stop" | "length" | "abort" | "error"; None while it runs
     error: str | None = None
     result: GenerationResult | None = None  # with ``finish``, where it ran
+    spec: SpecStats = field(default_factory=SpecStats)  # what its steps counted since its last update
+    parts: dict[str, SpecStats] = field(default_factory=dict)  # the same per hybrid part
+
+
+def _update(req: "Request", tokens: list[int], st: DecodeState) -> Update:
+    """An update of a running request, carrying what its steps counted since its last one."""
+    return Update(req, tokens, st, None, None, None, *st.take_unreported())
 
 
 class Scheduler:
@@ -161,7 +169,7 @@ class Scheduler:
             self.steps += 1
             for (req, st), toks in zip(stepping + [(r, s) for r, s, _ in chunks], emitted):
                 if toks or (st.error is None and not st.prefilling):
-                    updates.append(Update(req, toks, st))
+                    updates.append(_update(req, toks, st))
                     this_step[req.id] = updates[-1]
         left = []  # prompts done (or ended) join the running requests
         for req, st in self.prefilling:
@@ -172,7 +180,7 @@ class Scheduler:
             if req.cancelled is not None or st.finish is not None:
                 upd = this_step.get(req.id)  # the step that ended it: its tokens come with the end
                 if upd is None:
-                    upd = Update(req, [], st)
+                    upd = _update(req, [], st)
                     updates.append(upd)
                 upd.finish = "error" if st.error is not None else req.cancelled or st.finish
                 upd.error = None if st.error is None else f"{type(st.error).__name__}: {st.error}"
@@ -199,7 +207,7 @@ class Scheduler:
             if self.decoder.proposer is not None:
                 self.decoder.proposer.end_request(slot)
             return Update(req, [], None, finish="error", error=f"{type(e).__name__}: {e}")
-        return Update(req, list(st.out), st)
+        return _update(req, list(st.out), st)
 
     def _end(self, req: Request, st: DecodeState, upd: Update) -> None:
         upd.result = self.decoder.finish(st)
