@@ -121,7 +121,7 @@ class SpecDecoder:
             st.hidden = out.hidden[:, -1]
         if params.greedy:
             margins = st.margins if params.record_margins else None
-            first = int(runner.greedy(logits, margins=margins, hidden=out.hidden)[0, -1])
+            first = int(runner.greedy(logits, out.hidden, margins=margins)[0, -1])
         else:
             probs = logits_to_probs(logits[0, -1], params.temperature, params.top_k, params.top_p)
             first = int(sample_with_uniforms(probs[None], keyed_uniforms(st.key, st.n_ctx, 1))[0])

@@ -69,7 +69,6 @@ class TargetRunner:
         self.cache = KVCache(model.args, batch, max_len, p.dtype, p.device)
         self.device = p.device
         self.length = 0
-        self.last_hidden: torch.Tensor | None = None  # [B, T, H] of the latest forward (``forward``'s callers)
         self._kept: tuple | None = None  # (ids, its TargetOut) of a prompt kept (keep_prompt)
         # compile: one-token steps run Transformer.decode_step through torch.compile (static shapes;
         # CUDA graphs on a GPU). Needs torch's own linears: not the packed AMX/C++ bf16 CPU path.
@@ -114,23 +113,23 @@ class TargetRunner:
             out = TargetOut(*self.model(tokens.to(self.device), seg.start, self.cache, seg.mask,
                                         logits="all" if parents is not None else logits,
                                         positions=seg.positions, aux_layers=aux_layers))
-        self._advance(seg, out.hidden)
+        self._advance(seg)
         return out
 
     def forward(self, tokens: torch.Tensor, logits: str = "all") -> torch.Tensor:
         """tokens: [B, T] int64 -> logits [B, T, V] ("all") or [B, 1, V] ("last")."""
         return self.run(tokens, logits).logits
 
-    def _advance(self, seg: Segment, hidden: torch.Tensor) -> None:
-        """After a forward of ``seg``: the cache holds its rows; their hidden states are the latest."""
+    def _advance(self, seg: Segment) -> None:
+        """After a forward of ``seg``: the cache holds its rows (its hidden states are the forward's output,
+        ``TargetOut.hidden``: nothing is kept here)."""
         self.length = seg.start + seg.n
-        self.last_hidden = hidden
 
     @torch.inference_mode()
-    def greedy(self, logits: torch.Tensor, candidates: int = 4, margins: list | None = None,
-               hidden: torch.Tensor | None = None) -> torch.Tensor:
+    def greedy(self, logits: torch.Tensor, hidden: torch.Tensor, candidates: int = 4,
+               margins: list | None = None) -> torch.Tensor:
         """logits [B, T, V] of a forward -> argmax token ids [B, T] (``hidden`` [B, >= T, H]: that
-        forward's hidden states; by default the latest forward's).
+        forward's hidden states, its ``TargetOut.hidden``).
 
         ``margins``, when given, is extended with row 0's top-1 minus top-2 score per position
         (how close each choice was to a tie).
@@ -146,7 +145,7 @@ class TargetRunner:
                 margins.extend((top2[:, 0] - top2[:, 1]).tolist())
             return logits.argmax(-1)
         T = logits.shape[1]
-        h = (self.last_hidden if hidden is None else hidden)[:, -T:].float()  # [B, T, H]
+        h = hidden[:, -T:].float()  # [B, T, H]
         cand = logits.topk(candidates, dim=-1).indices  # [B, T, c]
         w = self.model.head_weight[cand].float()  # [B, T, c, H]
         exact = (h[:, :, None, :] * w).sum(-1)  # [B, T, c]: a per-row reduction, independent of T
@@ -240,6 +239,6 @@ def forward_batch(runners: list[TargetRunner], tokens: list[torch.Tensor], paren
         m = 1 if s.last_only else s.n
         h = hidden[ho:ho + s.n][None]
         out[i] = TargetOut(logits[lo:lo + m][None], h, None if aux is None else aux[ho:ho + s.n][None])
-        runners[i]._advance(s, h)
+        runners[i]._advance(s)
         lo, ho = lo + m, ho + s.n
     return out

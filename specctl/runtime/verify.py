@@ -90,7 +90,7 @@ def verify(states: list[DecodeState], blocks: dict[int, Block],
             p = st.params
             if p.greedy:
                 margins = [] if p.record_margins else None
-                target = st.runner.greedy(out.logits, margins=margins, hidden=out.hidden)[0]  # [1+d]
+                target = st.runner.greedy(out.logits, out.hidden, margins=margins)[0]  # [1+d]
                 if block.parents is not None:
                     res[i] = _tree_outcome(block, target, margins)
                 else:
