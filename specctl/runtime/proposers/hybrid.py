@@ -96,6 +96,7 @@ class _Part:
         self.draft_hint = draft_hint
         self.draft_s: float | None = None  # seconds of a call (EMA)
         self.won: int | None = None  # the hybrid's step at which its draft was last the step's draft
+        self.explorer: int | None = None  # unmeasured: the slot whose prompt it reads to be measured on
 
     def observe(self, num_draft: int, num_accepted: int) -> None:
         self.acceptance.observe_acceptance(num_draft, num_accepted)
@@ -201,17 +202,20 @@ class HybridProposer(Proposer):
         and then while it pays (``score``): a draft model sitting out reads nothing, and catches up if
         it is chosen later."""
         for p, part in zip(self.subs, self.parts):
-            if not p.reads_prompt or self.policy != "score" or not self.adaptive or self._follows(part):
+            if not p.reads_prompt or self.policy != "score" or not self.adaptive or self._follows(part, slot):
                 p.on_prefill(slot, upto)
 
-    def _follows(self, part: "_Part") -> bool:
-        """A part that reads prompts reads a new one while it is unmeasured (it has never drafted: read in
+    def _follows(self, part: "_Part", slot: int) -> bool:
+        """A part that reads prompts reads one request's while it is unmeasured (it has never drafted: read in
         the prefill, its first draft costs no catching up, so it gets tried and measured whatever the
-        prompt's length) and then only while it pays: it won a step lately (within FOLLOW_STEPS) and its
-        controller would still draft. A measured part that stopped winning reads nothing; if the choice
-        turns to it, it catches up then (``backlog``), which its score counts."""
+        prompt's length; the requests that arrive with it wait for that evidence) and then only while it
+        pays: it won a step lately (within FOLLOW_STEPS) and its controller would still draft. A measured
+        part that stopped winning reads nothing; if the choice turns to it, it catches up then
+        (``backlog``), which its score counts."""
         if part.acceptance._draft_cost() is None:
-            return True
+            if part.explorer is None:
+                part.explorer = slot
+            return part.explorer == slot
         return part.won is not None and self._steps - part.won <= FOLLOW_STEPS and part.pays()
 
     def on_target_hidden(self, slot, hidden, aux) -> None:
@@ -237,6 +241,9 @@ class HybridProposer(Proposer):
         self._last_drafted.pop(slot, None)
         self._shadow.pop(slot, None)
         self._batch.pop(slot, None)
+        for part in self.parts:
+            if part.explorer == slot:
+                part.explorer = None  # unmeasured still: the next request's prompt is read instead
         for p in self.subs:
             p.end_request(slot)
 

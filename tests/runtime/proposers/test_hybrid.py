@@ -335,6 +335,27 @@ def test_a_written_off_free_part_is_measured_in_the_shadow(target):
     assert firsts[0] == 1 and firsts[-3:] == [0, 0, 0], firsts
 
 
+def test_an_unmeasured_model_part_reads_one_request_prompt_at_a_time(target):
+    """Requests arriving together: the unmeasured model part reads the first one's prompt only (to be measured
+    on it), not all of theirs; if that request ends before it drafted, the next new prompt is read instead."""
+    from types import SimpleNamespace
+
+    ngram = {"method": "ngram", "num_speculative_tokens": 4}
+    prop = HybridProposer(SpecConfig.from_dict({"method": "hybrid", "proposers": [ngram, ngram]}), target=target,
+                          max_model_len=MAX_LEN + 600, clock=lambda: 0.0)
+    prop.subs[1] = costly = _CostlyDraft(SimpleNamespace(t=0.0))
+    prop.parts[1] = type(prop.parts[1])(3, costly.draft_cost)
+    prop.reads_prompt = True
+    for slot in (0, 1, 2):
+        prop.start_request(slot, np.arange(100, 150, dtype=np.int32))
+        prop.on_prefill(slot, 50)
+    assert costly.prompt_tokens_read == 50 and costly.read == {0: 50, 1: 0, 2: 0}
+    prop.end_request(0)
+    prop.start_request(3, np.arange(100, 140, dtype=np.int32))
+    prop.on_prefill(3, 40)
+    assert costly.read[3] == 40 and costly.read[1] == costly.read[2] == 0
+
+
 def _simulate(prop, clock, requests: int = 10, new: int = 120) -> float:
     """Decode ``requests`` repetitive texts through ``prop`` as the decoder does, charging the clock
     0.02 s a plain step and 0.001 s a verified row beyond it; returns the clock's total."""
