@@ -364,3 +364,28 @@ def test_amx_packed_weights_share_one_arena(tiny_model_factory):
     assert all(torch.equal(amx_linear.unpack(p), w) for p, w in zip(packed, before))
     assert torch.equal(amx_linear.unpack(model.head_packed), model.head_weight)
     assert len({p.untyped_storage().data_ptr() for p in packed}) == 1
+
+
+def test_a_prompt_from_the_start_attends_causally_with_the_same_bits(tiny_model_factory, monkeypatch):
+    """A prompt at position 0 takes SDPA's own causal form (blocks above the diagonal skipped) instead of
+    its mask: the block's output and the cache are the same bits as through the mask, in bf16 and fp32."""
+    from specctl.modeling import KVCache, SDPA_ROWS
+
+    folder = tiny_model_factory("qwen2", initializer_range=0.05, hidden_size=128, intermediate_size=256)
+    for dtype in (torch.bfloat16, torch.float32):
+        model = load_transformer(folder, dtype, kernels="torch")
+        blk, a, T = model.layers[0], model.args, SDPA_ROWS + 37
+        g = torch.Generator().manual_seed(0)
+        q = torch.randn(1, a.num_heads, T, a.head_dim, generator=g).to(dtype)
+        k = torch.randn(1, a.num_kv_heads, T, a.head_dim, generator=g).to(dtype)
+        v = torch.randn(1, a.num_kv_heads, T, a.head_dim, generator=g).to(dtype)
+        mask = torch.arange(T)[None, :] <= torch.arange(T)[:, None]
+        c = KVCache(a, 1, T, dtype, "cpu")
+        sdpa, calls = torch.nn.functional.scaled_dot_product_attention, []
+        monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                            lambda *x, **kw: calls.append(kw.get("is_causal")) or sdpa(*x, **kw))
+        got = blk._attend(q, k, v, c.k[0], c.v[0], 0, mask, False, None)
+        monkeypatch.undo()
+        assert calls == [True]  # the causal form, not the mask
+        ref = sdpa(q, k, v, attn_mask=mask, enable_gqa=True)
+        assert torch.equal(got, ref.transpose(1, 2).reshape(1, T, -1)), dtype
