@@ -12,11 +12,11 @@ __attribute__((noinline)) float chains(int64_t iters, const uint16_t* seed) {
   using namespace specctl;
   f32x16 acc[16];
   for (int i = 0; i < 16; ++i) acc[i] = zero16();
-  bf16x32 a = load_bf16x32(seed), b = load_bf16x32(seed + 32);
   for (int64_t it = 0; it < iters; ++it) {
+    asm volatile("" : "+r"(seed));  // the operands are loaded again (two loads a round, from L1): not folded
+    const bf16x32 a = load_bf16x32(seed), b = load_bf16x32(seed + 32);
 #pragma GCC unroll 16
     for (int i = 0; i < 16; ++i) acc[i] = dot_bf16(acc[i], a, b);
-    asm volatile("" : "+m"(a));  // the operands stay live: the loop cannot be folded
   }
   f32x16 s = acc[0];
   for (int i = 1; i < 16; ++i) s = add(s, acc[i]);
