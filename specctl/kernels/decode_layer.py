@@ -93,11 +93,10 @@ def fits_quant(block) -> bool:
 def _build_and_weights(block):
     """The build that runs ``block`` and its projections as that build takes them (qkv, o, gate_up, down):
     GGUF parts (or their AMX-INT8 panels) and type ids for the quantized build, the dense (or AMX-packed)
-    weights and the block's kernel set's build otherwise."""
+    weights otherwise; the build is the one the block holds (``Block.fused_ext``, set with ``fused``)."""
     linears = (block.qkv, block.o, block.gate_up, block.down)
-    if getattr(block.qkv, "quantized", False):
-        return block.fused_ext, [l.kernel_parts for l in linears]
-    return block.fused_ext, [l.weight for l in linears]
+    quantized = getattr(block.qkv, "quantized", False)
+    return block.fused_ext, [l.kernel_parts if quantized else l.weight for l in linears]
 
 
 def kind(ext=None) -> str | None:
@@ -139,6 +138,6 @@ def eagle3_layer(w, x: torch.Tensor, emb: torch.Tensor, cos: torch.Tensor, sin: 
                  v_cache: torch.Tensor, start: int, tree: torch.Tensor | None = None) -> torch.Tensor:
     """EAGLE-3's draft layer; ``w`` holds the block's build (``block_ext``), packed bf16 weights (qkv [Nqkv, 2H],
     o, gate_up, down), the norms (hidden_norm on x, input_norm on emb, post_norm), eps and the head counts."""
-    return w.block_ext.decode_layer(x.contiguous(), w.hidden_norm, w.post_norm, w.eps, w.qkv, None, w.o, None, w.gate_up,
-                             w.down, cos, sin, k_cache, v_cache, start, w.num_heads, w.num_kv_heads, tree,
-                             emb.contiguous(), w.input_norm)
+    return w.block_ext.decode_layer(x.contiguous(), w.hidden_norm, w.post_norm, w.eps, w.qkv, None, w.o, None,
+                                    w.gate_up, w.down, cos, sin, k_cache, v_cache, start, w.num_heads,
+                                    w.num_kv_heads, tree, emb.contiguous(), w.input_norm)

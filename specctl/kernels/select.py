@@ -18,9 +18,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from specctl.kernels import cpu
-
-VECTOR_PATHS = ("avx512_bf16", "avx512", "avx2")
+from specctl.kernels import cpu, skinny_linear
 
 
 @dataclass(frozen=True)
@@ -47,8 +45,6 @@ class KernelSet:
         has it, else torch's."""
         if (self.linear is not None and x.dtype is torch.bfloat16 and x.device.type == "cpu" and x.numel() > 0
                 and w.is_contiguous()):
-            from specctl.kernels import skinny_linear
-
             return skinny_linear.run(self.linear, x, w, b)
         return F.linear(x, w, b)
 
@@ -60,7 +56,7 @@ def resolve(mode: str = "auto") -> KernelSet:
     """The kernels a bf16 CPU model loaded now runs on: ``mode`` "torch" gives torch's; "auto" and "fused"
     the row-independent builds this CPU runs (AMX, else the vector path; torch's where there is none, which
     "fused" callers refuse)."""
-    from specctl.kernels import amx_linear, decode_attention, decode_layer, skinny_linear
+    from specctl.kernels import amx_linear, decode_attention, decode_layer
 
     if mode == "torch":
         return TORCH

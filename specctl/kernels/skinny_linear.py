@@ -3,7 +3,8 @@
 ``run(ext, x, w, b)`` computes F.linear for bf16 inputs of any number of rows with the C++ kernel in
 ``csrc/skinny_linear.cpp`` (compiled once with torch's cpp_extension, cached in torch's extension
 dir); ``load()`` gives the build for this CPU, None on a CPU without AVX2 and FMA, or without a compiler
-(``KernelSet.dense`` then takes F.linear, as for other dtypes and CUDA). ``available()`` says whether it runs, ``path()`` which build: ``"avx512_bf16"``
+(``KernelSet.dense`` then takes F.linear, as for other dtypes and CUDA). ``available()`` says whether it
+runs, ``path()`` which build: ``"avx512_bf16"``
 (vdpbf16ps); on a CPU with AVX-512 but no AVX512-BF16 (Intel Skylake-SP to Ice Lake) ``"avx512"``: the
 same arithmetic in fp32 FMAs, equal to the first bit for bit under flush-to-zero (csrc/bf16.h); on a
 CPU with AVX2 alone (AMD Zen 2/3, Intel Haswell to Comet Lake) ``"avx2"``: that FMA form with every

@@ -122,15 +122,13 @@ def enable_exact_bf16(model: "Transformer", kernels: KernelSet | None = None) ->
     ks = resolve() if kernels is None else kernels
     if ks.amx is not None:
         pack_for_amx(model, ks.amx)
-    elif ks.linear is not None:
-        adopt_kernels(model, ks)  # the dense projections read by the skinny kernel
-        weights_on_huge_pages(model)
-    else:
+    elif ks.linear is None:
         ks = TORCH
+    adopt_kernels(model, ks)  # each block's set; the dense projections read by the skinny kernel where it has it
+    if ks.linear is not None:
+        weights_on_huge_pages(model)
     model.kernels = ks
     model.cpu_kernels = ks.path if ks.exact else None  # "amx", "avx512_bf16", or "avx512"/"avx2" (same results)
-    for block in model.layers:
-        block.kernels = ks
     if not ks.exact and not _told_inexact:
         _told_inexact = True
         print("specctl: this CPU has neither AMX, AVX-512 nor AVX2 (or no compiler), so bf16 runs on torch's "

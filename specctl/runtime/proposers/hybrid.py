@@ -15,21 +15,21 @@ model draft pays on new text. Policies:
   first (``Proposer.backlog``: context tokens it has not read, at its measured seconds per token).
   The parts whose best draft beats a plain step are asked best first, by expected accepted tokens per
   second; the first with a draft wins. A part whose controller probes (its drafting off, the wait between
-  probes doubling) is asked before them, so that a part written off early is measured again. None beats a plain step: no draft (each part's controller
-  probes again after a wait that doubles, as a single proposer's does). A part that has not drafted
-  yet is asked first, to be measured, but only where its catching up costs a few plain steps at most:
-  a draft model is not made to read a long prompt before anyone knows it pays (it is measured on a
-  request with a short one).
+  probes doubling) is asked before them, so that a part written off early is measured again; a probe that
+  found nothing to draft is due again at the next step. None beats a plain step: no draft. A part that
+  has not drafted yet is asked first, to be measured (a model part has read its request's prompt in the
+  prefill, so this costs no catching up). The free parts (FREE_METHODS) that were not asked draft anyway,
+  unverified, and ``credit`` scores those drafts against the emitted tokens.
 - ``tree``: every sub-proposer drafts and the drafts are merged into one token tree (shared
   prefixes once), verified in one forward (greedy requests; sampled ones take ``first``).
 
 Every sub-proposer follows every request's verifications (its context, the target's hidden
 states), which costs a lazy draft nothing; a part that reads prompts with a model of its own (a draft
-model) reads a new request's prompt only while it pays (``score``: its controller would draft now, or
-it is unmeasured: read in the prefill, its first draft has nothing to catch up on, so it is tried on
-the first request whatever the prompt's length), so a draft model that sits out costs nothing, and catches up from the cache it
-kept if the choice turns to it (that catching up counted in its score). Lossless like any proposer: a
-chain is one sub-proposer's draft, with its probabilities when it samples; a tree is verified greedily.
+model) reads a new request's prompt only while it pays (``score``: its controller would draft now), or
+while it is unmeasured, one request at a time, so a draft model that sits out costs nothing, and catches
+up from the cache it kept if the choice turns to it (that catching up counted in its score). Lossless like
+any proposer: a chain is one sub-proposer's draft, with its probabilities when it samples; a tree is
+verified greedily.
 
 In a batch, the parts are asked in rounds: every request's first choice in one call per part (a draft
 model drafts all of them in one batched forward per drafting step), then the requests still without a
