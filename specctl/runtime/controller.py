@@ -211,6 +211,36 @@ class DraftLengthController:
         # verification) long drafts cost nothing and win big on the runs that match
         return best_d if best_v > 1.02 else 0
 
+    def best_value(self, batch: int = 1) -> float:
+        """Expected tokens per plain-step time of the best draft now (``best_len``'s), 1.0 where none beats a
+        plain step; pure (no probe bookkeeping)."""
+        d = self.best_len(batch)
+        return self.expected_tokens(d) / self.cost(d + 1, batch) if d > 0 else 1.0
+
+    def plain_step_s(self, batch: int = 1) -> float | None:
+        """Seconds of a request's plain step among ``batch`` requests (its share of the forward: a / B + b,
+        with v(T) = a + b T); None while unmeasured."""
+        fit = self._slope()
+        if fit is None:
+            return None
+        one, b, _ = fit
+        return one if batch <= 1 else max(one - b, 0.0) / batch + b
+
+    def reading_pays(self, read_s: float | None, new_tokens: int, batch: int = 1, against: float = 1.0) -> bool:
+        """Whether a draft should read a new request's prompt, ``read_s`` seconds of the draft's own measured
+        reading: the seconds its drafts are expected to save over the request's ``new_tokens``, at its best
+        value against the alternative's (``against`` tokens per plain-step time: 1.0 plain decoding, or
+        another part's value), exceed that reading. Unmeasured (the reading or a plain step): True, so the
+        draft gets measured. In a batch both sides are wall time: the reading stalls every request of the
+        step, and the saving is the request's share of the steps it no longer needs."""
+        step = self.plain_step_s(batch)
+        if read_s is None or read_s <= 0 or step is None:
+            return True
+        v = self.best_value(batch)
+        if v <= against:
+            return False
+        return new_tokens * step * (1.0 / against - 1.0 / v) > read_s
+
     def may_pay(self, batch: int = 1) -> bool:
         """Whether drafting could beat a plain step even with every draft accepted, by the proposer's cost
         hint (a verification unmeasured costs a plain step): False for a draft whose tokens each cost about

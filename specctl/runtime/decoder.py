@@ -81,7 +81,7 @@ class SpecDecoder:
         """Prefill the prompt (in one forward, or in chunks of ``prefill_chunk`` tokens as the batched
         scheduler cuts it) and emit the first token."""
         st = self.begin(prompt_ids, params, generator, runner, slot)
-        read = self._reads_prompt(1)
+        read = self._reads_prompt(1, st)
         kept = st.runner.reuse_prompt(prompt_ids) if self.reuse_prefill else None
         if kept is not None:
             self.prefilled(st, st.n_ctx, kept, read)
@@ -165,11 +165,16 @@ class SpecDecoder:
         return DraftLengthController(self.k, alpha=self._pooled.prior(), costs=self._costs,
                                      draft_hint=self.proposer.draft_cost)
 
-    def _reads_prompt(self, batch: int) -> bool:
+    def _reads_prompt(self, batch: int, st: DecodeState | None = None) -> bool:
         """Whether a request joining a batch of ``batch`` has its draft read the prompt now: drafting is
         on at that size (the guard), and the cost model expects a new request to draft there (a draft
         model that would not pay in a batch whose verification is already costly reads nothing; it
-        catches up if drafting turns on later)."""
+        catches up if drafting turns on later). For the request ``st``, the reading must also pay back:
+        the seconds its drafts are expected to save over its ``max_tokens`` exceed the draft's measured
+        reading of what it has not read (``DraftLengthController.reading_pays``); where they do not, the
+        request is left undrafted for good (catching up later would cost the same reading for fewer tokens)."""
+        if st is not None and st.undrafted:
+            return False
         if self._guard is None:
             return True
         if not self._guard.drafts_likely(batch):
@@ -181,6 +186,10 @@ class SpecDecoder:
             return False
         if batch <= 1 and c._draft_cost() is None:
             return True  # alone, drafting unmeasured: it drafts, and gets measured
+        if st is not None and self.proposer.reads_prompt and not c.reading_pays(
+                self.proposer.catch_up_seconds(st.slot), st.params.max_new_tokens - len(st.out), batch):
+            st.undrafted = True
+            return False
         # in a batch (by the cost hint until measured), or alone after earlier requests measured drafting:
         # read only where a draft would pay (it catches up if drafting turns on later)
         return c.best_len(batch) > 0
@@ -220,10 +229,9 @@ class SpecDecoder:
                 out[i] = self.commit(states[i], blocks[i], outs[i], oc)
             except Exception as e:  # noqa: BLE001 - this request fails, the batch goes on
                 _fail(states[i], e)
-        read_prompt = self._reads_prompt(len(states) + 1)  # a joiner of a batch that is not drafting reads nothing
         for j, (st, n) in enumerate(prefills):
-            try:
-                out[len(states) + j] = self.prefilled(st, n, outs[len(states) + j], read_prompt)
+            try:  # a joiner of a batch that is not drafting, or whose reading would not pay back, reads nothing
+                out[len(states) + j] = self.prefilled(st, n, outs[len(states) + j], self._reads_prompt(len(states) + 1, st))
             except Exception as e:  # noqa: BLE001
                 _fail(st, e)
         drafted = any(len(b.draft) > 0 for b in blocks.values())
@@ -261,7 +269,7 @@ class SpecDecoder:
         if st.finish is not None or room <= 0:
             st.finish = st.finish or "length"
             return None
-        k = min(self.k, room - 1)
+        k = min(self.k, room - 1) if not st.undrafted else 0
         if max_draft is not None:
             k = min(k, max_draft)
         if st.controller is not None and k > 0 and not self._own_length:

@@ -73,6 +73,7 @@ class DecodeState:
     hidden: torch.Tensor | None = None  # [1, H] target's final hidden state at the position that produced `last`
     error: BaseException | None = None  # what ended it, when a step failed (finish is then "error")
     n_prefilled: int = 0  # prompt tokens already in the KV cache (the prompt is n_ctx until the first token)
+    undrafted: bool = False  # its draft declined to read its prompt (it would not pay back): it never drafts
     by_proposer: dict[str, SpecStats] = field(default_factory=dict)  # hybrid: stats per sub-proposer
     key: int = 0  # sampling: the seed that keys each position's draw (rejection.keyed_uniforms)
     # what its steps counted since it was last reported (``take_unreported``): the engine's metrics add these

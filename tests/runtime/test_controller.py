@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from specctl.runtime.controller import DRAFT, BatchGuard, DraftLengthController, PooledAcceptance
 
 
@@ -428,3 +430,26 @@ def test_a_probe_that_would_catch_up_for_long_is_skipped():
     c = off()
     assert [c.draft_len(catch_up_s=0.1 * PROBE_CATCH_UP * 1.1) for _ in range(6)] == [0] * 6
     assert c._gap == 8  # skipped probes back off as failed ones do
+
+
+def test_reading_a_prompt_pays_only_where_the_drafts_save_more_than_it_costs():
+    """A draft reads a new prompt where its expected saving over the request's new tokens (a plain step's
+    seconds times 1/against - 1/value per token) exceeds the reading; against a part as good as it, or
+    over too few tokens, it does not; unmeasured, it reads (and gets measured). In a batch a request's
+    share of a plain step is smaller, so the same reading needs more tokens to pay back."""
+    c = DraftLengthController(4, costs={1: 0.1, 5: 0.104, DRAFT: 0.01})
+    for _ in range(50):
+        c.observe_acceptance(4, 4)
+    v = c.best_value()
+    assert v == pytest.approx(c.expected_tokens(4) / c.cost(5)) and v > 2.5
+    per_token = 0.1 * (1 - 1 / v)
+    assert c.reading_pays(0.9 * 100 * per_token, 100) and not c.reading_pays(1.1 * 100 * per_token, 100)
+    assert not c.reading_pays(1e-6, 100, against=v)  # another part as good: nothing to save
+    assert c.reading_pays(1e-6, 100, against=1.5) and not c.reading_pays(0.6 * 100 * per_token, 100, against=1.5)
+    assert c.reading_pays(None, 1) and DraftLengthController(4).reading_pays(10.0, 1)  # unmeasured: read
+    c.costs.update({8: 0.11, 40: 0.15})  # a batch of 8: a request's plain step is its share, ~0.022 s
+    assert c.plain_step_s(8) < 0.1 / 3
+    assert c.reading_pays(0.9 * 100 * per_token, 100, batch=1) and not c.reading_pays(0.9 * 100 * per_token, 100, batch=8)
+    for _ in range(50):
+        c.observe_acceptance(4, 0)  # it stopped paying: no reading at any price
+    assert c.best_value() == 1.0 and not c.reading_pays(1e-9, 10_000)

@@ -177,6 +177,8 @@ class HybridProposer(Proposer):
         self._step_draft_s: dict[int, dict[int, float]] = {}  # slot -> {part: seconds drafting} this step
         self._last_drafted: dict[int, list] = {}  # slot -> what credit() counted, for observe_step
         self._batch: dict[int, int] = {}  # slot -> requests in its last step's forward
+        self._last_batch = 1  # requests in the last step's forward (a new request's batch until it steps)
+        self._new_tokens: dict[int, int] = {}  # slot -> its max_tokens (what a part's reading must pay back over)
         self._steps = 0  # drafting calls so far (every request's): the clock of ``_Part.won``
         self._probing: set[tuple[int, int]] = set()  # (slot, part) whose controller probes this step
         self._shadow: dict[int, list[tuple[int, list[int]]]] = {}  # slot -> [(free part, its unverified draft)]
@@ -190,6 +192,7 @@ class HybridProposer(Proposer):
 
     def set_sampling(self, slot, params, generator=None) -> None:
         self._greedy[slot] = float(params.temperature) <= 0
+        self._new_tokens[slot] = int(params.max_new_tokens)
         for p in self.subs:
             p.set_sampling(slot, params, generator)
 
@@ -209,14 +212,24 @@ class HybridProposer(Proposer):
         """A part that reads prompts reads one request's while it is unmeasured (it has never drafted: read in
         the prefill, its first draft costs no catching up, so it gets tried and measured whatever the
         prompt's length; the requests that arrive with it wait for that evidence) and then only while it
-        pays: it won a step lately (within FOLLOW_STEPS) and its controller would still draft. A measured
-        part that stopped winning reads nothing; if the choice turns to it, it catches up then
-        (``backlog``), which its score counts."""
+        pays: it won a step lately (within FOLLOW_STEPS), its controller would still draft, and the seconds
+        its drafts are expected to save over the request's max_tokens against the best other part exceed
+        its measured reading of the prompt (``DraftLengthController.reading_pays``). A measured part that
+        stopped winning reads nothing; if the choice turns to it, it catches up then (``backlog``), which
+        its score counts."""
         if part.acceptance._draft_cost() is None:
             if part.explorer is None:
                 part.explorer = slot
             return part.explorer == slot
-        return part.won is not None and self._steps - part.won <= FOLLOW_STEPS and part.pays()
+        if part.won is None or self._steps - part.won > FOLLOW_STEPS or not part.pays():
+            return False
+        if slot not in self._new_tokens:
+            return True  # its length unknown (no sampling parameters given): nothing to weigh the reading against
+        # and the reading pays back over the request: against the best other part, at the batch size
+        i, batch = self.parts.index(part), self._batch.get(slot, self._last_batch)
+        against = max([1.0] + [q.acceptance.best_value(batch) for q in self.parts if q is not part])
+        return part.acceptance.reading_pays(self.subs[i].catch_up_seconds(slot), self._new_tokens.get(slot, 0),
+                                            batch, against)
 
     def on_target_hidden(self, slot, hidden, aux) -> None:
         for p in self.subs:
@@ -241,6 +254,7 @@ class HybridProposer(Proposer):
         self._last_drafted.pop(slot, None)
         self._shadow.pop(slot, None)
         self._batch.pop(slot, None)
+        self._new_tokens.pop(slot, None)
         for part in self.parts:
             if part.explorer == slot:
                 part.explorer = None  # unmeasured still: the next request's prompt is read instead
@@ -280,7 +294,7 @@ class HybridProposer(Proposer):
         """Each part's controller learns the verification's time over ``rows`` tokens (a part that did not
         draft saw a step it was not charged for), and the part that drafted its own drafting time (its
         acceptance was counted in ``credit``)."""
-        self._batch[slot] = batch
+        self._batch[slot] = self._last_batch = batch
         spent = self._step_draft_s.pop(slot, {})
         verify = max(seconds - draft_seconds, 1e-9)
         drafted = {i for i, _ in self._drafted.get(slot, [])} | {i for i, _ in self._last_drafted.pop(slot, [])}

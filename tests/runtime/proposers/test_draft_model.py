@@ -532,6 +532,33 @@ def test_a_step_the_draft_sits_out_keeps_its_cache(target, drafts, greedy_cases)
     assert dec.finish(st).token_ids == expected
 
 
+@pytest.mark.parametrize("new, reads", [(NEW, True), (2, False)])
+def test_a_draft_model_reads_a_prompt_only_where_its_drafts_pay_the_reading_back(target, drafts, greedy_cases, new, reads):
+    """Drafting measured to pay (every draft accepted, a draft token a tenth of a plain step) and the draft's
+    reading measured at a second for the prompt: over 24 new tokens the drafts save more than that, so the
+    prompt is read in the prefill and the request drafts; over 2 they cannot, so the prompt is left unread
+    and the request never drafts (catching up later would cost the same reading for fewer tokens). Output
+    equals plain either way."""
+    from specctl.runtime.controller import DRAFT
+
+    prop = make_proposer(target, drafts["same"])
+    prop.draft_cost = 0.33
+    dec = SpecDecoder(TargetRunner(target.model, MAX_LEN), prop, K, adaptive=True)
+    dec._costs.update({1: 0.1, K + 1: 0.104, DRAFT: 0.01})
+    for _ in range(60):
+        dec._pooled.observe(K, K)
+    prompt, expected = next((p, o) for p, o in greedy_cases if len(p) > 9)
+    prop._read_s = 1.0 / len(prompt)  # the whole prompt: a second of the draft's reading
+    saving = dec._controller().best_value()  # tokens per plain step: 0.1 s * (1 - 1/v) saved per token
+    assert new * 0.1 * (1 - 1 / saving) > 1.0 if reads else 2 * 0.1 < 1.0
+    st = dec.start(prompt, SamplingParams(max_new_tokens=new))
+    assert (prop.slots[0].runner.length == len(prompt)) == reads and st.undrafted != reads
+    while st.finish is None:
+        dec.step(st)
+    assert dec.finish(st).token_ids == expected[:new]
+    assert (st.stats.num_draft_tokens > 0) == reads
+
+
 @pytest.mark.parametrize("read_s, probes", [(1.0, False), (0.0, True)])
 def test_a_switched_off_draft_model_probes_only_where_catching_up_is_cheap(target, drafts, greedy_cases, read_s, probes):
     """A draft model measured not paying, whose request's prompt it left unread: a due probe would first

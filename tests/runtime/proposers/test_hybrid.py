@@ -422,3 +422,39 @@ def test_a_model_part_that_never_wins_costs_about_nothing(target):
         assert costly.prompt_tokens_read == 60, costly.prompt_tokens_read
 
 
+
+
+def test_a_model_part_reads_a_new_prompt_only_where_it_pays_back_against_the_best_other_part(target):
+    """A draft-model part that wins and pays follows a new request's prompt (200 tokens, 0.2 s of its reading)
+    only where its drafts are expected to save more than that over the request's max_tokens against the best
+    other part: not where n-gram drafts as well and cheaper, nor over 4 new tokens (a deterministic cost
+    stand-in, not a timing)."""
+    from types import SimpleNamespace
+
+    from specctl.runtime.controller import DRAFT
+
+    ngram = {"method": "ngram", "num_speculative_tokens": 4}
+    prop = HybridProposer(SpecConfig.from_dict({"method": "hybrid", "proposers": [ngram, ngram]}), target=target,
+                          max_model_len=MAX_LEN + 600, clock=lambda: 0.0)
+    prop.subs[1] = costly = _CostlyDraft(SimpleNamespace(t=0.0), read_s=0.001)
+    prop.parts[1] = type(prop.parts[1])(4, costly.draft_cost)
+    prop.reads_prompt = True
+    model = prop.parts[1]
+    model.acceptance.costs.update({1: 0.02, 5: 0.021, DRAFT: 0.002})
+    for _ in range(50):
+        model.observe(4, 4)  # every draft of the model accepted
+    model.won = prop._steps = 1
+
+    def reads(slot: int, ngram_accepts: int, new: int) -> bool:
+        prop.parts[0] = part = type(prop.parts[0])(4, 0.0)
+        part.acceptance.costs.update({1: 0.02, 5: 0.021, DRAFT: 1e-5})
+        for _ in range(50):
+            part.observe(4, ngram_accepts)
+        prop.set_sampling(slot, SamplingParams(max_new_tokens=new))
+        prop.start_request(slot, np.arange(100, 300, dtype=np.int32))
+        prop.on_prefill(slot, 200)
+        return costly.read[slot] == 200
+
+    assert reads(0, 0, 128)  # n-gram finds nothing: ~1.8 s saved against plain, more than 0.2 s of reading
+    assert not reads(1, 4, 128)  # n-gram drafts as well, at no cost: nothing to save against it
+    assert not reads(2, 0, 4)  # 4 new tokens cannot pay a 200-token prompt's reading back
