@@ -16,8 +16,9 @@ class KVCache:
 
     The cache itself holds no length: the runner owns it, and rolling back is setting it.
 
-    ``scores`` (off unless a proposer asks: ``keep_scores``) [num_layers, 2, n_kv, max_len] fp32: after
-    each verify block or prompt written to this cache (not after one-row decode steps), the attention
+    ``scores`` (None until a forward asks for them: ``scores=True``, which the decoder passes where its
+    proposer ranks by attention) [num_layers, 2, n_kv, max_len] fp32: after each verify block or prompt
+    written to this cache by such a forward (not after one-row decode steps), the attention
     weights its first and last query rows gave every key, each summed over the query heads of a kv head
     (what sparse-attention drafting ranks positions by, Vegas; ``ranking()`` sums them). On the fused
     CPU path the attention kernel writes them as it goes; elsewhere ``attention_scores`` recomputes
@@ -33,26 +34,24 @@ class KVCache:
         self.scores: torch.Tensor | None = None
         self.scored = 0
 
-    def keep_scores(self) -> None:
-        if self.scores is None:
-            L, _, nkv = self.k.shape[:3]
-            self.scores = torch.zeros(L, 2, nkv, self.max_len, dtype=torch.float32, device=self.k.device)
-        self.scored = 0
-
     def ranking(self, n: int) -> torch.Tensor:
         """[num_layers, n]: the recorded weights of positions < n, summed over rows and heads."""
         return self.scores[:, :, :, :n].sum(dim=(1, 2))
 
-    def records(self, T: int, prompt: bool) -> bool:
-        """Whether a forward of T rows records scores here: verify blocks and prompts, not one-row
-        decode steps."""
-        return self.scores is not None and (T > 1 or prompt)
+    @staticmethod
+    def records(T: int, prompt: bool) -> bool:
+        """Whether a forward of T rows that asks for scores records them: verify blocks and prompts, not
+        one-row decode steps."""
+        return T > 1 or prompt
 
     def scoring(self, start: int, T: int, prompt: bool) -> bool:
-        """``records``, and if so, clears the first row's weights past where it sees (the forward at
-        ``start`` writes the rest)."""
+        """For a forward that asks for scores: ``records``, and if so, the buffer made (the first time)
+        and the first row's weights cleared past where it sees (the forward at ``start`` writes the rest)."""
         if not self.records(T, prompt):
             return False
+        if self.scores is None:
+            L, _, nkv = self.k.shape[:3]
+            self.scores = torch.zeros(L, 2, nkv, self.max_len, dtype=torch.float32, device=self.k.device)
         self.scores[:, 0, :, start + 1:start + T] = 0
         return True
 

@@ -293,7 +293,7 @@ class Transformer(nn.Module):
 
     def forward(self, tokens: torch.Tensor, start: int, cache: "KVCache", mask: torch.Tensor | None,
                 logits: str = "all", positions: torch.Tensor | None = None,
-                aux_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+                aux_layers: tuple[int, ...] = (), scores: bool = False) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
         """tokens: [B, T] at cache slots [start, start+T); mask: [T, start+T] bool or None (T == 1).
         ``positions`` [T] (rotary positions; default start..start+T-1) marks a draft tree: the rows
         then attend as ``mask`` says (each node its ancestors), through SDPA. ``positions`` [B, T]
@@ -302,6 +302,8 @@ class Transformer(nn.Module):
 
         ``aux_layers``: layers whose *input* hidden state (the residual stream, as vLLM's aux hidden
         states and transformers' hidden_states[i]) the caller wants, e.g. EAGLE-3's (2, L//2, L-3).
+        ``scores``: a chain of several rows or a prompt (batch 1) records its attention weights in
+        ``cache.scores`` (what Vegas ranks positions by); the outputs are the same bits either way.
 
         Returns (logits [B, T', V] with T' = T for "all", 1 for "last", None for "none";
         hidden [B, T, H], the final-normed hidden states the LM head reads;
@@ -310,17 +312,17 @@ class Transformer(nn.Module):
         tree = positions is not None
         T = tokens.shape[1]
         if (not tree and tokens.shape[0] == 1 and T <= VERIFY_ROWS and all(b.fused for b in self.layers)
-                and cache.records(T, logits == "last")):
+                and scores and cache.records(T, logits == "last")):
             # scores to record: the fused kernel writes them while it attends, as in a batch of one
             lg, h, aux = self.forward_ragged(tokens[0], [Segment(cache, start, T, mask, last_only=logits == "last")],
-                                             aux_layers=aux_layers)
+                                             aux_layers=aux_layers, scores=True)
             return (None if logits == "none" else lg[None]), h[None], (None if aux is None else aux[None])
         x = self.embed(tokens)
         cos, sin = self.rope(start, tokens.shape[1], x.dtype, positions)
         # a draft tree (positions [T], mask [T, start+T]): its own [T, T] part, for the exact kernels
         tree_mask = mask[:, start:].contiguous() if tree and positions.dim() == 1 and mask.dim() == 2 else None
         aux = []
-        scoring = not tree and tokens.shape[0] == 1 and cache.scoring(start, tokens.shape[1], logits == "last")
+        scoring = scores and not tree and tokens.shape[0] == 1 and cache.scoring(start, tokens.shape[1], logits == "last")
         for i, layer in enumerate(self.layers):
             if i in aux_layers:
                 aux.append(x)
@@ -346,14 +348,15 @@ class Transformer(nn.Module):
 
 
     def forward_ragged(self, tokens: torch.Tensor, segs: list[Segment], layers: list[int] | None = None,
-                       aux_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+                       aux_layers: tuple[int, ...] = (), scores: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """One forward over many requests' rows: tokens [R] (the segments' tokens one after the
         other), each segment at its own cache and positions (a decode row, a verify block, a draft
         tree or a prompt). The linears read the weights once for all R rows; on the row-independent
         paths (AMX, AVX512-BF16: specctl/kernels/cpu.py) every row equals, bit for bit, what the request's
         own ``forward`` computes. Returns (logits [R', V]: every row, but only the last of a
         ``last_only`` segment; hidden [R, H], final-normed; aux [R, len(aux_layers) * H] or None).
-        ``layers``: run only these (a draft that skips layers; the others' caches are left as they are)."""
+        ``layers``: run only these (a draft that skips layers; the others' caches are left as they are).
+        ``scores``: each chain or prompt segment records its attention weights in its cache (``forward``'s)."""
         x = self.embed(tokens)[None]  # [1, R, H]
         pos = torch.cat([s.positions.to(torch.float32) if s.positions is not None
                          else torch.arange(s.start, s.start + s.n, dtype=torch.float32) for s in segs])
@@ -361,7 +364,7 @@ class Transformer(nn.Module):
         aux = []
         scored, off = [], 0  # (segment, its first row) whose cache keeps attention scores
         for s in segs:
-            if s.positions is None and s.cache.scoring(s.start, s.n, s.last_only):
+            if scores and s.positions is None and s.cache.scoring(s.start, s.n, s.last_only):
                 scored.append((s, off))
             off += s.n
         kept = [s.cache.scores if any(s is t for t, _ in scored) else None for s in segs]

@@ -66,6 +66,8 @@ class SpecDecoder:
         self._own_length = proposer is not None and proposer.chooses_draft_length
         # the target layers whose inputs each forward returns for the proposer (EAGLE-3's), and no others
         self.aux_layers = tuple(proposer.aux_layers) if proposer is not None else ()
+        # and the attention weights of its verify blocks and prompts, in each request's cache (Vegas)
+        self.scores = proposer is not None and proposer.attention_scores
         if proposer is not None:
             proposer.set_adaptive(self.adaptive)
 
@@ -88,7 +90,8 @@ class SpecDecoder:
             return st
         while st.prefilling:
             n = self.next_chunk(st, prefill_chunk)
-            out = st.runner.run(self.prefill_tokens(st, n), logits="last", aux_layers=self.aux_layers)
+            out = st.runner.run(self.prefill_tokens(st, n), logits="last", aux_layers=self.aux_layers,
+                                scores=self.scores)
             if self.reuse_prefill and st.n_prefilled + n == st.n_ctx:
                 st.runner.keep_prompt(prompt_ids, out)
             self.prefilled(st, n, out, read)
@@ -321,7 +324,7 @@ class SpecDecoder:
             outs = forward_batch([st.runner for st in fed],
                                  [b.tokens for b in blocks.values()] + [self.prefill_tokens(st, n) for st, n in prefills],
                                  [b.parents for b in blocks.values()] + [None] * len(prefills),
-                                 [False] * len(blocks) + [True] * len(prefills), self.aux_layers)
+                                 [False] * len(blocks) + [True] * len(prefills), self.aux_layers, self.scores)
         except Exception as e:  # noqa: BLE001 - the forward failed: every request in it ends
             for st in fed:
                 _fail(st, e)

@@ -84,6 +84,7 @@ class TargetRunner:
 
     def reset(self) -> None:
         self.length = 0
+        self.cache.scored = 0  # a new request: no attention recorded for it yet
 
     def keep_prompt(self, ids: list[int], out: TargetOut) -> None:
         """The cache now holds prompt ``ids`` at [0, len(ids)) (``out``: its forward's, logits of its last
@@ -102,9 +103,11 @@ class TargetRunner:
 
     @torch.inference_mode()
     def run(self, tokens: torch.Tensor, logits: str = "all", parents: list[int] | None = None,
-            aux_layers: tuple[int, ...] = ()) -> TargetOut:
+            aux_layers: tuple[int, ...] = (), scores: bool = False) -> TargetOut:
         """tokens [1, T] at the cache's length (a chain, or with ``parents`` a draft tree as in
-        ``forward_tree``) -> their TargetOut (logits of every row, or of the last for "last")."""
+        ``forward_tree``) -> their TargetOut (logits of every row, or of the last for "last").
+        ``scores``: a chain of several rows or a prompt records its attention weights in the cache
+        (``KVCache.scores``, what Vegas ranks by)."""
         seg = self.segment(tokens, parents)
         if seg.n == 1 and parents is None and self._step is not None:
             pos = torch.tensor([seg.start], device=self.device)
@@ -112,7 +115,7 @@ class TargetRunner:
         else:
             out = TargetOut(*self.model(tokens.to(self.device), seg.start, self.cache, seg.mask,
                                         logits="all" if parents is not None else logits,
-                                        positions=seg.positions, aux_layers=aux_layers))
+                                        positions=seg.positions, aux_layers=aux_layers, scores=scores))
         self._advance(seg)
         return out
 
@@ -210,14 +213,15 @@ class TargetRunner:
 
 @torch.inference_mode()
 def forward_batch(runners: list[TargetRunner], tokens: list[torch.Tensor], parents: list[list[int] | None] | None = None,
-                  last_only: list[bool] | None = None, aux_layers: tuple[int, ...] = ()) -> list[TargetOut]:
+                  last_only: list[bool] | None = None, aux_layers: tuple[int, ...] = (),
+                  scores: bool = False) -> list[TargetOut]:
     """One target forward over many requests, each with its own runner (KV cache and length):
     tokens[i] [1, T_i] at runners[i]'s length, a chain or (``parents[i]``) a draft tree, or a
     prompt whose last logits only are wanted (``last_only[i]``). The weights are read once for all
     rows; on the row-independent CPU paths each request's outputs equal, bit for bit, those of its
     own ``run``. Advances every runner as ``run`` would and returns each request's TargetOut
     (logits [1, T_i (or 1), V], hidden [1, T_i, H], the ``aux_layers``' inputs). All runners share
-    one model."""
+    one model. ``scores``: chains and prompts record their attention weights (``run``'s)."""
     n = len(runners)
     parents = parents or [None] * n
     last_only = last_only or [False] * n
@@ -227,13 +231,13 @@ def forward_batch(runners: list[TargetRunner], tokens: list[torch.Tensor], paren
     together = [i for i in range(n) if tokens[i].shape[1] <= VERIFY_ROWS]
     for i in range(n):
         if tokens[i].shape[1] > VERIFY_ROWS or len(together) == 1:
-            out[i] = runners[i].run(tokens[i], "last" if last_only[i] else "all", parents[i], aux_layers)
+            out[i] = runners[i].run(tokens[i], "last" if last_only[i] else "all", parents[i], aux_layers, scores)
     if len(together) < 2:
         return out
     model = runners[together[0]].model
     segs = [runners[i].segment(tokens[i], parents[i], last_only[i]) for i in together]
     flat = torch.cat([tokens[i].reshape(-1) for i in together]).to(runners[together[0]].device)
-    logits, hidden, aux = model.forward_ragged(flat, segs, aux_layers=aux_layers)
+    logits, hidden, aux = model.forward_ragged(flat, segs, aux_layers=aux_layers, scores=scores)
     lo = ho = 0
     for i, s in zip(together, segs):
         m = 1 if s.last_only else s.n

@@ -128,6 +128,9 @@ class Proposer:
     # the target layers whose inputs it wants beside the final hidden states (EAGLE-3's aux hidden
     # states, ascending): the decoder has the target return them, in ``on_target_hidden``'s aux
     aux_layers: tuple[int, ...] = ()
+    # it ranks cached positions by the attention the target's verify forwards gave them (Vegas): the
+    # decoder asks those forwards to record their weights (``scores=True``) in each request's KV cache
+    attention_scores: bool = False
     learns_across_requests: bool = False  # e.g. suffix's global cache of earlier responses
     reads_prompt: bool = False  # reads each prompt with a model of its own (``on_prefill``): a draft model
     # chooses each step's draft length itself (a hybrid weighing its parts): the decoder's controller

@@ -168,6 +168,7 @@ class HybridProposer(Proposer):
         self.needs_hidden_states = any(p.needs_hidden_states for p in self.subs)
         self.reads_prompt = any(p.reads_prompt for p in self.subs)
         self.aux_layers = tuple(sorted({l for p in self.subs for l in p.aux_layers}))  # every part's, once
+        self.attention_scores = any(p.attention_scores for p in self.subs)
         self.learns_across_requests = any(p.learns_across_requests for p in self.subs)
         self.chooses_draft_length = self.policy == "score"  # its parts' controllers do, not the decoder's
         self.parts = [_Part(k, p.draft_cost) for k, p in zip(self.ks, self.subs)]

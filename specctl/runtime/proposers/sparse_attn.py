@@ -138,6 +138,7 @@ class SparseAttnProposer(SlotProposer):
         a = self.model.args
         self.k = int(config.num_speculative_tokens or 4)
         self.algorithm = config.sparse_attn_algorithm or "streamingllm"
+        self.attention_scores = self.algorithm == "vegas"  # the verify forwards record what they attended to
         self.ratio = float(config.sparse_attn_ratio if config.sparse_attn_ratio is not None else 0.05)
         self.min_tokens = int(config.sparse_attn_min_tokens or 256)
         skip = config.sparse_attn_skip_layers or []
@@ -175,8 +176,6 @@ class SparseAttnProposer(SlotProposer):
             raise UsageError("sparse_attn was asked to draft for a runner of another model",
                              "build the proposer with the same target the decoder runs")
         s.runner = runner
-        if self.algorithm == "vegas":
-            runner.cache.keep_scores()  # the verify forwards record what they attended to
         if s.scratch is None:
             p = self.model.embed.weight
             s.scratch = KVCache(self.model.args, 1, self.scratch_len, p.dtype, p.device)

@@ -122,15 +122,14 @@ def test_scores_are_attention_weights_and_change_nothing(target):
     outs = []
     for keep in (False, True):
         runner = TargetRunner(model, MAX_LEN)
-        if keep:
-            runner.cache.keep_scores()
-        outs.append((runner.forward(ids[:, :64], logits="last"),))
+        outs.append((runner.run(ids[:, :64], logits="last", scores=keep).logits,))
+        assert (runner.cache.scores is not None) == keep  # asked for, or not there at all
         if keep:
             assert runner.cache.scored == 64  # a prompt: every position is ranked
-        outs[-1] += (runner.forward(ids[:, 64:69]),)
+        outs[-1] += (runner.run(ids[:, 64:69], scores=keep).logits,)
         if keep:
             before = runner.cache.scores.clone()
-        outs[-1] += (runner.forward(ids[:, 69:70]),)  # a plain decode step
+        outs[-1] += (runner.run(ids[:, 69:70], scores=keep).logits,)  # a plain decode step
     assert all(torch.equal(x, y) for x, y in zip(outs[0], outs[1]))
     cache = runner.cache
     assert torch.equal(cache.scores, before) and cache.scored == 65  # the verify block's first row and before
@@ -160,10 +159,8 @@ def test_fused_kernel_writes_the_same_scores(tiny_model_factory):
     for keep in (False, True):
         runner = TargetRunner(model, MAX_LEN)
         runner.forward(ids[None, :90], logits="last")
-        if keep:
-            runner.cache.keep_scores()
         seg = Segment(runner.cache, 90, 6, runner.segment(ids[None, 90:96]).mask)
-        out.append(model.forward_ragged(ids[90:96], [seg])[0])
+        out.append(model.forward_ragged(ids[90:96], [seg], scores=keep)[0])
     assert torch.equal(out[0], out[1])
     cache = runner.cache
     assert cache.scored == 91
@@ -178,9 +175,8 @@ def test_fused_kernel_writes_the_same_scores(tiny_model_factory):
     got = []
     for keep in (False, True):
         runner = TargetRunner(model, MAX_LEN)
-        if keep:
-            runner.cache.keep_scores()
-        got.append((runner.forward(ids[None, :90], logits="last"), runner.forward(ids[None, 90:96])))
+        got.append((runner.run(ids[None, :90], logits="last", scores=keep).logits,
+                    runner.run(ids[None, 90:96], scores=keep).logits))
     assert all(torch.equal(x, y) for x, y in zip(*got))
     torch.testing.assert_close(runner.cache.scores[:, :, :, :96], cache.scores[:, :, :, :96])
 
