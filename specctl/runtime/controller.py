@@ -53,6 +53,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 PROBE_CATCH_UP = 0.25  # a probe that would catch up for longer than this (in plain steps) is skipped
+READ_PRIOR = 1 / 16  # before a draft's reading is measured: a context token read as this fraction of its draft token hint
 DRAFT = 0  # costs[DRAFT]: drafting seconds per draft token (costs[T], T >= 1: a T-token forward)
 # costs[-d]: drafting seconds of a step that drafted d tokens; over three or more d they give the
 # drafting cost as q0 + q d (q0: what a drafting step pays whatever d is, e.g. a draft model's
@@ -225,6 +226,13 @@ class DraftLengthController:
             return None
         one, b, _ = fit
         return one if batch <= 1 else max(one - b, 0.0) / batch + b
+
+    def reading_estimate(self, tokens: int) -> float | None:
+        """Seconds a draft would take to read ``tokens`` context tokens, before its reading is measured: a
+        token read as READ_PRIOR of a drafted token's cost hint, in plain steps (a prompt goes through the
+        draft many rows to a forward, a draft token one); None while a plain step is unmeasured."""
+        one = self.plain_step_s(1)
+        return None if one is None else tokens * READ_PRIOR * self.draft_hint * one
 
     def reading_pays(self, read_s: float | None, new_tokens: int, batch: int = 1, against: float = 1.0) -> bool:
         """Whether a draft should read a new request's prompt, ``read_s`` seconds of the draft's own measured

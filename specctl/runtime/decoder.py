@@ -107,15 +107,15 @@ class SpecDecoder:
         """The request's next n prompt tokens [1, n]."""
         return torch.from_numpy(st.ctx[:, st.n_prefilled:st.n_prefilled + n].astype(np.int64))
 
-    def prefilled(self, st: DecodeState, n: int, out: TargetOut, read_prompt: bool = True) -> list[int]:
+    def prefilled(self, st: DecodeState, n: int, out: TargetOut, read_prompt: bool = True, batch: int = 1) -> list[int]:
         """n more prompt tokens are in the cache (``out``: their forward's, logits [1, 1, V] of the last
         one); after the prompt's last chunk, the first token is chosen and emitted (returned).
         ``read_prompt``: the proposer reads the chunk too (``on_prefill``; off where the batch is not
-        drafting)."""
+        drafting); ``batch``: the requests in flight the request will decode among."""
         runner, params, logits = st.runner, st.params, out.logits
         st.n_prefilled += n
         if self.proposer is not None and read_prompt:
-            self.proposer.on_prefill(st.slot, st.n_prefilled)
+            self.proposer.on_prefill(st.slot, st.n_prefilled, batch)
         if self.proposer is not None and self.proposer.needs_hidden_states:
             self.proposer.on_target_hidden(st.slot, out.hidden, out.aux)
         if st.n_prefilled < st.n_ctx:
@@ -174,8 +174,11 @@ class SpecDecoder:
         model that would not pay in a batch whose verification is already costly reads nothing; it
         catches up if drafting turns on later). For the request ``st``, the reading must also pay back:
         the seconds its drafts are expected to save over its ``max_tokens`` exceed the draft's measured
-        reading of what it has not read (``DraftLengthController.reading_pays``); where they do not, the
-        request is left undrafted for good (catching up later would cost the same reading for fewer tokens)."""
+        reading of what it has not read (``DraftLengthController.reading_pays``; before the draft has read
+        anything, its size's estimate); where they do not, the request is left undrafted for good (catching
+        up later would cost the same reading for fewer tokens). ``batch`` counts the requests in flight, those
+        still reading their prompts included: alone, a draft not yet measured reads, to be measured; in a
+        batch it is weighed like any other, so requests that arrive together do not each pay its reading."""
         if st is not None and st.undrafted:
             return False
         if self._guard is None:
@@ -189,10 +192,15 @@ class SpecDecoder:
             return False
         if batch <= 1 and c._draft_cost() is None:
             return True  # alone, drafting unmeasured: it drafts, and gets measured
-        if st is not None and self.proposer.reads_prompt and not c.reading_pays(
-                self.proposer.catch_up_seconds(st.slot), st.params.max_new_tokens - len(st.out), batch):
-            st.undrafted = True
-            return False
+        if st is not None and self.proposer.reads_prompt:
+            read_s = self.proposer.catch_up_seconds(st.slot)
+            if read_s is None:  # its reading not measured yet: estimated from its size
+                read_s = c.reading_estimate(self.proposer.backlog(st.slot))
+            if read_s is None or c.plain_step_s(batch) is None:
+                return False  # in a batch, nothing measured to weigh the reading by: not now (it catches up if it drafts)
+            if not c.reading_pays(read_s, st.params.max_new_tokens - len(st.out), batch):
+                st.undrafted = True
+                return False
         # in a batch (by the cost hint until measured), or alone after earlier requests measured drafting:
         # read only where a draft would pay (it catches up if drafting turns on later)
         return c.best_len(batch) > 0
@@ -205,7 +213,7 @@ class SpecDecoder:
         return out
 
     def step_batch(self, states: list[DecodeState], max_draft: int | None = None,
-                   prefills: list[tuple[DecodeState, int]] = ()) -> list[list[int]]:
+                   prefills: list[tuple[DecodeState, int]] = (), in_flight: int = 0) -> list[list[int]]:
         """One step for each of many requests (each with its own runner and proposer slot), as data:
         plan (each request's draft length), draft (one proposer call for all), forward (one target
         forward for every request's block and the prefill chunks riding along), verify (a
@@ -215,7 +223,9 @@ class SpecDecoder:
         or verification fails ends with ``finish = "error"`` and the exception in ``error``.
 
         ``prefills``: (request, n) pairs whose next n prompt tokens ride in the same forward (chunked
-        prefill); their first token, once a prompt is complete, follows the decoding requests' lists."""
+        prefill); their first token, once a prompt is complete, follows the decoding requests' lists.
+        ``in_flight``: the requests the engine holds (decoding, and prefilling whether or not a chunk of
+        theirs rides in this step): the batch a prompt read now will decode among."""
         t_step = time.perf_counter()
         guard = self._guard if len(states) > 1 else None
         guarded_off = guard is not None and not guard.drafts(len(states))
@@ -232,9 +242,10 @@ class SpecDecoder:
                 out[i] = self.commit(states[i], blocks[i], outs[i], oc)
             except Exception as e:  # noqa: BLE001 - this request fails, the batch goes on
                 _fail(states[i], e)
+        joins = max(in_flight, len(states) + 1)
         for j, (st, n) in enumerate(prefills):
             try:  # a joiner of a batch that is not drafting, or whose reading would not pay back, reads nothing
-                out[len(states) + j] = self.prefilled(st, n, outs[len(states) + j], self._reads_prompt(len(states) + 1, st))
+                out[len(states) + j] = self.prefilled(st, n, outs[len(states) + j], self._reads_prompt(joins, st), joins)
             except Exception as e:  # noqa: BLE001
                 _fail(st, e)
         drafted = any(len(b.draft) > 0 for b in blocks.values())

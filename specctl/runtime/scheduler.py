@@ -165,7 +165,8 @@ class Scheduler:
                 cap = 0
             self.trace.append((len(stepping), sum(n for _, _, n in chunks)))
             emitted = self.decoder.step_batch([st for _, st in stepping], max_draft=cap,
-                                              prefills=[(st, n) for _, st, n in chunks])
+                                              prefills=[(st, n) for _, st, n in chunks],
+                                              in_flight=len(stepping) + len(self.prefilling))
             self.steps += 1
             for (req, st), toks in zip(stepping + [(r, s) for r, s, _ in chunks], emitted):
                 if toks or (st.error is None and not st.prefilling):

@@ -398,7 +398,7 @@ def test_a_draft_as_costly_as_the_target_never_drafts_probes_or_reads_the_prompt
         def __init__(self, cost):
             self.draft_cost, self.prefills, self.proposals = cost, 0, 0
 
-        def on_prefill(self, slot, upto):
+        def on_prefill(self, slot, upto, batch=1):
             self.prefills += 1
 
         def draft_one(self, r, k):

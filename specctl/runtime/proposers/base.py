@@ -162,10 +162,11 @@ class Proposer:
         """One request's draft of at most k > 0 tokens (for methods that use the default ``propose``)."""
         raise NotImplementedError
 
-    def on_prefill(self, slot: int, upto: int) -> None:
+    def on_prefill(self, slot: int, upto: int, batch: int = 1) -> None:
         """The first ``upto`` prompt tokens of the request in ``slot`` are in the target's cache (called
         after each prefill chunk): a proposer with a prompt of its own to read (a draft model) reads
-        along, chunk by chunk, so no single step carries a whole prompt's draft prefill."""
+        along, chunk by chunk, so no single step carries a whole prompt's draft prefill. ``batch``: the
+        requests in flight that this one will decode among."""
 
     def backlog(self, slot: int) -> int:
         """Context tokens the request in ``slot`` has that this proposer must read before it can draft

@@ -241,7 +241,7 @@ class DraftModelProposer(Proposer):
             return 0.0
         return None if self._read_s is None else n * self._read_s
 
-    def on_prefill(self, slot: int, upto: int) -> None:
+    def on_prefill(self, slot: int, upto: int, batch: int = 1) -> None:
         """The draft reads the prompt in the request's prefill (as vLLM runs the draft's prefill), chunk
         by chunk with the target's, not in its first drafting step: the controller then weighs drafting
         by its steady cost, and no step carries a whole prompt's draft forward."""

@@ -135,8 +135,8 @@ class _Part:
         if one <= 0:
             return 0.0 if backlog <= CATCH_UP_MIN else float("inf")
         if catch_up_s is None:
-            per = self.draft_s / (4 * self.acceptance.k) if self.draft_s is not None else READ_PRIOR * self.draft_hint * one
-            catch_up_s = per * backlog
+            catch_up_s = (self.draft_s / (4 * self.acceptance.k) * backlog if self.draft_s is not None
+                          else self.acceptance.reading_estimate(backlog))
         return catch_up_s / one
 
     def pays(self) -> bool:
@@ -149,7 +149,6 @@ FREE_METHODS = ("ngram", "suffix")  # parts whose drafting is a lookup: they dra
 FOLLOW_STEPS = 64  # a part that reads prompts stops reading new ones when it has not won for this many steps
 CATCH_UP_MIN = 16  # a call with more context tokens than this to read first is not timed as drafting
 EXPLORE_CATCH_UP = 4.0  # a part that has not drafted yet is tried where catching up costs at most this (plain steps)
-READ_PRIOR = 1 / 16  # before a part read or drafted: a context token read as this fraction of its draft token hint
 
 
 class HybridProposer(Proposer):
@@ -201,15 +200,15 @@ class HybridProposer(Proposer):
         for p in self.subs:
             p.bind_target(slot, runner)
 
-    def on_prefill(self, slot, upto) -> None:
+    def on_prefill(self, slot, upto, batch: int = 1) -> None:
         """Every part reads along, but a part with a prompt of its own to read only until it is measured
         and then while it pays (``score``): a draft model sitting out reads nothing, and catches up if
         it is chosen later."""
         for p, part in zip(self.subs, self.parts):
-            if not p.reads_prompt or self.policy != "score" or not self.adaptive or self._follows(part, slot):
-                p.on_prefill(slot, upto)
+            if not p.reads_prompt or self.policy != "score" or not self.adaptive or self._follows(part, slot, batch):
+                p.on_prefill(slot, upto, batch)
 
-    def _follows(self, part: "_Part", slot: int) -> bool:
+    def _follows(self, part: "_Part", slot: int, batch: int = 1) -> bool:
         """A part that reads prompts reads one request's while it is unmeasured (it has never drafted: read in
         the prefill, its first draft costs no catching up, so it gets tried and measured whatever the
         prompt's length; the requests that arrive with it wait for that evidence) and then only while it
@@ -217,20 +216,36 @@ class HybridProposer(Proposer):
         its drafts are expected to save over the request's max_tokens against the best other part exceed
         its measured reading of the prompt (``DraftLengthController.reading_pays``). A measured part that
         stopped winning reads nothing; if the choice turns to it, it catches up then (``backlog``), which
-        its score counts."""
-        if part.acceptance._draft_cost() is None:
-            if part.explorer is None:
-                part.explorer = slot
-            return part.explorer == slot
-        if part.won is None or self._steps - part.won > FOLLOW_STEPS or not part.pays():
+        its score counts.
+
+        ``batch``: the requests in flight that this one will decode among. Alone, the unmeasured part reads
+        whatever the prompt's length; in a batch it must first be expected to pay its reading back (its
+        size's estimate of the reading, its prior's value; until a plain step is measured, it reads nothing
+        yet), so requests that arrive together with long prompts do not pay a reading to learn little."""
+        unmeasured = part.acceptance._draft_cost() is None
+        if unmeasured and (part.explorer == slot or (part.explorer is None and batch <= 1)):
+            part.explorer = slot
+            return True
+        if not unmeasured and (part.won is None or self._steps - part.won > FOLLOW_STEPS or not part.pays()):
             return False
         if slot not in self._new_tokens:
-            return True  # its length unknown (no sampling parameters given): nothing to weigh the reading against
-        # and the reading pays back over the request: against the best other part, at the batch size
-        i, batch = self.parts.index(part), self._batch.get(slot, self._last_batch)
+            return not unmeasured  # its length unknown (no sampling parameters): nothing to weigh the reading against
+        # the reading pays back over the request: against the best other part, at the batch size
+        i, batch = self.parts.index(part), self._batch.get(slot, max(batch, self._last_batch))
         against = max([1.0] + [q.acceptance.best_value(batch) for q in self.parts if q is not part])
-        return part.acceptance.reading_pays(self.subs[i].catch_up_seconds(slot), self._new_tokens.get(slot, 0),
-                                            batch, against)
+        read_s = self.subs[i].catch_up_seconds(slot)
+        if unmeasured:
+            if part.explorer is not None:
+                return False  # another request is measuring it
+            if read_s is None:
+                read_s = part.acceptance.reading_estimate(self.subs[i].backlog(slot))
+            if read_s is None or part.acceptance.plain_step_s(batch) is None:
+                return False
+        if not part.acceptance.reading_pays(read_s, self._new_tokens.get(slot, 0), batch, against):
+            return False
+        if unmeasured:
+            part.explorer = slot
+        return True
 
     def on_target_hidden(self, slot, hidden, aux) -> None:
         for p in self.subs:

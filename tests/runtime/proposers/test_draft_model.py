@@ -597,3 +597,49 @@ def test_a_draft_gguf_quantization_without_a_gguf_names_the_drafts_keys(tiny_mod
     with pytest.raises(UsageError, match="the draft's \"quantization\": \"gguf\"") as e:
         load_draft(cfg, load_model(tiny_model_dir, dtype="float32"))
     assert "--model" not in str(e.value) and "draft's \"model\"" in e.value.fix
+
+
+@pytest.mark.parametrize("new, reads", [(NEW, True), (2, False)])
+def test_in_a_batch_an_unmeasured_draft_reads_a_prompt_only_where_its_size_says_the_reading_pays(
+        target, drafts, greedy_cases, new, reads):
+    """Eight requests in flight, the draft model's reading and drafting not measured yet. Alone it would read
+    the prompt to get measured; in the batch the reading is first weighed, at its size's estimate
+    (READ_PRIOR of its cost hint per token), against what its drafts could save over the request's max_tokens
+    at the prior's acceptance: before a plain step is measured it reads nothing yet (and the request may still
+    draft later); after, it reads where that pays (24 new tokens) and leaves the request undrafted where it
+    cannot (2). Output equals plain either way."""
+    from specctl.runtime.controller import READ_PRIOR
+
+    prop = make_proposer(target, drafts["same"])
+    prop.draft_cost = 0.2
+    dec = SpecDecoder(TargetRunner(target.model, MAX_LEN), prop, K, adaptive=True)
+    prompt, expected = next((p, o) for p, o in greedy_cases if len(p) > 9)
+    st = dec.begin(prompt, SamplingParams(max_new_tokens=new))
+    assert prop._read_s is None and not dec._reads_prompt(8, st) and not st.undrafted  # no plain step yet: not now
+    assert dec._reads_prompt(1, st)  # alone it would read, to be measured
+    dec._costs.update({1: 0.1, K + 1: 0.104})
+    c = dec._controller()
+    estimate = len(prompt) * READ_PRIOR * 0.2 * 0.1
+    assert c.reading_estimate(len(prompt)) == pytest.approx(estimate)
+    saved = new * c.plain_step_s(8) * (1 - 1 / c.best_value(8))
+    assert (saved > estimate) == reads  # the cases are what they say
+    dec.step_batch([], prefills=[(st, len(prompt))], in_flight=8)
+    assert (prop.slots[0].runner.length == len(prompt)) == reads and st.undrafted != reads
+    while st.finish is None:
+        dec.step(st)
+    assert dec.finish(st).token_ids == expected[:new]
+
+
+def test_the_scheduler_tells_the_decoder_every_request_in_flight(target, drafts, greedy_cases):
+    """Requests admitted together read their prompts chunk by chunk, one after another: the first one's
+    prompt is weighed as a batch of all of them (they will decode together), not as a request alone."""
+    from specctl.runtime.scheduler import Request, Scheduler
+
+    prop = make_proposer(target, drafts["same"])
+    dec = SpecDecoder(TargetRunner(target.model, MAX_LEN), prop, K, adaptive=True)
+    seen, weigh = [], dec._reads_prompt
+    dec._reads_prompt = lambda batch, st=None: (seen.append(batch), weigh(batch, st))[1]
+    prompts = [p for p, _ in greedy_cases[:3]]
+    sched = Scheduler(dec, [TargetRunner(target.model, MAX_LEN) for _ in range(3)], max_num_batched_tokens=4)
+    results = sched.run([Request(p, SamplingParams(max_new_tokens=4)) for p in prompts])
+    assert seen[0] == 3 and len(results) == 3

@@ -259,7 +259,7 @@ class _CostlyDraft:
     def start_request(self, slot, prompt_ids):
         self.read[slot], self.n[slot] = 0, len(prompt_ids)
 
-    def on_prefill(self, slot, upto):
+    def on_prefill(self, slot, upto, batch=1):
         self._charge(self.read_s * (upto - self.read[slot]))
         self.prompt_tokens_read += upto - self.read[slot]
         self.read[slot] = upto
@@ -458,3 +458,48 @@ def test_a_model_part_reads_a_new_prompt_only_where_it_pays_back_against_the_bes
     assert reads(0, 0, 128)  # n-gram finds nothing: ~1.8 s saved against plain, more than 0.2 s of reading
     assert not reads(1, 4, 128)  # n-gram drafts as well, at no cost: nothing to save against it
     assert not reads(2, 0, 4)  # 4 new tokens cannot pay a 200-token prompt's reading back
+
+
+class _UnreadDraft(_CostlyDraft):
+    """The costly stand-in before it has read anything: its reading is not measured yet."""
+
+    def catch_up_seconds(self, slot):
+        return None
+
+
+def test_in_a_batch_an_unmeasured_model_part_reads_only_a_prompt_its_size_says_pays_back(target):
+    """Eight requests in flight, the model part never measured (neither its drafting nor its reading): it is
+    not made to read the first long prompt to be measured, as it is alone; it reads a prompt only where its
+    size's estimate of the reading (READ_PRIOR of its cost hint per token) is paid back over the request's
+    max_tokens at its prior's value, and until a plain step is measured it reads none (a deterministic cost
+    stand-in, not a timing)."""
+    from types import SimpleNamespace
+
+    from specctl.runtime.controller import READ_PRIOR
+
+    ngram = {"method": "ngram", "num_speculative_tokens": 4}
+    prop = HybridProposer(SpecConfig.from_dict({"method": "hybrid", "proposers": [ngram, ngram]}), target=target,
+                          max_model_len=4200, clock=lambda: 0.0)
+    prop.subs[1] = costly = _UnreadDraft(SimpleNamespace(t=0.0))
+    prop.parts[1] = model = type(prop.parts[1])(4, costly.draft_cost)
+    prop.reads_prompt = True
+
+    def reads(slot: int, n: int, batch: int) -> bool:
+        prop.set_sampling(slot, SamplingParams(max_new_tokens=512))
+        prop.start_request(slot, np.arange(100, 100 + n, dtype=np.int32))
+        prop.on_prefill(slot, n, batch)
+        return costly.read[slot] == n
+
+    assert not reads(0, 40, 8) and model.explorer is None  # no plain step measured: nothing to weigh by
+    prop.parts[0].acceptance.costs.update({1: 0.02, 5: 0.021})
+    for _ in range(50):
+        prop.parts[0].observe(4, 0)  # n-gram finds nothing: the model part is weighed against plain steps
+    model.acceptance.costs.update({1: 0.02, 5: 0.021})
+    c = model.acceptance
+    saved = 512 * c.plain_step_s(8) * (1 - 1 / c.best_value(8))
+    assert 4000 * READ_PRIOR * costly.draft_cost * 0.02 > saved > 40 * READ_PRIOR * costly.draft_cost * 0.02
+    assert not reads(1, 4000, 8) and model.explorer is None  # a long document: its reading would not pay back
+    assert reads(2, 40, 8) and model.explorer == 2  # a short prompt: it does, and it is measured on it
+    assert not reads(3, 40, 8)  # one request at a time measures it
+    prop.end_request(2)
+    assert reads(4, 4000, 1)  # alone, it reads whatever the length, to be measured
