@@ -37,6 +37,7 @@ def _fail(st: DecodeState, e: BaseException) -> None:
     st.error, st.finish = e, "error"
 
 
+CATCH_UP_WEIGHED = 16  # a draft about to catch up on more context than this (a prompt it skipped) weighs the reading first
 EXPLORE_POSITIONS = 8  # pooled draft positions tried before every new request of a batch may draft
 
 
@@ -193,17 +194,26 @@ class SpecDecoder:
         if batch <= 1 and c._draft_cost() is None:
             return True  # alone, drafting unmeasured: it drafts, and gets measured
         if st is not None and self.proposer.reads_prompt:
-            read_s = self.proposer.catch_up_seconds(st.slot)
-            if read_s is None:  # its reading not measured yet: estimated from its size
-                read_s = c.reading_estimate(self.proposer.backlog(st.slot))
-            if read_s is None or c.plain_step_s(batch) is None:
+            pays = self._reading_pays(st, batch, c)
+            if pays is None:
                 return False  # in a batch, nothing measured to weigh the reading by: not now (it catches up if it drafts)
-            if not c.reading_pays(read_s, st.params.max_new_tokens - len(st.out), batch):
+            if not pays:
                 st.undrafted = True
                 return False
         # in a batch (by the cost hint until measured), or alone after earlier requests measured drafting:
         # read only where a draft would pay (it catches up if drafting turns on later)
         return c.best_len(batch) > 0
+
+    def _reading_pays(self, st: DecodeState, batch: int, c: DraftLengthController) -> bool | None:
+        """Whether the draft's reading of what it has not read of the request (its measured seconds per
+        token, else its size's estimate) is paid back by its drafts over the request's remaining tokens at
+        ``batch`` (``c.reading_pays``); None while a plain step is unmeasured (nothing to weigh it by)."""
+        read_s = self.proposer.catch_up_seconds(st.slot)
+        if read_s is None:
+            read_s = c.reading_estimate(self.proposer.backlog(st.slot))
+        if read_s is None or c.plain_step_s(batch) is None:
+            return None
+        return c.reading_pays(read_s, st.params.max_new_tokens - len(st.out), batch)
 
     def step(self, st: DecodeState) -> list[int]:
         """One propose -> verify -> rollback step. Returns the tokens emitted (sets st.finish)."""
@@ -289,6 +299,9 @@ class SpecDecoder:
         if st.controller is not None and k > 0 and not self._own_length:
             catch_up = (self.proposer.catch_up_seconds(st.slot) or 0.0) if self.proposer.reads_prompt else 0.0
             k = min(k, st.controller.draft_len(batch, self._clock, catch_up))
+            if (k > 0 and self.proposer.reads_prompt and self.proposer.backlog(st.slot) > CATCH_UP_WEIGHED
+                    and st.controller.best_len(batch) > 0 and self._reading_pays(st, batch, st.controller) is False):
+                st.undrafted, k = True, 0  # catching up on a prompt it skipped would not pay back: as in the prefill
         return k
 
     # ------------------------------------------------------------------ draft

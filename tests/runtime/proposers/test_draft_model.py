@@ -643,3 +643,33 @@ def test_the_scheduler_tells_the_decoder_every_request_in_flight(target, drafts,
     sched = Scheduler(dec, [TargetRunner(target.model, MAX_LEN) for _ in range(3)], max_num_batched_tokens=4)
     results = sched.run([Request(p, SamplingParams(max_new_tokens=4)) for p in prompts])
     assert seen[0] == 3 and len(results) == 3
+
+
+@pytest.mark.parametrize("read_s, catches_up", [(1.0, False), (1e-4, True)])
+def test_a_draft_that_skipped_a_prompt_catches_up_only_where_the_reading_pays_back(
+        target, drafts, greedy_cases, read_s, catches_up):
+    """A request whose prompt the draft left unread in the prefill (in a batch, before anything was measured),
+    once drafting is measured to pay: its first draft would catch the whole prompt up first, stalling the
+    batch, so the decoder weighs that reading as it weighs a prompt in the prefill. A second of reading is
+    not paid back over 24 tokens at a batch of 8: the request stays undrafted; a tenth of a millisecond is,
+    and it drafts. Output equals plain either way."""
+    from specctl.runtime.controller import DRAFT
+
+    prop = make_proposer(target, drafts["same"])
+    prop.draft_cost = 0.33
+    dec = SpecDecoder(TargetRunner(target.model, MAX_LEN), prop, K, adaptive=True)
+    dec._costs.update({1: 0.1, K + 1: 0.104, DRAFT: 0.01})
+    for _ in range(60):
+        dec._pooled.observe(K, K)  # every draft accepted: drafting pays at a batch of 8 too
+    prompt, expected = next((p, o) for p, o in greedy_cases if len(p) > 17)
+    st = dec.begin(prompt, SamplingParams(max_new_tokens=NEW))
+    dec.prefilled(st, len(prompt), st.runner.run(dec.prefill_tokens(st, len(prompt)), logits="last"),
+                  read_prompt=False)
+    prop._read_s = read_s / len(prompt)
+    assert st.controller.best_len(8) > 0 and prop.backlog(0) >= len(prompt)
+    k = dec._draft_len(st, None, 8)
+    assert (k > 0) == catches_up and st.undrafted != catches_up
+    while st.finish is None:
+        dec.step(st)
+    assert dec.finish(st).token_ids == expected
+    assert (st.stats.num_draft_tokens > 0) == catches_up
