@@ -355,7 +355,7 @@ class SpecDecoder:
             return None
         t = time.perf_counter() - t
         for b in blocks.values():
-            b.rows, b.forward_s, b.batch = rows, t, len(blocks)
+            b.rows, b.forward_s, b.batch, b.prefill_rows = rows, t, len(blocks), sum(n for _, n in prefills)
         keys = list(blocks) + [len(states) + j for j in range(len(prefills))]
         return dict(zip(keys, outs))
 
@@ -398,15 +398,18 @@ class SpecDecoder:
     def _control(self, st: DecodeState, block: Block, oc: StepOutcome) -> None:
         if st.controller is None:
             return
-        # a tree's drafting is not d draft tokens' worth (one draft call per level, n nodes): the whole
-        # step counts, keyed by its depth
-        st.controller.observe(oc.num_draft, oc.accepted, block.rows, block.step_seconds(),
-                              None if oc.tree else block.t1 - block.t0)
+        if block.prefill_rows:  # the forward read prompt chunks too: its time is theirs, not a verification's
+            st.controller.observe_acceptance(oc.num_draft, oc.accepted)
+        else:  # a tree's drafting is not d draft tokens' worth (one draft call per level, n nodes): the whole
+            # step counts, keyed by its depth
+            st.controller.observe(oc.num_draft, oc.accepted, block.rows, block.step_seconds(),
+                                  None if oc.tree else block.t1 - block.t0)
         self._pooled.observe(oc.num_draft, oc.accepted)
 
     def _time_proposer(self, st: DecodeState, block: Block, oc: StepOutcome) -> None:
         if self.proposer is not None:
-            self.proposer.observe_step(st.slot, oc.nodes, block.rows, block.step_seconds(), block.t1 - block.t0,
+            self.proposer.observe_step(st.slot, oc.nodes, block.rows,
+                                       None if block.prefill_rows else block.step_seconds(), block.t1 - block.t0,
                                        block.batch)
 
     def finish(self, st: DecodeState) -> GenerationResult:

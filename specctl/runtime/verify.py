@@ -40,6 +40,7 @@ class Block:
     t1: float = 0.0
     rows: int = 0  # rows of the whole forward it rode in (every request's)
     batch: int = 1  # requests decoding in that forward
+    prefill_rows: int = 0  # prompt rows read in that forward too (its time is then mostly theirs)
     forward_s: float = 0.0  # that forward's seconds
     t_done: float = 0.0  # when its verification started
 

@@ -250,3 +250,18 @@ def test_an_unproven_draft_is_tried_by_one_new_request_a_step(tiny_model, repeti
         assert max(per_step) == 1 and len(first) < len(prompts)
     else:
         assert max(per_step) == len(prompts)
+
+
+def test_a_step_that_also_reads_prompt_chunks_teaches_the_controller_no_costs(tiny_model):
+    """A decode step that carries another request's prompt chunk takes the chunk's time: were it learned as
+    the verification's cost over those rows, a batch's plain step would look ten times dearer than it is (and
+    a draft's reading would seem to pay). Only steps without prompt rows are learned; acceptance is
+    learned from both."""
+    cfg = SpecConfig.from_dict({"method": "ngram", "num_speculative_tokens": 4})
+    dec = SpecDecoder(TargetRunner(tiny_model, MAX_LEN), build_proposer(cfg, MAX_LEN), 4, adaptive=True)
+    a = dec.start([5, 6, 7, 8, 5, 6, 7], SamplingParams(max_new_tokens=8), runner=TargetRunner(tiny_model, MAX_LEN), slot=0)
+    b = dec.begin(list(range(10, 40)), SamplingParams(max_new_tokens=8), runner=TargetRunner(tiny_model, MAX_LEN), slot=1)
+    dec.step_batch([a], prefills=[(b, 30)], in_flight=2)
+    assert not b.prefilling and a.controller.costs == {} and dec._controller().costs == {}
+    dec.step_batch([a, b])
+    assert a.controller.costs and all(t < 30 for t in a.controller.costs)

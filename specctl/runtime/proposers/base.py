@@ -196,11 +196,11 @@ class Proposer:
     def set_adaptive(self, on: bool) -> None:
         """Whether the decoder adapts the draft length (``chooses_draft_length`` proposers then do it)."""
 
-    def observe_step(self, slot: int, num_draft: int, rows: int, seconds: float, draft_seconds: float,
+    def observe_step(self, slot: int, num_draft: int, rows: int, seconds: float | None, draft_seconds: float,
                      batch: int = 1) -> None:
         """After ``slot``'s step (plain or drafted, after ``credit``): ``num_draft`` tokens drafted, the
-        forward's ``rows`` (every request's, ``batch`` requests), the step's ``seconds``, ``draft_seconds``
-        of them drafting."""
+        forward's ``rows`` (every request's, ``batch`` requests), the step's ``seconds`` (None where the
+        forward also read prompt chunks: its time is theirs), ``draft_seconds`` of them drafting."""
 
     def credit(self, slot: int, num_draft: int, num_accepted: int, emitted: list[int]) -> dict[str, tuple[int, int]]:
         """After each of ``slot``'s verified steps (drafted or plain): its sub-proposers that drafted, each with

@@ -305,15 +305,17 @@ class HybridProposer(Proposer):
     def set_adaptive(self, on: bool) -> None:
         self.adaptive = on
 
-    def observe_step(self, slot: int, num_draft: int, rows: int, seconds: float, draft_seconds: float,
+    def observe_step(self, slot: int, num_draft: int, rows: int, seconds: float | None, draft_seconds: float,
                      batch: int = 1) -> None:
         """Each part's controller learns the verification's time over ``rows`` tokens (a part that did not
         draft saw a step it was not charged for), and the part that drafted its own drafting time (its
         acceptance was counted in ``credit``)."""
         self._batch[slot] = self._last_batch = batch
         spent = self._step_draft_s.pop(slot, {})
-        verify = max(seconds - draft_seconds, 1e-9)
         drafted = {i for i, _ in self._drafted.get(slot, [])} | {i for i, _ in self._last_drafted.pop(slot, [])}
+        if seconds is None:  # the forward read prompt chunks too: nothing learned of a verification's cost
+            return
+        verify = max(seconds - draft_seconds, 1e-9)
         for i, part in enumerate(self.parts):
             if i in drafted and num_draft > 0:
                 part.acceptance.observe_costs(num_draft, rows, verify + spent.get(i, 0.0), spent.get(i, 0.0))
