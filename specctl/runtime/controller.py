@@ -234,6 +234,17 @@ class DraftLengthController:
         one = self.plain_step_s(1)
         return None if one is None else tokens * READ_PRIOR * self.draft_hint * one
 
+    def reading_weighed(self, read_s: float | None, tokens: int, new_tokens: int, batch: int,
+                        against: float = 1.0) -> bool | None:
+        """``reading_pays`` for ``tokens`` unread context tokens, their reading ``read_s`` as measured or, before
+        the draft has read anything (None), ``reading_estimate``'s; None while a plain step is unmeasured
+        (nothing to weigh the reading by)."""
+        if read_s is None:
+            read_s = self.reading_estimate(tokens)
+        if read_s is None or self.plain_step_s(batch) is None:
+            return None
+        return self.reading_pays(read_s, new_tokens, batch, against)
+
     def reading_pays(self, read_s: float | None, new_tokens: int, batch: int = 1, against: float = 1.0) -> bool:
         """Whether a draft should read a new request's prompt, ``read_s`` seconds of the draft's own measured
         reading: the seconds its drafts are expected to save over the request's ``new_tokens``, at its best

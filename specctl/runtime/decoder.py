@@ -208,12 +208,8 @@ class SpecDecoder:
         """Whether the draft's reading of what it has not read of the request (its measured seconds per
         token, else its size's estimate) is paid back by its drafts over the request's remaining tokens at
         ``batch`` (``c.reading_pays``); None while a plain step is unmeasured (nothing to weigh it by)."""
-        read_s = self.proposer.catch_up_seconds(st.slot)
-        if read_s is None:
-            read_s = c.reading_estimate(self.proposer.backlog(st.slot))
-        if read_s is None or c.plain_step_s(batch) is None:
-            return None
-        return c.reading_pays(read_s, st.params.max_new_tokens - len(st.out), batch)
+        return c.reading_weighed(self.proposer.catch_up_seconds(st.slot), self.proposer.backlog(st.slot),
+                                 st.params.max_new_tokens - len(st.out), batch)
 
     def step(self, st: DecodeState) -> list[int]:
         """One propose -> verify -> rollback step. Returns the tokens emitted (sets st.finish)."""
@@ -342,7 +338,8 @@ class SpecDecoder:
         if not blocks and not prefills:
             return None
         fed = [states[i] for i in blocks] + [st for st, _ in prefills]
-        rows = sum(b.tokens.shape[1] for b in blocks.values()) + sum(n for _, n in prefills)
+        chunk_rows = sum(n for _, n in prefills)
+        rows = sum(b.tokens.shape[1] for b in blocks.values()) + chunk_rows
         t = time.perf_counter()
         try:
             outs = forward_batch([st.runner for st in fed],
@@ -355,7 +352,7 @@ class SpecDecoder:
             return None
         t = time.perf_counter() - t
         for b in blocks.values():
-            b.rows, b.forward_s, b.batch, b.prefill_rows = rows, t, len(blocks), sum(n for _, n in prefills)
+            b.rows, b.forward_s, b.batch, b.prefill_rows = rows, t, len(blocks), chunk_rows
         keys = list(blocks) + [len(states) + j for j in range(len(prefills))]
         return dict(zip(keys, outs))
 

@@ -233,18 +233,14 @@ class HybridProposer(Proposer):
         # the reading pays back over the request: against the best other part, at the batch size
         i, batch = self.parts.index(part), self._batch.get(slot, max(batch, self._last_batch))
         against = max([1.0] + [q.acceptance.best_value(batch) for q in self.parts if q is not part])
-        read_s = self.subs[i].catch_up_seconds(slot)
-        if unmeasured:
-            if part.explorer is not None:
-                return False  # another request is measuring it
-            if read_s is None:
-                read_s = part.acceptance.reading_estimate(self.subs[i].backlog(slot))
-            if read_s is None or part.acceptance.plain_step_s(batch) is None:
-                return False
-        if not part.acceptance.reading_pays(read_s, self._new_tokens.get(slot, 0), batch, against):
-            return False
-        if unmeasured:
-            part.explorer = slot
+        sub, new = self.subs[i], self._new_tokens.get(slot, 0)
+        if not unmeasured:
+            return part.acceptance.reading_pays(sub.catch_up_seconds(slot), new, batch, against)
+        if part.explorer is not None:
+            return False  # another request is measuring it
+        if not part.acceptance.reading_weighed(sub.catch_up_seconds(slot), sub.backlog(slot), new, batch, against):
+            return False  # it would not pay back, or nothing is measured yet to weigh it by
+        part.explorer = slot
         return True
 
     def on_target_hidden(self, slot, hidden, aux) -> None:
