@@ -88,18 +88,37 @@ def merge_tree(drafts: list[Draft]) -> tuple[list[int], list[int]]:
 
 class _Part:
     """A sub-proposer's measured record (``score``): a draft-length controller of its own (its acceptance
-    per position, the verification's time over T tokens, its drafting time per step) and its seconds
-    per context token caught up."""
+    per position pooled over every request, the verification's time over T tokens, its drafting time per
+    step), one per request beside it (``of``: that request's own acceptance, as the decoder keeps one per
+    request, the costs shared), and its seconds per context token caught up."""
 
     def __init__(self, k: int, draft_hint: float):
         self.acceptance = DraftLengthController(k, decay=0.1, draft_hint=draft_hint)
+        self.requests: dict[int, DraftLengthController] = {}  # slot -> its own acceptance (the costs shared)
         self.draft_hint = draft_hint
         self.draft_s: float | None = None  # seconds of a call (EMA)
         self.won: int | None = None  # the hybrid's step at which its draft was last the step's draft
         self.explorer: int | None = None  # unmeasured: the slot whose prompt it reads to be measured on
 
-    def observe(self, num_draft: int, num_accepted: int) -> None:
+    def observe(self, num_draft: int, num_accepted: int, slot: int | None = None) -> None:
+        """A verified (or shadow) draft of this part: pooled, and the request's own where ``slot`` is given (its
+        controller made on its first draft, with the pooled rate as its prior)."""
+        if num_draft <= 0:
+            return
+        if slot is not None:
+            c = self.requests.get(slot)
+            if c is None:
+                c = self.requests[slot] = DraftLengthController(self.acceptance.k, alpha=self.acceptance.alpha,
+                                                                costs=self.acceptance.costs, draft_hint=self.draft_hint)
+            c.observe_acceptance(num_draft, num_accepted)
         self.acceptance.observe_acceptance(num_draft, num_accepted)
+
+    def of(self, slot: int) -> DraftLengthController:
+        """The controller that decides this request's drafts: its own once one of this part's drafts for it was
+        scored, else the pooled one (a request's first drafts follow what the others showed). A request
+        whose text does not repeat stops being drafted for by a part that pays on the others, and the
+        other way round."""
+        return self.requests.get(slot, self.acceptance)
 
     def expected_tokens(self, k: int) -> float:
         """1 + p_1 + p_1 p_2 + ...: tokens a k-token draft of this part emits on average."""
@@ -111,13 +130,14 @@ class _Part:
         if backlog <= CATCH_UP_MIN:
             self.draft_s = seconds if self.draft_s is None else self.draft_s + 0.2 * (seconds - self.draft_s)
 
-    def value(self, backlog: int, catch_up_s: float | None, batch: int = 1) -> tuple[int, float, float]:
-        """(d, expected tokens per plain-step time, catching up in plain steps) of its best draft now
-        among ``batch`` requests, with ``catch_up_s`` seconds to read its ``backlog`` first (None:
-        unmeasured); d = 0: it does not draft now (its controller also schedules probes: d > 0 with a
-        value below a plain step's 1.0)."""
-        c = self.acceptance
-        d = c.draft_len(batch)
+    def value(self, backlog: int, catch_up_s: float | None, batch: int = 1, slot: int | None = None,
+              clock: int | None = None) -> tuple[int, float, float]:
+        """(d, expected tokens per plain-step time, catching up in plain steps) of its best draft now for the
+        request ``slot`` (``of``) among ``batch`` requests, with ``catch_up_s`` seconds to read its ``backlog``
+        first (None: unmeasured); d = 0: it does not draft now (its controller also schedules probes: d > 0
+        with a value below a plain step's 1.0; ``clock``: the hybrid's step count, so a batch probes together)."""
+        c = self.acceptance if slot is None else self.of(slot)
+        d = c.draft_len(batch, clock)
         if d <= 0:
             return 0, 0.0, 0.0
         extra = self.catch_up_steps(backlog, catch_up_s)
@@ -180,6 +200,7 @@ class HybridProposer(Proposer):
         self._last_batch = 1  # requests in the last step's forward (a new request's batch until it steps)
         self._new_tokens: dict[int, int] = {}  # slot -> its max_tokens (what a part's reading must pay back over)
         self._steps = 0  # drafting calls so far (every request's): the clock of ``_Part.won``
+        self._clock = 0  # propose calls so far (one a decode step): the parts' probes fall on its multiples
         self._probing: set[tuple[int, int]] = set()  # (slot, part) whose controller probes this step
         self._shadow: dict[int, list[tuple[int, list[int]]]] = {}  # slot -> [(free part, its unverified draft)]
         self.adaptive = True  # the decoder adapts draft lengths (``set_adaptive``): ``score`` weighs the parts
@@ -268,6 +289,7 @@ class HybridProposer(Proposer):
         self._batch.pop(slot, None)
         self._new_tokens.pop(slot, None)
         for part in self.parts:
+            part.requests.pop(slot, None)
             if part.explorer == slot:
                 part.explorer = None  # unmeasured still: the next request's prompt is read instead
         for p in self.subs:
@@ -288,14 +310,14 @@ class HybridProposer(Proposer):
         for i, ps in drafted:
             best = max((len(p) for p in ps if p == accepted[:len(p)]), default=0)
             depth = max(len(p) for p in ps)
-            self.parts[i].observe(depth, best)
+            self.parts[i].observe(depth, best, slot)
             out[self.names[i]] = (depth, best)
         for i, ids in self._shadow.pop(slot, []):  # a free part's unverified draft, scored on the emitted tokens
             n = next((j for j, (a, b) in enumerate(zip(ids, emitted)) if a != b), min(len(ids), len(emitted)))
             if n < min(len(ids), len(emitted)):
-                self.parts[i].observe(len(ids), n)  # rejected at n + 1
+                self.parts[i].observe(len(ids), n, slot)  # rejected at n + 1
             else:
-                self.parts[i].observe(n, n)  # every token known matched (the rest unknown: a draft of n, all accepted)
+                self.parts[i].observe(n, n, slot)  # every token known matched (the rest unknown: a draft of n, all accepted)
         return out
 
     def set_adaptive(self, on: bool) -> None:
@@ -334,8 +356,10 @@ class HybridProposer(Proposer):
     def _order(self, k: int, slot: int) -> list[tuple[int, int]]:
         """``score``: (part, its draft length) of the parts whose draft beats a plain step now, best
         expected tokens per second first. A part that has not drafted yet comes first of all (so it gets
-        measured), where catching up first costs at most EXPLORE_CATCH_UP plain steps: a long prompt's
-        reading is not risked on a draft not known to pay (it is measured on a shorter one)."""
+        measured), once a plain step is measured and where catching up first costs at most
+        EXPLORE_CATCH_UP plain steps: a long prompt's reading is not risked on a draft not known to pay
+        (it is measured on a shorter one). A request's acceptance is its own once a part's draft for it
+        was scored (``_Part.of``)."""
         scored = []
         for i, part in enumerate(self.parts):
             c, sub = part.acceptance, self.subs[i]
@@ -344,16 +368,18 @@ class HybridProposer(Proposer):
                 scored.append((v, i, min(k, self.ks[i])))
                 continue
             if c._draft_cost() is None:
-                if part.catch_up_steps(sub.backlog(slot), sub.catch_up_seconds(slot)) <= EXPLORE_CATCH_UP:
+                # tried once a plain step is measured (every cost is relative to it: in a batch whose steps all
+                # carry prompt chunks, nothing is, and a draft tried there would be weighed by nothing)
+                if c._slope() is not None and part.catch_up_steps(sub.backlog(slot), sub.catch_up_seconds(slot)) <= EXPLORE_CATCH_UP:
                     scored.append((float("inf"), i, min(k, self.ks[i])))
                 continue
             batch = self._batch.get(slot, 1)
-            d, v, extra = part.value(sub.backlog(slot), sub.catch_up_seconds(slot), batch)
+            d, v, extra = part.value(sub.backlog(slot), sub.catch_up_seconds(slot), batch, slot, self._clock)
             # it beats a plain step; or its controller probes it, and catching up first costs little
             if d > 0 and (v > 1.0 or extra <= PROBE_CATCH_UP):
                 # a probe goes first: after another part that always drafts it would never be asked, and a
                 # part written off early (n-gram's first draft rejected) would stay written off
-                probe = c.best_len(batch) == 0
+                probe = part.of(slot).best_len(batch) == 0
                 if probe:
                     self._probing.add((slot, i))
                 scored.append((float("inf") if probe else v, i, min(d, k, self.ks[i])))
@@ -369,6 +395,7 @@ class HybridProposer(Proposer):
         orders: dict[int, list[tuple[int, int]]] = {}
         trees: list[int] = []
         self._probing.clear()
+        self._clock += 1
         for b, (r, k) in enumerate(zip(requests, ks)):
             self._drafted[r.slot], self._step_draft_s[r.slot] = [], {}
             self._shadow.pop(r.slot, None)
@@ -393,7 +420,7 @@ class HybridProposer(Proposer):
             for i, bs in by_part.items():
                 for b, d in zip(bs, self._ask(i, [requests[b] for b in bs], [orders[b][j][1] for b in bs])):
                     if not len(d) and (requests[b].slot, i) in self._probing:
-                        self.parts[i].acceptance.probe_unused()  # it found nothing to draft: due again
+                        self.parts[i].of(requests[b].slot).probe_unused()  # it found nothing to draft: due again
                     last = j == len(orders[b]) - 1
                     if len(d) >= need or (last and len(d) > 0):
                         self._drafted[requests[b].slot] = [(i, paths(d))]

@@ -203,10 +203,13 @@ def _measure(prop, i: int, plain_s: float, per_row_s: float, draft_s: float, row
 
 
 def test_score_asks_the_best_measured_part_first(target, folders):
-    """Policy score: a part never measured is tried; after that the parts whose draft beats a plain
-    step go first by expected accepted tokens per second of a step, and a part that does not is not asked."""
+    """Policy score: a part never measured is tried once a plain step is measured; after that the parts whose
+    draft beats a plain step go first by expected accepted tokens per second of a step, and a part that does
+    not is not asked."""
     prop = build_proposer(hybrid(folders[1], policy="score"), MAX_LEN, target=target)
-    assert prop.chooses_draft_length and prop._order(4, 0) == [(0, 4), (1, 3)]  # both unmeasured: in order
+    assert prop.chooses_draft_length and prop._order(4, 0) == []  # no step measured: nothing to weigh a draft by
+    prop.observe_step(0, 0, 1, 0.05, 0.0)  # a plain step
+    assert prop._order(4, 0) == [(0, 4), (1, 3)]  # both unmeasured: in order
     _measure(prop, 0, 0.05, 0.001, 1e-5)
     _measure(prop, 1, 0.05, 0.001, 0.02, rows=4)
     for _ in range(20):  # n-gram's drafts rejected at once, the model's accepted three deep
@@ -503,3 +506,22 @@ def test_in_a_batch_an_unmeasured_model_part_reads_only_a_prompt_its_size_says_p
     assert not reads(3, 40, 8)  # one request at a time measures it
     prop.end_request(2)
     assert reads(4, 4000, 1)  # alone, it reads whatever the length, to be measured
+
+
+def test_each_request_is_drafted_for_by_its_own_acceptance(target, folders):
+    """A part that pays on most requests (pooled) stops drafting for one whose text its drafts miss, as the
+    decoder's own controller is per request; a request not yet drafted for follows the pooled record."""
+    prop = build_proposer(hybrid(folders[1], policy="score"), MAX_LEN, target=target)
+    _measure(prop, 0, 0.05, 0.01, 1e-5)  # a verified row costs a fifth of a plain step
+    _measure(prop, 1, 0.05, 0.01, 0.02, rows=4)
+    for _ in range(20):  # n-gram right on requests 0 and 2, the model's drafts rejected
+        prop.parts[0].observe(4, 4, 0)
+        prop.parts[0].observe(4, 4, 2)
+        prop.parts[1].observe(3, 0)
+    for _ in range(6):  # request 1: n-gram's drafts rejected at once
+        prop.parts[0].observe(4, 0, 1)
+    assert prop.parts[0].acceptance.best_len() > 0  # pooled, it still pays
+    assert [i for i, _ in prop._order(4, 0)] == [0] and [i for i, _ in prop._order(4, 3)] == [0]
+    assert prop._order(4, 1) == []  # not for request 1
+    prop.end_request(1)
+    assert [i for i, _ in prop._order(4, 1)] == [0]  # the slot's next request starts from the pooled record
