@@ -16,6 +16,12 @@ Each measurement (workload x N x configuration) runs on a fresh decoder with a f
 built after the warm-up: nothing learnt at one N (a suffix tree of the earlier answers to the same
 prompts, pooled acceptance, measured costs) carries into the next. Prompts that do not fit the
 model's context with ``max_new_tokens`` are refused before anything runs.
+
+``runs`` > 1: each N is measured in rounds, every configuration once a round in the same order (the
+baseline first), so a drift of the machine's speed (a shared host) falls on every configuration alike. A
+row's tok/s is the median over rounds (min and max beside it), its speedup the median of each round's
+ratio to that round's baseline, its outputs counted equal only if every round's equal its round's
+baseline's, and its other figures (TTFT, ITL, drafts) the median round's.
 """
 
 from __future__ import annotations
@@ -119,7 +125,7 @@ def forward_roof(runners: list[TargetRunner], n: int, context: int = 64, reps: i
 
 def run_concurrency(loaded: LoadedModel, configs: list[SpecConfig], workloads: list[str], num_prompts: int,
                     params: SamplingParams, levels: list[int], seed: int = 0, adaptive: bool = True,
-                    progress=None, max_num_batched_tokens: int | None = 256) -> tuple[dict, list[dict]]:
+                    progress=None, max_num_batched_tokens: int | None = 256, runs: int = 1) -> tuple[dict, list[dict]]:
     """(header, rows): one row per workload x N x configuration (the baseline first)."""
     say = progress or (lambda advance, description, total=None: None)
     tok = loaded.tokenizer
@@ -141,7 +147,7 @@ def run_concurrency(loaded: LoadedModel, configs: list[SpecConfig], workloads: l
             return SpecDecoder(runners[0])
         return SpecDecoder(runners[0], proposers.build(c), c.num_speculative_tokens, adaptive=adaptive)
 
-    say(0, "warm-up", len(workloads) * len(levels) * len(spec))
+    say(0, "warm-up", len(workloads) * len(levels) * len(spec) * runs)
     warm = [p[:32] for p in next(iter(prompts.values()))[:top]]
     for c in spec:  # first-call costs (allocator, numba kernels, the batched shapes' kernels) stay out of
         # the first row: each configuration runs a short batch of `top` on a decoder then thrown away
@@ -150,32 +156,45 @@ def run_concurrency(loaded: LoadedModel, configs: list[SpecConfig], workloads: l
     roof = {n: forward_roof(runners, n) for n in sorted(levels)}
     rows = []
     for w in workloads:
-        base_at: dict[int, dict] = {}
+        base_at: dict[int, float] = {}  # N -> the baseline's median tok/s
         for n in sorted(levels):
+            measured: dict[str, list[dict]] = {label: [] for label in labels}
+            mem: dict[str, float] = {}
+            for r in range(runs):
+                for label, c in zip(labels, spec):
+                    what = f"{w} · {n} concurrent · {label}" + (f" · round {r + 1} of {runs}" if runs > 1 else "")
+                    say(0, what)
+                    dec = decoder(c)  # each N starts fresh: N=2 must not replay N=1's answers from a suffix cache
+                    measured[label].append(run_level(dec, runners[:n], prompts[w], params, seed,
+                                                     None if c is None else c.disable_by_batch_size,
+                                                     max_num_batched_tokens, part_names(c)))
+                    mem[label] = tensor_bytes(dec.proposer, (loaded.model, *runners)) / 2**20
+                    say(1, what)
+            base = measured[BASELINE]
+            base_at[n] = float(np.median([m["tokens_per_s"] for m in base]))
             for label, c in zip(labels, spec):
-                say(0, f"{w} · {n} concurrent · {label}")
-                dec = decoder(c)  # each N starts fresh: N=2 must not replay N=1's answers from a suffix cache
-                m = run_level(dec, runners[:n], prompts[w], params, seed,
-                              None if c is None else c.disable_by_batch_size, max_num_batched_tokens, part_names(c))
-                if c is None:
-                    base_at[n] = m
-                base = base_at[n]
+                ms = measured[label]
+                tps = [m["tokens_per_s"] for m in ms]
+                mid = ms[int(np.argsort(tps)[len(tps) // 2])]  # the median round
+                ratios = [m["tokens_per_s"] / b["tokens_per_s"] for m, b in zip(ms, base) if b["tokens_per_s"]]
+                same = (min(sum(a == b for a, b in zip(m["outputs"], bm["outputs"])) for m, bm in zip(ms, base))
+                        if params.greedy else None)
                 one = base_at.get(1)
-                outs = m["outputs"]
-                same = sum(a == b for a, b in zip(outs, base["outputs"])) if params.greedy else None
                 rows.append({
                     "workload": w, "concurrency": n, "method": label,
-                    "k": None if c is None else c.num_speculative_tokens, "requests": len(outs),
-                    **{key: v for key, v in m.items() if key != "outputs"},
-                    "speedup": m["tokens_per_s"] / base["tokens_per_s"] if base["tokens_per_s"] else None,
-                    "scaling_vs_plain_1": (m["tokens_per_s"] / one["tokens_per_s"]) if one and one["tokens_per_s"] else None,
+                    "k": None if c is None else c.num_speculative_tokens,
+                    "requests": len(mid["outputs"]),
+                    **{key: v for key, v in mid.items() if key != "outputs"},
+                    "tokens_per_s": float(np.median(tps)), "tokens_per_s_min": min(tps), "tokens_per_s_max": max(tps),
+                    "runs": runs,
+                    "speedup": float(np.median(ratios)) if ratios else None,
+                    "scaling_vs_plain_1": float(np.median(tps)) / one if one else None,
                     "roof_vs_plain_1": roof[n],
                     "identical_to_baseline": same,
-                    "extra_memory_mib": tensor_bytes(dec.proposer, (loaded.model, *runners)) / 2**20,
+                    "extra_memory_mib": mem[label],
                 })
-                say(1, f"{w} · {n} concurrent · {label}")
     header = machine_header(loaded, params.max_new_tokens, params.temperature)
     header.update({"concurrency": sorted(levels),
-                   "max_num_batched_tokens": max_num_batched_tokens,
+                   "max_num_batched_tokens": max_num_batched_tokens, "runs": runs,
                    "draft_length": "adaptive (up to k)" if adaptive else "fixed k"})
     return header, rows

@@ -78,7 +78,7 @@ def bench(
     temperature: Annotated[float, typer.Option("--temperature", help="0 = greedy (outputs comparable token for token).")] = 0.0,
     peer: Annotated[Optional[list[str]], typer.Option("--peer", help="Also run peers on the same prompts (repeatable): hf (transformers generate: plain, prompt lookup, assisted), vllm (plain, ngram, draft_model), llama.cpp (plain, prompt lookup).")] = None,
     peer_gguf: Annotated[Optional[str], typer.Option("--peer-gguf", help="The GGUF file --peer llama.cpp loads (the same weights as --model; default: --model when it is a .gguf, and with --quantization gguf the very file specctl runs).")] = None,
-    runs: Annotated[int, typer.Option("--runs", help="Repeat every prompt N times; tok/s is the median over repetitions (min/max in --json).")] = 1,
+    runs: Annotated[int, typer.Option("--runs", help="Repeat every prompt N times; tok/s is the median over repetitions (min/max in --json). With --concurrency: N rounds, each configuration once a round (plain first); speedup is the median of each round's ratio to its plain.")] = 1,
     csv_out: Annotated[Optional[str], typer.Option("--csv", help="Also write the results as CSV to this file.")] = None,
     plot: Annotated[Optional[str], typer.Option("--plot", help="Also write speedup.png and acceptance.png into this folder.")] = None,
     fixed_k: Annotated[bool, typer.Option("--fixed-k", help="Always draft k tokens (default: adapt the draft length per request to what pays).")] = False,
@@ -156,7 +156,7 @@ def bench(
         if any(n < 1 for n in levels):
             raise UsageError(f"--concurrency must be >= 1, got {min(levels)}", "pass e.g. --concurrency 1 --concurrency 8")
         clash = [o for o, v in (("--peer", peers), ("--sweep-k", ks), ("--compile", compile), ("--plot", plot),
-                                ("--csv", csv_out), ("--reuse-prefill", reuse_prefill)) if v] + (["--runs"] if runs > 1 else [])
+                                ("--csv", csv_out), ("--reuse-prefill", reuse_prefill)) if v]
         if clash:
             raise UsageError(f"{', '.join(clash)} cannot be combined with --concurrency yet",
                              "measure them in a run without --concurrency")
@@ -189,7 +189,7 @@ def bench(
 
     if levels:
         _bench_concurrency(loaded, configs, workloads, num_prompts, params, levels, seed, not fixed_k, json_out, err,
-                           max_num_batched_tokens, kernels)
+                           max_num_batched_tokens, kernels, runs)
         return
     with Progress(TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), console=err, transient=True, disable=not err.is_terminal) as prog:
@@ -253,7 +253,7 @@ def check_output(csv_out: str | None, plot: str | None) -> None:
 
 
 def _bench_concurrency(loaded, configs, workloads, num_prompts, params, levels, seed, adaptive, json_out, err,
-                       max_num_batched_tokens, kernels) -> None:
+                       max_num_batched_tokens, kernels, runs: int = 1) -> None:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from specctl.bench.concurrency import run_concurrency
@@ -269,7 +269,7 @@ def _bench_concurrency(loaded, configs, workloads, num_prompts, params, levels, 
 
         header, rows = run_concurrency(loaded, configs, workloads, num_prompts, params, levels, seed,
                                        adaptive=adaptive, progress=progress,
-                                       max_num_batched_tokens=max_num_batched_tokens)
+                                       max_num_batched_tokens=max_num_batched_tokens, runs=runs)
     header["kernels"] = kernels
     if json_out:
         typer.echo(json.dumps({"header": header, "results": rows}, indent=2))

@@ -58,3 +58,33 @@ def test_a_prompt_longer_than_the_context_is_refused_before_running(tiny_model_f
     with pytest.raises(UsageError, match=r"p\.jsonl line 2: the prompt is \d+ tokens, over the model's context of 64"):
         run_concurrency(short, [], [str(p)], 2, SamplingParams(max_new_tokens=8), [1])
     assert not ran
+
+
+def test_rounds_run_every_configuration_once_a_round_and_take_medians_of_ratios(target, tmp_path, monkeypatch):
+    """--runs R with --concurrency: R rounds, each running plain, then each configuration, in that order; a row's
+    speedup is the median of its per-round ratios to the same round's plain (a slow round slows them all alike),
+    its tok/s the median over rounds, and its outputs equal only if every round's are."""
+    from specctl.bench import concurrency
+
+    p = tmp_path / "p.jsonl"
+    p.write_text(json.dumps({"prompt": "hello there"}) + "\n")
+    configs = [SpecConfig(method="ngram", num_speculative_tokens=4).validated()]
+    # round speeds: plain 10, 5 (the machine slowed), 10; ngram 12, 6.5, 11 (ratios 1.2, 1.3, 1.1)
+    speeds = iter([10.0, 12.0, 5.0, 6.5, 10.0, 11.0])
+    order = []
+
+    def fake(dec, runners, prompts, params, seed, *rest):
+        order.append("plain" if dec.proposer is None else dec.proposer.method)
+        return {"tokens_per_s": next(speeds) if len(order) > 2 else 1.0, "outputs": [[1, 2]], "steps": 3}
+
+    real = concurrency.run_level
+    monkeypatch.setattr(concurrency, "run_level", fake)
+    _, rows = run_concurrency(target, configs, [str(p)], 1, SamplingParams(max_new_tokens=6), [1], runs=3)
+    assert order[2:] == ["plain", "ngram"] * 3  # after the two warm-up runs: plain first in each round
+    ng = _row(rows, 1, "ngram")
+    assert ng["runs"] == 3 and ng["tokens_per_s"] == 11.0 and (ng["tokens_per_s_min"], ng["tokens_per_s_max"]) == (6.5, 12.0)
+    assert ng["speedup"] == pytest.approx(1.2)  # the median ratio, not the medians' 11 / 10
+    assert ng["identical_to_baseline"] == 1
+    monkeypatch.setattr(concurrency, "run_level", real)
+    _, rows = run_concurrency(target, configs, [str(p)], 1, SamplingParams(max_new_tokens=6), [1], runs=2)
+    assert _row(rows, 1, "ngram")["runs"] == 2 and _row(rows, 1, "ngram")["identical_to_baseline"] == 1

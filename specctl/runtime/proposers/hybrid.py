@@ -89,11 +89,17 @@ def merge_tree(drafts: list[Draft]) -> tuple[list[int], list[int]]:
 class _Part:
     """A sub-proposer's measured record (``score``): a draft-length controller of its own (its acceptance
     per position pooled over every request, the verification's time over T tokens, its drafting time per
-    step), one per request beside it (``of``: that request's own acceptance, as the decoder keeps one per
-    request, the costs shared), and its seconds per context token caught up."""
+    step), for a lookup one per request beside it (``of``: that request's own acceptance, as the decoder
+    keeps one per request, the costs shared), and its seconds per context token caught up.
 
-    def __init__(self, k: int, draft_hint: float):
+    Per request for a lookup (``per_request``): whether n-gram or suffix drafts pay is a property of the
+    request's text (does its answer repeat its prompt), so one request's misses must not ride on the
+    others' hits. A draft model's acceptance is the two models' agreement, alike across requests, and a
+    request gives it few draws: pooled, it is not re-learnt (each draft a forward) on every request."""
+
+    def __init__(self, k: int, draft_hint: float, per_request: bool = False):
         self.acceptance = DraftLengthController(k, decay=0.1, draft_hint=draft_hint)
+        self.per_request = per_request
         self.requests: dict[int, DraftLengthController] = {}  # slot -> its own acceptance (the costs shared)
         self.draft_hint = draft_hint
         self.draft_s: float | None = None  # seconds of a call (EMA)
@@ -105,7 +111,7 @@ class _Part:
         controller made on its first draft, with the pooled rate as its prior)."""
         if num_draft <= 0:
             return
-        if slot is not None:
+        if slot is not None and self.per_request:
             c = self.requests.get(slot)
             if c is None:
                 c = self.requests[slot] = DraftLengthController(self.acceptance.k, alpha=self.acceptance.alpha,
@@ -190,7 +196,7 @@ class HybridProposer(Proposer):
         self.attention_scores = any(p.attention_scores for p in self.subs)
         self.learns_across_requests = any(p.learns_across_requests for p in self.subs)
         self.chooses_draft_length = self.policy == "score"  # its parts' controllers do, not the decoder's
-        self.parts = [_Part(k, p.draft_cost) for k, p in zip(self.ks, self.subs)]
+        self.parts = [_Part(k, p.draft_cost, p.method in FREE_METHODS) for k, p in zip(self.ks, self.subs)]
         self.clock = clock
         self._greedy: dict[int, bool] = {}  # slot -> its request is greedy (trees are verified greedily)
         self._drafted: dict[int, list[tuple[int, list[list[int]]]]] = {}  # slot -> [(part, its paths)] this step
@@ -359,8 +365,13 @@ class HybridProposer(Proposer):
         measured), once a plain step is measured and where catching up first costs at most
         EXPLORE_CATCH_UP plain steps: a long prompt's reading is not risked on a draft not known to pay
         (it is measured on a shorter one). A request's acceptance is its own once a part's draft for it
-        was scored (``_Part.of``)."""
+        was scored (``_Part.of``). A part that costs a forward a draft (a draft model) must beat, beside a
+        plain step, what the request's own lookups have been giving it: where n-gram has been quoting the
+        request's prompt and finds nothing this step, the plain step it leaves is followed by its next
+        quote, and a draft model's tokens now would only take those over, at a forward's cost."""
         scored = []
+        batch = self._batch.get(slot, 1)
+        lookups = max([1.0] + [q.requests[slot].best_value(batch) for q in self.parts if q.per_request and slot in q.requests])
         for i, part in enumerate(self.parts):
             c, sub = part.acceptance, self.subs[i]
             if not self.adaptive:  # a fixed k: every part, the unmeasured, then the best measured first
@@ -373,16 +384,19 @@ class HybridProposer(Proposer):
                 if c._slope() is not None and part.catch_up_steps(sub.backlog(slot), sub.catch_up_seconds(slot)) <= EXPLORE_CATCH_UP:
                     scored.append((float("inf"), i, min(k, self.ks[i])))
                 continue
-            batch = self._batch.get(slot, 1)
             d, v, extra = part.value(sub.backlog(slot), sub.catch_up_seconds(slot), batch, slot, self._clock)
-            # it beats a plain step; or its controller probes it, and catching up first costs little
-            if d > 0 and (v > 1.0 or extra <= PROBE_CATCH_UP):
-                # a probe goes first: after another part that always drafts it would never be asked, and a
-                # part written off early (n-gram's first draft rejected) would stay written off
-                probe = part.of(slot).best_len(batch) == 0
-                if probe:
-                    self._probing.add((slot, i))
-                scored.append((float("inf") if probe else v, i, min(d, k, self.ks[i])))
+            if d <= 0:
+                continue
+            # a probe (its controller's, not a draft that pays) goes first: after another part that always drafts
+            # it would never be asked, and a part written off early (n-gram's first draft rejected) would stay
+            # written off; it is asked where catching up first costs little. Otherwise the draft must beat a plain
+            # step (a model part: and the request's lookups)
+            probe = part.of(slot).best_len(batch) == 0
+            if probe and extra <= PROBE_CATCH_UP:
+                self._probing.add((slot, i))
+                scored.append((float("inf"), i, min(d, k, self.ks[i])))
+            elif not probe and v > (1.0 if part.per_request else lookups):
+                scored.append((v, i, min(d, k, self.ks[i])))
         scored.sort(key=lambda x: -x[0])
         return [(i, d) for _, i, d in scored]
 

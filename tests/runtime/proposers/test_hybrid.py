@@ -525,3 +525,19 @@ def test_each_request_is_drafted_for_by_its_own_acceptance(target, folders):
     assert prop._order(4, 1) == []  # not for request 1
     prop.end_request(1)
     assert [i for i, _ in prop._order(4, 1)] == [0]  # the slot's next request starts from the pooled record
+
+
+def test_a_model_part_must_beat_what_the_request_s_lookup_has_been_giving(target, folders):
+    """Where n-gram has been quoting a request's prompt (its own record there beats the model's draft), the model is
+    not asked when n-gram finds nothing: the plain step is followed by n-gram's next quote, which the model's tokens
+    would only take over at a forward's cost. On a request where n-gram misses, the model drafts."""
+    prop = build_proposer(hybrid(folders[1], policy="score"), MAX_LEN, target=target)
+    _measure(prop, 0, 0.05, 0.001, 1e-5)
+    _measure(prop, 1, 0.05, 0.001, 0.02, rows=4)
+    for _ in range(20):
+        prop.parts[0].observe(4, 4, 0)  # request 0: n-gram quotes
+        prop.parts[0].observe(4, 0, 1)  # request 1: n-gram misses
+        prop.parts[1].observe(3, 3)  # the model: right, at 0.4 of a plain step a draft
+    assert prop.parts[1].acceptance.best_value() > 1.0  # the model beats a plain step
+    assert [i for i, _ in prop._order(4, 0)] == [0]  # not n-gram's record on request 0
+    assert prop._order(4, 1)[0][0] == 1  # but on request 1, first
