@@ -136,13 +136,13 @@ class _Part:
         if backlog <= CATCH_UP_MIN:
             self.draft_s = seconds if self.draft_s is None else self.draft_s + 0.2 * (seconds - self.draft_s)
 
-    def value(self, backlog: int, catch_up_s: float | None, batch: int = 1, slot: int | None = None,
+    def value(self, slot: int, backlog: int, catch_up_s: float | None, batch: int = 1,
               clock: int | None = None) -> tuple[int, float, float]:
         """(d, expected tokens per plain-step time, catching up in plain steps) of its best draft now for the
         request ``slot`` (``of``) among ``batch`` requests, with ``catch_up_s`` seconds to read its ``backlog``
         first (None: unmeasured); d = 0: it does not draft now (its controller also schedules probes: d > 0
         with a value below a plain step's 1.0; ``clock``: the hybrid's step count, so a batch probes together)."""
-        c = self.acceptance if slot is None else self.of(slot)
+        c = self.of(slot)
         d = c.draft_len(batch, clock)
         if d <= 0:
             return 0, 0.0, 0.0
@@ -371,7 +371,6 @@ class HybridProposer(Proposer):
         quote, and a draft model's tokens now would only take those over, at a forward's cost."""
         scored = []
         batch = self._batch.get(slot, 1)
-        lookups = max([1.0] + [q.requests[slot].best_value(batch) for q in self.parts if q.per_request and slot in q.requests])
         for i, part in enumerate(self.parts):
             c, sub = part.acceptance, self.subs[i]
             if not self.adaptive:  # a fixed k: every part, the unmeasured, then the best measured first
@@ -384,7 +383,7 @@ class HybridProposer(Proposer):
                 if c._slope() is not None and part.catch_up_steps(sub.backlog(slot), sub.catch_up_seconds(slot)) <= EXPLORE_CATCH_UP:
                     scored.append((float("inf"), i, min(k, self.ks[i])))
                 continue
-            d, v, extra = part.value(sub.backlog(slot), sub.catch_up_seconds(slot), batch, slot, self._clock)
+            d, v, extra = part.value(slot, sub.backlog(slot), sub.catch_up_seconds(slot), batch, self._clock)
             if d <= 0:
                 continue
             # a probe (its controller's, not a draft that pays) goes first: after another part that always drafts
@@ -395,10 +394,15 @@ class HybridProposer(Proposer):
             if probe and extra <= PROBE_CATCH_UP:
                 self._probing.add((slot, i))
                 scored.append((float("inf"), i, min(d, k, self.ks[i])))
-            elif not probe and v > (1.0 if part.per_request else lookups):
+            elif not probe and v > (1.0 if part.per_request else self._lookups_value(slot, batch)):
                 scored.append((v, i, min(d, k, self.ks[i])))
         scored.sort(key=lambda x: -x[0])
         return [(i, d) for _, i, d in scored]
+
+    def _lookups_value(self, slot: int, batch: int) -> float:
+        """What the request's own lookups have been giving it: their best value on its own record (1.0, a plain
+        step, where none has one)."""
+        return max([1.0] + [q.of(slot).best_value(batch) for q in self.parts if q.per_request and slot in q.requests])
 
     def propose(self, requests: list[DraftRequest], ks: list[int]) -> DraftBatch:
         """Each request's draft by the policy, asked in rounds: every request's first choice of part in
