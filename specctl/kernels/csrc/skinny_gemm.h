@@ -44,6 +44,14 @@ constexpr int MB_MAX = 4;
 // Weight rows per chunk that every row tile sweeps before the next chunk (64 rows of K <= 8960 bf16:
 // at most 1.1 MiB, in L2).
 constexpr int64_t N_CHUNK = 64;
+// The next group's rows are prefetched into L2 (T1), not L1 (T0): on an AMD EPYC Zen 4 (2 threads, every linear
+// of Qwen2.5-Coder-1.5B, 3.09 GB, the two builds alternated in one process, 7 rounds: /tmp-built, the same bits)
+// T1 took 0.89x T0's time at 1 row (the 4-row path of K >= ROW_STREAM_K), 0.71x at 2 rows, 0.56x at 5, 0.76x at
+// 8, 0.63x at 9, 0.89x at 16: prefetches into L1 hold its few fill buffers while the arithmetic runs, and
+// the stream stalls behind them. Not measured on the Intel Xeon (benchmarks/decode_bandwidth.py there).
+#ifndef SPECCTL_PF_HINT
+#define SPECCTL_PF_HINT _MM_HINT_T1
+#endif
 // A single row of x reads weight rows shorter than this one at a time (rows_kernel<1>).
 constexpr int64_t ROW_STREAM_K = 4096;
 
@@ -63,7 +71,7 @@ inline void block(const uint16_t* x, const uint16_t* wr, int64_t K, int64_t kful
     for (int j = 0; j < NB; ++j) wv[j] = load_bf16x32(wr + j * K + k);
     if (pf) {
 #pragma GCC unroll 4
-      for (int j = J0; j < J1; ++j) _mm_prefetch(reinterpret_cast<const char*>(pf + j * K + k), _MM_HINT_T0);
+      for (int j = J0; j < J1; ++j) _mm_prefetch(reinterpret_cast<const char*>(pf + j * K + k), SPECCTL_PF_HINT);
     }
 #pragma GCC unroll 4
     for (int m = 0; m < MB; ++m) {
@@ -143,7 +151,7 @@ inline void vblock(const uint16_t* x, const uint16_t* wr, int64_t K, int64_t kfu
     for (int j = 0; j < 4; ++j) wv[j] = load_bf16x32(wr + j * K + k);
     if (pf) {
 #pragma GCC unroll 4
-      for (int j = J0; j < J1; ++j) _mm_prefetch(reinterpret_cast<const char*>(pf + j * K + k), _MM_HINT_T0);
+      for (int j = J0; j < J1; ++j) _mm_prefetch(reinterpret_cast<const char*>(pf + j * K + k), SPECCTL_PF_HINT);
     }
 #pragma GCC unroll 4
     for (int m = 0; m < 4; ++m) {
