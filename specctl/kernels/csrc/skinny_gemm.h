@@ -45,15 +45,21 @@ constexpr int MB_MAX = 4;
 // at most 1.1 MiB, in L2).
 constexpr int64_t N_CHUNK = 64;
 // The next group's rows are prefetched into L2 (T1), not L1 (T0): on an AMD EPYC Zen 4 (2 threads, every linear
-// of Qwen2.5-Coder-1.5B, 3.09 GB, the two builds alternated in one process, 7 rounds: /tmp-built, the same bits)
-// T1 took 0.89x T0's time at 1 row (the 4-row path of K >= ROW_STREAM_K), 0.71x at 2 rows, 0.56x at 5, 0.76x at
-// 8, 0.63x at 9, 0.89x at 16: prefetches into L1 hold its few fill buffers while the arithmetic runs, and
-// the stream stalls behind them. Not measured on the Intel Xeon (benchmarks/decode_bandwidth.py there).
+// of Qwen2.5-Coder-1.5B, 3.09 GB a pass, the two builds alternated in one process: benchmarks/skinny_builds_ab.py,
+// the same bits) T1 took 0.96x T0's time at 1 row (only the 4-row path of K >= ROW_STREAM_K prefetches), 0.83x
+// at 2 rows, 0.70x at 5, 0.81x at 8, 0.73x at 9, 0.88x at 16: prefetches into L1 hold its few fill buffers
+// while the arithmetic runs, and the stream stalls behind them. Not measured on the Intel Xeon (the same script).
+// Tried and not kept (the same script, -DSPECCTL_... builds): 8 or more rows as passes of 8 x rows against 2
+// weight rows, prefetching 16 KiB on: 0.91x at 8 rows, 1.00x at 9, but 1.6x the time at 12 and 16 (x no longer
+// fits L1 and is read from L2 once per 2 weight rows instead of per 4).
 #ifndef SPECCTL_PF_HINT
 #define SPECCTL_PF_HINT _MM_HINT_T1
 #endif
-// A single row of x reads weight rows shorter than this one at a time (rows_kernel<1>).
-constexpr int64_t ROW_STREAM_K = 4096;
+// A single row of x reads weight rows shorter than this one at a time (rows_kernel<1>; 0: never, for A/B runs).
+#ifndef SPECCTL_ROW_STREAM_K
+#define SPECCTL_ROW_STREAM_K 4096
+#endif
+constexpr int64_t ROW_STREAM_K = SPECCTL_ROW_STREAM_K;
 
 // One pass: x rows [M0, M0 + MB) against NB weight rows; prefetches rows [J0, J1) of pf (the next group)
 // at the same k, one line a load, where pf is given.
