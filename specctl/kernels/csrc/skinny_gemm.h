@@ -212,24 +212,16 @@ void rows_kernel(const uint16_t* x, const uint16_t* w, const uint16_t* b, uint16
   const int64_t kfull = K / 32 * 32;
   const int tail = static_cast<int>(K - kfull);
   int64_t n = n0;
-  if constexpr (M == 1) {
-    // One row (a decode step) against rows of fewer than ROW_STREAM_K inputs: the weight rows one after the
-    // other, so the thread reads one sequential stream. Four rows side by side are four streams of K * 2
-    // bytes each, too short for the hardware prefetcher to train on before they end: on an AMD EPYC Zen 4 (2
-    // threads, [N, 1536] bf16 weights, 1.5 GiB) they read 29-30 GB/s where the single stream read 37-64 GB/s
-    // (the machine's read rate of the moment). Each output's dot product is the same (one accumulator over k
-    // in order, the same lane reduction), so the bits are the same; at K = 8960 the four streams read
-    // 5-10 % faster, and keep them.
-    if (K < ROW_STREAM_K) {
-      for (; n < n1; ++n) {
-        float out[1][1];
-        group<1, 1, 0>(x, w + n * K, K, kfull, tail, out, nullptr);
-        y[n] = finish(out[0][0], b, n, r);
-      }
-      return;
-    }
-  }
-  for (; n + NB <= n1; n += NB) {
+  // One row (a decode step) against rows of fewer than ROW_STREAM_K inputs: the weight rows one after the
+  // other, so the thread reads one sequential stream. Four rows side by side are four streams of K * 2
+  // bytes each, too short for the hardware prefetcher to train on before they end: on an AMD EPYC Zen 4 (2
+  // threads, [N, 1536] bf16 weights, 1.5 GiB) they read 29-30 GB/s where the single stream read 37-64 GB/s
+  // (the machine's read rate of the moment). Each output's dot product is the same (one accumulator over k
+  // in order, the same lane reduction), so the bits are the same; at K = 8960 the four streams read
+  // 5-10 % faster, and keep them.
+  // (one_stream: the groups are skipped and the one-row loop below takes every row).
+  const bool one_stream = M == 1 && K < ROW_STREAM_K;
+  for (; !one_stream && n + NB <= n1; n += NB) {
 #if defined(__AVX512F__)
     if constexpr (M % 4 == 0) {
       vgroup<M, 0>(x, w + n * K, K, kfull, tail, b, n, y, r, ldy, n + 2 * NB <= pf_end ? w + (n + NB) * K : nullptr);
