@@ -45,6 +45,22 @@ class MethodRun:
     def rep_rates(self) -> list[float]:
         return sorted(self.rep_tokens[r] / self.rep_s[r] for r in self.rep_tokens if self.rep_s[r] > 0)
 
+    def rep_rate(self, rep) -> float | None:
+        """Decode tokens / decode seconds of one repetition (None: not measured there)."""
+        s = self.rep_s.get(rep, 0.0)
+        return self.rep_tokens[rep] / s if s > 0 else None
+
+    def speedup_over(self, base: MethodRun) -> float | None:
+        """Median over repetitions of this run's rate / the base's rate in the same repetition: every
+        method runs each prompt in turn within a repetition, so a drift of the machine's speed between
+        repetitions falls on both sides of each ratio (the ratio of medians would carry it)."""
+        ratios = sorted(a / b for a, b in ((self.rep_rate(r), base.rep_rate(r)) for r in self.rep_tokens)
+                        if a is not None and b)
+        if not ratios:
+            return None
+        mid = len(ratios) // 2
+        return ratios[mid] if len(ratios) % 2 else (ratios[mid - 1] + ratios[mid]) / 2
+
     @property
     def tokens_per_s(self) -> float:
         """Median over repetitions of (decode tokens / decode seconds) summed over the prompts."""
@@ -101,14 +117,13 @@ class BenchReport:
             # specctl methods against specctl's plain decoding; a peer's against its own plain (hf:plain, ...)
             eng = peer_engine(r.method)
             b = base.get(r.workload) if eng is None else peer_base.get((eng, r.workload))
-            speedup = r.tokens_per_s / b.tokens_per_s if b and b.tokens_per_s > 0 and r.error is None else None
+            speedup = r.speedup_over(b) if b and r.error is None else None
             out.append({
                 "workload": r.workload, "method": r.method, "k": r.k, "config": r.config,
                 "requests": r.num_requests, "new_tokens": r.new_tokens,
                 "tokens_per_s": r.tokens_per_s, "tokens_per_s_min": min(r.rep_rates, default=0.0),
                 "tokens_per_s_max": max(r.rep_rates, default=0.0), "runs": len(r.rep_rates), "speedup": speedup,
-                "speedup_vs_specctl_baseline": (r.tokens_per_s / base[r.workload].tokens_per_s
-                                                if r.workload in base and base[r.workload].tokens_per_s > 0 else None),
+                "speedup_vs_specctl_baseline": (r.speedup_over(base[r.workload]) if r.workload in base else None),
                 "ttft_s": r.prefill_s / max(r.num_requests, 1),
                 "target_forwards": r.steps,
                 "identical_to_baseline": (r.num_requests if r.method == BASELINE

@@ -78,7 +78,7 @@ def bench(
     temperature: Annotated[float, typer.Option("--temperature", help="0 = greedy (outputs comparable token for token).")] = 0.0,
     peer: Annotated[Optional[list[str]], typer.Option("--peer", help="Also run peers on the same prompts (repeatable): hf (transformers generate: plain, prompt lookup, assisted), vllm (plain, ngram, draft_model), llama.cpp (plain, prompt lookup).")] = None,
     peer_gguf: Annotated[Optional[str], typer.Option("--peer-gguf", help="The GGUF file --peer llama.cpp loads (the same weights as --model; default: --model when it is a .gguf, and with --quantization gguf the very file specctl runs).")] = None,
-    runs: Annotated[int, typer.Option("--runs", help="Repeat every prompt N times; tok/s is the median over repetitions (min/max in --json). With --concurrency: N rounds, each configuration once a round (plain first); speedup is the median of each round's ratio to its plain.")] = 1,
+    runs: Annotated[int, typer.Option("--runs", help="Repeat every prompt N times; tok/s is the median over repetitions (min/max in --json), speedup the median of each repetition's ratio to its plain. With --concurrency: N rounds, each configuration once a round (plain first), the same way.")] = 1,
     csv_out: Annotated[Optional[str], typer.Option("--csv", help="Also write the results as CSV to this file.")] = None,
     plot: Annotated[Optional[str], typer.Option("--plot", help="Also write speedup.png and acceptance.png into this folder.")] = None,
     fixed_k: Annotated[bool, typer.Option("--fixed-k", help="Always draft k tokens (default: adapt the draft length per request to what pays).")] = False,

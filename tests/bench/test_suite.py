@@ -319,6 +319,25 @@ def test_best_k_picks_the_fastest_k_per_method_and_workload():
     assert best["ngram"]["b"]["k"] == 2
 
 
+def test_speedup_is_the_median_of_each_repetitions_ratio_not_the_ratio_of_medians():
+    """The machine's speed drifts between repetitions; within one, every method runs each prompt in
+    turn. Rates per repetition: baseline 10, 20, 30 and the method 30, 22, 24: the ratios are 3.0, 1.1
+    and 0.8, median 1.1, where the medians' ratio (24 / 20) says 1.2."""
+    from specctl.bench.suite import BenchReport, MethodRun
+
+    def run(method, rates):
+        r = MethodRun(method, "a", 0, {})
+        r.rep_tokens = {i: 120 for i in range(len(rates))}
+        r.rep_s = {i: 120 / t for i, t in enumerate(rates)}
+        return r
+
+    row = next(r for r in BenchReport({}, [run("baseline", [10, 20, 30]), run("ngram", [30, 22, 24])]).rows()
+               if r["method"] == "ngram")
+    assert row["tokens_per_s"] == pytest.approx(24)
+    assert row["speedup"] == pytest.approx(1.1) and row["speedup_vs_specctl_baseline"] == pytest.approx(1.1)
+    assert row["runs"] == 3
+
+
 # --------------------------------------------------------------------------- fresh state, sampling, context
 
 
