@@ -186,7 +186,7 @@ def run_concurrency(loaded: LoadedModel, configs: list[SpecConfig], workloads: l
                     "requests": len(mid["outputs"]),
                     **{key: v for key, v in mid.items() if key != "outputs"},
                     "tokens_per_s": float(np.median(tps)), "tokens_per_s_min": min(tps), "tokens_per_s_max": max(tps),
-                    "runs": runs,
+                    "runs": runs, "tokens_per_s_by_run": tps,
                     "speedup": float(np.median(ratios)) if ratios else None,
                     "scaling_vs_plain_1": float(np.median(tps)) / one if one else None,
                     "roof_vs_plain_1": roof[n],

@@ -335,7 +335,7 @@ def test_speedup_is_the_median_of_each_repetitions_ratio_not_the_ratio_of_median
                if r["method"] == "ngram")
     assert row["tokens_per_s"] == pytest.approx(24)
     assert row["speedup"] == pytest.approx(1.1) and row["speedup_vs_specctl_baseline"] == pytest.approx(1.1)
-    assert row["runs"] == 3
+    assert row["runs"] == 3 and row["tokens_per_s_by_run"] == pytest.approx([30, 22, 24])
 
 
 # --------------------------------------------------------------------------- fresh state, sampling, context
