@@ -60,6 +60,23 @@ constexpr int64_t N_CHUNK = 64;
 #define SPECCTL_ROW_STREAM_K 4096
 #endif
 constexpr int64_t ROW_STREAM_K = SPECCTL_ROW_STREAM_K;
+// Up to this many x rows take the single stream too, in one pass against each weight row (MB = M accumulators:
+// 8 zmm registers on AVX-512; AVX2's 16 ymm would spill them, so it streams one row only). 1: one row only, for
+// A/B runs (benchmarks/skinny_builds_ab.py --a=-DSPECCTL_STREAM_M=1).
+#ifndef SPECCTL_STREAM_M
+#define SPECCTL_STREAM_M 8
+#endif
+// How far ahead (weight elements) a stream of several x rows prefetches, one line a load: the hardware prefetcher
+// alone, with the M rows of x read beside the weights, left 8 rows at 2.3x one row's time.
+#ifndef SPECCTL_STREAM_PF
+#define SPECCTL_STREAM_PF 3072
+#endif
+constexpr int64_t STREAM_PF = SPECCTL_STREAM_PF;
+#if defined(__AVX512F__)
+constexpr int STREAM_M = SPECCTL_STREAM_M;
+#else
+constexpr int STREAM_M = 1;
+#endif
 
 // One pass: x rows [M0, M0 + MB) against NB weight rows; prefetches rows [J0, J1) of pf (the next group)
 // at the same k, one line a load, where pf is given.
@@ -69,7 +86,7 @@ inline void block(const uint16_t* x, const uint16_t* wr, int64_t K, int64_t kful
   f32x16 acc[NB][MB];
 #pragma GCC unroll 4
   for (int j = 0; j < NB; ++j)
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int m = 0; m < MB; ++m) acc[j][m] = zero16();
   for (int64_t k = 0; k < kfull; k += 32) {
     bf16x32 wv[NB];
@@ -79,7 +96,7 @@ inline void block(const uint16_t* x, const uint16_t* wr, int64_t K, int64_t kful
 #pragma GCC unroll 4
       for (int j = J0; j < J1; ++j) _mm_prefetch(reinterpret_cast<const char*>(pf + j * K + k), SPECCTL_PF_HINT);
     }
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int m = 0; m < MB; ++m) {
       const bf16x32 xv = load_bf16x32(x + m * K + k);
 #pragma GCC unroll 4
@@ -220,7 +237,9 @@ void rows_kernel(const uint16_t* x, const uint16_t* w, const uint16_t* b, uint16
   // in order, the same lane reduction), so the bits are the same; at K = 8960 the four streams read
   // 5-10 % faster, and keep them.
   // (one_stream: the groups are skipped and the one-row loop below takes every row).
-  const bool one_stream = M == 1 && K < ROW_STREAM_K;
+  // Up to STREAM_M rows (a verification of a short draft, a few requests' decode steps) stream the same way,
+  // all M rows in one pass over each weight row: four rows side by side left 2-8 rows at 1.5-2.3x one row's time.
+  const bool one_stream = M <= STREAM_M && K < ROW_STREAM_K;
   for (; !one_stream && n + NB <= n1; n += NB) {
 #if defined(__AVX512F__)
     if constexpr (M % 4 == 0) {
@@ -235,7 +254,11 @@ void rows_kernel(const uint16_t* x, const uint16_t* w, const uint16_t* b, uint16
   }
   for (; n < n1; ++n) {
     float out[1][M];
-    group<M, 1, 0>(x, w + n * K, K, kfull, tail, out, nullptr);
+    if constexpr (M <= STREAM_M)
+      block<M, 1>(x, w + n * K, K, kfull, tail, &out[0][0], M,  // the weight row read once, in one pass
+                  M > 1 && STREAM_PF > 0 && (n + 1) * K + STREAM_PF <= pf_end * K ? w + n * K + STREAM_PF : nullptr);
+    else
+      group<M, 1, 0>(x, w + n * K, K, kfull, tail, out, nullptr);
     for (int m = 0; m < M; ++m) y[m * ldy + n] = finish(out[0][m], b, n, r ? r + m * ldy : nullptr);
   }
 }
