@@ -62,7 +62,9 @@ constexpr int64_t N_CHUNK = 64;
 constexpr int64_t ROW_STREAM_K = SPECCTL_ROW_STREAM_K;
 // Up to this many x rows take the single stream too, in one pass against each weight row (MB = M accumulators:
 // 8 zmm registers on AVX-512; AVX2's 16 ymm would spill them, so it streams one row only). 1: one row only, for
-// A/B runs (benchmarks/skinny_builds_ab.py --a=-DSPECCTL_STREAM_M=1).
+// A/B runs (benchmarks/skinny_builds_ab.py --a=-DSPECCTL_STREAM_M=1). On an AMD EPYC Zen 4 (1.5B, every linear, 2
+// threads) 8 rows took 0.85-0.87x the groups' time; 12 and 16 rows streamed so took 1.74x and 1.85x it (16 rows
+// of x no longer fit L1): not kept.
 #ifndef SPECCTL_STREAM_M
 #define SPECCTL_STREAM_M 8
 #endif
