@@ -8,6 +8,8 @@ rejection sampling, the batched output keeps the target distribution).
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -231,6 +233,10 @@ def test_an_unproven_draft_is_tried_by_one_new_request_a_step(tiny_model, repeti
     # the costs below hold for the whole run: learned from this machine's timings, a loaded machine's
     # slow steps made drafting look dear to one request and cheap to the next (two first drafts in a step)
     monkeypatch.setattr(DraftLengthController, "observe_costs", lambda self, *a, **k: None)
+    # and every step's timing is the same on any machine (the batch guard times steps too): a clock that
+    # moves 1 ms a reading
+    ticks = iter(range(1, 10**9))
+    monkeypatch.setattr(time, "perf_counter", lambda: next(ticks) * 1e-3)
     prompts = _prompts(repetitive_prompts)[:6]
     params = SamplingParams(max_new_tokens=24, ignore_eos=True)
     prop = _WrongDraft(tiny_model.args.vocab_size)
