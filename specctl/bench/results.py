@@ -8,6 +8,7 @@ What it does not know: how the runs were made (``specctl.bench.suite``), how the
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from statistics import median
 
 from specctl.bench.draft_timer import DraftTiming
 from specctl.bench.labels import peer_engine
@@ -43,7 +44,7 @@ class MethodRun:
 
     @property
     def rep_rates(self) -> list[float]:
-        return sorted(self.rep_tokens[r] / self.rep_s[r] for r in self.rep_tokens if self.rep_s[r] > 0)
+        return sorted(v for v in map(self.rep_rate, self.rep_tokens) if v is not None)
 
     def rep_rate(self, rep) -> float | None:
         """Decode tokens / decode seconds of one repetition (None: not measured there)."""
@@ -54,21 +55,14 @@ class MethodRun:
         """Median over repetitions of this run's rate / the base's rate in the same repetition: every
         method runs each prompt in turn within a repetition, so a drift of the machine's speed between
         repetitions falls on both sides of each ratio (the ratio of medians would carry it)."""
-        ratios = sorted(a / b for a, b in ((self.rep_rate(r), base.rep_rate(r)) for r in self.rep_tokens)
-                        if a is not None and b)
-        if not ratios:
-            return None
-        mid = len(ratios) // 2
-        return ratios[mid] if len(ratios) % 2 else (ratios[mid - 1] + ratios[mid]) / 2
+        ratios = [a / b for a, b in ((self.rep_rate(r), base.rep_rate(r)) for r in self.rep_tokens) if a is not None and b]
+        return median(ratios) if ratios else None
 
     @property
     def tokens_per_s(self) -> float:
         """Median over repetitions of (decode tokens / decode seconds) summed over the prompts."""
         rates = self.rep_rates
-        if not rates:
-            return 0.0
-        mid = len(rates) // 2
-        return rates[mid] if len(rates) % 2 else (rates[mid - 1] + rates[mid]) / 2
+        return median(rates) if rates else 0.0
 
     def add(self, res: GenerationResult, baseline: GenerationResult | None, rep: int = 0,
             draft: DraftTiming | None = None) -> None:
