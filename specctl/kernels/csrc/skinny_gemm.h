@@ -74,11 +74,29 @@ constexpr int64_t ROW_STREAM_K = SPECCTL_ROW_STREAM_K;
 #define SPECCTL_STREAM_PF 3072
 #endif
 constexpr int64_t STREAM_PF = SPECCTL_STREAM_PF;
+// From STREAM_NB_M x rows on, the stream computes STREAM_NB consecutive weight rows side by side (sblock: at most 16
+// accumulators), so that each 32 k of x loaded from L1 serves two weight rows: one pass of 8 rows against one
+// weight row loads 9 vectors for 8 vdpbf16ps and is bound by the loads, against two 10 for 16. The 16 outputs
+// are reduced transposed and finished as one vector (reduce16). On an AMD EPYC Zen 4 (1.5B, every linear, 2
+// threads, benchmarks/skinny_builds_ab.py --a=-DSPECCTL_STREAM_NB_M=99, 7 rounds, the machine reading 58 GB/s):
+// 5, 6, 7 and 8 rows took 0.97, 0.94, 0.91 and 0.83x the time of one weight row at a time (8 rows 1.77x -> 1.56x
+// one row); 2 and 4 rows took 1.10x and 1.08x it (memory-bound, where the second row is a second stream): so
+// below 5 rows, one weight row at a time. In cache the 8-row pass runs at 399 GFLOP/s (87 % of the 458 of the
+// registers-only roof), so 8 rows cannot cost less than ~1.2x one row when the machine reads 58 GB/s.
+#ifndef SPECCTL_STREAM_NB
+#define SPECCTL_STREAM_NB 2
+#endif
 #if defined(__AVX512F__)
 constexpr int STREAM_M = SPECCTL_STREAM_M;
 #else
 constexpr int STREAM_M = 1;
 #endif
+#ifndef SPECCTL_STREAM_NB_M
+#define SPECCTL_STREAM_NB_M 5
+#endif
+constexpr int stream_nb(int M) {
+  return M < SPECCTL_STREAM_NB_M ? 1 : M * SPECCTL_STREAM_NB <= 16 ? SPECCTL_STREAM_NB : (16 / M > 0 ? 16 / M : 1);
+}
 
 // One pass: x rows [M0, M0 + MB) against NB weight rows; prefetches rows [J0, J1) of pf (the next group)
 // at the same k, one line a load, where pf is given.
@@ -206,6 +224,66 @@ inline void vblock(const uint16_t* x, const uint16_t* wr, int64_t K, int64_t kfu
   for (int m = 0; m < 4; ++m) std::memcpy(y + m * ldy + n, &rows4[m], 8);
 }
 
+// A stream of M x rows against NB consecutive weight rows [n, n + NB), all in one pass over k (acc[m * NB + j]),
+// prefetching pf's NB rows at the same k (pf: STREAM_PF elements ahead). M * NB == 16: reduced and finished as one
+// vector (lane m * NB + j: y[m, n + j]); else one output at a time. The same bits as block<M, 1> row by row.
+template <int M, int NB>
+inline void sblock(const uint16_t* x, const uint16_t* wr, int64_t K, int64_t kfull, int tail, const uint16_t* b,
+                   int64_t n, uint16_t* y, const uint16_t* r, int64_t ldy, const uint16_t* pf) {
+  __m512 acc[M * NB];
+#pragma GCC unroll 16
+  for (int i = 0; i < M * NB; ++i) acc[i] = zero16();
+  for (int64_t k = 0; k < kfull; k += 32) {
+    bf16x32 wv[NB];
+#pragma GCC unroll 16
+    for (int j = 0; j < NB; ++j) wv[j] = load_bf16x32(wr + j * K + k);
+    if (pf) {
+#pragma GCC unroll 16
+      for (int j = 0; j < NB; ++j) _mm_prefetch(reinterpret_cast<const char*>(pf + j * K + k), SPECCTL_PF_HINT);
+    }
+#pragma GCC unroll 16
+    for (int m = 0; m < M; ++m) {
+      const bf16x32 xv = load_bf16x32(x + m * K + k);
+#pragma GCC unroll 16
+      for (int j = 0; j < NB; ++j) acc[m * NB + j] = dot_bf16(acc[m * NB + j], xv, wv[j]);
+    }
+  }
+  if (tail) {
+    bf16x32 wv[NB];
+    for (int j = 0; j < NB; ++j) wv[j] = load_bf16x32_n(wr + j * K + kfull, tail);
+    for (int m = 0; m < M; ++m) {
+      const bf16x32 xv = load_bf16x32_n(x + m * K + kfull, tail);
+      for (int j = 0; j < NB; ++j) acc[m * NB + j] = dot_bf16(acc[m * NB + j], xv, wv[j]);
+    }
+  }
+  if constexpr (M * NB == 16 && (NB == 2 || NB == 4 || NB == 8)) {
+    __m512 s = reduce16(acc);
+    // NB consecutive bf16 (bias, a residual row's) repeated across the 16 lanes
+    auto rep = [](const uint16_t* p) {
+      if constexpr (NB == 2) { int32_t v; std::memcpy(&v, p, 4); return _mm256_set1_epi32(v); }
+      else if constexpr (NB == 4) { int64_t v; std::memcpy(&v, p, 8); return _mm256_set1_epi64x(v); }
+      else return _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    };
+    if (b) s = _mm512_add_ps(s, from_bf16x16(rep(b + n)));
+    __m256i h = to_bf16x16(s);
+    if (r) {
+      alignas(32) uint16_t rv[16];
+      for (int m = 0; m < M; ++m) std::memcpy(rv + m * NB, r + m * ldy + n, NB * 2);
+      h = to_bf16x16(_mm512_add_ps(from_bf16x16(_mm256_load_si256(reinterpret_cast<const __m256i*>(rv))), from_bf16x16(h)));
+    }
+    alignas(32) uint16_t hv[16];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(hv), h);
+    for (int m = 0; m < M; ++m) std::memcpy(y + m * ldy + n, hv + m * NB, NB * 2);
+  } else {
+    for (int j = 0; j < NB; ++j)
+      for (int m = 0; m < M; ++m) {
+        const uint16_t* rm = r ? r + m * ldy : nullptr;
+        const uint16_t o = to_bf16(reduce_add(acc[m * NB + j]) + (b ? from_bf16(b[n + j]) : 0.0f));
+        y[m * ldy + n + j] = rm ? to_bf16(from_bf16(rm[n + j]) + from_bf16(o)) : o;
+      }
+  }
+}
+
 template <int M, int M0>
 inline void vgroup(const uint16_t* x, const uint16_t* wr, int64_t K, int64_t kfull, int tail, const uint16_t* b,
                    int64_t n, uint16_t* y, const uint16_t* r, int64_t ldy, const uint16_t* pf) {
@@ -254,6 +332,14 @@ void rows_kernel(const uint16_t* x, const uint16_t* w, const uint16_t* b, uint16
     for (int j = 0; j < NB; ++j)
       for (int m = 0; m < M; ++m) y[m * ldy + n + j] = finish(out[j][m], b, n + j, r ? r + m * ldy : nullptr);
   }
+#if defined(__AVX512F__)
+  if constexpr (M > 1 && M <= STREAM_M && stream_nb(M) > 1) {
+    constexpr int SB = stream_nb(M);
+    for (; one_stream && n + SB <= n1; n += SB)
+      sblock<M, SB>(x, w + n * K, K, kfull, tail, b, n, y, r, ldy,
+                    STREAM_PF > 0 && (n + SB) * K + STREAM_PF <= pf_end * K ? w + n * K + STREAM_PF : nullptr);
+  }
+#endif
   for (; n < n1; ++n) {
     float out[1][M];
     if constexpr (M <= STREAM_M)
