@@ -39,6 +39,8 @@ class MethodRun:
     by_proposer: dict = field(default_factory=dict)  # hybrid: sub-proposer name -> SpecStats
     rep_tokens: dict = field(default_factory=dict)  # repetition -> decode tokens
     rep_s: dict = field(default_factory=dict)  # repetition -> decode seconds
+    rep_new: dict = field(default_factory=dict)  # repetition -> new tokens (the first included)
+    rep_request_s: dict = field(default_factory=dict)  # repetition -> prefill + decode seconds
     error: str | None = None  # a peer that failed: why (its row has no figures)
     draft: DraftTiming | None = None  # with time_drafts: the draft's own time and steps (not in rows())
 
@@ -58,6 +60,18 @@ class MethodRun:
         ratios = [a / b for a, b in ((self.rep_rate(r), base.rep_rate(r)) for r in self.rep_tokens) if a is not None and b]
         return median(ratios) if ratios else None
 
+    def request_rate(self, rep) -> float | None:
+        """New tokens / (prefill + decode seconds) of one repetition: each request's whole time, its
+        prompt's reading included (a draft model's reading of the prompt falls in the prefill)."""
+        s = self.rep_request_s.get(rep, 0.0)
+        return self.rep_new[rep] / s if s > 0 else None
+
+    def request_speedup_over(self, base: MethodRun) -> float | None:
+        """``speedup_over`` by ``request_rate``: what a client waiting for the whole answer sees."""
+        ratios = [a / b for a, b in ((self.request_rate(r), base.request_rate(r)) for r in self.rep_new)
+                  if a is not None and b]
+        return median(ratios) if ratios else None
+
     @property
     def tokens_per_s(self) -> float:
         """Median over repetitions of (decode tokens / decode seconds) summed over the prompts."""
@@ -68,6 +82,8 @@ class MethodRun:
             draft: DraftTiming | None = None) -> None:
         self.rep_tokens[rep] = self.rep_tokens.get(rep, 0) + max(len(res.token_ids) - 1, 0)
         self.rep_s[rep] = self.rep_s.get(rep, 0.0) + res.decode_s
+        self.rep_new[rep] = self.rep_new.get(rep, 0) + len(res.token_ids)
+        self.rep_request_s[rep] = self.rep_request_s.get(rep, 0.0) + res.prefill_s + res.decode_s
         self.new_tokens += len(res.token_ids)
         self.decode_tokens += max(len(res.token_ids) - 1, 0)
         self.decode_s += res.decode_s
@@ -112,6 +128,7 @@ class BenchReport:
             eng = peer_engine(r.method)
             b = base.get(r.workload) if eng is None else peer_base.get((eng, r.workload))
             speedup = r.speedup_over(b) if b and r.error is None else None
+            request_speedup = r.request_speedup_over(b) if b and r.error is None else None
             out.append({
                 "workload": r.workload, "method": r.method, "k": r.k, "config": r.config,
                 "requests": r.num_requests, "new_tokens": r.new_tokens,
@@ -120,6 +137,7 @@ class BenchReport:
                 "tokens_per_s_by_run": [r.rep_rate(k) for k in sorted(r.rep_tokens)], "speedup": speedup,
                 "speedup_vs_specctl_baseline": (r.speedup_over(base[r.workload]) if r.workload in base else None),
                 "ttft_s": r.prefill_s / max(r.num_requests, 1),
+                "request_speedup": request_speedup,
                 "target_forwards": r.steps,
                 "identical_to_baseline": (r.num_requests if r.method == BASELINE
                                           else r.identical if r.first_divergence else None),

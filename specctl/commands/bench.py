@@ -341,13 +341,15 @@ def render(report) -> None:
     t = Table(title=_title(report.header), title_justify="left",
               caption="speedup: specctl methods over specctl's plain decoding; a peer's (hf:*, vllm:*, llama.cpp:*) "
                       "over its own plain. "
+                      "with TTFT: the speedup over each request's whole time, prefill included (where a draft "
+                      "model reads the prompt). "
                       "= base: outputs equal to specctl's plain output.", caption_justify="left")
-    for col in ("workload", "method", "k", "tok/s", "speedup", "accept", "acc. len", "per-position", "= base",
-                "+mem MiB"):
+    for col in ("workload", "method", "k", "tok/s", "speedup", "with TTFT", "accept", "acc. len", "per-position",
+                "= base", "+mem MiB"):
         t.add_column(col, justify="left" if col in ("workload", "method", "per-position") else "right", no_wrap=True)
     for r in report.rows():
         if r.get("error"):
-            t.add_row(r["workload"], r["method"], "—", "failed", "—", "—", "—", r["error"][:60], "—", "—")
+            t.add_row(r["workload"], r["method"], "—", "failed", "—", "—", "—", "—", r["error"][:60], "—", "—")
             continue
         base = r["method"] == "baseline"
         no_stats = base or peer_engine(r["method"]) is not None
@@ -364,13 +366,14 @@ def render(report) -> None:
         t.add_row(
             r["workload"], r["method"], "—" if no_stats and not r["k"] else str(r["k"]), tps,
             "n/a" if not r["runs"] else f"{r['speedup']:.2f}x" if r["speedup"] is not None else "—",
+            f"{r['request_speedup']:.2f}x" if r.get("request_speedup") is not None else "—",
             "—" if no_stats else f"{r['acceptance_rate']:.2f}", "—" if no_stats else f"{r['mean_acceptance_length']:.2f}",
             "—" if no_stats else per_pos, same, _mib(r.get("extra_memory_mib")),
         )
         for name, s in (r.get("by_proposer") or {}).items():  # a hybrid's parts: who drafted, how well
             share = s["num_drafts"] / r["num_drafts"] if r.get("num_drafts") else 0.0
             pp = " ".join(f"{x:.2f}" for x in s["acceptance_rate_per_pos"][:4])
-            t.add_row("", f"  ↳ {name}", "", f"{share:.0%} of drafts", "", f"{s['acceptance_rate']:.2f}",
+            t.add_row("", f"  ↳ {name}", "", f"{share:.0%} of drafts", "", "", f"{s['acceptance_rate']:.2f}",
                       f"{s['mean_acceptance_length']:.2f}", pp, "", "")
     out.print(t)
 

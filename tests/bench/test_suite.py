@@ -338,6 +338,25 @@ def test_speedup_is_the_median_of_each_repetitions_ratio_not_the_ratio_of_median
     assert row["runs"] == 3 and row["tokens_per_s_by_run"] == pytest.approx([30, 22, 24])
 
 
+def test_request_speedup_counts_the_prompt_s_reading_that_decode_speed_leaves_out():
+    """A draft model that reads the prompt in the prefill decodes faster (2x here) but its requests take
+    longer in all: 1 s of prefill + 2 s of decode against plain's 0.5 + 4 s for 101 new tokens gives 2.0x
+    over decode and 4.5 / 3 = 1.5x over the whole request, which ``request_speedup`` reports (per
+    repetition, as ``speedup``)."""
+    from specctl.bench.suite import BenchReport, MethodRun
+    from specctl.runtime.requests import GenerationResult
+
+    def run(method, prefill, decode):
+        r = MethodRun(method, "a", 0, {})
+        for rep in range(2):
+            r.add(GenerationResult(list(range(101)), "length", prefill_s=prefill, decode_s=decode), None, rep)
+        return r
+
+    rows = BenchReport({}, [run("baseline", 0.5, 4.0), run("draft_model", 1.0, 2.0)]).rows()
+    assert rows[0]["request_speedup"] == pytest.approx(1.0)
+    assert rows[1]["speedup"] == pytest.approx(2.0) and rows[1]["request_speedup"] == pytest.approx(1.5)
+
+
 # --------------------------------------------------------------------------- fresh state, sampling, context
 
 
