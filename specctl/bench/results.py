@@ -138,6 +138,7 @@ class BenchReport:
                 "speedup_vs_specctl_baseline": (r.speedup_over(base[r.workload]) if r.workload in base else None),
                 "ttft_s": r.prefill_s / max(r.num_requests, 1),
                 "request_speedup": request_speedup,
+                "request_tokens_per_s_by_run": [r.request_rate(k) for k in sorted(r.rep_new)],
                 "target_forwards": r.steps,
                 "identical_to_baseline": (r.num_requests if r.method == BASELINE
                                           else r.identical if r.first_divergence else None),

@@ -355,6 +355,7 @@ def test_request_speedup_counts_the_prompt_s_reading_that_decode_speed_leaves_ou
     rows = BenchReport({}, [run("baseline", 0.5, 4.0), run("draft_model", 1.0, 2.0)]).rows()
     assert rows[0]["request_speedup"] == pytest.approx(1.0)
     assert rows[1]["speedup"] == pytest.approx(2.0) and rows[1]["request_speedup"] == pytest.approx(1.5)
+    assert rows[1]["request_tokens_per_s_by_run"] == pytest.approx([101 / 3, 101 / 3])
 
 
 # --------------------------------------------------------------------------- fresh state, sampling, context

@@ -26,7 +26,8 @@ model draft pays on new text. Policies:
 Every sub-proposer follows every request's verifications (its context, the target's hidden
 states), which costs a lazy draft nothing; a part that reads prompts with a model of its own (a draft
 model) reads a new request's prompt only while it pays (``score``: its controller would draft now), or
-while it is unmeasured, one request at a time, so a draft model that sits out costs nothing, and catches
+while it is unmeasured, one request at a time and where that reading is expected to pay back (its size's estimate),
+so a draft model that sits out costs nothing, and catches
 up from the cache it kept if the choice turns to it (that catching up counted in its score). Lossless like
 any proposer: a chain is one sub-proposer's draft, with its probabilities when it samples; a tree is
 verified greedily.
@@ -46,7 +47,7 @@ import time
 import torch
 
 from specctl.config import SpecConfig
-from specctl.runtime.controller import PROBE_CATCH_UP, DraftLengthController
+from specctl.runtime.controller import PROBE_CATCH_UP, READ_PRIOR, DraftLengthController
 from specctl.runtime.proposers.base import Draft, DraftBatch, DraftRequest, Proposer
 
 
@@ -175,6 +176,10 @@ FREE_METHODS = ("ngram", "suffix")  # parts whose drafting is a lookup: they dra
 FOLLOW_STEPS = 64  # a part that reads prompts stops reading new ones when it has not won for this many steps
 CATCH_UP_MIN = 16  # a call with more context tokens than this to read first is not timed as drafting
 EXPLORE_CATCH_UP = 4.0  # a part that has not drafted yet is tried where catching up costs at most this (plain steps)
+# Alone, before anything is measured, an unmeasured part reads a prompt to be measured on it only where its size's
+# estimate of the reading (READ_PRIOR of its cost hint a token, in plain steps) is at most this share of the
+# request's max_tokens (its plain decoding, in plain steps): a 3,000-token document is not read to learn little.
+EXPLORE_READ = 0.1
 
 
 class HybridProposer(Proposer):
@@ -237,20 +242,20 @@ class HybridProposer(Proposer):
 
     def _follows(self, part: "_Part", slot: int, batch: int = 1) -> bool:
         """A part that reads prompts reads one request's while it is unmeasured (it has never drafted: read in
-        the prefill, its first draft costs no catching up, so it gets tried and measured whatever the
-        prompt's length; the requests that arrive with it wait for that evidence) and then only while it
+        the prefill, its first draft costs no catching up, so it gets tried and measured; the requests that
+        arrive with it wait for that evidence) and then only while it
         pays: it won a step lately (within FOLLOW_STEPS), its controller would still draft, and the seconds
         its drafts are expected to save over the request's max_tokens against the best other part exceed
         its measured reading of the prompt (``DraftLengthController.reading_pays``). A measured part that
         stopped winning reads nothing; if the choice turns to it, it catches up then (``backlog``), which
         its score counts.
 
-        ``batch``: the requests in flight that this one will decode among. Alone, the unmeasured part reads
-        whatever the prompt's length; in a batch it must first be expected to pay its reading back (its
-        size's estimate of the reading, its prior's value; until a plain step is measured, it reads nothing
-        yet), so requests that arrive together with long prompts do not pay a reading to learn little."""
+        ``batch``: the requests in flight that this one will decode among. The unmeasured part must first be
+        expected to pay its reading back (its size's estimate of the reading, its prior's value), so that
+        long prompts do not pay a reading to learn little; in a batch, until a plain step is measured, it
+        reads nothing yet; alone, then, a prompt whose reading is a small share of the request (``_first_look``)."""
         unmeasured = part.acceptance._draft_cost() is None
-        if unmeasured and (part.explorer == slot or (part.explorer is None and batch <= 1)):
+        if unmeasured and (part.explorer == slot or (part.explorer is None and batch <= 1 and self._first_look(part, slot))):
             part.explorer = slot
             return True
         if not unmeasured and (part.won is None or self._steps - part.won > FOLLOW_STEPS or not part.pays()):
@@ -269,6 +274,22 @@ class HybridProposer(Proposer):
             return False  # it would not pay back, or nothing is measured yet to weigh it by
         part.explorer = slot
         return True
+
+    def _first_look(self, part: "_Part", slot: int) -> bool:
+        """Whether an unmeasured part, alone, reads this request's prompt to be measured on it without weighing
+        the reading by measured costs: yes where the request's length is unknown; where a plain step is measured,
+        no (``_follows`` weighs the reading as in a batch, by its prior's value against the other parts); else
+        where its size's estimate of the reading is at most EXPLORE_READ of the request's plain decoding. Each
+        request that reads a prompt to explore pays for it in its time to first token, and that reading is lost
+        wherever the part then does not pay: before, a draft model read every first request's prompt whatever its
+        length (a 3,000-token document: ~6 s of a 0.5B on 2 CPU cores, to draft twice)."""
+        new, c = self._new_tokens.get(slot), part.acceptance
+        if new is None:
+            return True
+        if c.plain_step_s(1) is not None:
+            return False
+        unread = self.subs[self.parts.index(part)].backlog(slot)
+        return unread * READ_PRIOR * c.draft_hint <= EXPLORE_READ * new
 
     def on_target_hidden(self, slot, hidden, aux) -> None:
         for p in self.subs:

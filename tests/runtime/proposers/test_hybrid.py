@@ -487,8 +487,8 @@ def test_in_a_batch_an_unmeasured_model_part_reads_only_a_prompt_its_size_says_p
     prop.parts[1] = model = type(prop.parts[1])(4, costly.draft_cost)
     prop.reads_prompt = True
 
-    def reads(slot: int, n: int, batch: int) -> bool:
-        prop.set_sampling(slot, SamplingParams(max_new_tokens=512))
+    def reads(slot: int, n: int, batch: int, new: int = 512) -> bool:
+        prop.set_sampling(slot, SamplingParams(max_new_tokens=new))
         prop.start_request(slot, np.arange(100, 100 + n, dtype=np.int32))
         prop.on_prefill(slot, n, batch)
         return costly.read[slot] == n
@@ -505,7 +505,40 @@ def test_in_a_batch_an_unmeasured_model_part_reads_only_a_prompt_its_size_says_p
     assert reads(2, 40, 8) and model.explorer == 2  # a short prompt: it does, and it is measured on it
     assert not reads(3, 40, 8)  # one request at a time measures it
     prop.end_request(2)
-    assert reads(4, 4000, 1)  # alone, it reads whatever the length, to be measured
+    # alone too, once a plain step is measured, the same weighing (at one request, where a verification costs less)
+    alone = c.plain_step_s(1) * (1 - 1 / c.best_value(1))
+    assert 4000 * READ_PRIOR * costly.draft_cost * 0.02 > 64 * alone
+    assert not reads(4, 4000, 1, new=64) and model.explorer is None  # 64 new tokens do not pay a document's reading
+    assert reads(5, 4000, 1) and model.explorer == 5  # 512 do
+
+
+def test_alone_before_anything_is_measured_a_model_part_explores_on_a_prompt_whose_reading_is_a_small_share(target):
+    """The first request a hybrid ever sees, nothing measured: its unmeasured draft model reads the prompt to be
+    measured on it only where its size's estimate of the reading (READ_PRIOR of its cost hint a token) is at most
+    EXPLORE_READ of the request's max_tokens; a 3,000-token document for 128 new tokens is not read, and the next
+    short prompt is (a deterministic cost stand-in, not a timing)."""
+    from types import SimpleNamespace
+
+    from specctl.runtime.controller import READ_PRIOR
+    from specctl.runtime.proposers.hybrid import EXPLORE_READ
+
+    ngram = {"method": "ngram", "num_speculative_tokens": 4}
+    prop = HybridProposer(SpecConfig.from_dict({"method": "hybrid", "proposers": [ngram, ngram]}), target=target,
+                          max_model_len=4200, clock=lambda: 0.0)
+    prop.subs[1] = costly = _UnreadDraft(SimpleNamespace(t=0.0))
+    prop.parts[1] = model = type(prop.parts[1])(4, costly.draft_cost)
+    prop.reads_prompt = True
+    assert 3000 * READ_PRIOR * costly.draft_cost > EXPLORE_READ * 128 > 100 * READ_PRIOR * costly.draft_cost
+
+    def reads(slot: int, n: int) -> bool:
+        prop.set_sampling(slot, SamplingParams(max_new_tokens=128))
+        prop.start_request(slot, np.arange(100, 100 + n, dtype=np.int32))
+        prop.on_prefill(slot, n)
+        return costly.read[slot] == n
+
+    assert not reads(0, 3000) and model.explorer is None and costly.charged == 0
+    prop.end_request(0)
+    assert reads(1, 100) and model.explorer == 1
 
 
 def test_each_request_is_drafted_for_by_its_own_acceptance(target, folders):
