@@ -98,28 +98,27 @@ constexpr int stream_nb(int M) {
   return M < SPECCTL_STREAM_NB_M ? 1 : M * SPECCTL_STREAM_NB <= 16 ? SPECCTL_STREAM_NB : (16 / M > 0 ? 16 / M : 1);
 }
 
-// One pass: x rows [M0, M0 + MB) against NB weight rows; prefetches rows [J0, J1) of pf (the next group)
-// at the same k, one line a load, where pf is given.
+// One pass: x rows [M0, M0 + MB) against NB weight rows, into acc[j][m] (weight row j, x row m); prefetches rows
+// [J0, J1) of pf (the next rows of the stream) at the same k, one line a load, where pf is given.
 template <int MB, int NB, int J0 = 0, int J1 = NB>
-inline void block(const uint16_t* x, const uint16_t* wr, int64_t K, int64_t kfull, int tail, float* out,
-                  int ostride, const uint16_t* pf) {
-  f32x16 acc[NB][MB];
-#pragma GCC unroll 4
+inline void accumulate(const uint16_t* x, const uint16_t* wr, int64_t K, int64_t kfull, int tail, const uint16_t* pf,
+                       f32x16 (&acc)[NB][MB]) {
+#pragma GCC unroll 16
   for (int j = 0; j < NB; ++j)
-#pragma GCC unroll 8
+#pragma GCC unroll 16
     for (int m = 0; m < MB; ++m) acc[j][m] = zero16();
   for (int64_t k = 0; k < kfull; k += 32) {
     bf16x32 wv[NB];
-#pragma GCC unroll 4
+#pragma GCC unroll 16
     for (int j = 0; j < NB; ++j) wv[j] = load_bf16x32(wr + j * K + k);
     if (pf) {
-#pragma GCC unroll 4
+#pragma GCC unroll 16
       for (int j = J0; j < J1; ++j) _mm_prefetch(reinterpret_cast<const char*>(pf + j * K + k), SPECCTL_PF_HINT);
     }
-#pragma GCC unroll 8
+#pragma GCC unroll 16
     for (int m = 0; m < MB; ++m) {
       const bf16x32 xv = load_bf16x32(x + m * K + k);
-#pragma GCC unroll 4
+#pragma GCC unroll 16
       for (int j = 0; j < NB; ++j) acc[j][m] = dot_bf16(acc[j][m], xv, wv[j]);
     }
   }
@@ -131,6 +130,14 @@ inline void block(const uint16_t* x, const uint16_t* wr, int64_t K, int64_t kful
       for (int j = 0; j < NB; ++j) acc[j][m] = dot_bf16(acc[j][m], xv, wv[j]);
     }
   }
+}
+
+// accumulate, each output's lanes summed (out[j * ostride + m])
+template <int MB, int NB, int J0 = 0, int J1 = NB>
+inline void block(const uint16_t* x, const uint16_t* wr, int64_t K, int64_t kfull, int tail, float* out,
+                  int ostride, const uint16_t* pf) {
+  f32x16 acc[NB][MB];
+  accumulate<MB, NB, J0, J1>(x, wr, K, kfull, tail, pf, acc);
   for (int j = 0; j < NB; ++j)
     for (int m = 0; m < MB; ++m) out[j * ostride + m] = reduce_add(acc[j][m]);
 }
@@ -224,62 +231,37 @@ inline void vblock(const uint16_t* x, const uint16_t* wr, int64_t K, int64_t kfu
   for (int m = 0; m < 4; ++m) std::memcpy(y + m * ldy + n, &rows4[m], 8);
 }
 
-// A stream of M x rows against NB consecutive weight rows [n, n + NB), all in one pass over k (acc[m * NB + j]),
-// prefetching pf's NB rows at the same k (pf: STREAM_PF elements ahead). M * NB == 16: reduced and finished as one
-// vector (lane m * NB + j: y[m, n + j]); else one output at a time. The same bits as block<M, 1> row by row.
+// A stream of M x rows against NB consecutive weight rows [n, n + NB), all in one pass over k (accumulate: one
+// stream, pf STREAM_PF elements ahead), then finished. M * NB == 16: the 16 outputs reduced and finished (bias,
+// bf16, residual) as one vector, lane j * M + m for y[m, n + j]; else one output at a time. The same bits as
+// block<M, 1> row by row.
 template <int M, int NB>
 inline void sblock(const uint16_t* x, const uint16_t* wr, int64_t K, int64_t kfull, int tail, const uint16_t* b,
                    int64_t n, uint16_t* y, const uint16_t* r, int64_t ldy, const uint16_t* pf) {
-  __m512 acc[M * NB];
-#pragma GCC unroll 16
-  for (int i = 0; i < M * NB; ++i) acc[i] = zero16();
-  for (int64_t k = 0; k < kfull; k += 32) {
-    bf16x32 wv[NB];
-#pragma GCC unroll 16
-    for (int j = 0; j < NB; ++j) wv[j] = load_bf16x32(wr + j * K + k);
-    if (pf) {
-#pragma GCC unroll 16
-      for (int j = 0; j < NB; ++j) _mm_prefetch(reinterpret_cast<const char*>(pf + j * K + k), SPECCTL_PF_HINT);
+  f32x16 acc[NB][M];
+  accumulate<M, NB>(x, wr, K, kfull, tail, pf, acc);
+  if constexpr (M * NB == 16) {
+    __m512 s = reduce16(&acc[0][0]);
+    alignas(32) uint16_t v[16];
+    if (b) {
+      for (int j = 0; j < NB; ++j)
+        for (int m = 0; m < M; ++m) v[j * M + m] = b[n + j];
+      s = _mm512_add_ps(s, from_bf16x16(_mm256_load_si256(reinterpret_cast<const __m256i*>(v))));
     }
-#pragma GCC unroll 16
-    for (int m = 0; m < M; ++m) {
-      const bf16x32 xv = load_bf16x32(x + m * K + k);
-#pragma GCC unroll 16
-      for (int j = 0; j < NB; ++j) acc[m * NB + j] = dot_bf16(acc[m * NB + j], xv, wv[j]);
-    }
-  }
-  if (tail) {
-    bf16x32 wv[NB];
-    for (int j = 0; j < NB; ++j) wv[j] = load_bf16x32_n(wr + j * K + kfull, tail);
-    for (int m = 0; m < M; ++m) {
-      const bf16x32 xv = load_bf16x32_n(x + m * K + kfull, tail);
-      for (int j = 0; j < NB; ++j) acc[m * NB + j] = dot_bf16(acc[m * NB + j], xv, wv[j]);
-    }
-  }
-  if constexpr (M * NB == 16 && (NB == 2 || NB == 4 || NB == 8)) {
-    __m512 s = reduce16(acc);
-    // NB consecutive bf16 (bias, a residual row's) repeated across the 16 lanes
-    auto rep = [](const uint16_t* p) {
-      if constexpr (NB == 2) { int32_t v; std::memcpy(&v, p, 4); return _mm256_set1_epi32(v); }
-      else if constexpr (NB == 4) { int64_t v; std::memcpy(&v, p, 8); return _mm256_set1_epi64x(v); }
-      else return _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    };
-    if (b) s = _mm512_add_ps(s, from_bf16x16(rep(b + n)));
     __m256i h = to_bf16x16(s);
     if (r) {
-      alignas(32) uint16_t rv[16];
-      for (int m = 0; m < M; ++m) std::memcpy(rv + m * NB, r + m * ldy + n, NB * 2);
-      h = to_bf16x16(_mm512_add_ps(from_bf16x16(_mm256_load_si256(reinterpret_cast<const __m256i*>(rv))), from_bf16x16(h)));
+      for (int j = 0; j < NB; ++j)
+        for (int m = 0; m < M; ++m) v[j * M + m] = r[m * ldy + n + j];
+      h = to_bf16x16(_mm512_add_ps(from_bf16x16(_mm256_load_si256(reinterpret_cast<const __m256i*>(v))), from_bf16x16(h)));
     }
-    alignas(32) uint16_t hv[16];
-    _mm256_store_si256(reinterpret_cast<__m256i*>(hv), h);
-    for (int m = 0; m < M; ++m) std::memcpy(y + m * ldy + n, hv + m * NB, NB * 2);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(v), h);
+    for (int j = 0; j < NB; ++j)
+      for (int m = 0; m < M; ++m) y[m * ldy + n + j] = v[j * M + m];
   } else {
     for (int j = 0; j < NB; ++j)
       for (int m = 0; m < M; ++m) {
-        const uint16_t* rm = r ? r + m * ldy : nullptr;
-        const uint16_t o = to_bf16(reduce_add(acc[m * NB + j]) + (b ? from_bf16(b[n + j]) : 0.0f));
-        y[m * ldy + n + j] = rm ? to_bf16(from_bf16(rm[n + j]) + from_bf16(o)) : o;
+        const uint16_t o = to_bf16(reduce_add(acc[j][m]) + (b ? from_bf16(b[n + j]) : 0.0f));
+        y[m * ldy + n + j] = r ? to_bf16(from_bf16(r[m * ldy + n + j]) + from_bf16(o)) : o;
       }
   }
 }

@@ -23,14 +23,13 @@ model draft pays on new text. Policies:
 - ``tree``: every sub-proposer drafts and the drafts are merged into one token tree (shared
   prefixes once), verified in one forward (greedy requests; sampled ones take ``first``).
 
-Every sub-proposer follows every request's verifications (its context, the target's hidden
-states), which costs a lazy draft nothing; a part that reads prompts with a model of its own (a draft
-model) reads a new request's prompt only while it pays (``score``: its controller would draft now), or
-while it is unmeasured, one request at a time and where that reading is expected to pay back (its size's estimate),
-so a draft model that sits out costs nothing, and catches
-up from the cache it kept if the choice turns to it (that catching up counted in its score). Lossless like
-any proposer: a chain is one sub-proposer's draft, with its probabilities when it samples; a tree is
-verified greedily.
+Every sub-proposer follows every request's verifications (its context, the target's hidden states), which
+costs a lazy draft nothing; a part that reads prompts with a model of its own (a draft model) reads a new
+request's prompt only while it pays (``score``: its controller would draft now), or while it is unmeasured, one
+request at a time and where that reading is expected to pay back, so a draft model that sits out costs nothing,
+and catches up from the cache it kept if the choice turns to it (that catching up counted in its score).
+Lossless like any proposer: a chain is one sub-proposer's draft, with its probabilities when it samples; a tree
+is verified greedily.
 
 In a batch, the parts are asked in rounds: every request's first choice in one call per part (a draft
 model drafts all of them in one batched forward per drafting step), then the requests still without a
@@ -176,10 +175,7 @@ FREE_METHODS = ("ngram", "suffix")  # parts whose drafting is a lookup: they dra
 FOLLOW_STEPS = 64  # a part that reads prompts stops reading new ones when it has not won for this many steps
 CATCH_UP_MIN = 16  # a call with more context tokens than this to read first is not timed as drafting
 EXPLORE_CATCH_UP = 4.0  # a part that has not drafted yet is tried where catching up costs at most this (plain steps)
-# Alone, before anything is measured, an unmeasured part reads a prompt to be measured on it only where its size's
-# estimate of the reading (READ_PRIOR of its cost hint a token, in plain steps) is at most this share of the
-# request's max_tokens (its plain decoding, in plain steps): a 3,000-token document is not read to learn little.
-EXPLORE_READ = 0.1
+EXPLORE_READ = 0.1  # alone, before anything is measured: the most a prompt's reading may be of the request (``_first_look``)
 
 
 class HybridProposer(Proposer):
@@ -250,10 +246,9 @@ class HybridProposer(Proposer):
         stopped winning reads nothing; if the choice turns to it, it catches up then (``backlog``), which
         its score counts.
 
-        ``batch``: the requests in flight that this one will decode among. The unmeasured part must first be
-        expected to pay its reading back (its size's estimate of the reading, its prior's value), so that
-        long prompts do not pay a reading to learn little; in a batch, until a plain step is measured, it
-        reads nothing yet; alone, then, a prompt whose reading is a small share of the request (``_first_look``)."""
+        ``batch``: the requests in flight that this one will decode among. The unmeasured part must first be expected
+        to pay its reading back (its size's estimate of the reading, its prior's value); until a plain step is measured,
+        in a batch it reads nothing, alone a prompt whose reading is a small share of the request (``_first_look``)."""
         unmeasured = part.acceptance._draft_cost() is None
         if unmeasured and (part.explorer == slot or (part.explorer is None and batch <= 1 and self._first_look(part, slot))):
             part.explorer = slot
@@ -276,13 +271,10 @@ class HybridProposer(Proposer):
         return True
 
     def _first_look(self, part: "_Part", slot: int) -> bool:
-        """Whether an unmeasured part, alone, reads this request's prompt to be measured on it without weighing
-        the reading by measured costs: yes where the request's length is unknown; where a plain step is measured,
-        no (``_follows`` weighs the reading as in a batch, by its prior's value against the other parts); else
-        where its size's estimate of the reading is at most EXPLORE_READ of the request's plain decoding. Each
-        request that reads a prompt to explore pays for it in its time to first token, and that reading is lost
-        wherever the part then does not pay: before, a draft model read every first request's prompt whatever its
-        length (a 3,000-token document: ~6 s of a 0.5B on 2 CPU cores, to draft twice)."""
+        """Whether an unmeasured part, alone, reads this prompt to be measured on it, unweighed: where the request's
+        length is unknown; not once a plain step is measured (``_follows`` weighs it then, as in a batch); else where
+        its size's estimate of the reading is at most EXPLORE_READ of the request's plain decoding (a 3,000-token
+        document cost a 0.5B ~6 s on 2 CPU cores, in the time to first token, to draft twice)."""
         new, c = self._new_tokens.get(slot), part.acceptance
         if new is None:
             return True

@@ -470,15 +470,10 @@ class _UnreadDraft(_CostlyDraft):
         return None
 
 
-def test_in_a_batch_an_unmeasured_model_part_reads_only_a_prompt_its_size_says_pays_back(target):
-    """Eight requests in flight, the model part never measured (neither its drafting nor its reading): it is
-    not made to read the first long prompt to be measured, as it is alone; it reads a prompt only where its
-    size's estimate of the reading (READ_PRIOR of its cost hint per token) is paid back over the request's
-    max_tokens at its prior's value, and until a plain step is measured it reads none (a deterministic cost
-    stand-in, not a timing)."""
+def _unread_hybrid(target):
+    """A hybrid of n-gram and the costly stand-in before it has read anything, and ``reads(slot, n, batch, new)``:
+    whether a new request of an n-token prompt and ``new`` max_tokens, among ``batch``, has its prompt read."""
     from types import SimpleNamespace
-
-    from specctl.runtime.controller import READ_PRIOR
 
     ngram = {"method": "ngram", "num_speculative_tokens": 4}
     prop = HybridProposer(SpecConfig.from_dict({"method": "hybrid", "proposers": [ngram, ngram]}), target=target,
@@ -493,6 +488,18 @@ def test_in_a_batch_an_unmeasured_model_part_reads_only_a_prompt_its_size_says_p
         prop.on_prefill(slot, n, batch)
         return costly.read[slot] == n
 
+    return prop, costly, model, reads
+
+
+def test_in_a_batch_an_unmeasured_model_part_reads_only_a_prompt_its_size_says_pays_back(target):
+    """Eight requests in flight, the model part never measured (neither its drafting nor its reading): it is
+    not made to read the first long prompt to be measured, as it is alone; it reads a prompt only where its
+    size's estimate of the reading (READ_PRIOR of its cost hint per token) is paid back over the request's
+    max_tokens at its prior's value, and until a plain step is measured it reads none (a deterministic cost
+    stand-in, not a timing)."""
+    from specctl.runtime.controller import READ_PRIOR
+
+    prop, costly, model, reads = _unread_hybrid(target)
     assert not reads(0, 40, 8) and model.explorer is None  # no plain step measured: nothing to weigh by
     prop.parts[0].acceptance.costs.update({1: 0.02, 5: 0.021})
     for _ in range(50):
@@ -517,28 +524,14 @@ def test_alone_before_anything_is_measured_a_model_part_explores_on_a_prompt_who
     measured on it only where its size's estimate of the reading (READ_PRIOR of its cost hint a token) is at most
     EXPLORE_READ of the request's max_tokens; a 3,000-token document for 128 new tokens is not read, and the next
     short prompt is (a deterministic cost stand-in, not a timing)."""
-    from types import SimpleNamespace
-
     from specctl.runtime.controller import READ_PRIOR
     from specctl.runtime.proposers.hybrid import EXPLORE_READ
 
-    ngram = {"method": "ngram", "num_speculative_tokens": 4}
-    prop = HybridProposer(SpecConfig.from_dict({"method": "hybrid", "proposers": [ngram, ngram]}), target=target,
-                          max_model_len=4200, clock=lambda: 0.0)
-    prop.subs[1] = costly = _UnreadDraft(SimpleNamespace(t=0.0))
-    prop.parts[1] = model = type(prop.parts[1])(4, costly.draft_cost)
-    prop.reads_prompt = True
+    prop, costly, model, reads = _unread_hybrid(target)
     assert 3000 * READ_PRIOR * costly.draft_cost > EXPLORE_READ * 128 > 100 * READ_PRIOR * costly.draft_cost
-
-    def reads(slot: int, n: int) -> bool:
-        prop.set_sampling(slot, SamplingParams(max_new_tokens=128))
-        prop.start_request(slot, np.arange(100, 100 + n, dtype=np.int32))
-        prop.on_prefill(slot, n)
-        return costly.read[slot] == n
-
-    assert not reads(0, 3000) and model.explorer is None and costly.charged == 0
+    assert not reads(0, 3000, 1, new=128) and model.explorer is None and costly.charged == 0
     prop.end_request(0)
-    assert reads(1, 100) and model.explorer == 1
+    assert reads(1, 100, 1, new=128) and model.explorer == 1
 
 
 def test_each_request_is_drafted_for_by_its_own_acceptance(target, folders):
