@@ -57,7 +57,11 @@ class MethodRun:
         """Median over repetitions of this run's rate / the base's rate in the same repetition: every
         method runs each prompt in turn within a repetition, so a drift of the machine's speed between
         repetitions falls on both sides of each ratio (the ratio of medians would carry it)."""
-        ratios = [a / b for a, b in ((self.rep_rate(r), base.rep_rate(r)) for r in self.rep_tokens) if a is not None and b]
+        return self._median_ratio(base, MethodRun.rep_rate)
+
+    def _median_ratio(self, base: MethodRun, rate) -> float | None:
+        """Median over repetitions of rate(self, rep) / rate(base, rep), where both are measured."""
+        ratios = [a / b for a, b in ((rate(self, r), rate(base, r)) for r in self.rep_tokens) if a is not None and b]
         return median(ratios) if ratios else None
 
     def request_rate(self, rep) -> float | None:
@@ -68,9 +72,7 @@ class MethodRun:
 
     def request_speedup_over(self, base: MethodRun) -> float | None:
         """``speedup_over`` by ``request_rate``: what a client waiting for the whole answer sees."""
-        ratios = [a / b for a, b in ((self.request_rate(r), base.request_rate(r)) for r in self.rep_new)
-                  if a is not None and b]
-        return median(ratios) if ratios else None
+        return self._median_ratio(base, MethodRun.request_rate)
 
     @property
     def tokens_per_s(self) -> float:

@@ -98,6 +98,12 @@ constexpr int stream_nb(int M) {
   return M < SPECCTL_STREAM_NB_M ? 1 : M * SPECCTL_STREAM_NB <= 16 ? SPECCTL_STREAM_NB : (16 / M > 0 ? 16 / M : 1);
 }
 
+// One output rounded: bf16(acc + b[n]), then bf16(r[n] + that) where r is given.
+inline uint16_t finish(float acc, const uint16_t* b, int64_t n, const uint16_t* r) {
+  const uint16_t y = to_bf16(acc + (b ? from_bf16(b[n]) : 0.0f));
+  return r ? to_bf16(from_bf16(r[n]) + from_bf16(y)) : y;
+}
+
 // One pass: x rows [M0, M0 + MB) against NB weight rows, into acc[j][m] (weight row j, x row m); prefetches rows
 // [J0, J1) of pf (the next rows of the stream) at the same k, one line a load, where pf is given.
 template <int MB, int NB, int J0 = 0, int J1 = NB>
@@ -259,10 +265,7 @@ inline void sblock(const uint16_t* x, const uint16_t* wr, int64_t K, int64_t kfu
       for (int m = 0; m < M; ++m) y[m * ldy + n + j] = v[j * M + m];
   } else {
     for (int j = 0; j < NB; ++j)
-      for (int m = 0; m < M; ++m) {
-        const uint16_t o = to_bf16(reduce_add(acc[j][m]) + (b ? from_bf16(b[n + j]) : 0.0f));
-        y[m * ldy + n + j] = r ? to_bf16(from_bf16(r[m * ldy + n + j]) + from_bf16(o)) : o;
-      }
+      for (int m = 0; m < M; ++m) y[m * ldy + n + j] = finish(reduce_add(acc[j][m]), b, n + j, r ? r + m * ldy : nullptr);
   }
 }
 
@@ -276,11 +279,6 @@ inline void vgroup(const uint16_t* x, const uint16_t* wr, int64_t K, int64_t kfu
   }
 }
 #endif
-
-inline uint16_t finish(float acc, const uint16_t* b, int64_t n, const uint16_t* r) {
-  const uint16_t y = to_bf16(acc + (b ? from_bf16(b[n]) : 0.0f));
-  return r ? to_bf16(from_bf16(r[n]) + from_bf16(y)) : y;
-}
 
 // M rows of x (row stride K) against weight rows [n0, n1): y row m at y + m * ldy (r likewise); the
 // rows after n1 up to pf_end are the caller's next (prefetched as the stream runs on).
