@@ -4,8 +4,11 @@
     python benchmarks/serve_load.py --url http://127.0.0.1:8000/v1 --model qwen2.5-coder-0.5b -c 1 -c 8 -c 16
 
 Each level sends ``--requests`` chat requests (default 2 per client: MT-Bench first turns from the
-bench's chat workload) through the ``openai`` client, ``--clients`` of them in flight at once,
-streaming ``--max-tokens`` tokens each (greedy, ignore_eos where the server takes it). Prints, per
+bench's chat workload; ``--workload code-edit`` sends its ~300-700-token prompts whose answers copy them,
+the prompt-heavy load) through the ``openai`` client, ``--clients`` of them in flight at once,
+streaming ``--max-tokens`` tokens each (greedy, ignore_eos where the server takes it). Each level
+sends prompts no earlier level sent (while the workload has that many), so that no server answers
+them from a prefix cache. Prints, per
 level: total completion tokens over the wall time (aggregate tok/s), time to first token and
 inter-token latency (p50, p99), and failures. Works against any OpenAI-compatible server
 (``vllm serve`` too), so the same prompts measure both.
@@ -21,18 +24,18 @@ import time
 import numpy as np
 
 
-def chat_prompts(n: int) -> list[str]:
+def workload_messages(workload: str, n: int) -> list[list[dict]]:
+    """The first ``n`` requests of one of bench's workloads, as the chat messages a client sends."""
     from specctl.workloads import load_workload
 
-    reqs = load_workload("chat", n, 0)
-    return [r.messages[-1]["content"] for r in reqs]
+    return [[dict(m) for m in r.messages] for r in load_workload(workload, n, 0)]
 
 
-async def one(client, model: str, prompt: str, max_tokens: int) -> dict:
+async def one(client, model: str, messages: list[dict], max_tokens: int) -> dict:
     t0 = time.perf_counter()
     stamps, n = [], 0
     stream = await client.chat.completions.create(
-        model=model, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens, temperature=0,
+        model=model, messages=messages, max_tokens=max_tokens, temperature=0,
         stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
     async for chunk in stream:
         if chunk.choices and chunk.choices[0].delta.content:
@@ -42,7 +45,7 @@ async def one(client, model: str, prompt: str, max_tokens: int) -> dict:
     return {"ttft": stamps[0] - t0 if stamps else None, "gaps": list(np.diff(stamps)), "tokens": n}
 
 
-async def level(url: str, api_key: str, model: str, prompts: list[str], clients: int, requests: int,
+async def level(url: str, api_key: str, model: str, prompts: list[list[dict]], clients: int, requests: int,
                 max_tokens: int) -> dict:
     import openai
 
@@ -81,13 +84,19 @@ def main() -> None:
     ap.add_argument("-c", "--clients", type=int, action="append", help="concurrent clients (repeatable)")
     ap.add_argument("--requests", type=int, default=None, help="requests per level (default: 2 per client)")
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--workload", default="chat", help="bench's workload whose prompts are sent (chat, code-edit, ...)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     levels = a.clients or [1, 8]
-    prompts = chat_prompts(max(16, 2 * max(levels)))
-    rows = []
-    for c in levels:
-        r = asyncio.run(level(a.url, a.api_key, a.model, prompts, c, a.requests or 2 * c, a.max_tokens))
+    counts = [a.requests or 2 * c for c in levels]
+    # every level its own prompts, none sent before: a server's prefix cache (vLLM's is on by default)
+    # would otherwise answer an earlier level's prompts from its cache
+    prompts = workload_messages(a.workload, sum(counts))
+    rows, sent = [], 0
+    for c, n in zip(levels, counts):
+        mine = prompts[sent:sent + n] or prompts  # a workload with fewer prompts than asked for repeats them
+        sent += n
+        r = asyncio.run(level(a.url, a.api_key, a.model, mine, c, n, a.max_tokens))
         rows.append(r)
         if not a.json:
             ms = (lambda x: "—" if x is None else f"{x * 1e3:.0f}")

@@ -49,7 +49,7 @@ def _pct(xs: list[float], q: float) -> float | None:
 
 
 def run_level(decoder: SpecDecoder, runners: list[TargetRunner], prompts: list[list[int]], params: SamplingParams,
-              seed: int, disable_by_batch_size: int | None = None, max_num_batched_tokens: int | None = 256,
+              seed: int, disable_by_batch_size: int | None = None, max_num_batched_tokens: int | None = 2048,
               parts: list[str] = ()) -> dict:
     """All prompts through a scheduler over ``runners``; returns the row's measures and outputs.
     ``parts``: a hybrid's sub-proposer names, each in ``by_proposer`` even if it never drafted."""
@@ -125,7 +125,7 @@ def forward_roof(runners: list[TargetRunner], n: int, context: int = 64, reps: i
 
 def run_concurrency(loaded: LoadedModel, configs: list[SpecConfig], workloads: list[str], num_prompts: int,
                     params: SamplingParams, levels: list[int], seed: int = 0, adaptive: bool = True,
-                    progress=None, max_num_batched_tokens: int | None = 256, runs: int = 1) -> tuple[dict, list[dict]]:
+                    progress=None, max_num_batched_tokens: int | None = 2048, runs: int = 1) -> tuple[dict, list[dict]]:
     """(header, rows): one row per workload x N x configuration (the baseline first)."""
     say = progress or (lambda advance, description, total=None: None)
     tok = loaded.tokenizer

@@ -1,8 +1,12 @@
 """Run methods x workloads against the no-speculation baseline measured in the same run.
 
-For each workload, every prompt is run by the baseline and then by each method, one after the
-other (interleaved per prompt, so slow drifts of a noisy machine hit every method alike). A short
-warm-up generation runs first (kernel compilation, allocator warm-up), outside the timings.
+For each workload, every prompt is run by the baseline and by each method in lockstep
+(``interleave="steps"``, the default): each has a KV cache of its own, and they take one decode
+step each in turn, so that a drift of a noisy machine (a shared VM's read rate swings by 2x within
+minutes) hits every method alike, step by step; each one's times are its own steps' (``lockstep``).
+``interleave="prompts"`` runs them one after the other per prompt on one KV cache (and always with
+``reuse_prefill``, which hands the baseline's cache over). A short warm-up generation runs first
+(kernel compilation, allocator warm-up), outside the timings.
 
 Speed is decode tokens/s: tokens after the first one, over the time after the first one (the
 prompt's prefill is the same work for every method and is reported apart, as TTFT).
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import gc
 import json
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -40,6 +45,7 @@ from specctl.workloads import Request, load_workload, render_prompt, turn_messag
 from specctl.config import SpecConfig
 from specctl.errors import UsageError
 from specctl.runtime.decoder import SamplingParams, SpecDecoder
+from specctl.runtime.requests import GenerationResult
 from specctl.runtime.metrics import SpecStats
 from specctl.runtime.proposers import build_proposer
 from specctl.runtime.loading import LoadedModel
@@ -175,6 +181,7 @@ def run_bench(
     reuse_prefill: bool = False,
     time_drafts: bool = False,
     on_build_error: Callable[[str, SpecConfig, Exception], None] | None = None,
+    interleave: str = "steps",
 ) -> BenchReport:
     """Every prompt by the baseline, each configuration and each peer; ``progress`` is told the total first.
 
@@ -186,7 +193,10 @@ def run_bench(
     ``DraftTimer`` (the warm-up is not counted) and its row's ``draft`` holds what it measured.
     ``on_build_error(label, config, error)``: a configuration whose proposer cannot be built (a draft
     that does not load) is left out and reported there, instead of the error ending the run.
+    ``interleave``: "steps" (the methods in lockstep, a KV cache each) or "prompts" (see the module docstring).
     """
+    if interleave not in ("steps", "prompts"):
+        raise UsageError(f"interleave must be steps or prompts, got {interleave!r}", "pass --interleave steps or --interleave prompts")
     say = progress or (lambda advance, description, total=None: None)
     tok = loaded.tokenizer
     prompts: dict[str, list[tuple[Request, list[int]]]] = {}
@@ -308,6 +318,10 @@ def run_bench(
 
     runs_out: list[MethodRun] = []
     decs: list[SpecDecoder] = []
+    # lockstep: a KV cache per method (the baseline's is the runner above); one after the other where
+    # the baseline's prefill is handed over (reuse_prefill) or there is nothing to interleave
+    lockstep_runners = ([runner] + [TargetRunner(loaded.model, max_len=runner.max_len, compile=compile) for _ in entries[1:]]
+                        if interleave == "steps" and not reuse_prefill and len(entries) > 1 else None)
     for w, reqs in prompts.items():
         # one row per round of a multi-round workload (NAME@R) and per turn of a multi-turn one:
         # acceptance per round / turn is the point
@@ -338,11 +352,17 @@ def run_bench(
                         f"{prompt_where(w, req)} turn {turn}", len(ids), params.max_new_tokens, limit,
                         runner.max_len - max_k - 8, notice if rep == 0 else None)
                     baseline_res = None
-                    for e, dec, run in zip(entries, decs, wruns[lab]):
-                        say(0, f"{lab} · {e.label} · {what}")
-                        res = dec.generate(ids, replace(params, max_new_tokens=budget,
-                                                        record_margins=e.config is None and params.greedy),
-                                           _gen(seed, loaded.device))
+                    jobs = [(dec, ids, replace(params, max_new_tokens=budget, record_margins=e.config is None and params.greedy),
+                             _gen(seed, loaded.device)) for e, dec in zip(entries, decs)]
+                    if lockstep_runners:
+                        say(0, f"{lab} · every method in lockstep · {what}")
+                        results = lockstep(jobs, lockstep_runners)
+                    for i, (e, dec, run) in enumerate(zip(entries, decs, wruns[lab])):
+                        if lockstep_runners:
+                            res = results[i]
+                        else:
+                            say(0, f"{lab} · {e.label} · {what}")
+                            res = dec.generate(*jobs[i][1:])
                         if e.config is None:
                             baseline_res = res
                             run.add(res, None, rep)
@@ -390,6 +410,29 @@ def run_bench(
     if sweep_k:
         header["sweep_k"] = list(dict.fromkeys(sweep_k))
     return BenchReport(header, runs_out, memory)
+
+
+def lockstep(jobs: list[tuple], runners: list[TargetRunner]) -> list[GenerationResult]:
+    """Run each job (decoder, prompt ids, params, generator) on its own runner, one step each in turn.
+
+    Each one's prefill runs whole, one after the other; then every unfinished request takes one decode
+    step (one target forward and its drafting) per round. A result's times are its own: its prefill, and
+    the sum of its own steps (never another's), so that every method's tok/s is measured over the same
+    stretches of the machine's drifts. Outputs are what ``generate`` gives: the steps are the same."""
+    states = [dec.start(ids, p, g, runner=r) for (dec, ids, p, g), r in zip(jobs, runners)]
+    own = [0.0] * len(jobs)
+    while any(st.finish is None for st in states):
+        for i, ((dec, *_), st) in enumerate(zip(jobs, states)):
+            if st.finish is None:
+                t0 = time.perf_counter()
+                dec.step(st)
+                own[i] += time.perf_counter() - t0
+    out = []
+    for (dec, *_), st, s in zip(jobs, states, own):
+        res = dec.finish(st)
+        res.decode_s = s
+        out.append(res)
+    return out
 
 
 def _draft_timing(decoder: SpecDecoder) -> DraftTiming | None:

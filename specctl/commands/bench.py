@@ -84,9 +84,10 @@ def bench(
     fixed_k: Annotated[bool, typer.Option("--fixed-k", help="Always draft k tokens (default: adapt the draft length per request to what pays).")] = False,
     compile: Annotated[bool, typer.Option("--compile", help="Run one-token decode steps through torch.compile (float32, or a GPU with CUDA graphs; bf16 on CPU already runs a fused C++ step).")] = False,
     reuse_prefill: Annotated[bool, typer.Option("--reuse-prefill", help="Prefill each prompt once, for the baseline, and let every method take its keys/values over (a 16k-token prompt takes minutes on a CPU); the methods' TTFT then counts no prefill. Methods that read the target's prompt states (Medusa, EAGLE, MTP) prefill as usual.")] = False,
+    interleave: Annotated[str, typer.Option("--interleave", help="steps (default): every method decodes each prompt in lockstep, one step each in turn, each with a KV cache of its own, so a noisy machine's drifts hit all alike; prompts: one method after the other per prompt (one KV cache; always so with --reuse-prefill).")] = "steps",
     sweep_k: Annotated[Optional[str], typer.Option("--sweep-k", help="Comma-separated k values (e.g. 2,4,8): run every configuration at each k (overriding its own) and report the best k per method and workload (table; 'best_k' in --json).")] = None,
     concurrency: Annotated[Optional[list[int]], typer.Option("--concurrency", "-c", help="Measure aggregate throughput with N requests decoding together (repeatable, e.g. -c 1 -c 8): all prompts queued at once through the continuous-batching engine with N KV slots; reports total tok/s, speedup over plain at the same N, scaling over plain at N=1, TTFT and inter-token latency.")] = None,
-    max_num_batched_tokens: Annotated[int, typer.Option("--max-num-batched-tokens", help="With --concurrency: prompt tokens one engine step may carry (chunked prefill, as serve).")] = 256,
+    max_num_batched_tokens: Annotated[int, typer.Option("--max-num-batched-tokens", help="With --concurrency: prompt tokens one engine step may carry (chunked prefill, as serve).")] = 2048,
     seed: SeedOpt = 0,
     dtype: DtypeOpt = "bfloat16",
     device: DeviceOpt = "cpu",
@@ -112,6 +113,8 @@ def bench(
                          "pass e.g. -n 4 (the default); a workload with fewer prompts runs all it has")
     if temperature < 0:
         raise UsageError(f"--temperature must be >= 0, got {temperature}", "use 0 for greedy")
+    if interleave not in ("steps", "prompts"):
+        raise UsageError(f"--interleave must be steps or prompts, got {interleave!r}", "pass --interleave steps or --interleave prompts")
     workloads = workload or ["code-edit", "chat"]
     peers = tuple(peer or ())
     for p in peers:
@@ -207,12 +210,13 @@ def bench(
         report = run_bench(loaded, configs, workloads, num_prompts, params, seed,
                            progress=progress,
                            adaptive=not fixed_k, peers=peers, runs=runs, sweep_k=ks,
-                           compile=compile, peer_gguf=peer_gguf, reuse_prefill=reuse_prefill,
+                           compile=compile, peer_gguf=peer_gguf, reuse_prefill=reuse_prefill, interleave=interleave,
                            warn=lambda m: err.log(f"[yellow]peer failed, its rows are left empty:[/] {m}"),
                            notice=lambda m: err.log(f"[yellow]{m}[/]"))
     report.header["draft_length"] = "fixed k" if fixed_k else "adaptive (up to k)"
     report.header["kernels"] = kernels
     report.header["reuse_prefill"] = reuse_prefill
+    report.header["interleave"] = "prompts" if reuse_prefill else interleave
 
     rows = report.rows()
     if csv_out:

@@ -45,7 +45,7 @@ _VLLM_DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp32": "float32", "
 VLLM_API_SERVER = "vllm.entrypoints.openai.api_server"
 # The own engine's defaults where the flag is left unset (with --engine vllm, unset flags are not forwarded:
 # vLLM keeps its own defaults)
-OWN_DEFAULTS = {"max_num_seqs": 8, "max_num_batched_tokens": 256, "dtype": "bfloat16"}
+OWN_DEFAULTS = {"max_num_seqs": 8, "max_num_batched_tokens": 2048, "dtype": "bfloat16"}
 
 
 def vllm_serve_argv(model: str, *, spec: dict | None = None, served_model_name: str | None = None,
@@ -328,7 +328,7 @@ def serve(
     api_key: Annotated[Optional[str], typer.Option("--api-key", envvar="SPECCTL_API_KEY", help="Require 'Authorization: Bearer KEY' on every /v1 request (or set SPECCTL_API_KEY; with --engine vllm it reaches vLLM as VLLM_API_KEY, never on its command line).")] = None,
     max_model_len: Annotated[Optional[int], typer.Option("--max-model-len", help="Longest prompt + completion, in tokens. Default: the model's, capped at 4096.")] = None,
     max_num_seqs: Annotated[Optional[int], typer.Option("--max-num-seqs", help="Requests decoded at once (preallocated KV caches); more wait in a FIFO queue. Default: 8 (--engine vllm: vLLM's own default).")] = None,
-    max_num_batched_tokens: Annotated[Optional[int], typer.Option("--max-num-batched-tokens", help="Prompt tokens one engine step may carry (chunked prefill: a long prompt delays running requests by at most one chunk per step). Default: 256 (--engine vllm: vLLM's own default).")] = None,
+    max_num_batched_tokens: Annotated[Optional[int], typer.Option("--max-num-batched-tokens", help="Prompt tokens one engine step may carry, several requests' prompts packed into one forward (chunked prefill: a longer prompt is cut every that many tokens, so it delays running requests by at most one chunk per step). Default: 2048, vLLM's (--engine vllm: vLLM's own default).")] = None,
     max_waiting: Annotated[Optional[int], typer.Option("--max-waiting", help="Requests that may wait for a slot; beyond, new requests get HTTP 429. Default: no limit.")] = None,
     served_model_name: Annotated[Optional[str], typer.Option("--served-model-name", help="Model name clients send. Default: the --model value.")] = None,
     dtype: Annotated[Optional[str], typer.Option("--dtype", help="Weights and compute dtype: bfloat16 (fast on CPU) or float32. Default: bfloat16 (--engine vllm: vLLM's own default, auto).")] = None,

@@ -116,7 +116,7 @@ class Engine:
     """The engine thread: a KV-cache pool, a FIFO queue, and batched stepping (see module doc)."""
 
     def __init__(self, loaded: LoadedModel, spec: SpecConfig | None, max_model_len: int, max_num_seqs: int = 8,
-                 adaptive: bool = True, compile: bool = False, max_num_batched_tokens: int | None = 256,
+                 adaptive: bool = True, compile: bool = False, max_num_batched_tokens: int | None = 2048,
                  max_waiting: int | None = None):
         if max_num_seqs < 1:
             raise UsageError(f"--max-num-seqs must be >= 1, got {max_num_seqs}", "pass e.g. --max-num-seqs 8")

@@ -408,3 +408,49 @@ def test_prompts_over_the_models_context_are_refused_before_any_run(tiny_model_f
     with pytest.raises(UsageError, match=r"p\.jsonl line 1: the prompt is \d+ tokens, over the model's context of 64"):
         run_bench(short, [], [str(p)], None, SamplingParams(max_new_tokens=8))
     assert not generated
+
+
+# --------------------------------------------------------------------------- lockstep
+
+
+def test_lockstep_gives_each_method_what_one_after_the_other_gives(target, drafts, prompts):
+    """The methods in lockstep (a KV cache each) make the same tokens, drafts and acceptance as one after
+    the other on one cache: the steps are the same, only their order in time differs."""
+    cfgs = [SpecConfig(method="ngram", num_speculative_tokens=3).validated(), _draft(str(drafts["same"])),
+            SpecConfig.from_dict({"method": "hybrid", "proposers": [{"method": "ngram", "num_speculative_tokens": 3},
+                                                                   {"method": "draft_model", "model": str(drafts["same"]),
+                                                                    "num_speculative_tokens": 3}]})]
+    params = SamplingParams(max_new_tokens=12, stop_token_ids=target.stop_token_ids)
+    a = run_bench(target, cfgs, [prompts], None, params, adaptive=False, interleave="steps").rows()
+    b = run_bench(target, cfgs, [prompts], None, params, adaptive=False, interleave="prompts").rows()
+    keys = ("method", "new_tokens", "num_drafts", "num_draft_tokens", "num_accepted_tokens", "identical_to_baseline")
+    assert [{k: r[k] for k in keys} for r in a] == [{k: r[k] for k in keys} for r in b]
+    assert all(r["identical_to_baseline"] == 2 for r in a)
+    assert a[2]["num_drafts"] > 0  # the draft model drafted: its cache is its own in lockstep too
+
+
+def test_lockstep_times_each_method_by_its_own_steps_only(target):
+    """A method whose steps are slow does not slow the others' measured speed: each result's decode
+    time is the sum of its own steps, not the wall time of the round they took turns in."""
+    import time as _time
+
+    from specctl.bench.suite import lockstep
+    from specctl.runtime.decoder import SpecDecoder
+    from specctl.runtime.proposers.ngram import NgramProposer
+    from specctl.runtime.runner import TargetRunner
+
+    class SlowNgram(NgramProposer):  # a draft that costs 20 ms a step, whatever it drafts
+        def propose(self, requests, ks):
+            _time.sleep(0.02)
+            return super().propose(requests, ks)
+
+    runners = [TargetRunner(target.model, max_len=128) for _ in range(2)]
+    slow = SlowNgram(SpecConfig(method="ngram", num_speculative_tokens=3).validated(), max_model_len=128)
+    decs = [SpecDecoder(runners[0]), SpecDecoder(runners[0], slow, 3, adaptive=False)]
+    ids = target.tokenizer("abc abc abc abc")["input_ids"]
+    params = SamplingParams(max_new_tokens=10, ignore_eos=True)
+    plain, slowed = lockstep([(d, ids, params, None) for d in decs], runners)
+    assert plain.token_ids == slowed.token_ids == decs[0].generate(ids, params).token_ids
+    # every slow step is >= 20 ms; the plain steps between them are not charged any of it
+    assert slowed.decode_s >= 0.02 * slowed.num_steps
+    assert plain.decode_s < slowed.decode_s / 4

@@ -276,3 +276,22 @@ def test_a_step_that_also_reads_prompt_chunks_teaches_the_controller_no_costs(ti
     assert not b.prefilling and a.controller.costs == {} and dec._controller().costs == {}
     dec.step_batch([a, b])
     assert a.controller.costs and all(t < 30 for t in a.controller.costs)
+
+
+def test_a_step_reads_one_whole_chunk_and_more_prompts_only_while_it_holds_few_tokens(tiny_model):
+    """Prompts that arrive together: a step takes the first waiting chunk whole (up to
+    max_num_batched_tokens), and the next prompts' chunks only while it holds at most PACK_TOKENS
+    prompt tokens, first come first served (a prompt that would pass it waits, a shorter one behind
+    it rides along)."""
+    from specctl.runtime.scheduler import PACK_TOKENS
+
+    assert PACK_TOKENS == 256
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(6, 128, (n,), generator=g).tolist() for n in (120, 100, 300, 30)]
+    params = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    sched = Scheduler(_decoder(tiny_model, None), [TargetRunner(tiny_model, 480) for _ in range(4)],
+                      max_num_batched_tokens=2048)
+    results = sched.run([Request(p, params) for p in prompts])
+    # step 1: 120 + 100 + 30 (300 more would pass 256); step 2: the 300-token prompt whole, in one forward
+    assert [rows for _, rows in sched.trace if rows] == [120 + 100 + 30, 300]
+    assert [len(r.token_ids) for r in results] == [4] * 4
