@@ -514,9 +514,9 @@ def test_in_a_batch_an_unmeasured_model_part_reads_only_a_prompt_its_size_says_p
     prop.end_request(2)
     # alone too, once a plain step is measured, the same weighing (at one request, where a verification costs less)
     alone = c.plain_step_s(1) * (1 - 1 / c.best_value(1))
-    assert 4000 * READ_PRIOR * costly.draft_cost * 0.02 > 64 * alone
-    assert not reads(4, 4000, 1, new=64) and model.explorer is None  # 64 new tokens do not pay a document's reading
-    assert reads(5, 4000, 1) and model.explorer == 5  # 512 do
+    assert 512 * alone > 2000 * READ_PRIOR * costly.draft_cost * 0.02 > 64 * alone
+    assert not reads(4, 2000, 1, new=64) and model.explorer is None  # 64 new tokens do not pay a document's reading
+    assert reads(5, 2000, 1) and model.explorer == 5  # 512 do
 
 
 def test_alone_before_anything_is_measured_a_model_part_explores_on_a_prompt_whose_reading_is_a_small_share(target):
