@@ -439,8 +439,11 @@ def test_lockstep_times_each_method_by_its_own_steps_only(target):
     from specctl.runtime.proposers.ngram import NgramProposer
     from specctl.runtime.runner import TargetRunner
 
-    class SlowNgram(NgramProposer):  # a draft that costs 20 ms a step, whatever it drafts
+    class SlowNgram(NgramProposer):  # a draft that costs 20 ms a call, whatever it drafts
+        calls = 0
+
         def propose(self, requests, ks):
+            SlowNgram.calls += 1
             _time.sleep(0.02)
             return super().propose(requests, ks)
 
@@ -451,6 +454,6 @@ def test_lockstep_times_each_method_by_its_own_steps_only(target):
     params = SamplingParams(max_new_tokens=10, ignore_eos=True)
     plain, slowed = lockstep([(d, ids, params, None) for d in decs], runners)
     assert plain.token_ids == slowed.token_ids == decs[0].generate(ids, params).token_ids
-    # every slow step is >= 20 ms; the plain steps between them are not charged any of it
-    assert slowed.decode_s >= 0.02 * slowed.num_steps
+    # every slow call is >= 20 ms, all in the slowed one's steps; the plain steps between them are charged none of it
+    assert SlowNgram.calls >= 5 and slowed.decode_s >= 0.02 * SlowNgram.calls
     assert plain.decode_s < slowed.decode_s / 4
