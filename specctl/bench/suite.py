@@ -195,8 +195,7 @@ def run_bench(
     that does not load) is left out and reported there, instead of the error ending the run.
     ``interleave``: "steps" (the methods in lockstep, a KV cache each) or "prompts" (see the module docstring).
     """
-    if interleave not in ("steps", "prompts"):
-        raise UsageError(f"interleave must be steps or prompts, got {interleave!r}", "pass --interleave steps or --interleave prompts")
+    check_interleave(interleave)
     say = progress or (lambda advance, description, total=None: None)
     tok = loaded.tokenizer
     prompts: dict[str, list[tuple[Request, list[int]]]] = {}
@@ -407,9 +406,18 @@ def run_bench(
             if hasattr(g, "close"):
                 g.close()
     header = machine_header(loaded, params.max_new_tokens, params.temperature)
+    header["interleave"] = "steps" if lockstep_runners else "prompts"  # what ran, not only what was asked
     if sweep_k:
         header["sweep_k"] = list(dict.fromkeys(sweep_k))
     return BenchReport(header, runs_out, memory)
+
+
+INTERLEAVE = ("steps", "prompts")
+
+
+def check_interleave(interleave: str) -> None:
+    if interleave not in INTERLEAVE:
+        raise UsageError(f"--interleave must be steps or prompts, got {interleave!r}", "pass --interleave steps or --interleave prompts")
 
 
 def lockstep(jobs: list[tuple], runners: list[TargetRunner]) -> list[GenerationResult]:

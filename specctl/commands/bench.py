@@ -113,8 +113,9 @@ def bench(
                          "pass e.g. -n 4 (the default); a workload with fewer prompts runs all it has")
     if temperature < 0:
         raise UsageError(f"--temperature must be >= 0, got {temperature}", "use 0 for greedy")
-    if interleave not in ("steps", "prompts"):
-        raise UsageError(f"--interleave must be steps or prompts, got {interleave!r}", "pass --interleave steps or --interleave prompts")
+    from specctl.bench.suite import check_interleave
+
+    check_interleave(interleave)  # before the model loads
     workloads = workload or ["code-edit", "chat"]
     peers = tuple(peer or ())
     for p in peers:
@@ -216,7 +217,6 @@ def bench(
     report.header["draft_length"] = "fixed k" if fixed_k else "adaptive (up to k)"
     report.header["kernels"] = kernels
     report.header["reuse_prefill"] = reuse_prefill
-    report.header["interleave"] = "prompts" if reuse_prefill else interleave
 
     rows = report.rows()
     if csv_out:
