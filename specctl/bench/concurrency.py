@@ -17,6 +17,11 @@ built after the warm-up: nothing learnt at one N (a suffix tree of the earlier a
 prompts, pooled acceptance, measured costs) carries into the next. Prompts that do not fit the
 model's context with ``max_new_tokens`` are refused before anything runs.
 
+``interleave="steps"`` (the default): every configuration has a scheduler and N KV slots of its own,
+and they take one engine step each in turn (``lockstep``), so that a drift of a noisy machine hits all
+alike, step by step; each row's clock counts its own steps only (its wall time, TTFT from the queueing,
+ITL). ``interleave="prompts"``: one configuration after the other, on one set of KV slots.
+
 ``runs`` > 1: each N is measured in rounds, every configuration once a round in the same order (the
 baseline first), so a drift of the machine's speed (a shared host) falls on every configuration alike. A
 row's tok/s is the median over rounds (min and max beside it), its speedup the median of each round's
@@ -34,7 +39,8 @@ import torch
 
 from specctl.bench.memory import tensor_bytes
 from specctl.bench.labels import config_labels
-from specctl.bench.suite import BASELINE, _Proposers, check_context, machine_header, part_names, prompt_where
+from specctl.bench.suite import (BASELINE, _Proposers, check_context, check_interleave, machine_header, part_names,
+                                 prompt_where)
 from specctl.workloads import load_workload, render_prompt
 from specctl.config import SpecConfig
 from specctl.runtime.decoder import SamplingParams, SpecDecoder
@@ -48,52 +54,87 @@ def _pct(xs: list[float], q: float) -> float | None:
     return float(np.percentile(xs, q)) if xs else None
 
 
-def run_level(decoder: SpecDecoder, runners: list[TargetRunner], prompts: list[list[int]], params: SamplingParams,
-              seed: int, disable_by_batch_size: int | None = None, max_num_batched_tokens: int | None = 2048,
-              parts: list[str] = ()) -> dict:
-    """All prompts through a scheduler over ``runners``; returns the row's measures and outputs.
-    ``parts``: a hybrid's sub-proposer names, each in ``by_proposer`` even if it never drafted."""
-    sched = Scheduler(decoder, runners, disable_by_batch_size=disable_by_batch_size,
-                      max_num_batched_tokens=max_num_batched_tokens)
-    reqs = [Request(p, params, seed=None if params.greedy else seed + i) for i, p in enumerate(prompts)]
-    t0 = time.perf_counter()
-    for r in reqs:
-        r.t_arrival = t0
-        sched.add(r)
-    last: dict[str, float] = {}
-    ttft, itl = [], []
-    out = {r.id: None for r in reqs}
-    while not sched.idle:
-        for u in sched.step():
-            now = time.perf_counter()
+class LoadRun:
+    """One row's measurement: all ``prompts`` queued at once on a scheduler over ``runners``, stepped by
+    the caller. Its clock counts its own steps only (TTFT from the queueing at 0, ITL between a request's
+    token-bearing steps, the wall time), so that rows stepped in turn (``lockstep``) are each timed by
+    their own work. ``parts``: a hybrid's sub-proposer names, each in ``by_proposer`` even if it never drafted."""
+
+    def __init__(self, decoder: SpecDecoder, runners: list[TargetRunner], prompts: list[list[int]],
+                 params: SamplingParams, seed: int, disable_by_batch_size: int | None = None,
+                 max_num_batched_tokens: int | None = 2048, parts: list[str] = ()):
+        self.decoder = decoder
+        self.sched = Scheduler(decoder, runners, disable_by_batch_size=disable_by_batch_size,
+                               max_num_batched_tokens=max_num_batched_tokens)
+        self.reqs = [Request(p, params, seed=None if params.greedy else seed + i) for i, p in enumerate(prompts)]
+        for r in self.reqs:
+            r.t_arrival = 0.0
+            self.sched.add(r)
+        self.parts = list(parts)
+        self.clock = 0.0
+        self.last: dict[int, float] = {}
+        self.ttft: list[float] = []
+        self.itl: list[float] = []
+        self.out: dict = {r.id: None for r in self.reqs}
+
+    @property
+    def done(self) -> bool:
+        return self.sched.idle
+
+    def step(self) -> None:
+        t0 = time.perf_counter()
+        updates = self.sched.step()
+        self.clock += time.perf_counter() - t0
+        now = self.clock
+        for u in updates:
             if u.tokens:
                 rid = u.request.id
-                if rid not in last:
-                    ttft.append(now - u.request.t_arrival)
+                if rid not in self.last:
+                    self.ttft.append(now - u.request.t_arrival)
                 else:
-                    itl.append(now - last[rid])
-                last[rid] = now
+                    self.itl.append(now - self.last[rid])
+                self.last[rid] = now
             if u.finish is not None:
                 if u.error is not None:
                     raise RuntimeError(f"request failed in the batch: {u.error}")
-                out[u.request.id] = u.result
-    wall = time.perf_counter() - t0
-    results = [out[r.id] for r in reqs]
-    ntok = sum(len(r.token_ids) for r in results)
-    drafts = sum(r.stats.num_draft_tokens for r in results)
-    by_part: dict[str, SpecStats] = {n: SpecStats() for n in parts}
-    for r in results:
-        for name, s in r.by_proposer.items():
-            by_part[name] = by_part.get(name, SpecStats()).merge(s)
-    acc = sum(r.stats.num_accepted_tokens for r in results)
-    return {
-        "tokens": ntok, "wall_s": wall, "tokens_per_s": ntok / wall if wall > 0 else 0.0,
-        "ttft_p50_s": _pct(ttft, 50), "ttft_p99_s": _pct(ttft, 99), "itl_p50_s": _pct(itl, 50), "itl_p99_s": _pct(itl, 99),
-        "mean_batch": float(np.mean(sched.batch_sizes)) if sched.batch_sizes else 0.0, "steps": sched.steps,
-        "acceptance_rate": acc / drafts if drafts else None, "num_draft_tokens": drafts,
-        "by_proposer": {n: s.to_dict() for n, s in by_part.items()},
-        "outputs": [r.token_ids for r in results],
-    }
+                self.out[u.request.id] = u.result
+
+    def result(self) -> dict:
+        results = [self.out[r.id] for r in self.reqs]
+        wall, sched = self.clock, self.sched
+        ntok = sum(len(r.token_ids) for r in results)
+        drafts = sum(r.stats.num_draft_tokens for r in results)
+        by_part: dict[str, SpecStats] = {n: SpecStats() for n in self.parts}
+        for r in results:
+            for name, s in r.by_proposer.items():
+                by_part[name] = by_part.get(name, SpecStats()).merge(s)
+        acc = sum(r.stats.num_accepted_tokens for r in results)
+        return {
+            "tokens": ntok, "wall_s": wall, "tokens_per_s": ntok / wall if wall > 0 else 0.0,
+            "ttft_p50_s": _pct(self.ttft, 50), "ttft_p99_s": _pct(self.ttft, 99),
+            "itl_p50_s": _pct(self.itl, 50), "itl_p99_s": _pct(self.itl, 99),
+            "mean_batch": float(np.mean(sched.batch_sizes)) if sched.batch_sizes else 0.0, "steps": sched.steps,
+            "acceptance_rate": acc / drafts if drafts else None, "num_draft_tokens": drafts,
+            "by_proposer": {n: s.to_dict() for n, s in by_part.items()},
+            "outputs": [r.token_ids for r in results],
+        }
+
+
+def lockstep(runs: list[LoadRun]) -> list[dict]:
+    """Step each unfinished run once in turn until all are done; each one's times are its own steps'."""
+    while not all(r.done for r in runs):
+        for r in runs:
+            if not r.done:
+                r.step()
+    return [r.result() for r in runs]
+
+
+def run_level(decoder: SpecDecoder, runners: list[TargetRunner], prompts: list[list[int]], params: SamplingParams,
+              seed: int, disable_by_batch_size: int | None = None, max_num_batched_tokens: int | None = 2048,
+              parts: list[str] = ()) -> dict:
+    """All prompts through a scheduler over ``runners``, alone; returns the row's measures and outputs."""
+    return lockstep([LoadRun(decoder, runners, prompts, params, seed, disable_by_batch_size,
+                             max_num_batched_tokens, parts)])[0]
 
 
 def forward_roof(runners: list[TargetRunner], n: int, context: int = 64, reps: int = 5) -> float:
@@ -125,8 +166,12 @@ def forward_roof(runners: list[TargetRunner], n: int, context: int = 64, reps: i
 
 def run_concurrency(loaded: LoadedModel, configs: list[SpecConfig], workloads: list[str], num_prompts: int,
                     params: SamplingParams, levels: list[int], seed: int = 0, adaptive: bool = True,
-                    progress=None, max_num_batched_tokens: int | None = 2048, runs: int = 1) -> tuple[dict, list[dict]]:
-    """(header, rows): one row per workload x N x configuration (the baseline first)."""
+                    progress=None, max_num_batched_tokens: int | None = 2048, runs: int = 1,
+                    interleave: str = "steps") -> tuple[dict, list[dict]]:
+    """(header, rows): one row per workload x N x configuration (the baseline first).
+    ``interleave``: "steps" (every configuration's scheduler on N KV slots of its own, one engine step
+    each in turn, ``lockstep``) or "prompts" (one configuration after the other)."""
+    check_interleave(interleave)
     say = progress or (lambda advance, description, total=None: None)
     tok = loaded.tokenizer
     top = max(levels)
@@ -136,22 +181,27 @@ def run_concurrency(loaded: LoadedModel, configs: list[SpecConfig], workloads: l
                   params.max_new_tokens)
     max_k = max([c.num_speculative_tokens for c in configs], default=0)
     max_len = max(len(p) for ps in prompts.values() for p in ps) + params.max_new_tokens + max_k + 8
-    runners = [TargetRunner(loaded.model, max_len) for _ in range(top)]
-    proposers = _Proposers(loaded, max_len)
     labels = [BASELINE] + config_labels(configs)
     spec = [None] + configs
+    stepped = interleave == "steps" and len(spec) > 1
+    # N KV slots per configuration in lockstep (allocated, touched only as far as a prompt reaches)
+    sets = [[TargetRunner(loaded.model, max_len) for _ in range(top)] for _ in (spec if stepped else spec[:1])]
+    runners = sets[0]
+    every_runner = tuple(r for rs in sets for r in rs)
+    proposers = _Proposers(loaded, max_len)
 
-    def decoder(c: SpecConfig | None) -> SpecDecoder:
+    def decoder(c: SpecConfig | None, rs: list[TargetRunner]) -> SpecDecoder:
         """A fresh decoder and proposer (draft weights stay shared): no state from an earlier measurement."""
         if c is None:
-            return SpecDecoder(runners[0])
-        return SpecDecoder(runners[0], proposers.build(c), c.num_speculative_tokens, adaptive=adaptive)
+            return SpecDecoder(rs[0])
+        return SpecDecoder(rs[0], proposers.build(c), c.num_speculative_tokens, adaptive=adaptive)
 
     say(0, "warm-up", len(workloads) * len(levels) * len(spec) * runs)
     warm = [p[:32] for p in next(iter(prompts.values()))[:top]]
-    for c in spec:  # first-call costs (allocator, numba kernels, the batched shapes' kernels) stay out of
-        # the first row: each configuration runs a short batch of `top` on a decoder then thrown away
-        run_level(decoder(c), runners[:top], warm, replace(params, max_new_tokens=8), seed)
+    for i, c in enumerate(spec):  # first-call costs (allocator, numba kernels, the batched shapes' kernels)
+        # stay out of the first row: each configuration runs a short batch of `top` on a decoder then thrown away
+        rs = sets[i if stepped else 0]
+        run_level(decoder(c, rs), rs[:top], warm, replace(params, max_new_tokens=8), seed)
     say(0, "measuring the forward's roof")
     roof = {n: forward_roof(runners, n) for n in sorted(levels)}
     rows = []
@@ -161,15 +211,29 @@ def run_concurrency(loaded: LoadedModel, configs: list[SpecConfig], workloads: l
             measured: dict[str, list[dict]] = {label: [] for label in labels}
             mem: dict[str, float] = {}
             for r in range(runs):
-                for label, c in zip(labels, spec):
-                    what = f"{w} · {n} concurrent · {label}" + (f" · round {r + 1} of {runs}" if runs > 1 else "")
+                rnd = f" · round {r + 1} of {runs}" if runs > 1 else ""
+                # each N starts fresh: N=2 must not replay N=1's answers from a suffix cache
+                decs = [decoder(c, sets[i if stepped else 0]) for i, c in enumerate(spec)]
+
+                def load(i: int) -> LoadRun:
+                    c = spec[i]
+                    return LoadRun(decs[i], sets[i if stepped else 0][:n], prompts[w], params, seed,
+                                   None if c is None else c.disable_by_batch_size, max_num_batched_tokens, part_names(c))
+
+                if stepped:
+                    what = f"{w} · {n} concurrent · every configuration in lockstep{rnd}"
                     say(0, what)
-                    dec = decoder(c)  # each N starts fresh: N=2 must not replay N=1's answers from a suffix cache
-                    measured[label].append(run_level(dec, runners[:n], prompts[w], params, seed,
-                                                     None if c is None else c.disable_by_batch_size,
-                                                     max_num_batched_tokens, part_names(c)))
-                    mem[label] = tensor_bytes(dec.proposer, (loaded.model, *runners)) / 2**20
-                    say(1, what)
+                    for label, m in zip(labels, lockstep([load(i) for i in range(len(spec))])):
+                        measured[label].append(m)
+                    say(len(spec), what)
+                else:
+                    for i, label in enumerate(labels):
+                        what = f"{w} · {n} concurrent · {label}{rnd}"
+                        say(0, what)
+                        measured[label].append(lockstep([load(i)])[0])
+                        say(1, what)
+                for label, dec in zip(labels, decs):  # after the run: a draft model's caches grow as it reads
+                    mem[label] = tensor_bytes(dec.proposer, (loaded.model, *every_runner)) / 2**20
             base = measured[BASELINE]
             base_at[n] = float(np.median([m["tokens_per_s"] for m in base]))
             for label, c in zip(labels, spec):
@@ -196,5 +260,6 @@ def run_concurrency(loaded: LoadedModel, configs: list[SpecConfig], workloads: l
     header = machine_header(loaded, params.max_new_tokens, params.temperature)
     header.update({"concurrency": sorted(levels),
                    "max_num_batched_tokens": max_num_batched_tokens, "runs": runs,
+                   "interleave": "steps" if stepped else "prompts",
                    "draft_length": "adaptive (up to k)" if adaptive else "fixed k"})
     return header, rows

@@ -84,7 +84,7 @@ def bench(
     fixed_k: Annotated[bool, typer.Option("--fixed-k", help="Always draft k tokens (default: adapt the draft length per request to what pays).")] = False,
     compile: Annotated[bool, typer.Option("--compile", help="Run one-token decode steps through torch.compile (float32, or a GPU with CUDA graphs; bf16 on CPU already runs a fused C++ step).")] = False,
     reuse_prefill: Annotated[bool, typer.Option("--reuse-prefill", help="Prefill each prompt once, for the baseline, and let every method take its keys/values over (a 16k-token prompt takes minutes on a CPU); the methods' TTFT then counts no prefill. Methods that read the target's prompt states (Medusa, EAGLE, MTP) prefill as usual.")] = False,
-    interleave: Annotated[str, typer.Option("--interleave", help="steps (default): every method decodes each prompt in lockstep, one step each in turn, each with a KV cache of its own, so a noisy machine's drifts hit all alike; prompts: one method after the other per prompt (one KV cache; always so with --reuse-prefill).")] = "steps",
+    interleave: Annotated[str, typer.Option("--interleave", help="steps (default): every method decodes each prompt in lockstep, one step each in turn, each with a KV cache of its own, so a noisy machine's drifts hit all alike; prompts: one method after the other per prompt (one KV cache; always so with --reuse-prefill). With --concurrency: every configuration's engine steps in turn, N KV slots each, or one configuration after the other.")] = "steps",
     sweep_k: Annotated[Optional[str], typer.Option("--sweep-k", help="Comma-separated k values (e.g. 2,4,8): run every configuration at each k (overriding its own) and report the best k per method and workload (table; 'best_k' in --json).")] = None,
     concurrency: Annotated[Optional[list[int]], typer.Option("--concurrency", "-c", help="Measure aggregate throughput with N requests decoding together (repeatable, e.g. -c 1 -c 8): all prompts queued at once through the continuous-batching engine with N KV slots; reports total tok/s, speedup over plain at the same N, scaling over plain at N=1, TTFT and inter-token latency.")] = None,
     max_num_batched_tokens: Annotated[int, typer.Option("--max-num-batched-tokens", help="With --concurrency: prompt tokens one engine step may carry (chunked prefill, as serve).")] = 2048,
@@ -193,7 +193,7 @@ def bench(
 
     if levels:
         _bench_concurrency(loaded, configs, workloads, num_prompts, params, levels, seed, not fixed_k, json_out, err,
-                           max_num_batched_tokens, kernels, runs)
+                           max_num_batched_tokens, kernels, runs, interleave)
         return
     with Progress(TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), console=err, transient=True, disable=not err.is_terminal) as prog:
@@ -257,7 +257,7 @@ def check_output(csv_out: str | None, plot: str | None) -> None:
 
 
 def _bench_concurrency(loaded, configs, workloads, num_prompts, params, levels, seed, adaptive, json_out, err,
-                       max_num_batched_tokens, kernels, runs: int = 1) -> None:
+                       max_num_batched_tokens, kernels, runs: int = 1, interleave: str = "steps") -> None:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from specctl.bench.concurrency import run_concurrency
@@ -273,7 +273,8 @@ def _bench_concurrency(loaded, configs, workloads, num_prompts, params, levels, 
 
         header, rows = run_concurrency(loaded, configs, workloads, num_prompts, params, levels, seed,
                                        adaptive=adaptive, progress=progress,
-                                       max_num_batched_tokens=max_num_batched_tokens, runs=runs)
+                                       max_num_batched_tokens=max_num_batched_tokens, runs=runs,
+                                       interleave=interleave)
     header["kernels"] = kernels
     if json_out:
         typer.echo(json.dumps({"header": header, "results": rows}, indent=2))

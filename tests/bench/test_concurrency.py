@@ -73,18 +73,72 @@ def test_rounds_run_every_configuration_once_a_round_and_take_medians_of_ratios(
     speeds = iter([10.0, 12.0, 5.0, 6.5, 10.0, 11.0])
     order = []
 
-    def fake(dec, runners, prompts, params, seed, *rest):
-        order.append("plain" if dec.proposer is None else dec.proposer.method)
-        return {"tokens_per_s": next(speeds) if len(order) > 2 else 1.0, "outputs": [[1, 2]], "steps": 3}
+    def fake(runs):
+        out = []
+        for run in runs:
+            order.append("plain" if run.decoder.proposer is None else run.decoder.proposer.method)
+            out.append({"tokens_per_s": next(speeds) if len(order) > 2 else 1.0, "outputs": [[1, 2]], "steps": 3})
+        return out
 
-    real = concurrency.run_level
-    monkeypatch.setattr(concurrency, "run_level", fake)
-    _, rows = run_concurrency(target, configs, [str(p)], 1, SamplingParams(max_new_tokens=6), [1], runs=3)
-    assert order[2:] == ["plain", "ngram"] * 3  # after the two warm-up runs: plain first in each round
-    ng = _row(rows, 1, "ngram")
-    assert ng["runs"] == 3 and ng["tokens_per_s"] == 11.0 and (ng["tokens_per_s_min"], ng["tokens_per_s_max"]) == (6.5, 12.0)
-    assert ng["speedup"] == pytest.approx(1.2)  # the median ratio, not the medians' 11 / 10
-    assert ng["identical_to_baseline"] == 1
-    monkeypatch.setattr(concurrency, "run_level", real)
+    real = concurrency.lockstep
+    monkeypatch.setattr(concurrency, "lockstep", fake)
+    for interleave in ("prompts", "steps"):
+        order.clear()
+        speeds = iter([10.0, 12.0, 5.0, 6.5, 10.0, 11.0])
+        _, rows = run_concurrency(target, configs, [str(p)], 1, SamplingParams(max_new_tokens=6), [1], runs=3,
+                                  interleave=interleave)
+        assert order[2:] == ["plain", "ngram"] * 3  # after the two warm-up runs: plain first in each round
+        ng = _row(rows, 1, "ngram")
+        assert ng["runs"] == 3 and ng["tokens_per_s"] == 11.0 and (ng["tokens_per_s_min"], ng["tokens_per_s_max"]) == (6.5, 12.0)
+        assert ng["speedup"] == pytest.approx(1.2)  # the median ratio, not the medians' 11 / 10
+        assert ng["identical_to_baseline"] == 1
+    monkeypatch.setattr(concurrency, "lockstep", real)
     _, rows = run_concurrency(target, configs, [str(p)], 1, SamplingParams(max_new_tokens=6), [1], runs=2)
     assert _row(rows, 1, "ngram")["runs"] == 2 and _row(rows, 1, "ngram")["identical_to_baseline"] == 1
+
+
+def test_lockstep_under_load_gives_what_one_configuration_after_the_other_gives(target, tmp_path):
+    """Every configuration's engine on KV slots of its own, one step each in turn: the same outputs, drafts
+    and acceptance as running them one after the other (the steps are the same, only their order in time differs)."""
+    p = tmp_path / "p.jsonl"
+    p.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in ("a b c a b c a b", "the quick brown fox", "zq wx ab zq wx")))
+    configs = [SpecConfig(method="ngram", num_speculative_tokens=3).validated(),
+               SpecConfig.from_dict({"method": "hybrid", "proposers": [NEVER, {"method": "suffix", "num_speculative_tokens": 3}]})]
+    params = SamplingParams(max_new_tokens=20, stop_token_ids=target.stop_token_ids)
+    ha, a = run_concurrency(target, configs, [str(p)], 3, params, [2], adaptive=False, interleave="steps")
+    hb, b = run_concurrency(target, configs, [str(p)], 3, params, [2], adaptive=False, interleave="prompts")
+    assert (ha["interleave"], hb["interleave"]) == ("steps", "prompts")
+    keys = ("method", "tokens", "num_draft_tokens", "acceptance_rate", "identical_to_baseline", "steps")
+    assert [{k: r[k] for k in keys} for r in a] == [{k: r[k] for k in keys} for r in b]
+    assert all(r["identical_to_baseline"] == 3 for r in a) and a[1]["num_draft_tokens"] > 0
+
+
+def test_lockstep_under_load_times_each_row_by_its_own_steps_only(target):
+    """A configuration whose steps are slow does not slow the others' measured throughput, TTFT or ITL:
+    each row's clock is the sum of its own engine steps, not the wall time of the rounds they took turns in."""
+    import time as _time
+
+    from specctl.bench.concurrency import LoadRun, lockstep
+    from specctl.runtime.decoder import SpecDecoder
+    from specctl.runtime.proposers.ngram import NgramProposer
+    from specctl.runtime.runner import TargetRunner
+
+    class SlowNgram(NgramProposer):  # a draft that costs 20 ms a call, whatever it drafts
+        calls = 0
+
+        def propose(self, requests, ks):
+            SlowNgram.calls += 1
+            _time.sleep(0.02)
+            return super().propose(requests, ks)
+
+    sets = [[TargetRunner(target.model, max_len=128) for _ in range(2)] for _ in range(2)]
+    slow = SlowNgram(SpecConfig(method="ngram", num_speculative_tokens=3).validated(), max_model_len=128)
+    decs = [SpecDecoder(sets[0][0]), SpecDecoder(sets[1][0], slow, 3, adaptive=False)]
+    prompts = [target.tokenizer(t)["input_ids"] for t in ("abc abc abc abc", "one two one two", "x y z")]
+    params = SamplingParams(max_new_tokens=10, ignore_eos=True)
+    plain, slowed = lockstep([LoadRun(d, rs, prompts, params, 0) for d, rs in zip(decs, sets)])
+    assert plain["outputs"] == slowed["outputs"]
+    assert SlowNgram.calls >= 5 and slowed["wall_s"] >= 0.02 * SlowNgram.calls
+    # the plain steps between the slow ones are charged none of them
+    assert plain["wall_s"] < slowed["wall_s"] / 4 and plain["ttft_p99_s"] <= plain["wall_s"]
+    assert plain["itl_p99_s"] < 0.02 <= slowed["itl_p99_s"]
