@@ -31,7 +31,13 @@ then ``/work/vllm-venv/bin/pip uninstall -y torchvision torchaudio torchcodec`` 
   SPECCTL_VLLM_PYTHON=/work/vllm-venv/bin/python python benchmarks/vllm_interop.py --out /tmp/interop
 
 Options: --model, --drafts medusa,eagle,eagle3,mtp, --steps, --num-prompts, --max-new-tokens, -k, --json,
---reuse (keep drafts already trained in --out). Exit status 0 when every draft loaded and was
+--reuse (keep drafts already trained in --out). ``--draft KIND=FOLDER`` (repeatable) checks drafts trained
+elsewhere (a recipe's export) instead of training any, and ``--workload NAME`` (repeatable: bench's
+workloads, e.g. chat and humaneval, or a .jsonl) takes the prompts from there, ``--num-prompts`` of each:
+
+  python benchmarks/vllm_interop.py --model qwen2.5-coder-0.5b --draft eagle3=runs/q05-eagle3/export \
+      --workload chat --workload humaneval --num-prompts 4 --max-new-tokens 96 --no-serve --out interop-q05
+ Exit status 0 when every draft loaded and was
 greedy-equal, 1 otherwise. Acceptance agreement is reported, not asserted: vLLM's and specctl's bf16
 kernels round differently, and a near-tie in the target's logits can flip a draft's acceptance.
 """
@@ -170,6 +176,27 @@ def specctl_cli(*args: str, log) -> subprocess.CompletedProcess:
     return r
 
 
+def draft_config(kind: str, folder: Path, k: int) -> dict:
+    """The speculative config (as specctl takes it) for a draft of ``kind`` in ``folder``."""
+    if kind not in DRAFTS:
+        raise SystemExit(f"unknown draft {kind}: use {', '.join(DRAFTS)}")
+    # vLLM's MiMo MTP drafts one token per step (module 0); specctl's k would draft deeper
+    return {"method": kind, "model": str(folder), "num_speculative_tokens": 1 if kind == "mtp" else k}
+
+
+def given_drafts(specs: list[str]) -> dict:
+    """{kind: config} from ``--draft KIND=FOLDER`` arguments: exports trained elsewhere."""
+    made = {}
+    for spec in specs:
+        kind, sep, folder = spec.partition("=")
+        path = Path(folder).expanduser().resolve()
+        if not sep or not (path / "config.json").is_file():
+            raise SystemExit(f"--draft {spec}: expected KIND=FOLDER with a config.json in FOLDER "
+                             f"(e.g. --draft eagle3=runs/q05-eagle3/export)")
+        made[kind.strip()] = path
+    return made
+
+
 def train_drafts(target: str, data: Path, out: Path, drafts: list[str], steps: int, k: int, reuse: bool, log) -> dict:
     """{draft kind: (folder, speculative config as specctl takes it)} trained through the CLI."""
     common = ["-m", target, "--data", str(data), "--steps", str(steps), "--seq-len", "256", "--batch-size", "4",
@@ -179,18 +206,15 @@ def train_drafts(target: str, data: Path, out: Path, drafts: list[str], steps: i
         if kind == "medusa":
             folder = out / "medusa"
             cmd = ["train-medusa", *common, "--num-heads", str(k), "-o", str(folder)]
-            cfg = {"method": "medusa", "model": str(folder), "num_speculative_tokens": k}
         elif kind in ("eagle", "eagle3"):
             folder = out / f"smollm2-{kind}"
             cmd = ["train-eagle", *common, "--version", "3" if kind == "eagle3" else "1", "-o", str(folder)]
-            cfg = {"method": kind, "model": str(folder), "num_speculative_tokens": k}
         elif kind == "mtp":
             folder = out / "mtp"
             cmd = ["train-mtp", *common, "--depth", "1", "--layout", "mimo", "-o", str(folder)]
-            # vLLM's MiMo MTP drafts one token per step (module 0); specctl's k would draft deeper
-            cfg = {"method": "mtp", "model": str(folder), "num_speculative_tokens": 1}
         else:
             raise SystemExit(f"unknown draft {kind}: use {', '.join(DRAFTS)}")
+        cfg = draft_config(kind, folder, k)
         if not (reuse and (folder / "config.json").is_file()):
             t0 = time.perf_counter()
             specctl_cli(*cmd, log=log)
@@ -199,22 +223,25 @@ def train_drafts(target: str, data: Path, out: Path, drafts: list[str], steps: i
     return made
 
 
-def specctl_bench(target: str, cfg: dict, prompts_file: Path, n: int, max_new: int, csv_path: Path, log,
+def specctl_bench(target: str, cfg: dict, workloads: list[str], n: int, max_new: int, csv_path: Path, log,
                   dtype: str = "bfloat16") -> dict:
-    specctl_cli("bench", "--model", target, "--speculative-config", json.dumps(cfg), "-w", str(prompts_file),
-                "-n", str(n), "--max-new-tokens", str(max_new), "--fixed-k", "--dtype", dtype, "--csv", str(csv_path),
-                "--json", log=log)
+    """``specctl bench --fixed-k`` of ``cfg`` on ``n`` prompts of each workload; its counts summed over them."""
+    specctl_cli("bench", "--model", target, "--speculative-config", json.dumps(cfg),
+                *[a for w in workloads for a in ("-w", w)], "-n", str(n), "--max-new-tokens", str(max_new),
+                "--fixed-k", "--dtype", dtype, "--csv", str(csv_path), "--json", log=log)
     import csv
 
     rows = [r for r in csv.DictReader(csv_path.open()) if r["method"] != "baseline" and not r.get("error")]
     spec_rows = [r for r in rows if int(r.get("num_draft_tokens") or 0) > 0 or r["method"] == cfg["method"]]
     if not spec_rows:
         return {}
-    r = spec_rows[-1]
-    drafts, dt, acc = int(r["num_drafts"] or 0), int(r["num_draft_tokens"] or 0), int(r["num_accepted_tokens"] or 0)
+    drafts, dt, acc = (sum(int(r[key] or 0) for r in spec_rows)
+                       for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"))
+    same = [r.get("identical_to_baseline") for r in spec_rows]
     return {"num_drafts": drafts, "num_draft_tokens": dt, "num_accepted_tokens": acc,
             "acceptance_rate": acc / dt if dt else 0.0, "mean_acceptance_length": 1 + acc / drafts if drafts else 1.0,
-            "identical_to_baseline": r.get("identical_to_baseline")}
+            "identical_to_baseline": (str(sum(int(x) for x in same)) if all(str(x or "").isdigit() for x in same)
+                                      else ",".join(map(str, same)))}
 
 
 def serve_check(target: str, out: Path, log, timeout: float = 600.0) -> dict:
@@ -297,11 +324,15 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--model", default="smollm2-135m", help="target: a local HF folder or a catalogue name")
-    ap.add_argument("--drafts", default=",".join(DRAFTS))
+    ap.add_argument("--drafts", default=",".join(DRAFTS), help="the kinds to train and check")
+    ap.add_argument("--draft", action="append", default=[], metavar="KIND=FOLDER",
+                    help="check this export instead of training (repeatable), e.g. eagle3=runs/q05-eagle3/export")
+    ap.add_argument("--workload", "-w", action="append", default=[],
+                    help="prompts from this bench workload or .jsonl (repeatable; default: the script's own 8)")
     ap.add_argument("--steps", type=int, default=4, help="training steps per draft")
     ap.add_argument("--data", help="training text (default: specctl's own sources, the first --data-chars)")
     ap.add_argument("--data-chars", type=int, default=60000)
-    ap.add_argument("--num-prompts", type=int, default=4)
+    ap.add_argument("--num-prompts", type=int, default=4, help="prompts (of each --workload)")
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("-k", type=int, default=3, help="draft tokens per step (MTP: 1, what vLLM's MiMo MTP runs)")
     ap.add_argument("--out", default="vllm-interop", help="folder for drafts, logs and results.json")
@@ -330,17 +361,23 @@ def main(argv: list[str] | None = None) -> int:
         root = Path(__file__).resolve().parent.parent / "specctl"
         text = "\n\n".join(p.read_text() for p in sorted(root.rglob("*.py")))
         data.write_text(text[: args.data_chars])  # small: train-mtp computes the target's states of all of it first
-    drafts = [d.strip() for d in args.drafts.split(",") if d.strip()]
-    configs = train_drafts(target, data, out, drafts, args.steps, args.k, args.reuse, log)
+    if args.draft:
+        configs = {kind: draft_config(kind, folder, args.k) for kind, folder in given_drafts(args.draft).items()}
+    else:
+        drafts = [d.strip() for d in args.drafts.split(",") if d.strip()]
+        configs = train_drafts(target, data, out, drafts, args.steps, args.k, args.reuse, log)
 
-    prompts_file = out / "prompts.jsonl"
-    prompts_file.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS[: args.num_prompts]))
+    workloads = args.workload
+    if not workloads:
+        prompts_file = out / "prompts.jsonl"
+        prompts_file.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS[: args.num_prompts]))
+        workloads = [str(prompts_file)]
     from transformers import AutoTokenizer
 
     from specctl.runtime.loading import stop_token_ids
 
     tok = AutoTokenizer.from_pretrained(target)
-    reqs = load_workload(str(prompts_file), args.num_prompts)
+    reqs = [r for w in workloads for r in load_workload(w, args.num_prompts)]  # what bench -w ... -n runs
     prompt_ids = [render_prompt(tok, r) for r in reqs]
     stops = sorted(stop_token_ids(Path(target), tok))
     job = {"model": target, "prompts": prompt_ids, "max_new_tokens": args.max_new_tokens, "stop_token_ids": stops,
@@ -352,9 +389,10 @@ def main(argv: list[str] | None = None) -> int:
         log(f"vLLM could not run the target itself: {plain.get('error')}")
         return 1
     installed = set(plain.get("spec_fields", [])) - VLLM_INTERNAL_FIELDS  # config objects vLLM fills itself
-    results = {"target": target, "dtype": args.dtype, "vllm_version": plain.get("vllm_version"), "cpu": cpu_name(),
+    results = {"target": target, "dtype": args.dtype, "workloads": workloads, "vllm_version": plain.get("vllm_version"), "cpu": cpu_name(),
                "cores": os.cpu_count(),
-               "prompts": len(prompt_ids), "max_new_tokens": args.max_new_tokens, "steps": args.steps,
+               "prompts": len(prompt_ids), "max_new_tokens": args.max_new_tokens,
+               "steps": None if args.draft else args.steps,
                "schema": {"recorded_for": VLLM_VERSION_RECORDED,
                           "missing_from_installed": sorted(VLLM_SPECULATIVE_CONFIG_FIELDS - installed),
                           "new_in_installed": sorted(installed - VLLM_SPECULATIVE_CONFIG_FIELDS)},
@@ -382,7 +420,7 @@ def main(argv: list[str] | None = None) -> int:
             row["vllm_load_s"], row["vllm_generate_s"] = r.get("load_s"), r.get("generate_s")
         log(f"specctl bench: {kind}")
         try:
-            row["specctl"] = specctl_bench(target, cfg, prompts_file, len(prompt_ids), args.max_new_tokens,
+            row["specctl"] = specctl_bench(target, cfg, workloads, args.num_prompts, args.max_new_tokens,
                                            out / f"bench-{kind}-{args.dtype}.csv", log, args.dtype)
         except SystemExit as e:
             row["specctl"] = {"error": str(e)[-500:]}
@@ -402,7 +440,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def render(res: dict) -> str:
     lines = [f"target {res['target']} ({res.get('dtype')})  vLLM {res['vllm_version']}  CPU {res['cpu']} ({res['cores']} cores)  "
-             f"{res['prompts']} prompts x {res['max_new_tokens']} tokens, drafts trained {res['steps']} steps",
+             f"{res['prompts']} prompts x {res['max_new_tokens']} tokens, "
+             + (f"drafts trained {res['steps']} steps" if res.get("steps") else "drafts given")
+             + (f"; prompts from {', '.join(Path(w).name for w in res['workloads'])}" if res.get("workloads") else ""),
              f"schema: recorded for vLLM {res['schema']['recorded_for']}; missing from the installed vLLM: "
              f"{res['schema']['missing_from_installed'] or 'none'}; new there: {res['schema']['new_in_installed'] or 'none'}",
              f"{'draft':8} {'loaded':6} {'greedy=':7} {'vLLM acc.rate':>13} {'specctl acc.rate':>16} "
