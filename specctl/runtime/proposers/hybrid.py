@@ -146,14 +146,16 @@ class _Part:
         d = c.draft_len(batch, clock)
         if d <= 0:
             return 0, 0.0, 0.0
-        extra = self.catch_up_steps(backlog, catch_up_s)
+        extra = self.catch_up_steps(backlog, catch_up_s, batch)
         return d, c.expected_tokens(d) / (c.cost(d + 1, batch) + extra), extra
 
-    def catch_up_steps(self, backlog: int, catch_up_s: float | None) -> float:
-        """Its catching up on ``backlog`` context tokens, in plain steps: ``catch_up_s`` as the part
-        measured it, else estimated (a context token as a quarter of a drafting call's per-token time,
-        or, before it ever drafted, READ_PRIOR of a draft token's cost hint); inf where a plain step
-        is unmeasured and the backlog is more than a few tokens."""
+    def catch_up_steps(self, backlog: int, catch_up_s: float | None, batch: int = 1) -> float:
+        """Its catching up on ``backlog`` context tokens, in the request's plain steps among ``batch``:
+        ``catch_up_s`` as the part measured it, else estimated (a context token as a quarter of a drafting
+        call's per-token time, or, before it ever drafted, READ_PRIOR of a draft token's cost hint); inf
+        where a plain step is unmeasured and the backlog is more than a few tokens. In a batch the
+        catching up stalls the whole step, where the request's share of a plain step is a / B + b
+        (``plain_step_s``): the same seconds are more of its steps than alone."""
         if backlog <= 0:
             return 0.0
         fit = self.acceptance._slope()
@@ -163,7 +165,7 @@ class _Part:
         if catch_up_s is None:
             catch_up_s = (self.draft_s / (4 * self.acceptance.k) * backlog if self.draft_s is not None
                           else self.acceptance.reading_estimate(backlog))
-        return catch_up_s / one
+        return catch_up_s / (self.acceptance.plain_step_s(batch) or one)
 
     def pays(self) -> bool:
         """Whether it would draft now with nothing to catch up (unmeasured: yes, so it gets measured)."""
@@ -393,7 +395,8 @@ class HybridProposer(Proposer):
             if c._draft_cost() is None:
                 # tried once a plain step is measured (every cost is relative to it: in a batch whose steps all
                 # carry prompt chunks, nothing is, and a draft tried there would be weighed by nothing)
-                if c._slope() is not None and part.catch_up_steps(sub.backlog(slot), sub.catch_up_seconds(slot)) <= EXPLORE_CATCH_UP:
+                catch_up = part.catch_up_steps(sub.backlog(slot), sub.catch_up_seconds(slot), batch)
+                if c._slope() is not None and catch_up <= EXPLORE_CATCH_UP:
                     scored.append((float("inf"), i, min(k, self.ks[i])))
                 continue
             d, v, extra = part.value(slot, sub.backlog(slot), sub.catch_up_seconds(slot), batch, self._clock)

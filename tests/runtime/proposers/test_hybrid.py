@@ -567,3 +567,25 @@ def test_a_model_part_must_beat_what_the_request_s_lookup_has_been_giving(target
     assert prop.parts[1].acceptance.best_value() > 1.0  # the model beats a plain step
     assert [i for i, _ in prop._order(4, 0)] == [0]  # not n-gram's record on request 0
     assert prop._order(4, 1)[0][0] == 1  # but on request 1, first
+
+
+def test_in_a_batch_catching_up_weighs_in_the_request_s_share_of_a_step(target, folders):
+    """A part's catching up stalls the whole step, so in a batch of B it counts in the request's share of a plain
+    step (a / B + b), not in a step alone: the same seconds weigh more, and an unmeasured model part that would be
+    tried alone (catching up within EXPLORE_CATCH_UP steps) is not tried among 8 requests."""
+    from specctl.runtime.proposers.hybrid import EXPLORE_CATCH_UP
+
+    prop = build_proposer(hybrid(folders[1], policy="score"), MAX_LEN, target=target)
+    part, sub = prop.parts[1], prop.subs[1]
+    for _ in range(3):  # a step of one row 50 ms, each further row 2 ms: a request's share among 8 is 8 ms
+        part.acceptance.observe_costs(0, 1, 0.05)
+        part.acceptance.observe_costs(0, 5, 0.058)
+    assert part.acceptance._draft_cost() is None  # the model part has not drafted yet
+    assert part.catch_up_steps(100, 0.1, 1) == pytest.approx(2.0)
+    assert part.catch_up_steps(100, 0.1, 8) == pytest.approx(12.5)
+    sub.backlog, sub.catch_up_seconds = (lambda slot: 100), (lambda slot: 0.1)
+    assert 2.0 <= EXPLORE_CATCH_UP < 12.5
+    prop._batch[0] = 1
+    assert 1 in [i for i, _ in prop._order(4, 0)]  # alone: tried, to be measured
+    prop._batch[0] = 8
+    assert 1 not in [i for i, _ in prop._order(4, 0)]  # among 8: its reading would stall every request's step
