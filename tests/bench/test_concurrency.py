@@ -113,32 +113,21 @@ def test_lockstep_under_load_gives_what_one_configuration_after_the_other_gives(
     assert all(r["identical_to_baseline"] == 3 for r in a) and a[1]["num_draft_tokens"] > 0
 
 
-def test_lockstep_under_load_times_each_row_by_its_own_steps_only(target):
+def test_lockstep_under_load_times_each_row_by_its_own_steps_only(target, slow_ngram):
     """A configuration whose steps are slow does not slow the others' measured throughput, TTFT or ITL:
     each row's clock is the sum of its own engine steps, not the wall time of the rounds they took turns in."""
-    import time as _time
-
     from specctl.bench.concurrency import LoadRun, lockstep
     from specctl.runtime.decoder import SpecDecoder
-    from specctl.runtime.proposers.ngram import NgramProposer
     from specctl.runtime.runner import TargetRunner
 
-    class SlowNgram(NgramProposer):  # a draft that costs 20 ms a call, whatever it drafts
-        calls = 0
-
-        def propose(self, requests, ks):
-            SlowNgram.calls += 1
-            _time.sleep(0.02)
-            return super().propose(requests, ks)
-
     sets = [[TargetRunner(target.model, max_len=128) for _ in range(2)] for _ in range(2)]
-    slow = SlowNgram(SpecConfig(method="ngram", num_speculative_tokens=3).validated(), max_model_len=128)
+    slow = slow_ngram  # a draft that costs 20 ms a call, whatever it drafts
     decs = [SpecDecoder(sets[0][0]), SpecDecoder(sets[1][0], slow, 3, adaptive=False)]
     prompts = [target.tokenizer(t)["input_ids"] for t in ("abc abc abc abc", "one two one two", "x y z")]
     params = SamplingParams(max_new_tokens=10, ignore_eos=True)
     plain, slowed = lockstep([LoadRun(d, rs, prompts, params, 0) for d, rs in zip(decs, sets)])
     assert plain["outputs"] == slowed["outputs"]
-    assert SlowNgram.calls >= 5 and slowed["wall_s"] >= 0.02 * SlowNgram.calls
+    assert slow.calls >= 5 and slowed["wall_s"] >= slow.SLEEP_S * slow.calls
     # the plain steps between the slow ones are charged none of them
     assert plain["wall_s"] < slowed["wall_s"] / 4 and plain["ttft_p99_s"] <= plain["wall_s"]
-    assert plain["itl_p99_s"] < 0.02 <= slowed["itl_p99_s"]
+    assert plain["itl_p99_s"] < slow.SLEEP_S <= slowed["itl_p99_s"]

@@ -429,31 +429,20 @@ def test_lockstep_gives_each_method_what_one_after_the_other_gives(target, draft
     assert a[2]["num_drafts"] > 0  # the draft model drafted: its cache is its own in lockstep too
 
 
-def test_lockstep_times_each_method_by_its_own_steps_only(target):
+def test_lockstep_times_each_method_by_its_own_steps_only(target, slow_ngram):
     """A method whose steps are slow does not slow the others' measured speed: each result's decode
     time is the sum of its own steps, not the wall time of the round they took turns in."""
-    import time as _time
-
     from specctl.bench.suite import lockstep
     from specctl.runtime.decoder import SpecDecoder
-    from specctl.runtime.proposers.ngram import NgramProposer
     from specctl.runtime.runner import TargetRunner
 
-    class SlowNgram(NgramProposer):  # a draft that costs 20 ms a call, whatever it drafts
-        calls = 0
-
-        def propose(self, requests, ks):
-            SlowNgram.calls += 1
-            _time.sleep(0.02)
-            return super().propose(requests, ks)
-
     runners = [TargetRunner(target.model, max_len=128) for _ in range(2)]
-    slow = SlowNgram(SpecConfig(method="ngram", num_speculative_tokens=3).validated(), max_model_len=128)
+    slow = slow_ngram  # a draft that costs 20 ms a call, whatever it drafts
     decs = [SpecDecoder(runners[0]), SpecDecoder(runners[0], slow, 3, adaptive=False)]
     ids = target.tokenizer("abc abc abc abc")["input_ids"]
     params = SamplingParams(max_new_tokens=10, ignore_eos=True)
     plain, slowed = lockstep([(d, ids, params, None) for d in decs], runners)
     assert plain.token_ids == slowed.token_ids == decs[0].generate(ids, params).token_ids
     # every slow call is >= 20 ms, all in the slowed one's steps; the plain steps between them are charged none of it
-    assert SlowNgram.calls >= 5 and slowed.decode_s >= 0.02 * SlowNgram.calls
+    assert slow.calls >= 5 and slowed.decode_s >= slow.SLEEP_S * slow.calls
     assert plain.decode_s < slowed.decode_s / 4
