@@ -150,12 +150,9 @@ class _Part:
         return d, c.expected_tokens(d) / (c.cost(d + 1, batch) + extra), extra
 
     def catch_up_steps(self, backlog: int, catch_up_s: float | None, batch: int = 1) -> float:
-        """Its catching up on ``backlog`` context tokens, in the request's plain steps among ``batch``:
-        ``catch_up_s`` as the part measured it, else estimated (a context token as a quarter of a drafting
-        call's per-token time, or, before it ever drafted, READ_PRIOR of a draft token's cost hint); inf
-        where a plain step is unmeasured and the backlog is more than a few tokens. In a batch the
-        catching up stalls the whole step, where the request's share of a plain step is a / B + b
-        (``plain_step_s``): the same seconds are more of its steps than alone."""
+        """Catching up on ``backlog`` context tokens, in the request's plain steps among ``batch`` (a / B + b: the
+        stall holds up the whole step): ``catch_up_s`` as measured, else estimated (a quarter of a drafting call's
+        per-token time, or before any draft READ_PRIOR of the cost hint); inf unmeasured, past CATCH_UP_MIN tokens."""
         if backlog <= 0:
             return 0.0
         fit = self.acceptance._slope()
