@@ -31,15 +31,16 @@ then ``/work/vllm-venv/bin/pip uninstall -y torchvision torchaudio torchcodec`` 
   SPECCTL_VLLM_PYTHON=/work/vllm-venv/bin/python python benchmarks/vllm_interop.py --out /tmp/interop
 
 Options: --model, --drafts medusa,eagle,eagle3,mtp, --steps, --num-prompts, --max-new-tokens, -k, --json,
---reuse (keep drafts already trained in --out). ``--draft KIND=FOLDER`` (repeatable) checks drafts trained
-elsewhere (a recipe's export) instead of training any, and ``--workload NAME`` (repeatable: bench's
-workloads, e.g. chat and humaneval, or a .jsonl) takes the prompts from there, ``--num-prompts`` of each:
+--reuse (keep drafts already trained in --out). Exit status 0 when every draft loaded and was
+greedy-equal, 1 otherwise. Acceptance agreement is reported, not asserted: vLLM's and specctl's bf16
+kernels round differently, and a near-tie in the target's logits can flip a draft's acceptance.
+
+``--draft KIND=FOLDER`` (repeatable) checks drafts trained elsewhere (a recipe's export) instead of training
+any, and ``--workload NAME`` (repeatable: bench's workloads, e.g. chat and humaneval, or a .jsonl) takes the
+prompts from there, ``--num-prompts`` of each:
 
   python benchmarks/vllm_interop.py --model qwen2.5-coder-0.5b --draft eagle3=runs/q05-eagle3/export \
       --workload chat --workload humaneval --num-prompts 4 --max-new-tokens 96 --no-serve --out interop-q05
- Exit status 0 when every draft loaded and was
-greedy-equal, 1 otherwise. Acceptance agreement is reported, not asserted: vLLM's and specctl's bf16
-kernels round differently, and a near-tie in the target's logits can flip a draft's acceptance.
 """
 
 from __future__ import annotations
@@ -389,8 +390,8 @@ def main(argv: list[str] | None = None) -> int:
         log(f"vLLM could not run the target itself: {plain.get('error')}")
         return 1
     installed = set(plain.get("spec_fields", [])) - VLLM_INTERNAL_FIELDS  # config objects vLLM fills itself
-    results = {"target": target, "dtype": args.dtype, "workloads": workloads, "vllm_version": plain.get("vllm_version"), "cpu": cpu_name(),
-               "cores": os.cpu_count(),
+    results = {"target": target, "dtype": args.dtype, "workloads": workloads, "vllm_version": plain.get("vllm_version"),
+               "cpu": cpu_name(), "cores": os.cpu_count(),
                "prompts": len(prompt_ids), "max_new_tokens": args.max_new_tokens,
                "steps": None if args.draft else args.steps,
                "schema": {"recorded_for": VLLM_VERSION_RECORDED,

@@ -184,10 +184,12 @@ def run_concurrency(loaded: LoadedModel, configs: list[SpecConfig], workloads: l
     labels = [BASELINE] + config_labels(configs)
     spec = [None] + configs
     stepped = interleave == "steps" and len(spec) > 1
-    # N KV slots per configuration in lockstep (allocated, touched only as far as a prompt reaches)
-    sets = [[TargetRunner(loaded.model, max_len) for _ in range(top)] for _ in (spec if stepped else spec[:1])]
+    # each configuration's KV slots: its own in lockstep (allocated, touched only as far as a prompt reaches),
+    # else one set for all
+    sets = ([[TargetRunner(loaded.model, max_len) for _ in range(top)] for _ in spec] if stepped
+            else [[TargetRunner(loaded.model, max_len) for _ in range(top)]] * len(spec))
     runners = sets[0]
-    every_runner = tuple(r for rs in sets for r in rs)
+    every_runner = tuple({id(r): r for rs in sets for r in rs}.values())
     proposers = _Proposers(loaded, max_len)
 
     def decoder(c: SpecConfig | None, rs: list[TargetRunner]) -> SpecDecoder:
@@ -200,8 +202,7 @@ def run_concurrency(loaded: LoadedModel, configs: list[SpecConfig], workloads: l
     warm = [p[:32] for p in next(iter(prompts.values()))[:top]]
     for i, c in enumerate(spec):  # first-call costs (allocator, numba kernels, the batched shapes' kernels)
         # stay out of the first row: each configuration runs a short batch of `top` on a decoder then thrown away
-        rs = sets[i if stepped else 0]
-        run_level(decoder(c, rs), rs[:top], warm, replace(params, max_new_tokens=8), seed)
+        run_level(decoder(c, sets[i]), sets[i][:top], warm, replace(params, max_new_tokens=8), seed)
     say(0, "measuring the forward's roof")
     roof = {n: forward_roof(runners, n) for n in sorted(levels)}
     rows = []
@@ -213,11 +214,11 @@ def run_concurrency(loaded: LoadedModel, configs: list[SpecConfig], workloads: l
             for r in range(runs):
                 rnd = f" · round {r + 1} of {runs}" if runs > 1 else ""
                 # each N starts fresh: N=2 must not replay N=1's answers from a suffix cache
-                decs = [decoder(c, sets[i if stepped else 0]) for i, c in enumerate(spec)]
+                decs = [decoder(c, rs) for c, rs in zip(spec, sets)]
 
                 def load(i: int) -> LoadRun:
                     c = spec[i]
-                    return LoadRun(decs[i], sets[i if stepped else 0][:n], prompts[w], params, seed,
+                    return LoadRun(decs[i], sets[i][:n], prompts[w], params, seed,
                                    None if c is None else c.disable_by_batch_size, max_num_batched_tokens, part_names(c))
 
                 if stepped:

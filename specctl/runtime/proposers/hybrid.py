@@ -392,8 +392,8 @@ class HybridProposer(Proposer):
             if c._draft_cost() is None:
                 # tried once a plain step is measured (every cost is relative to it: in a batch whose steps all
                 # carry prompt chunks, nothing is, and a draft tried there would be weighed by nothing)
-                catch_up = part.catch_up_steps(sub.backlog(slot), sub.catch_up_seconds(slot), batch)
-                if c._slope() is not None and catch_up <= EXPLORE_CATCH_UP:
+                if (c._slope() is not None and part.catch_up_steps(sub.backlog(slot), sub.catch_up_seconds(slot),
+                                                                   batch) <= EXPLORE_CATCH_UP):
                     scored.append((float("inf"), i, min(k, self.ks[i])))
                 continue
             d, v, extra = part.value(slot, sub.backlog(slot), sub.catch_up_seconds(slot), batch, self._clock)
