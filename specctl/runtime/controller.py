@@ -112,6 +112,8 @@ class DraftLengthController:
     probe_len: int = 2
     costs: dict[int, float] = field(default_factory=dict)  # T -> seconds (EMA); DRAFT -> per draft token
     draft_hint: float = 0.0  # a draft token's cost in plain steps until drafting is measured (Proposer.draft_cost)
+    tree_rows: dict[int, int] = field(default_factory=dict)  # depth d -> the rows a tree of that depth forwards
+    tree_costs: dict[int, float] = field(default_factory=dict)  # depth d -> a tree step over a plain step (EMA)
     _off_steps: int = 0
     _gap: int = 0  # the current wait between probes (0: probe_every)
     _probe_gap: int = 0  # the wait before the probe the last draft_len fired (0: it fired none)
@@ -178,6 +180,16 @@ class DraftLengthController:
         """c = the relative cost of a step that forwards T tokens, T - 1 of them drafted."""
         return _step_cost(T, self._slope(), self._draft_cost(), batch, self.draft_hint)
 
+    def _cost_d(self, d: int, fit, q, batch: int = 1) -> float:
+        """The relative cost of a step drafting to depth d: a chain's from the fit (d + 1 rows, d draft
+        tokens); a tree's as its steps at that depth were measured against a plain step (``tree_costs``:
+        its drafting level by level and its forward over every node, a cost no chain line predicts), else
+        as a chain over the rows it was seen to forward (``tree_rows``) or of d: optimistic, so it gets
+        tried and measured."""
+        if d in self.tree_costs:
+            return self.tree_costs[d]
+        return _step_cost(self.tree_rows.get(d, d + 1), fit, q, batch, self.draft_hint)
+
     def _rates(self, n: int) -> list[float]:
         """[p_1 .. p_n]: position i accepted, given positions < i were. Each position's counts are
         shrunk toward the position before it (the first toward the pooled rate): runs make the later
@@ -208,7 +220,7 @@ class DraftLengthController:
         for d, r in enumerate(self._rates(self.k), start=1):
             p *= r
             e += p
-            v = e / _step_cost(d + 1, fit, q, batch, self.draft_hint)
+            v = e / self._cost_d(d, fit, q, batch)
             if v > best_v:
                 best_d, best_v = d, v
         # drafting must beat a plain step by 2% (no flapping on and off at break-even); among draft
@@ -220,7 +232,7 @@ class DraftLengthController:
         """Expected tokens per plain-step time of the best draft now (``best_len``'s), 1.0 where none beats a
         plain step; pure (no probe bookkeeping)."""
         d = self.best_len(batch)
-        return self.expected_tokens(d) / self.cost(d + 1, batch) if d > 0 else 1.0
+        return self.expected_tokens(d) / self._cost_d(d, self._slope(), self._draft_cost(), batch) if d > 0 else 1.0
 
     def plain_step_s(self, batch: int = 1) -> float | None:
         """Seconds of a request's plain step among ``batch`` requests (its share of the forward: a / B + b,
@@ -273,7 +285,7 @@ class DraftLengthController:
             return True
         fit = self._slope()
         for d in range(1, self.k + 1):
-            c = _step_cost(d + 1, fit, None, batch, self.draft_hint) if fit is not None else 1.0 + self.draft_hint * d
+            c = self._cost_d(d, fit, None, batch) if fit is not None else 1.0 + self.draft_hint * d
             if (d + 1) / c > 1.02:  # best_len's margin
                 return True
         return False
@@ -343,12 +355,24 @@ class DraftLengthController:
             self._pos_succ[i] = keep * self._pos_succ[i] + (i < num_accepted)
 
     def observe(self, num_draft: int, num_accepted: int, tokens_forwarded: int, seconds: float,
-                draft_seconds: float | None = None) -> None:
+                draft_seconds: float | None = None, tree_nodes: int | None = None, batch: int = 1) -> None:
         """After a step: drafts verified, drafts accepted, tokens in the forward (every request's,
         in a batch), its wall time, and of that the time spent drafting (None: not measured apart,
-        the whole step counts as v(T))."""
+        the whole step counts as v(T)). ``tree_nodes``: the step verified a tree of that many nodes
+        and depth ``num_draft``, among ``batch`` requests; its seconds (drafting included) are kept
+        against a plain step of that batch, apart from the chain costs' fit."""
         self.observe_acceptance(num_draft, num_accepted)
-        self.observe_costs(num_draft, tokens_forwarded, seconds, draft_seconds)
+        if tree_nodes is None or num_draft <= 0:
+            self.observe_costs(num_draft, tokens_forwarded, seconds, draft_seconds)
+            return
+        d = num_draft
+        self.tree_rows[d] = tree_nodes + 1
+        plain = self.costs.get(batch)
+        if plain is None and (fit := self._slope()) is not None:
+            plain = fit[0] + fit[1] * (batch - 1)
+        if plain:
+            rel, old = seconds / plain, self.tree_costs.get(d)
+            self.tree_costs[d] = rel if old is None else old + self.ema * (rel - old)
 
     def observe_costs(self, num_draft: int, tokens_forwarded: int, seconds: float,
                       draft_seconds: float | None = None) -> None:

@@ -400,7 +400,8 @@ class SpecDecoder:
         else:  # a tree's drafting is not d draft tokens' worth (one draft call per level, n nodes): the whole
             # step counts, keyed by its depth
             st.controller.observe(oc.num_draft, oc.accepted, block.rows, block.step_seconds(),
-                                  None if oc.tree else block.t1 - block.t0)
+                                  None if oc.tree else block.t1 - block.t0, oc.nodes if oc.tree else None,
+                                  block.batch)
         self._pooled.observe(oc.num_draft, oc.accepted)
 
     def _time_proposer(self, st: DecodeState, block: Block, oc: StepOutcome) -> None:
