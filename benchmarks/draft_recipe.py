@@ -20,9 +20,10 @@ Stages, each resumable after an interruption (SIGKILL included) without redoing 
           EAGLE-3's training evaluates on (``--eval-data``), never trains on.
 3. bench  ``specctl bench`` on held-out prompts (MT-Bench first turns, HumanEval; never training data:
           the trainers refuse evaluation prompts), a chain of k and, for EAGLE-3, a tree of at most 16
-          nodes: OUT/bench.json.
+          nodes: one request at a time (OUT/bench.json), then 8 together (OUT/bench-c8.json).
 
-The last line printed is JSON: the export's folder, the training time, the mean acceptance lengths.
+The last line printed is JSON: the export's folder, the training time, the mean acceptance lengths, the
+speedups at concurrency 1 and 8.
 A stage whose result file exists is skipped; delete the file to redo it.
 """
 
@@ -249,14 +250,20 @@ def bench_configs(method: str, export: str, k: int) -> dict[str, dict]:
     return {"chain": chain, "tree": tree}
 
 
-def stage_bench(args, plan: Plan, out: Path, export: str) -> dict:
-    result = out / "bench.json"
+def stage_bench(args, plan: Plan, out: Path, export: str, concurrency: int = 1) -> dict:
+    """``specctl bench`` on the held-out prompts, one request at a time (OUT/bench.json), or ``concurrency``
+    requests decoding together, twice as many prompts as slots so that the batch stays full
+    (OUT/bench-c<N>.json)."""
+    result = out / ("bench.json" if concurrency == 1 else f"bench-c{concurrency}.json")
     if result.is_file():
         say(f"bench: done earlier ({result})")
         return json.loads(result.read_text())
     configs = bench_configs(args.method, export, plan.k)
-    cmd = [sys.executable, "-m", "specctl.cli", "bench", "--model", args.model, "-n", str(plan.bench_prompts),
+    n = plan.bench_prompts if concurrency == 1 else 2 * concurrency
+    cmd = [sys.executable, "-m", "specctl.cli", "bench", "--model", args.model, "-n", str(n),
            "--max-new-tokens", str(plan.bench_tokens), "--json"]
+    if concurrency > 1:
+        cmd += ["-c", str(concurrency)]
     for w in HELD_OUT:
         cmd += ["-w", w]
     for c in configs.values():
@@ -268,6 +275,15 @@ def stage_bench(args, plan: Plan, out: Path, export: str) -> dict:
     report = json.loads(proc.stdout)
     write_json(result, report)
     return report
+
+
+def speedups(report: dict) -> dict:
+    """{workload: {label: speedup over plain}} (plain's own row left out)."""
+    out: dict = {}
+    for r in report.get("results", []):
+        if r.get("speedup") is not None and r.get("k") is not None:
+            out.setdefault(r["workload"], {})[r["method"]] = round(r["speedup"], 3)
+    return out
 
 
 def acceptance(report: dict) -> dict:
@@ -328,13 +344,15 @@ def main() -> None:
     if args.until == "train":
         return
     report = stage_bench(args, plan, out, export)
+    batched = stage_bench(args, plan, out, export, concurrency=8)
     header = report.get("header", {})
     final = summary.get("final") or {}
     print(json.dumps({"export": export, "train_s": summary.get("wall_s"), "recipe_s": round(time.time() - t0, 1),
                       "training_estimate": final.get("decoding_acceptance_length"),
                       "method": args.method, "model": args.model, "cpu": header.get("machine"),
                       "mean_acceptance_length": acceptance(report),
-                      "identical_to_plain": identical_to_plain(report)}))
+                      "speedup": {"concurrency 1": speedups(report), "concurrency 8": speedups(batched)},
+                      "identical_to_plain": identical_to_plain(report) and identical_to_plain(batched)}))
 
 
 if __name__ == "__main__":

@@ -45,6 +45,25 @@ def test_finished_stages_are_skipped(recipe, tmp_path, monkeypatch):
     assert recipe.stage_train(args(), recipe.QUICK, tmp_path, files)["export"] == "x-eagle3"
     assert recipe.stage_bench(args(), recipe.QUICK, tmp_path, "x-eagle3") == report
     assert recipe.acceptance(report) == {"chat": {"eagle3:k=3": 2.5}}
+    batched = {"results": [{"workload": "chat", "concurrency": 8, "method": "baseline", "k": None, "speedup": 1.0},
+                           {"workload": "chat", "concurrency": 8, "method": "eagle3:k=3", "k": 3, "speedup": 1.1234}]}
+    (tmp_path / "bench-c8.json").write_text(json.dumps(batched))
+    assert recipe.stage_bench(args(), recipe.QUICK, tmp_path, "x-eagle3", concurrency=8) == batched
+    assert recipe.speedups(batched) == {"chat": {"eagle3:k=3": 1.123}}  # plain's own row left out
+
+
+def test_the_batched_bench_keeps_twice_as_many_prompts_as_slots(recipe, tmp_path, monkeypatch):
+    ran = []
+
+    def run(cmd, **_):
+        ran.append(cmd)
+        return SimpleNamespace(returncode=0, stdout=json.dumps({"results": []}))
+
+    monkeypatch.setattr("subprocess.run", run)
+    recipe.stage_bench(args(), recipe.QUICK, tmp_path, "x-eagle3", concurrency=8)
+    cmd = ran[0]
+    assert cmd[cmd.index("-c") + 1] == "8" and cmd[cmd.index("-n") + 1] == "16"
+    assert (tmp_path / "bench-c8.json").is_file() and not (tmp_path / "bench.json").exists()
 
 
 def test_training_resumes_from_its_checkpoints_with_the_settings_it_started_with(recipe, tmp_path):
