@@ -8,6 +8,7 @@ stderr, the summary on stdout (``--json`` for machines).
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
@@ -40,6 +41,8 @@ Examples:
 
   specctl train-medusa -m ./my-model --data sharegpt.json --num-heads 4 --epochs 2 --save-every 200 --output run/ --json
 
+  specctl train-medusa -m qwen2.5-coder-0.5b --data answers.jsonl --seq-len 768 --cache-hidden-states eagle-run/states --truncated-vocab-size 8192 --output heads/   (the target's states from a train-eagle run on the same data)
+
   accelerate launch --num_processes 2 -m specctl.cli train-medusa -m ./my-model --data sharegpt.json --output run/ --push-to-hub me/my-medusa
 
   specctl bench --model smollm2-135m --speculative-config '{"method": "medusa", "model": "heads/", "num_speculative_tokens": 3}'
@@ -69,6 +72,7 @@ def train_medusa(
     shared_lm_head: Annotated[bool, typer.Option("--shared-lm-head", help="All heads share one frozen copy of the target's LM head (vLLM original_lm_head).")] = False,
     truncated_vocab_size: Annotated[Optional[int], typer.Option("--truncated-vocab-size", help="Heads score only the N most frequent response tokens (vLLM token_map).")] = None,
     soft_labels: Annotated[bool, typer.Option("--soft-labels", help="Learn the target's distribution at each position, not the data's tokens.")] = False,
+    cache_hidden_states: Annotated[Optional[Path], typer.Option("--cache-hidden-states", help="Folder of the target's states, computed once and reused (train-eagle's, made on the same data, serves as is).")] = None,
     hold_out: HoldOutOpt = HOLD_OUT,
     distill_max_prompts: DistillMaxPromptsOpt = None,
     max_new_tokens: MaxNewTokensOpt = 256,

@@ -184,3 +184,21 @@ def _cached_states(model, seqs, aux_layers: tuple[int, ...], folder: Path, key: 
             cur = {}
         log(f"cached target states: {len(seqs) - len(todo) + min(s + 8, len(todo))}/{len(seqs)} sequences")
     return {i: have[n] for i, n in enumerate(names)}
+
+
+def cached_hidden(model, seqs: list[list[int]], folder: str | Path, key: dict, log) -> list[torch.Tensor]:
+    """Each sequence's final-normed hidden states [n, H] (bf16) through a states cache (``train-eagle
+    --cache-hidden-states``'s folder): a cache made for the same ``key`` (model, sequence length, dtype) serves
+    whatever EAGLE settings it was made with, the sequences it lacks computed and added under those settings
+    (it stays whole for train-eagle); with none there, a cache of the hidden states alone is made."""
+    folder = Path(folder)
+    aux, full = (), dict(key, version=None, aux_layers=[])
+    index = folder / "index.json"
+    if index.exists():
+        made = json.loads(index.read_text()).get("key") or {}
+        if all(made.get(k) == v for k, v in key.items()):
+            full = {k: v for k, v in made.items() if k not in ("aux", "layout")}
+            aux = tuple(made.get("aux") or ())
+    states = _cached_states(model, seqs, aux, folder, full, log)
+    return [states[i]["hidden"] for i in range(len(seqs))]
+

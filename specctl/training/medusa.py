@@ -47,6 +47,9 @@ class MedusaTrainConfig(L.TrainConfig):
     """Heads score only the N most frequent response tokens (vLLM truncated_vocab_size + token_map)."""
     soft_labels: bool = False
     """Train against the target's distribution at each position instead of the data's tokens."""
+    cache_hidden_states: str | None = None
+    """Medusa-1: a folder of the target's states (train-eagle's --cache-hidden-states, made on the same data,
+    sequence length and dtype, serves as is); the sequences it lacks are computed and added."""
     joint: bool = False
     """Medusa-2: train the target too, through LoRA (loss = CE_base + 0.2 x heads' loss)."""
     lora_rank: int = 8

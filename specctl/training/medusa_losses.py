@@ -90,17 +90,22 @@ def head_targets(ids: torch.Tensor, mask: torch.Tensor, K: int) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def extract_features(model, examples: list, K: int, seq_len: int, progress: ProgressFn = _noop) -> Features:
-    """Run the frozen target (the own runtime's Transformer) over each example once."""
+def extract_features(model, examples: list, K: int, seq_len: int, progress: ProgressFn = _noop,
+                     states: list[torch.Tensor] | None = None) -> Features:
+    """Run the frozen target (the own runtime's Transformer) over each example once; ``states``: each
+    example's hidden states already computed (a states cache's), the target not run."""
     from specctl.runtime.runner import TargetRunner
 
-    runner = TargetRunner(model, max_len=seq_len)
+    runner = TargetRunner(model, max_len=seq_len) if states is None else None
     hidden, rows, targets, base = [], [], [], 0
     for i, ex in enumerate(examples):
         ids = torch.tensor(ex.input_ids[:seq_len], dtype=torch.long)
         mask = torch.tensor(ex.loss_mask[:seq_len], dtype=torch.bool)
-        runner.reset()
-        hidden.append(runner.run(ids[None].to(runner.device), logits="none").hidden[0].to("cpu"))
+        if runner is None:
+            hidden.append(states[i][:ids.numel()].to(model.embed.weight.dtype))
+        else:
+            runner.reset()
+            hidden.append(runner.run(ids[None].to(runner.device), logits="none").hidden[0].to("cpu"))
         tg = head_targets(ids, mask, K)
         keep = (tg >= 0).any(-1).nonzero().flatten()
         rows.append(keep + base)

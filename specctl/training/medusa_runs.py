@@ -134,10 +134,19 @@ class _FrozenRun(_Run):
 
     def setup(self):
         cfg, K = self.cfg, self.cfg.num_heads
-        self.log("computing the target's hidden states")
         model = self.loaded.model
-        self.train_f = extract_features(model, self.train_ex, K, cfg.seq_len, self.progress)
-        self.eval_f = extract_features(model, self.eval_ex, K, cfg.seq_len, self.progress) if self.eval_ex else None
+        train_s = eval_s = None
+        if cfg.cache_hidden_states:  # e.g. an EAGLE-3 run's on the same data: the target need not run again
+            from specctl.training.eagle_states import cached_hidden
+
+            key = {"model": str(Path(self.path).resolve()), "seq_len": cfg.seq_len, "dtype": cfg.dtype}
+            every = cached_hidden(model, [e.input_ids[:cfg.seq_len] for e in self.train_ex + self.eval_ex],
+                                  cfg.cache_hidden_states, key, self.log)
+            train_s, eval_s = every[:len(self.train_ex)], every[len(self.train_ex):]
+        else:
+            self.log("computing the target's hidden states")
+        self.train_f = extract_features(model, self.train_ex, K, cfg.seq_len, self.progress, train_s)
+        self.eval_f = extract_features(model, self.eval_ex, K, cfg.seq_len, self.progress, eval_s) if self.eval_ex else None
         h = self.heads
         self.teacher_w = self.loaded.model.head_weight if h.token_map is None else \
             self.loaded.model.head_weight[h.token_map.to(self.loaded.model.head_weight.device)]  # [V', H]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -113,6 +114,45 @@ def test_eval_split_reports_per_head_accuracy_and_acceptance(loopy, tmp_path, mo
     cfg = json.loads((tmp_path / "run" / "config.json").read_text())
     assert cfg["truncated_vocab_size"] == 64
     assert json.loads((tmp_path / "run" / "training_config.json").read_text())["soft_labels"] is True
+
+
+def test_a_states_cache_from_train_eagle_serves_medusa_without_running_the_target(loopy, tmp_path, monkeypatch):
+    """train-medusa --cache-hidden-states reads train-eagle's cache of the same data as it is (the target does
+    not run again, the cache stays EAGLE's); with none there it makes one of hidden states that a second run
+    reuses. The hidden states are the target's (to bf16)."""
+    from specctl.runtime import runner as R
+    from specctl.training import eagle as E
+    from specctl.training import eagle_states as S
+
+    path, lm, recs = loopy
+    patch_examples(monkeypatch, recs)
+    cache = tmp_path / "states"
+    E.train(E.EagleTrainConfig(model=str(path), output=str(tmp_path / "eagle"), data=["(patched)"], steps=1, batch_size=4,
+                               seq_len=64, dtype="float32", eval_split=0.0, cache_hidden_states=str(cache)),
+            log=lambda m: None)
+    index = json.loads((cache / "index.json").read_text())
+    assert index["key"]["aux"]  # EAGLE-3's aux states are in it
+    exs = [e for r in recs for e in D.encode(None, r, 64)]
+    ran = extract_features(lm.model, exs, 3, 64).hidden
+    with monkeypatch.context() as m:
+        m.setattr(S, "target_states", lambda *a, **k: pytest.fail("the target ran again"))
+        m.setattr(R.TargetRunner, "run", lambda *a, **k: pytest.fail("the target ran again"))
+        logs: list[str] = []
+        train(cfg_for(path, tmp_path / "run", steps=3, cache_hidden_states=str(cache)), log=logs.append)
+        assert any("reusing cached target states" in x and f"{len(exs)} of {len(exs)}" in x for x in logs)
+        cached = extract_features(lm.model, exs, 3, 64, states=S.cached_hidden(
+            lm.model, [e.input_ids for e in exs], cache, {"model": str(Path(path).resolve()), "seq_len": 64,
+                                                            "dtype": "float32"}, lambda x: None)).hidden
+    assert json.loads((cache / "index.json").read_text()) == index  # still train-eagle's, whole
+    torch.testing.assert_close(cached, ran.to(torch.bfloat16).float())
+    own = tmp_path / "own"
+    train(cfg_for(path, tmp_path / "run2", steps=3, cache_hidden_states=str(own)))
+    assert json.loads((own / "index.json").read_text())["key"]["aux"] == []  # hidden states alone
+    logs = []
+    with monkeypatch.context() as m:
+        m.setattr(S, "target_states", lambda *a, **k: pytest.fail("the target ran again"))
+        train(cfg_for(path, tmp_path / "run3", steps=3, cache_hidden_states=str(own)), log=logs.append)
+    assert any("reusing cached target states" in x for x in logs)
 
 
 def _vllm_names_ok(folder, K: int, L: int, bias: bool, shared: bool, truncated: bool) -> None:
