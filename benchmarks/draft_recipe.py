@@ -2,6 +2,8 @@
 
     python benchmarks/draft_recipe.py --model qwen2.5-coder-0.5b --method eagle3 --out runs/q05-eagle3 --quick
     python benchmarks/draft_recipe.py --model qwen2.5-coder-0.5b --method medusa --out runs/q05-medusa
+    python benchmarks/draft_recipe.py --model qwen2.5-coder-0.5b --method medusa --out runs/q05-medusa \
+        --states-from runs/q05-eagle3     # the EAGLE-3 run's data and target states: training alone
 
 Stages, each resumable after an interruption (SIGKILL included) without redoing finished work:
 
@@ -146,6 +148,12 @@ def stage_data(args, plan: Plan, out: Path) -> list[Path]:
     from specctl.runtime.loading import load_model
     from specctl.training.data import check_not_evaluation, load_prompts, self_distill
 
+    if getattr(args, "states_from", None):  # another run's data (and, in training, its states cache)
+        made = args.states_from / "data" / "done.json"
+        if not made.is_file():
+            sys.exit(f"data: {args.states_from} has no finished data stage ({made}); run its recipe first, or drop --states-from")
+        say(f"data: {args.states_from}'s")
+        return [Path(f) for f in json.loads(made.read_text())["files"]]
     files = [out / "data" / "sharegpt-greedy.jsonl", out / "data" / f"sharegpt-t{plan.temperature}.jsonl"]
     done = out / "data" / "done.json"
     if args.method == "eagle3" and plan.read_conversations > 0:
@@ -201,7 +209,8 @@ def train_command(args, plan: Plan, out: Path, files: list[Path]) -> list[str]:
     cmd = {"eagle3": ["train-eagle", "--version", "3", "--cache-hidden-states", str(out / "states"), "--fc-init",
                       "last", "--prompt-rows", "0.1", "--draft-vocab-size", "8192", "--autocast",
                       "--dtype", "bfloat16"],
-           "medusa": ["train-medusa", "--num-heads", str(plan.k)],
+           # the target's distribution (soft labels: read conversations teach it too) over an 8k vocabulary, as EAGLE-3's
+           "medusa": ["train-medusa", "--num-heads", str(plan.k), "--soft-labels", "--truncated-vocab-size", "8192"],
            "mtp": ["train-mtp", "--depth", str(plan.k), "--layout", "mimo"]}[args.method]
     cmd = [sys.executable, "-m", "specctl.cli", *cmd, "--model", args.model, "--output", str(out / "train"),
            "--steps", str(plan.steps), "--batch-size", str(plan.batch_size), "--seq-len", str(plan.seq_len),
@@ -210,6 +219,8 @@ def train_command(args, plan: Plan, out: Path, files: list[Path]) -> list[str]:
         cmd += ["--data", str(f)]
     if args.method == "eagle3":
         cmd += ["--eval-every", "40"]
+    if args.method == "medusa" and getattr(args, "states_from", None):
+        cmd += ["--cache-hidden-states", str(args.states_from / "states")]
     ckpts = sorted((out / "train" / "checkpoints").glob("step-*")) if (out / "train" / "checkpoints").is_dir() else []
     resuming = bool(ckpts)
     # the settings the run started with: its newest checkpoint's (the output's own copy is written at the end)
@@ -243,6 +254,8 @@ def stage_train(args, plan: Plan, out: Path, files: list[Path]) -> dict:
 
 def bench_configs(method: str, export: str, k: int) -> dict[str, dict]:
     chain = {"method": method, "model": export, "num_speculative_tokens": k}
+    if method == "medusa":  # the tree of the heads' held-out rank accuracies (train-medusa records them)
+        return {"chain": chain, "tree": dict(chain, speculative_token_tree="auto", speculative_num_draft_tokens=16)}
     if method != "eagle3":
         return {"chain": chain}
     tree = {"method": method, "model": export, "num_speculative_tokens": 5, "speculative_eagle_topk": 4,
@@ -311,6 +324,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, help="override the plan's optimizer steps")
     ap.add_argument("--lr", type=float, help="override the method's learning rate")
     ap.add_argument("--until", choices=("data", "train", "bench"), default="bench", help="stop after this stage")
+    ap.add_argument("--states-from", type=Path, help="Medusa: train on an EAGLE-3 recipe run's data, reading the "
+                    "target's states from its cache (no data stage, no pass of the target)")
     args = ap.parse_args()
     plan = QUICK if args.quick else FULL
     if args.steps:
@@ -329,6 +344,8 @@ def main() -> None:
     say(f"recipe {args.method} for {args.model} ({L} layers, hidden {H}) in {out}: "
         f"{'quick' if args.quick else 'full'} plan {json.dumps(asdict(plan))}")
     secs = budget(plan, args.method, L, H)
+    if args.states_from:
+        secs["data"] = 0.0  # another run's
     say(f"budget on a 2-core CPU: ~{sum(secs.values()) / 60:.0f} min ("
         + ", ".join(f"{k} {v / 60:.0f}" for k, v in secs.items() if v) + " min, from this CPU's measured rates); "
         f"disk ~{(states + 2e8) / 2**30:.1f} GiB (states {states / 2**30:.1f} GiB), {free / 2**30:.0f} GiB free")

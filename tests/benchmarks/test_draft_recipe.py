@@ -85,13 +85,32 @@ def test_training_resumes_from_its_checkpoints_with_the_settings_it_started_with
     (tmp_path / "train" / "training_config.json").write_text(json.dumps({"eval_data": ["h"]}))
     assert "--eval-data" in recipe.train_command(args(), recipe.QUICK, tmp_path, files)
     medusa = recipe.train_command(args("medusa"), recipe.QUICK, tmp_path, files)
-    assert medusa[3] == "train-medusa" and "--eval-data" not in medusa
+    assert medusa[3] == "train-medusa" and "--eval-data" not in medusa and "--cache-hidden-states" not in medusa
+
+
+def test_medusa_trains_on_an_eagle3_run_s_data_and_states(recipe, tmp_path):
+    """--states-from: the EAGLE-3 run's data files as they are, its states cache read, the target's
+    distribution learnt; a run whose data stage has not finished is refused."""
+    eagle = tmp_path / "eagle"
+    a = SimpleNamespace(model="tiny", method="medusa", lr=None, quick=True, states_from=eagle)
+    with pytest.raises(SystemExit, match="no finished data stage"):
+        recipe.stage_data(a, recipe.QUICK, tmp_path / "medusa")
+    (eagle / "data").mkdir(parents=True)
+    files = [str(eagle / "data" / n) for n in ("sharegpt-greedy.jsonl", "sharegpt-t0.8.jsonl", "sharegpt-read.jsonl")]
+    (eagle / "data" / "done.json").write_text(json.dumps({"files": files}))
+    got = recipe.stage_data(a, recipe.QUICK, tmp_path / "medusa")
+    assert [str(f) for f in got] == files and not (tmp_path / "medusa" / "data").exists()
+    cmd = recipe.train_command(a, recipe.QUICK, tmp_path / "medusa", got)
+    assert cmd[cmd.index("--cache-hidden-states") + 1] == str(eagle / "states") and "--soft-labels" in cmd
+    assert [cmd[i + 1] for i, x in enumerate(cmd) if x == "--data"] == files
 
 
 def test_bench_measures_a_chain_and_for_eagle3_a_tree_of_16_nodes(recipe):
     c = recipe.bench_configs("eagle3", "d", 3)
     assert c["chain"]["num_speculative_tokens"] == 3 and c["tree"]["speculative_num_draft_tokens"] == 16
-    assert list(recipe.bench_configs("medusa", "d", 3)) == ["chain"]
+    m = recipe.bench_configs("medusa", "d", 3)
+    assert m["tree"]["speculative_token_tree"] == "auto" and m["tree"]["speculative_num_draft_tokens"] == 16
+    assert list(recipe.bench_configs("mtp", "d", 3)) == ["chain"]
 
 
 def test_identical_to_plain_reads_the_counts_bench_reports(recipe):
