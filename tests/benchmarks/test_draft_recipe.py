@@ -163,3 +163,18 @@ def test_the_budget_stated_up_front_grows_with_the_plan_and_the_target(recipe):
     assert quick < 3600 < full <= 3.3 * 3600
     assert sum(recipe.budget(recipe.QUICK, "eagle3", 28, 1536).values()) > 2 * quick
     assert recipe.budget(recipe.QUICK, "medusa", 24, 896)["states"] == 0
+
+
+def test_the_last_line_reads_every_trainer_s_summary(recipe):
+    """train-eagle's summary names its export and its last evaluation; train-medusa's and train-mtp's their
+    output folder and held-out split."""
+    report = {"header": {"machine": "AMD EPYC"}, "results": [
+        {"workload": "chat", "method": "m:k=3", "k": 3, "mean_acceptance_length": 1.5, "speedup": 1.1,
+         "identical_to_baseline": 4, "requests": 4}]}
+    eagle = recipe.result(args(), {"export": "/e", "final": {"decoding_acceptance_length": 1.6}, "wall_s": 9}, report, report)
+    medusa = recipe.result(args("medusa"), {"output": "/m", "eval": {"acceptance_length": 1.7}}, report, {"results": []})
+    mtp = recipe.result(args("mtp"), {"output": "/t", "eval": {"mean_acceptance_length": 1.8}}, report, report)
+    assert [r["export"] for r in (eagle, medusa, mtp)] == ["/e", "/m", "/t"]
+    assert [r["training_estimate"] for r in (eagle, medusa, mtp)] == [1.6, 1.7, 1.8]
+    assert eagle["speedup"] == {"concurrency 1": {"chat": {"m:k=3": 1.1}}, "concurrency 8": {"chat": {"m:k=3": 1.1}}}
+    assert eagle["cpu"] == "AMD EPYC" and eagle["identical_to_plain"] and eagle["train_s"] == 9
