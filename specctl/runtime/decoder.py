@@ -60,6 +60,8 @@ class SpecDecoder:
         self.k = num_speculative_tokens if proposer is not None else 0
         self.adaptive = adaptive and self.k > 0
         self._costs: dict[int, float] = {}  # forward time by token count, shared by this decoder's requests
+        self._tree_rows: dict[int, int] = {}  # a draft tree's rows and relative step cost by depth, shared alike
+        self._tree_costs: dict[int, float] = {}
         self._clock = 0  # batched steps so far: the requests' controllers probe on its multiples together
         self._pooled = PooledAcceptance()  # acceptance over this decoder's requests: a new request's prior
         # batched steps draft only while it pays (no probes where drafting again means reading skipped prompts)
@@ -165,9 +167,11 @@ class SpecDecoder:
 
     def _controller(self) -> DraftLengthController:
         """A new request's draft-length controller: the decoder's pooled acceptance as its prior, the
-        costs every request measures, and the proposer's cost hint until drafting is measured."""
+        costs every request measures (a draft tree's by depth too), and the proposer's cost hint until
+        drafting is measured."""
         return DraftLengthController(self.k, alpha=self._pooled.prior(), costs=self._costs,
-                                     draft_hint=self.proposer.draft_cost)
+                                     draft_hint=self.proposer.draft_cost, tree_rows=self._tree_rows,
+                                     tree_costs=self._tree_costs)
 
     def _reads_prompt(self, batch: int, st: DecodeState | None = None) -> bool:
         """Whether a request joining a batch of ``batch`` has its draft read the prompt now: drafting is
