@@ -328,6 +328,9 @@ class SpecDecoder:
             if d.is_tree and not st.params.greedy:
                 _fail(st, ValueError("draft trees are verified greedily only; the proposer must send a chain when sampling"))
                 continue
+            space = st.runner.max_len - st.runner.length - 1
+            if d.is_tree and len(d) > space:  # near the cache's end: the first nodes (parents come first) still fit
+                d = Draft(d.ids[:max(space, 0)], None, d.parents[:max(space, 0)])
             last = torch.tensor([[st.last]], dtype=torch.long)
             tokens = torch.cat([last, torch.tensor([d.ids], dtype=torch.long)], 1) if len(d) else last
             blocks[i] = Block(tokens, d, st.runner.length, t0, t1 if i in drafts else t0)

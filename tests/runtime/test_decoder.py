@@ -350,3 +350,25 @@ def test_a_draft_tree_s_measured_costs_are_every_request_s(loopy_model):
     first.observe(0, 0, 1, 0.1)
     first.observe(3, 1, 17, 0.28, None, 16)
     assert second.tree_rows == {3: 17} and second.tree_costs[3] == pytest.approx(2.8)
+
+
+class WideTreeProposer(ScriptedProposer):
+    """A tree of 16 nodes every step whatever k: the true continuation down one branch, wrong siblings beside it."""
+
+    def draft_one(self, r, k) -> Draft:
+        done = r.n - self.prompt_len
+        ids, parents = [], []
+        for depth, t in enumerate(self.continuation[done:done + 4]):
+            for j in range(4):
+                ids.append(t if j == 0 else (t + j) % 128)
+                parents.append(-1 if depth == 0 else 4 * (depth - 1))
+        return Draft(ids, None, parents)
+
+
+def test_a_draft_tree_near_the_cache_s_end_is_cut_to_what_fits(loopy_model, greedy_cases):
+    """A tree wider than the room left in the cache (Medusa's auto tree of 16 at the last tokens of a request)
+    keeps its first nodes (parents come first) instead of failing the request; the output stays greedy's."""
+    prompt, full = greedy_cases[0]
+    dec = SpecDecoder(TargetRunner(loopy_model, len(prompt) + NEW), WideTreeProposer(len(prompt), full), 4)
+    res = dec.generate(prompt, SamplingParams(max_new_tokens=NEW))
+    assert res.finish_reason != "error" and res.token_ids == full
