@@ -373,9 +373,9 @@ def export_of(summary: dict) -> str:
 def result(args, summary: dict, report: dict, batched: dict) -> dict:
     """The recipe's last line: the export, the training time and estimate, what bench measured."""
     ev = summary.get("eval") or {}  # Medusa's and MTP's held-out split; EAGLE-3's last evaluation is "final"
-    final = summary.get("final") or {"decoding_acceptance_length": ev.get("acceptance_length", ev.get("mean_acceptance_length"))}
-    return {"export": export_of(summary), "train_s": summary.get("wall_s"),
-            "training_estimate": final.get("decoding_acceptance_length"),
+    estimate = ((summary.get("final") or {}).get("decoding_acceptance_length")
+                or ev.get("acceptance_length", ev.get("mean_acceptance_length")))
+    return {"export": export_of(summary), "train_s": summary.get("wall_s"), "training_estimate": estimate,
             "method": args.method, "model": args.model, "cpu": report.get("header", {}).get("machine"),
             "mean_acceptance_length": acceptance(report),
             "speedup": {"concurrency 1": speedups(report), "concurrency 8": speedups(batched)},

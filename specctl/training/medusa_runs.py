@@ -140,8 +140,9 @@ class _FrozenRun(_Run):
             from specctl.training.eagle_states import cached_hidden
 
             key = {"model": str(Path(self.path).resolve()), "seq_len": cfg.seq_len, "dtype": cfg.dtype}
-            every = cached_hidden(model, [e.input_ids[:cfg.seq_len] for e in self.train_ex + self.eval_ex],
-                                  cfg.cache_hidden_states, key, self.log)
+            with self.acc.main_process_first():  # one process adds what the cache lacks, the others read
+                every = cached_hidden(model, [e.input_ids[:cfg.seq_len] for e in self.train_ex + self.eval_ex],
+                                      cfg.cache_hidden_states, key, self.log)
             train_s, eval_s = every[:len(self.train_ex)], every[len(self.train_ex):]
         else:
             self.log("computing the target's hidden states")
