@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -66,8 +68,28 @@ def test_config_is_validated_with_the_fix_named(folders):
         SpecConfig.from_dict({"method": "ngram", "proposers": [{"method": "ngram"}]})
 
 
+@pytest.fixture
+def work_clock(target, monkeypatch):
+    """A deterministic clock in place of ``time.perf_counter``: it moves only when a model runs, by a
+    fixed cost per forward and per row (the target 0.02 s + 1 ms a row; the draft model 0.3 of that, as
+    a 0.5B drafting for a 1.5B). ``score`` then weighs the parts alike on a loaded CI machine and alone
+    (on real time, a loaded machine once made the draft model look nearly free: n-gram drafted once)."""
+    from types import SimpleNamespace
+
+    clock = SimpleNamespace(t=0.0)
+    run = TargetRunner.run
+
+    def charged(self, tokens, *a, **kw):
+        clock.t += (0.02 + 0.001 * tokens.shape[1]) * (1.0 if self.model is target.model else 0.3)
+        return run(self, tokens, *a, **kw)
+
+    monkeypatch.setattr(TargetRunner, "run", charged)
+    monkeypatch.setattr("time.perf_counter", lambda: clock.t)
+    return clock
+
+
 @pytest.mark.parametrize("policy", ["first", "score", "tree"])
-def test_greedy_equals_plain_with_both_parts_drafting_and_counted(target, folders, policy):
+def test_greedy_equals_plain_with_both_parts_drafting_and_counted(target, folders, policy, work_clock):
     """Copying fires where the output repeats what came before, the draft model drafts elsewhere
     (or, policy tree, both drafts go in one tree): the output is plain greedy's, each part's
     drafts and acceptances are counted to it (one part per step: they add up to the request's
@@ -84,6 +106,7 @@ def test_greedy_equals_plain_with_both_parts_drafting_and_counted(target, folder
         return out
 
     prop.credit = spy
+    prop.clock = time.perf_counter  # the work clock (the hybrid kept the real one when it was built)
     spec = SpecDecoder(TargetRunner(target.model, MAX_LEN), prop, 4)
     plain = SpecDecoder(TargetRunner(target.model, MAX_LEN))
     totals = {}
