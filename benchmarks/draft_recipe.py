@@ -209,8 +209,10 @@ def train_command(args, plan: Plan, out: Path, files: list[Path]) -> list[str]:
     cmd = {"eagle3": ["train-eagle", "--version", "3", "--cache-hidden-states", str(out / "states"), "--fc-init",
                       "last", "--prompt-rows", "0.1", "--draft-vocab-size", "8192", "--autocast",
                       "--dtype", "bfloat16"],
-           # the target's distribution (soft labels: read conversations teach it too) over an 8k vocabulary, as EAGLE-3's
-           "medusa": ["train-medusa", "--num-heads", str(plan.k), "--soft-labels", "--truncated-vocab-size", "8192"],
+           # the target's distribution (soft labels: read conversations teach it too) over an 8k vocabulary, as EAGLE-3's,
+           # through one LM head shared by the heads: the only way vLLM loads a truncated vocabulary (token_map)
+           "medusa": ["train-medusa", "--num-heads", str(plan.k), "--soft-labels", "--truncated-vocab-size", "8192",
+                      "--shared-lm-head"],
            "mtp": ["train-mtp", "--depth", str(plan.k), "--layout", "mimo"]}[args.method]
     cmd = [sys.executable, "-m", "specctl.cli", *cmd, "--model", args.model, "--output", str(out / "train"),
            "--steps", str(plan.steps), "--batch-size", str(plan.batch_size), "--seq-len", str(plan.seq_len),

@@ -17,6 +17,10 @@ vLLM layout (``vllm/model_executor/models/medusa.py``, ``vllm/transformers_utils
                                                        one LM head shared by every head)
                        token_map [V'] int64           (optional: head row i is vocabulary id token_map[i])
 
+  vLLM loads a token_map only with original_lm_head: its per-head LM heads have V rows and the loaded
+  ones are cut to the token map, which its weight loader then refuses. specctl reads both; train-medusa
+  writes a truncated vocabulary with the shared head only.
+
   vLLM's MedusaConfig.from_pretrained renames *every* top-level key containing "num" and "heads"
   (or "layers") to num_heads (num_hidden_layers), so the config carries no other such key; specctl's
   own notes go under "specctl". vLLM strips a "medusa_heads." prefix from tensor names (read here too).
@@ -334,6 +338,11 @@ def check_medusa(cfg: dict, tensors: Tensors, target: TargetFacts) -> FormatChec
         bad.append("config.json has no num_heads")
     elif lm and len(lm) != heads:
         bad.append(f"config says {heads} heads but the weights hold {len(lm)} lm_heads")
+    tv = cfg.get("truncated_vocab_size")
+    if "token_map" in tensors and tv and cfg.get("vocab_size") and int(tv) < int(cfg["vocab_size"]) \
+            and not cfg.get("original_lm_head") and len(lm) > 1:
+        bad.append("note: a token_map beside one LM head per head: vLLM refuses it (it loads a truncated vocabulary "
+                   "only with original_lm_head); retrain with --shared-lm-head, or without --truncated-vocab-size")
     if any(k.startswith("medusa_head") for k in tensors):
         bad.append("note: original Medusa layout (medusa_head.*): vLLM loads blocks.*/lm_heads.*; convert it")
     hs = [tensors[k][1][0] for k in lm if tensors[k][1]]

@@ -73,6 +73,11 @@ class MedusaTrainConfig(L.TrainConfig):
             L.at_least(self, name, lo)
         L.need(self.truncated_vocab_size is None or self.truncated_vocab_size >= 2,
                f"--truncated-vocab-size must be >= 2, got {self.truncated_vocab_size}", "pass e.g. --truncated-vocab-size 8192")
+        # vLLM (0.32) sizes per-head LM heads to the whole vocabulary and cuts loaded heads to the token map,
+        # then fails; it loads a truncated vocabulary only as one shared head (original_lm_head)
+        L.need(self.truncated_vocab_size is None or self.shared_lm_head,
+               "--truncated-vocab-size needs --shared-lm-head: vLLM loads a token_map only with one LM head shared by the heads",
+               "add --shared-lm-head, or drop --truncated-vocab-size for a full-vocabulary LM head per head")
         L.need(not (self.joint and self.shared_lm_head), "--joint and --shared-lm-head do not go together",
                "the shared LM head is the target's own, which --joint changes; drop one of them")
         if self.export_dtype:

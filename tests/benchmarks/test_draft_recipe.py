@@ -102,6 +102,7 @@ def test_medusa_trains_on_an_eagle3_run_s_data_and_states(recipe, tmp_path):
     assert [str(f) for f in got] == files and not (tmp_path / "medusa" / "data").exists()
     cmd = recipe.train_command(a, recipe.QUICK, tmp_path / "medusa", got)
     assert cmd[cmd.index("--cache-hidden-states") + 1] == str(eagle / "states") and "--soft-labels" in cmd
+    assert "--shared-lm-head" in cmd  # its 8k vocabulary as vLLM loads one (train-medusa refuses it otherwise)
     assert [cmd[i + 1] for i, x in enumerate(cmd) if x == "--data"] == files
 
 

@@ -112,10 +112,22 @@ def test_a_finished_run_resumed_is_exported_again(tiny_model_dir, tmp_path):
 def test_truncated_vocab_over_the_vocab_is_a_usage_error(tiny_model_dir, tmp_path):
     """--truncated-vocab-size above the target's 128 tokens exported a full-vocabulary head, silently."""
     r = CliRunner().invoke(app, ["train-medusa", "--model", str(tiny_model_dir), "--data", str(small_data(tmp_path)),
-                                 "--output", str(tmp_path / "o"), "--truncated-vocab-size", "1000", "--dtype", "float32"])
+                                 "--output", str(tmp_path / "o"), "--truncated-vocab-size", "1000", "--shared-lm-head",
+                                 "--dtype", "float32"])
     assert isinstance(r.exception, UsageError) and r.exception.exit_code == 2, r.output
     assert "--truncated-vocab-size 1000 is more than the target's vocabulary (128 tokens)" in str(r.exception)
     assert not (tmp_path / "o" / "model.safetensors").exists()
+
+
+def test_a_truncated_vocab_needs_the_shared_head_vllm_loads(tiny_model_dir, tmp_path):
+    """One LM head per head beside a token_map: vLLM 0.32 sizes those heads to the whole vocabulary, cuts the
+    loaded ones to the map and fails (the recipe's Medusa did); refused up front, the fix named."""
+    r = CliRunner().invoke(app, ["train-medusa", "--model", str(tiny_model_dir), "--data", str(small_data(tmp_path)),
+                                 "--output", str(tmp_path / "o"), "--truncated-vocab-size", "64", "--dtype", "float32"])
+    assert isinstance(r.exception, UsageError) and r.exception.exit_code == 2, r.output
+    assert "--truncated-vocab-size needs --shared-lm-head" in str(r.exception)
+    assert "add --shared-lm-head" in r.exception.fix
+    assert not (tmp_path / "o").exists()
 
 
 def test_ctrl_c_says_how_to_resume(tiny_model_dir, tmp_path):

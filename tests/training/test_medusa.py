@@ -106,7 +106,8 @@ def test_loss_falls_and_a_small_batch_is_overfit(loopy, tmp_path, monkeypatch):
 def test_eval_split_reports_per_head_accuracy_and_acceptance(loopy, tmp_path, monkeypatch):
     path, _, recs = loopy
     patch_examples(monkeypatch, recs)
-    s = train(cfg_for(path, tmp_path / "run", eval_split=0.25, steps=30, soft_labels=True, truncated_vocab_size=64))
+    s = train(cfg_for(path, tmp_path / "run", eval_split=0.25, steps=30, soft_labels=True, truncated_vocab_size=64,
+                      shared_lm_head=True))
     ev = s["eval"]
     assert len(ev["top1_per_head"]) == 3 and all(0 <= x <= 1 for x in ev["top1_per_head"])
     assert 1.0 <= ev["acceptance_length"] <= 4.0 and ev["positions"] > 0
@@ -171,10 +172,28 @@ def _vllm_names_ok(folder, K: int, L: int, bias: bool, shared: bool, truncated: 
     want |= {"lm_heads.0.weight"} if shared else {f"lm_heads.{h}.weight" for h in range(K)}
     want |= {"token_map"} if truncated else set()
     assert names == want
+    assert shared or not truncated  # vLLM cuts per-head LM heads (V rows) to a token map, then refuses them
     assert all(re.fullmatch(r"(blocks\.\d+\.layers\.\d+\.(weight|bias)|lm_heads\.\d+\.weight|token_map)", n) for n in names)
 
 
-@pytest.mark.parametrize("bias, shared, truncated, L", [(False, False, False, 1), (True, False, True, 2),
+@pytest.mark.parametrize("shared", [False, True])
+def test_the_format_check_says_when_vllm_refuses_a_truncated_vocabulary(tmp_path, shared):
+    """A token_map beside one LM head per head (what train-medusa wrote before): the check that recommend runs
+    names vLLM's refusal and the fix; beside the one shared head (vLLM's original_lm_head) nothing is said."""
+    from safetensors import safe_open
+
+    from specctl.drafts.formats import TargetFacts
+    from specctl.drafts.medusa import check_medusa
+
+    save_medusa(MedusaHeads(64, 128, 3, shared_lm_head=shared, token_map=torch.arange(8)), tmp_path, torch.float32)
+    with safe_open(str(tmp_path / "model.safetensors"), framework="pt") as fh:
+        tensors = {k: (None, list(fh.get_slice(k).get_shape())) for k in fh.keys()}
+    check = check_medusa(json.loads((tmp_path / "config.json").read_text()), tensors, TargetFacts("t", 64, 128, 4))
+    said = [r for r in check.reasons if "vLLM refuses it" in r]
+    assert (said and "--shared-lm-head" in said[0] and said[0].startswith("note:")) if not shared else not said
+
+
+@pytest.mark.parametrize("bias, shared, truncated, L", [(False, False, False, 1), (True, True, True, 2),
                                                         (False, True, False, 1)])
 def test_export_load_reproduces_the_logits(tiny_model, tmp_path, bias, shared, truncated, L):
     torch.manual_seed(0)
