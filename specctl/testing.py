@@ -1,4 +1,4 @@
-"""Exact references for the statistical tests of speculative sampling (shared by the test suite).
+"""Exact references for the statistical tests of speculative sampling, and small probes (shared by the test suite).
 
 ``exact_marginals``: the distributions of the 1st..depth-th emitted token under plain sampling,
 computed exactly by enumerating prefixes (those below ``prune`` are dropped and their mass
@@ -62,3 +62,18 @@ def emitted_histograms(decoder, prompt: list[int], params, n: int, vocab: int):
         drafted += res.stats.num_draft_tokens
         accepted += res.stats.num_accepted_tokens
     return seconds / n, thirds / n, drafted, accepted
+
+
+def record_draft_sizes(proposer) -> list[int]:
+    """Wrap ``proposer.propose`` so that every draft's node count is appended to the returned list (in
+    place: clearing it starts again)."""
+    sizes: list[int] = []
+    propose = proposer.propose
+
+    def spy(requests, ks):
+        out = propose(requests, ks)
+        sizes.extend(len(d) for d in out.drafts)
+        return out
+
+    proposer.propose = spy
+    return sizes

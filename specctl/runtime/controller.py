@@ -180,6 +180,17 @@ class DraftLengthController:
         """c = the relative cost of a step that forwards T tokens, T - 1 of them drafted."""
         return _step_cost(T, self._slope(), self._draft_cost(), batch, self.draft_hint)
 
+    def row_price(self, batch: int = 1) -> float | None:
+        """One more verified row's cost in this request's plain steps (among ``batch`` requests, its share
+        of one): the fitted v(T)'s slope over a plain step. None while no forward of several rows is
+        measured (a draft tree is then verified whole, and measured)."""
+        fit = self._slope()
+        if fit is None or fit[1] <= 0:
+            return None
+        one, b, _ = fit
+        base = one if batch <= 1 else max(one - b, 0.0) / batch + b
+        return b / base if base > 0 else None
+
     def _cost_d(self, d: int, fit, q, batch: int = 1) -> float:
         """The relative cost of a step drafting to depth d: a chain's from the fit (d + 1 rows, d draft
         tokens); a tree's as its steps at that depth were measured against a plain step (``tree_costs``:
@@ -366,6 +377,8 @@ class DraftLengthController:
             self.observe_costs(num_draft, tokens_forwarded, seconds, draft_seconds)
             return
         d = num_draft
+        if draft_seconds is not None:  # its forward alone prices a row (``row_price``), as a chain's would
+            self.observe_costs(0, tokens_forwarded, max(seconds - draft_seconds, 1e-9))
         self.tree_rows[d] = tree_nodes + 1
         plain = self.costs.get(batch)
         if plain is None and (fit := self._slope()) is not None:

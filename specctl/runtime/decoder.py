@@ -313,7 +313,11 @@ class SpecDecoder:
         t0 = t1 = time.perf_counter()
         if drafting:
             try:
-                batch = self.proposer.propose([states[i].draft_request() for i in drafting], [ks[i] for i in drafting])
+                reqs = [states[i].draft_request() for i in drafting]
+                for r, i in zip(reqs, drafting):  # what a row costs: a draft tree keeps the nodes worth it
+                    if states[i].controller is not None:
+                        r.row_price = states[i].controller.row_price(len(states))
+                batch = self.proposer.propose(reqs, [ks[i] for i in drafting])
                 drafts = dict(zip(drafting, batch.drafts))
             except Exception as e:  # noqa: BLE001 - the draft failed: every request in it ends
                 for i in drafting:
@@ -405,10 +409,9 @@ class SpecDecoder:
         if block.prefill_rows:  # the forward read prompt chunks too: its time is theirs, not a verification's
             st.controller.observe_acceptance(oc.num_draft, oc.accepted)
         else:  # a tree's drafting is not d draft tokens' worth (one draft call per level, n nodes): the whole
-            # step counts, keyed by its depth
+            # step counts, keyed by its depth (its forward alone prices a row)
             st.controller.observe(oc.num_draft, oc.accepted, block.rows, block.step_seconds(),
-                                  None if oc.tree else block.t1 - block.t0, oc.nodes if oc.tree else None,
-                                  block.batch)
+                                  block.t1 - block.t0, oc.nodes if oc.tree else None, block.batch)
         self._pooled.observe(oc.num_draft, oc.accepted)
 
     def _time_proposer(self, st: DecodeState, block: Block, oc: StepOutcome) -> None:

@@ -23,12 +23,15 @@ class DraftRequest:
     slot, and a slot it was never told about is an error, never a guess); ``ctx[:n]`` is its context
     (prompt + emitted tokens; the decoder's own buffer, not a copy); ``hidden`` [1, H] the target's
     final hidden state at the position that produced the last token (for proposers with
-    ``needs_hidden_states``, else None)."""
+    ``needs_hidden_states``, else None); ``row_price``: what one more row of its verification costs, in
+    its plain steps (the decoder's measurement; a tree proposer keeps the nodes worth it,
+    ``specctl.runtime.tree_budget``)."""
 
     slot: int
     ctx: np.ndarray  # [>= n] int32
     n: int
     hidden: torch.Tensor | None = None
+    row_price: float | None = None  # one more verified row's cost in plain steps (a draft tree's budget); None: unknown
 
     @property
     def tokens(self) -> np.ndarray:

@@ -20,7 +20,9 @@ each later level forwards the K best nodes of the level before (by cumulative dr
 as one draft call of K rows, each node at position P + depth - 1 in a scratch slot of its own and
 attending to the prefix and its ancestors only (a tree mask), and each forwarded node offers its
 top-K children. After ``k`` levels every candidate is reranked by cumulative log-probability and the
-best N (a connected tree: a node's score never exceeds its parent's) go to verification. The
+best N (a connected tree: a node's score never exceeds its parent's) go to verification, or fewer: with
+the decoder's price of a row (``DraftRequest.row_price``), as many as are worth their rows by their
+calibrated probabilities, and a branch below the price is not grown (``specctl.runtime.tree_budget``). The
 verifier follows the target's greedy choices down the tree, so output stays the target's own.
 
 What it does not know: verification, the target's cache, the network and its files (``specctl.drafts.eagle``,
@@ -30,6 +32,7 @@ training (``specctl.training.eagle``).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -43,6 +46,7 @@ from specctl.models import resolve_draft
 from specctl.modeling import ModelArgs
 from specctl.runtime.proposers.base import Draft, DraftBatch, DraftRequest, SlotProposer
 from specctl.runtime.proposers.base import DraftSampling as _Sampling
+from specctl.runtime.tree_budget import NodeCalibration, accepted_nodes, worth
 
 
 class _Slot:
@@ -63,6 +67,7 @@ class _Slot:
         self.prompt: np.ndarray = np.zeros(0, dtype=np.int64)
         self.sampling: _Sampling | None = None
         self.active = False
+        self.tree: tuple[list[int], list[int], list[float]] | None = None  # the last tree drafted: ids, parents, probabilities
 
 
 class EagleProposer(SlotProposer):
@@ -109,6 +114,7 @@ class EagleProposer(SlotProposer):
         self.Vt = tmodel.args.vocab_size
         self.stop_ids = set(getattr(target, "stop_token_ids", ()) or ())
         self.slots: dict[int, _Slot] = {}
+        self.calibration = NodeCalibration()  # P(a tree node is accepted) by its draft probability, every request's
         self._own_generator = torch.Generator(device=self.device).manual_seed(int(torch.randint(2**62, ())))
 
     # ------------------------------------------------------------------ request life
@@ -121,6 +127,7 @@ class EagleProposer(SlotProposer):
 
     def _reset_slot(self, s: _Slot) -> None:
         s.n_feat = s.n_fed = s.n_ft = 0
+        s.tree = None
 
     def _target_len(self, s: _Slot) -> int:
         return s.n_feat
@@ -138,7 +145,13 @@ class EagleProposer(SlotProposer):
         s.n_fed = min(s.n_fed, s.n_feat)
 
     def on_verified(self, slot: int, num_accepted: int, emitted: list[int]) -> None:
-        """Nothing to do: the next ``on_target_hidden`` rows overwrite the rejected chain rows."""
+        """A verified tree calibrates the nodes' probabilities (which were accepted); otherwise nothing: the
+        next ``on_target_hidden`` rows overwrite the rejected chain rows."""
+        s = self.slots.get(slot)
+        if s is not None and s.tree is not None:
+            ids, parents, probs = s.tree
+            self.calibration.observe(probs, accepted_nodes(ids, parents, emitted, num_accepted))
+            s.tree = None
 
     def _slot_for(self, r: DraftRequest) -> _Slot:
         s = self._slot_of(r)
@@ -159,7 +172,7 @@ class EagleProposer(SlotProposer):
             if self.tree_topk is not None:
                 s = self._slot_for(r)
                 if (s.sampling or _Sampling()).temperature <= 0:
-                    out[b] = self._propose_tree(s, r.ctx, k)
+                    out[b] = self._propose_tree(s, r.ctx, k, r.row_price)
                     continue
             chains.append(b)
         for b, (ids, q) in zip(chains, self._drafts([requests[b] for b in chains], [ks[b] for b in chains])):
@@ -241,9 +254,11 @@ class EagleProposer(SlotProposer):
             s.n_ft, off = s.n_feat, off + n
 
     @torch.inference_mode()
-    def _propose_tree(self, s: _Slot, row: np.ndarray, depth: int) -> Draft:
-        """EAGLE-2's dynamic tree (see the module docstring): a greedy request's."""
+    def _propose_tree(self, s: _Slot, row: np.ndarray, depth: int, price: float | None = None) -> Draft:
+        """EAGLE-2's dynamic tree (see the module docstring): a greedy request's. ``price``: one more row's
+        cost in plain steps; the tree keeps the nodes worth it (``specctl.runtime.tree_budget``)."""
         P, K, d = s.n_feat, self.tree_topk, self.net
+        s.tree = None
         if P == 0 or P + K * depth + 2 > s.k.shape[2]:
             return Draft()
         o = self._feed([_Chain(-1, s, row, P, depth, _Sampling())])[None]  # [1, 1, H]
@@ -263,8 +278,9 @@ class EagleProposer(SlotProposer):
         out_of: dict[int, torch.Tensor] = {}  # forwarded candidate -> its out [H]
         slot_of: dict[int, int] = {}  # forwarded candidate -> draft cache slot
         nxt = P  # scratch slots from P on (overwritten by the next feed, like chain rows)
-        for lev in range(1, depth):
-            frontier = [c for c in frontier if tok[c] not in self.stop_ids]
+        cal = self.calibration
+        for lev in range(1, depth):  # a branch below the row's price grows no node worth verifying
+            frontier = [c for c in frontier if tok[c] not in self.stop_ids and not (price and cal(math.exp(score[c])) <= price)]
             if not frontier:
                 break
             F = len(frontier)
@@ -294,8 +310,11 @@ class EagleProposer(SlotProposer):
                     level.append(lev + 1)
                     new.append(len(tok) - 1)
             frontier = sorted(new, key=lambda c: -score[c])[:K]
-        # rerank: the best N candidates, closed under parents, parents before children
-        keep = set(sorted(range(len(tok)), key=lambda c: -score[c])[:self.tree_tokens])
+        # rerank: the best N candidates (as many as pay for their rows), closed under parents, parents first
+        best = sorted(range(len(tok)), key=lambda c: -score[c])[:self.tree_tokens]
+        keep = set(best[:worth([cal(math.exp(score[c])) for c in best], price)])
+        if not keep:
+            return Draft()
         for c in list(keep):
             a = parent[c]
             while a >= 0 and a not in keep:
@@ -303,7 +322,9 @@ class EagleProposer(SlotProposer):
                 a = parent[a]
         order = sorted(keep, key=lambda c: (level[c], -score[c]))
         index = {c: i for i, c in enumerate(order)}
-        return Draft([tok[c] for c in order], None, [-1 if parent[c] < 0 else index[parent[c]] for c in order])
+        ids, parents = [tok[c] for c in order], [-1 if parent[c] < 0 else index[parent[c]] for c in order]
+        s.tree = (ids, parents, [math.exp(score[c]) for c in order])  # calibrated once verified
+        return Draft(ids, None, parents)
 
 
 @dataclass

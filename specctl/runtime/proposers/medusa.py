@@ -36,6 +36,7 @@ from specctl.errors import ConfigError, ModelError
 from specctl.runtime.proposers.base import Draft, DraftBatch, DraftRequest, Proposer, unknown_slot
 from specctl.runtime.proposers.base import DraftSampling as _Sampling
 from specctl.runtime.rejection import logits_to_probs
+from specctl.runtime.tree_budget import NodeCalibration, accepted_nodes, worth
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +111,8 @@ class MedusaProposer(Proposer):
         self.linear = target.model.kernels.dense if target is not None else F.linear
         self.temperature, self.top_k, self.top_p = 0.0, None, None  # default for slots never announced
         self.slots: dict[int, _Sampling] = {}  # slot -> how its request samples
+        self.calibration = NodeCalibration()  # P(a tree node is accepted) by its heads' probability
+        self._trees: dict[int, tuple[list[int], list[int], list[float]]] = {}  # slot -> its last tree, until verified
         self._own_generator = torch.Generator(device=device).manual_seed(int(torch.randint(2**62, ())))
 
     @property
@@ -125,6 +128,14 @@ class MedusaProposer(Proposer):
 
     def end_request(self, slot: int) -> None:
         self.slots.pop(slot, None)
+        self._trees.pop(slot, None)
+
+    def on_verified(self, slot: int, num_accepted: int, emitted: list[int]) -> None:
+        """A verified tree calibrates its nodes' probabilities (which were accepted)."""
+        tree = self._trees.pop(slot, None)
+        if tree is not None:
+            ids, parents, probs = tree
+            self.calibration.observe(probs, accepted_nodes(ids, parents, emitted, num_accepted))
 
     def _sampling(self, slot: int) -> _Sampling:
         sp = self.slots.get(slot)
@@ -148,15 +159,20 @@ class MedusaProposer(Proposer):
         hidden = torch.cat([requests[b].hidden.reshape(1, -1) for b in live])  # [J, H]
         logits = self.head_logits(hidden, min(max(ks[b] for b in live), self.k))  # [J, n, V']
         for i, b in enumerate(live):
-            out[b] = self._draft(logits[i, :min(ks[b], self.k)], self._sampling(requests[b].slot))
+            r = requests[b]
+            out[b] = self._draft(logits[i, :min(ks[b], self.k)], self._sampling(r.slot), r.slot, r.row_price)
         return DraftBatch(out)
 
-    def _draft(self, logits: torch.Tensor, sp: _Sampling) -> Draft:
+    def _draft(self, logits: torch.Tensor, sp: _Sampling, slot: int = -1, price: float | None = None) -> Draft:
         """logits [n, V'] of the first n heads -> the request's draft: a greedy tree where one is
-        configured, else a chain sampled as ``sp`` says, cut after a stop token."""
+        configured (its nodes worth their rows at ``price``), else a chain sampled as ``sp`` says, cut
+        after a stop token."""
         n = logits.shape[0]
         if self.tree is not None and sp.temperature <= 0:
-            return self._propose_tree(logits, n)
+            d, probs = self._propose_tree(logits, n, price)
+            if d.parents is not None and len(d):
+                self._trees[slot] = (d.ids, d.parents, probs)
+            return d
         q = None
         if sp.temperature <= 0:
             ids = self.heads.vocab_ids(logits.argmax(-1))  # [n]
@@ -168,13 +184,29 @@ class MedusaProposer(Proposer):
         m = next((i + 1 for i, t in enumerate(ids) if t in self.stop_ids), n)  # nothing after a stop is accepted
         return Draft(ids[:m], None if q is None else q[:m])
 
-    def _propose_tree(self, head_logits: torch.Tensor, depth: int) -> Draft:
+    def _propose_tree(self, head_logits: torch.Tensor, depth: int, price: float | None = None) -> tuple[Draft, list[float]]:
         """Greedy tree drafts from the heads' logits [depth, V']: the configured tree cut to ``depth``
-        levels (paths are sorted by length, so the kept nodes are a prefix and keep their indices)."""
+        levels (paths are sorted by length, so the kept nodes are a prefix and keep their indices), then
+        to the nodes worth their rows at ``price`` (``specctl.runtime.tree_budget``): a node's probability
+        is the product of its heads' softmax at its ranks, calibrated on the verified trees. Returns the
+        draft and each of its nodes' probabilities."""
         paths, parents, _ = self.tree
         keep = 1 + sum(1 for p in paths[1:] if len(p) <= depth)
-        tokens = tree_tokens(head_logits, paths[:keep], self.heads)  # [keep-1]
-        return Draft(tokens.tolist(), None, [p - 1 for p in parents[1:keep]])
+        tokens, probs = tree_tokens(head_logits, paths[:keep], self.heads, with_probs=True)  # [keep-1] each
+        ids, par = tokens.tolist(), [p - 1 for p in parents[1:keep]]
+        if price:
+            cal = self.calibration
+            order = sorted(range(len(ids)), key=lambda i: -probs[i])
+            kept = set(order[:worth([cal(probs[i]) for i in order], price)])
+            for i in list(kept):  # closed under parents (a parent's product is never below its child's)
+                a = par[i]
+                while a >= 0 and a not in kept:
+                    kept.add(a)
+                    a = par[a]
+            nodes = sorted(kept)  # the configured order: parents first
+            index = {i: j for j, i in enumerate(nodes)}
+            ids, probs, par = [ids[i] for i in nodes], [probs[i] for i in nodes], [-1 if par[i] < 0 else index[par[i]] for i in nodes]
+        return (Draft(ids, None, par) if ids else Draft()), probs
 
     def _to_target_vocab(self, q: torch.Tensor) -> torch.Tensor:
         """q over LM-head rows [B, n, V'] -> over the target's vocabulary [B, n, V] (zeros elsewhere)."""
@@ -226,13 +258,25 @@ def auto_tree(rank_accuracy, num_nodes: int, depth: int) -> list[tuple[int, ...]
     return paths
 
 
-def tree_tokens(head_logits: torch.Tensor, paths: list[tuple[int, ...]], heads) -> torch.Tensor:
+def tree_tokens(head_logits: torch.Tensor, paths: list[tuple[int, ...]], heads, with_probs: bool = False):
     """head_logits [K, V'] (one request) -> [N] draft token of each non-root node: a node at depth d with
-    rank r in its path takes head (d-1)'s r-th best token."""
+    rank r in its path takes head (d-1)'s r-th best token. ``with_probs``: also each node's probability,
+    the product of its heads' softmax at its path's ranks (a list of N floats)."""
     depth = max(len(p) for p in paths)
     width = max((max(p) for p in paths if p), default=0) + 1
-    top = heads.vocab_ids(head_logits[:depth].topk(width, -1).indices)  # [depth, width]
-    return torch.tensor([int(top[len(p) - 1, p[-1]]) for p in paths[1:]], dtype=torch.long)
+    best = head_logits[:depth].float().topk(width, -1)
+    top = heads.vocab_ids(best.indices)  # [depth, width]
+    tokens = torch.tensor([int(top[len(p) - 1, p[-1]]) for p in paths[1:]], dtype=torch.long)
+    if not with_probs:
+        return tokens
+    sm = (best.values - torch.logsumexp(head_logits[:depth].float(), -1, keepdim=True)).exp().tolist()  # [depth, width]
+    probs = []
+    for p in paths[1:]:
+        v = 1.0
+        for level, rank in enumerate(p):
+            v *= sm[level][rank]
+        probs.append(v)
+    return tokens, probs
 
 
 PROPOSERS = {"medusa": MedusaProposer}

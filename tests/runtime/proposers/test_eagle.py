@@ -22,6 +22,7 @@ from specctl.runtime.loading import load_model
 from specctl.runtime.runner import TargetRunner
 from specctl.training.eagle import EagleTrainConfig, train
 from specctl.training.eagle_ttt import ttt_forward
+from specctl.testing import record_draft_sizes
 
 WORDS = ["def", "return", "print", "hello", "world", "x", "y", "=", "(", ")", "for", "in", "if", "else"]
 
@@ -484,3 +485,69 @@ def test_a_batch_steps_the_chains_together_and_each_drafts_as_alone(trained, tin
         SpecDecoder(TargetRunner(loaded.model, 256), prop, 4).generate(p, params)
         alone.update(seen)
     assert together == alone
+
+
+def _paths(ids, parents):
+    """Each node as the path of tokens from the root's children down to it."""
+    out = []
+    for i in range(len(ids)):
+        path, a = [], i
+        while a >= 0:
+            path.append(ids[a])
+            a = parents[a]
+        out.append(tuple(reversed(path)))
+    return out
+
+
+def test_a_priced_tree_keeps_the_likeliest_nodes_worth_their_rows(trained, tiny_model_dir):
+    """With a row's price the tree is the unpriced tree's likeliest nodes, as many as pay for their rows by
+    their calibrated probabilities (tree_budget.worth); at a price no node beats, nothing is drafted."""
+    from specctl.runtime.tree_budget import worth
+
+    loaded, prop = _tree_proposer(trained, tiny_model_dir, topk=3, tokens=12)
+    dec = SpecDecoder(TargetRunner(loaded.model, 256), prop, 4)
+    ids = template_ids(loaded.tokenizer, [{"role": "user", "content": trained["prompts"][3]}], True)
+    st = dec.start(ids, SamplingParams(max_new_tokens=8))
+    r = st.draft_request()
+    full = prop.propose([r], [4])[0]
+    probs = sorted(prop._slot_for(r).tree[2], reverse=True)
+    sizes = {}
+    for price in (0.02, 0.1, 0.3):
+        r.row_price = price
+        d = prop.propose([r], [4])[0]
+        n = worth([prop.calibration(p) for p in probs], price)
+        assert len(d) == n and set(_paths(d.ids, d.parents)) <= set(_paths(full.ids, full.parents))
+        assert all(p < i for i, p in enumerate(d.parents if d.parents is not None else range(-1, len(d) - 1)))
+        sizes[price] = n
+    assert len(full) == 12 and 12 >= sizes[0.02] >= sizes[0.1] >= sizes[0.3] and sizes[0.3] < 12
+    r.row_price = 2.0  # a row dearer than any node's chance: no draft at all
+    assert len(prop.propose([r], [4])[0]) == 0
+
+
+def test_verified_trees_calibrate_the_node_probabilities_and_priced_trees_stay_exact(trained, tiny_model_dir, monkeypatch):
+    """Every verified tree's nodes are counted into the calibration, the accepted ones exactly the tokens
+    the steps accepted; with the controller's price of a row (here fixed) the trees shrink and every
+    output is still plain greedy's."""
+    from specctl.runtime.controller import DraftLengthController
+
+    loaded, prop = _tree_proposer(trained, tiny_model_dir, topk=3, tokens=12)
+    sizes = record_draft_sizes(prop)
+    plain = SpecDecoder(TargetRunner(loaded.model, 256))
+    fixed = SpecDecoder(TargetRunner(loaded.model, 256), prop, 4)
+    params = SamplingParams(max_new_tokens=24)
+    accepted = 0
+    for text in trained["prompts"]:
+        ids = template_ids(loaded.tokenizer, [{"role": "user", "content": text}], True)
+        got = fixed.generate(ids, params)
+        assert got.token_ids == plain.generate(ids, params).token_ids
+        accepted += got.stats.num_accepted_tokens
+    assert sum(prop.calibration.accepted) == accepted > 0 and sum(prop.calibration.tried) == sum(sizes)
+    assert max(sizes) == 12  # no price: whole trees
+
+    monkeypatch.setattr(DraftLengthController, "row_price", lambda self, batch=1: 0.15)
+    sizes.clear()
+    adaptive = SpecDecoder(TargetRunner(loaded.model, 256), prop, 4, adaptive=True)
+    for text in trained["prompts"][:4]:
+        ids = template_ids(loaded.tokenizer, [{"role": "user", "content": text}], True)
+        assert adaptive.generate(ids, params).token_ids == plain.generate(ids, params).token_ids, text
+    assert sizes and max(sizes) < 12

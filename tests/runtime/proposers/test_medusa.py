@@ -22,6 +22,7 @@ from specctl.runtime.loading import load_model
 from specctl.runtime.runner import TargetRunner, tree_attention_mask
 from specctl.training import data as D
 from specctl.training.medusa import MedusaTrainConfig, train
+from specctl.testing import record_draft_sizes
 
 NEW = 40
 NEAR_TIE = 1e-4  # prompts whose greedy path has a top-2 gap below this are skipped (fp32 rounding)
@@ -90,6 +91,45 @@ def test_tree_greedy_equals_plain_and_accepts(trained):
     d = prop.propose([DraftRequest(0, np.zeros(4, dtype=np.int32), 4, torch.randn(1, lm.model.args.hidden_size))], [2])
     assert d[0].parents == [-1, -1, 0, 0, 1] and int(d.num_tokens[0]) == 5  # cut to depth 2: (0,0,0) dropped
     assert greedy_acceptance(SpecDecoder(TargetRunner(lm.model, 160), prop, 3), cases) > 2.5
+
+
+def test_a_priced_tree_keeps_its_likeliest_nodes_and_verified_trees_calibrate(trained):
+    """With a row's price (DraftRequest.row_price) the tree keeps the nodes worth their rows by their
+    heads' probabilities, closed under parents; every verified tree's nodes go into the calibration, its
+    accepted ones exactly the tokens the steps accepted; outputs stay plain greedy's."""
+    from specctl.runtime.tree_budget import worth
+
+    lm, cases, heads_dir = trained
+    c = SpecConfig.from_dict({"method": "medusa", "model": str(heads_dir), "num_speculative_tokens": 3,
+                              "speculative_token_tree": "[(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]"})
+    prop = build_proposer(c, 160, target=lm)
+    prop.start_request(0, np.zeros(4, dtype=np.int32))
+    r = DraftRequest(0, np.zeros(4, dtype=np.int32), 4, torch.randn(1, lm.model.args.hidden_size))
+    full = prop.propose([r], [3])[0]
+    paths = prop.tree[0]
+    probs = tree_tokens(prop.head_logits(r.hidden)[0], paths, prop.heads, with_probs=True)[1]
+    assert len(full) == 7 and all(0 < p <= 1 for p in probs)
+    assert all(probs[i] <= probs[full.parents[i]] for i in range(7) if full.parents[i] >= 0)  # a child no likelier
+    for price in (0.01, 0.2):
+        r.row_price = price
+        d = prop.propose([r], [3])[0]
+        n = worth(sorted((prop.calibration(p) for p in probs), reverse=True), price)
+        assert len(d) >= n and len(d) <= 7 and all(p < i for i, p in enumerate(d.parents or []))
+        kept = sorted(range(7), key=lambda i: -probs[i])[:n]  # its likeliest n nodes, as tokens on their paths
+        assert {full.ids[i] for i in kept} <= set(d.ids)
+    r.row_price = 5.0
+    assert len(prop.propose([r], [3])[0]) == 0
+
+    sizes = record_draft_sizes(prop)
+    prop.calibration.__init__()
+    dec = SpecDecoder(TargetRunner(lm.model, 160), prop, 3)
+    plain = SpecDecoder(TargetRunner(lm.model, 160))
+    accepted = 0
+    for p, _ in cases[:6]:
+        got = dec.generate(p, SamplingParams(max_new_tokens=NEW))
+        assert got.token_ids == plain.generate(p, SamplingParams(max_new_tokens=NEW)).token_ids
+        accepted += got.stats.num_accepted_tokens
+    assert sum(prop.calibration.accepted) == accepted > 0 and sum(prop.calibration.tried) == sum(sizes)
 
 
 def test_tree_mask_on_hand_built_trees():
