@@ -41,7 +41,7 @@ Examples:
 
   specctl train-medusa -m ./my-model --data sharegpt.json --num-heads 4 --epochs 2 --save-every 200 --output run/ --json
 
-  specctl train-medusa -m qwen2.5-coder-0.5b --data answers.jsonl --seq-len 768 --cache-hidden-states eagle-run/states --truncated-vocab-size 8192 --output heads/   (the target's states from a train-eagle run on the same data)
+  specctl train-medusa -m qwen2.5-coder-0.5b --data answers.jsonl --seq-len 768 --cache-hidden-states eagle-run/states --truncated-vocab-size 8192 --shared-lm-head --output heads/   (the target's states from a train-eagle run on the same data)
 
   accelerate launch --num_processes 2 -m specctl.cli train-medusa -m ./my-model --data sharegpt.json --output run/ --push-to-hub me/my-medusa
 
