@@ -87,6 +87,8 @@ def _worker(job_path: str) -> None:
             kw["speculative_config"] = job["spec"]
         if job.get("hf_overrides"):
             kw["hf_overrides"] = job["hf_overrides"]
+        if job.get("loader_extra"):
+            kw["model_loader_extra_config"] = job["loader_extra"]
         t0 = time.perf_counter()
         llm = LLM(**kw)
         res["load_s"] = round(time.perf_counter() - t0, 1)
@@ -351,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
     from specctl.config import SpecConfig
     from specctl.models import resolve_model
     from specctl.vllm_compat import (VLLM_INTERNAL_FIELDS, VLLM_SPECULATIVE_CONFIG_FIELDS, VLLM_VERSION_RECORDED,
-                                      vllm_hf_overrides, vllm_speculative_config)
+                                      vllm_hf_overrides, vllm_loader_extra_config, vllm_speculative_config)
 
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -406,7 +408,11 @@ def main(argv: list[str] | None = None) -> int:
         overrides = vllm_hf_overrides(sent)  # a MiMo-layout MTP draft: num_nextn_predict_layers on the target
         if overrides:
             row["hf_overrides"] = overrides
-        r = run_vllm({**job, "spec": sent, "hf_overrides": overrides or None}, out, kind, log)
+        # a truncated-vocabulary Medusa: vLLM's loader check refuses its token_map unless told not to check
+        extra = vllm_loader_extra_config(sent)
+        if extra:
+            row["model_loader_extra_config"] = extra
+        r = run_vllm({**job, "spec": sent, "hf_overrides": overrides or None, "loader_extra": extra or None}, out, kind, log)
         row["loaded"] = bool(r.get("loaded"))
         if r.get("error"):
             row["error"] = r["error"]

@@ -206,9 +206,13 @@ def model_card_text(folder: str | Path, *, base_model: str, method: str, data: A
     front += ["library_name: vllm", "tags:", "- speculative-decoding", f"- {spec['method']}", "- draft-model",
               "- specctl", "---", ""]
     serve = ["```bash", f"vllm serve {base_model} \\", f"  --speculative-config '{json.dumps(spec)}'"]
-    if overrides:
-        serve[-1] += " \\"
-        serve.append(f"  --hf-overrides '{json.dumps(overrides)}'")
+    from specctl.vllm_compat import vllm_loader_extra_config
+
+    loader = vllm_loader_extra_config(dict(spec, model=str(folder)))  # a truncated-vocabulary Medusa's token_map
+    for flag, value in (("--hf-overrides", overrides), ("--model-loader-extra-config", loader)):
+        if value:
+            serve[-1] += " \\"
+            serve.append(f"  {flag} '{json.dumps(value)}'")
     serve.append("```")
     try:
         own_cfg = json.loads((folder / "config.json").read_text())

@@ -111,6 +111,29 @@ def vllm_hf_overrides(sent: dict[str, Any]) -> dict[str, Any]:
     return {"num_nextn_predict_layers": int(cfg.get("num_nextn_predict_layers") or 1)}
 
 
+def vllm_loader_extra_config(sent: dict[str, Any]) -> dict[str, Any]:
+    """The ``model_loader_extra_config`` vLLM needs to load the draft of ``sent`` (empty for most drafts).
+
+    A Medusa draft with a truncated vocabulary (``truncated_vocab_size`` below ``vocab_size``, a
+    ``token_map`` tensor): vLLM 0.32's ``MedusaModel.load_weights`` registers ``token_map`` as a parameter
+    while loading but does not report it loaded, so the loader's strict check ("Following weights were not
+    initialized from checkpoint: {'token_map'}") refuses every such draft. ``{"enable_weights_track":
+    false}`` turns that check off (``LLM(..., model_loader_extra_config=...)`` or ``vllm serve
+    --model-loader-extra-config JSON``); the weights load as they are.
+    """
+    import json
+    from pathlib import Path
+
+    if sent.get("method") != "medusa" or not sent.get("model"):
+        return {}
+    try:
+        cfg = json.loads((Path(str(sent["model"])).expanduser() / "config.json").read_text())
+        truncated = int(cfg.get("truncated_vocab_size") or 0) < int(cfg.get("vocab_size") or 0)
+    except (OSError, ValueError, TypeError):
+        return {}
+    return {"enable_weights_track": False} if cfg.get("truncated_vocab_size") and truncated else {}
+
+
 # The MTP draft layouts vLLM's dense MTP loads for any target (MiMo's); DeepSeek-V3's it loads only
 # for DeepSeek-V3-family targets, whose own classes read it.
 _DEEPSEEK_V3_TARGETS = ("DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM", "KimiK2ForCausalLM")

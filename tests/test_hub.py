@@ -227,3 +227,12 @@ def test_push_uploads_the_export_not_the_checkpoints(tmp_path, monkeypatch, api)
 def test_push_of_nothing_is_refused(tmp_path):
     with pytest.raises(hub.HubError, match="nothing to push"):
         hub.push_to_hub(tmp_path / "nope", "me/draft")
+
+
+def test_model_card_of_a_truncated_vocabulary_medusa_turns_off_vllm_s_loader_check(tmp_path):
+    """vLLM 0.32 refuses such a draft's token_map without --model-loader-extra-config (see vllm_compat)."""
+    folder = draft(tmp_path, {"model_type": "medusa", "num_heads": 3, "vocab_size": 128, "truncated_vocab_size": 64})
+    text = hub.model_card_text(folder, base_model="Qwen/Qwen2.5-Coder-0.5B-Instruct", method="medusa", data="d",
+                               command="specctl train-medusa", held_out=HELD_OUT)
+    assert "--model-loader-extra-config '{\"enable_weights_track\": false}'" in text
+    assert serve_config(text)["method"] == "medusa"

@@ -101,6 +101,20 @@ def test_hf_overrides_for_a_mimo_mtp_draft(tmp_path):
     assert vllm_hf_overrides({"method": "mtp", "model": str(tmp_path)}) == {}
 
 
+def test_loader_extra_config_only_for_a_truncated_vocabulary_medusa(tmp_path):
+    import json
+
+    from specctl.vllm_compat import vllm_loader_extra_config
+
+    cfg = {"model_type": "medusa", "num_heads": 3, "vocab_size": 128}
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "truncated_vocab_size": 64}))
+    assert vllm_loader_extra_config({"method": "medusa", "model": str(tmp_path)}) == {"enable_weights_track": False}
+    assert vllm_loader_extra_config({"method": "eagle3", "model": str(tmp_path)}) == {}
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "truncated_vocab_size": 128}))  # not truncated
+    assert vllm_loader_extra_config({"method": "medusa", "model": str(tmp_path)}) == {}
+    assert vllm_loader_extra_config({"method": "medusa", "model": str(tmp_path / "nowhere")}) == {}
+
+
 def test_a_method_vllm_lacks_has_no_vllm_form():
     with pytest.raises(ValueError, match="not a speculative method of vLLM"):
         vllm_speculative_config({"method": "sparse_attn", "num_speculative_tokens": 4})

@@ -235,7 +235,7 @@ def _exec_vllm(model: str | None, spec, served_model_name, host, port, api_key, 
     import os
 
     from specctl.errors import ModelError, SpecctlError
-    from specctl.vllm_compat import dropped_keys, vllm_hf_overrides, vllm_speculative_config
+    from specctl.vllm_compat import dropped_keys, vllm_hf_overrides, vllm_loader_extra_config, vllm_speculative_config
 
     from specctl.errors import UsageError
 
@@ -285,6 +285,10 @@ def _exec_vllm(model: str | None, spec, served_model_name, host, port, api_key, 
         if overrides and not any(a == "--hf-overrides" or a.startswith("--hf-overrides=") for a in extra_args):
             # a MiMo-layout MTP draft: vLLM reads num_nextn_predict_layers from the target's config
             extra_args = ["--hf-overrides", json.dumps(overrides), *extra_args]
+        loader = vllm_loader_extra_config(sent)
+        if loader and not any(a.startswith("--model-loader-extra-config") for a in extra_args):
+            # a truncated-vocabulary Medusa: vLLM's loader check refuses its token_map unless told not to check
+            extra_args = ["--model-loader-extra-config", json.dumps(loader), *extra_args]
     argv = vllm_serve_argv(path, spec=sent, served_model_name=name, host=host, port=port,
                            max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                            max_num_batched_tokens=max_num_batched_tokens, dtype=dtype, quantization=quantization,

@@ -354,6 +354,27 @@ def test_engine_vllm_adds_hf_overrides_for_a_mimo_mtp_draft(tiny_model_dir, tmp_
     assert sent == {"method": "mtp", "model": str(draft), "num_speculative_tokens": 1}
 
 
+def test_engine_vllm_turns_off_the_loader_check_for_a_truncated_vocabulary_medusa(tiny_model_dir, tmp_path):
+    """vLLM 0.32 registers a Medusa draft's token_map while loading but does not report it loaded: its strict
+    check refused the recipe's export ("weights were not initialized from checkpoint: {'token_map'}")."""
+    heads = tmp_path / "medusa"
+    heads.mkdir()
+    (heads / "config.json").write_text(json.dumps({"model_type": "medusa", "num_heads": 3, "vocab_size": 128,
+                                                   "truncated_vocab_size": 64, "original_lm_head": True}))
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    _, record = _fake_vllm(bindir)
+    env = {"PATH": f"{bindir}{os.pathsep}{os.environ['PATH']}", "SPECCTL_VLLM_PYTHON": ""}
+    cfg = json.dumps({"method": "medusa", "model": str(heads), "num_speculative_tokens": 3})
+    r = run_cli("serve", "--engine", "vllm", "--model", str(tiny_model_dir), "--speculative-config", cfg, env_extra=env)
+    assert r.returncode == 0, r.stderr
+    argv = json.loads(record.read_text())["argv"]
+    assert json.loads(argv[argv.index("--model-loader-extra-config") + 1]) == {"enable_weights_track": False}
+    (heads / "config.json").write_text(json.dumps({"model_type": "medusa", "num_heads": 3, "vocab_size": 128}))
+    r = run_cli("serve", "--engine", "vllm", "--model", str(tiny_model_dir), "--speculative-config", cfg, env_extra=env)
+    assert r.returncode == 0 and "--model-loader-extra-config" not in json.loads(record.read_text())["argv"]
+
+
 def test_a_method_vllm_lacks_is_refused_before_vllm_starts(tiny_model_dir, tmp_path):
     _, record = _fake_vllm(tmp_path)
     r = run_cli("serve", "--engine", "vllm", "--model", str(tiny_model_dir), "--method", "sparse_attn",
