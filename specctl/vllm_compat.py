@@ -124,14 +124,15 @@ def vllm_loader_extra_config(sent: dict[str, Any]) -> dict[str, Any]:
     import json
     from pathlib import Path
 
+    from specctl.drafts.formats import truncated_vocab
+
     if sent.get("method") != "medusa" or not sent.get("model"):
         return {}
     try:
-        cfg = json.loads((Path(str(sent["model"])).expanduser() / "config.json").read_text())
-        truncated = int(cfg.get("truncated_vocab_size") or 0) < int(cfg.get("vocab_size") or 0)
-    except (OSError, ValueError, TypeError):
+        truncated = truncated_vocab(json.loads((Path(str(sent["model"])).expanduser() / "config.json").read_text()))
+    except (OSError, ValueError, TypeError, AttributeError):
         return {}
-    return {"enable_weights_track": False} if cfg.get("truncated_vocab_size") and truncated else {}
+    return {"enable_weights_track": False} if truncated else {}
 
 
 # The MTP draft layouts vLLM's dense MTP loads for any target (MiMo's); DeepSeek-V3's it loads only

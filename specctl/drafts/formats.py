@@ -19,6 +19,13 @@ def text_config(cfg: dict) -> dict:
     return cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
 
 
+def truncated_vocab(cfg: dict) -> bool:
+    """A Medusa config whose heads score a truncated vocabulary (``truncated_vocab_size`` below
+    ``vocab_size``): the only case where vLLM applies its ``token_map``."""
+    tv, v = cfg.get("truncated_vocab_size"), cfg.get("vocab_size")
+    return tv is not None and v is not None and int(tv) < int(v)
+
+
 @dataclass(frozen=True)
 class TargetFacts:
     """What a draft is checked against: the target's sizes (None: not known, e.g. not pulled) and names."""

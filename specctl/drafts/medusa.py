@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specctl.drafts.formats import FormatCheck, TargetFacts, Tensors
+from specctl.drafts.formats import FormatCheck, TargetFacts, Tensors, truncated_vocab
 from specctl.drafts.kinds import check_kind, is_medusa  # noqa: F401 (is_medusa: here as before)
 from specctl.errors import ModelError, UsageError
 from specctl.files import write_atomic, write_json_atomic
@@ -272,11 +272,10 @@ def _from_vllm(folder: Path, sd: dict[str, torch.Tensor]) -> MedusaHeads:
     K, L = int(cfg.get("num_heads", 0)), int(cfg.get("num_hidden_layers", 1))
     H, V = int(cfg["hidden_size"]), int(cfg["vocab_size"])
     token_map = sd.get("token_map")
-    tv = cfg.get("truncated_vocab_size")
-    if tv is not None and int(tv) < V and token_map is None:
-        raise ModelError(f"{folder}: truncated_vocab_size {tv} < vocab_size {V} but no token_map tensor",
-                         "re-export the heads; the token_map tensor must travel with a truncated vocabulary")
-    truncated = tv is not None and int(tv) < V  # vLLM ignores a token_map otherwise
+    truncated = truncated_vocab(cfg)  # vLLM ignores a token_map otherwise
+    if truncated and token_map is None:
+        raise ModelError(f"{folder}: truncated_vocab_size {cfg['truncated_vocab_size']} < vocab_size {V} but no "
+                         "token_map tensor", "re-export the heads; the token_map tensor must travel with a truncated vocabulary")
     heads = MedusaHeads(H, V, K, L, bias=bool(cfg.get("medusa_fc_bias", False)),
                         shared_lm_head=bool(cfg.get("original_lm_head", False)),
                         token_map=token_map.long() if truncated else None)
@@ -338,9 +337,7 @@ def check_medusa(cfg: dict, tensors: Tensors, target: TargetFacts) -> FormatChec
         bad.append("config.json has no num_heads")
     elif lm and len(lm) != heads:
         bad.append(f"config says {heads} heads but the weights hold {len(lm)} lm_heads")
-    tv = cfg.get("truncated_vocab_size")
-    if "token_map" in tensors and tv and cfg.get("vocab_size") and int(tv) < int(cfg["vocab_size"]) \
-            and not cfg.get("original_lm_head") and len(lm) > 1:
+    if "token_map" in tensors and truncated_vocab(cfg) and not cfg.get("original_lm_head") and len(lm) > 1:
         bad.append("note: a token_map beside one LM head per head: vLLM refuses it (it loads a truncated vocabulary "
                    "only with original_lm_head); retrain with --shared-lm-head, or without --truncated-vocab-size")
     if any(k.startswith("medusa_head") for k in tensors):

@@ -61,6 +61,11 @@ class NodeCalibration:
     def __call__(self, p: float) -> float:
         return self.rates()[_bin(p)]
 
+    def observe_tree(self, tree: tuple[list[int], list[int], list[float]], emitted: list[int], num_accepted: int) -> None:
+        """One verified tree (ids, parents, each node's draft probability) and the step's emitted tokens."""
+        ids, parents, probs = tree
+        self.observe(probs, accepted_nodes(ids, parents, emitted, num_accepted))
+
 
 def _non_increasing(values: list[float], weights: list[float]) -> list[float]:
     """The weighted least-squares non-increasing fit (pool adjacent violators): a bin with little
@@ -87,6 +92,18 @@ def worth(probs: list[float], price: float | None) -> int:
         total += p
         n += 1
     return n
+
+
+def with_ancestors(chosen, parents) -> set[int]:
+    """The ``chosen`` nodes and every ancestor of theirs (``parents[i]``, -1 for a root's child): a
+    connected tree."""
+    keep = set(chosen)
+    for c in list(keep):
+        a = parents[c]
+        while a >= 0 and a not in keep:
+            keep.add(a)
+            a = parents[a]
+    return keep
 
 
 def accepted_nodes(ids: list[int], parents: list[int], emitted: list[int], num_accepted: int) -> list[bool]:

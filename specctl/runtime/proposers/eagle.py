@@ -46,7 +46,7 @@ from specctl.models import resolve_draft
 from specctl.modeling import ModelArgs
 from specctl.runtime.proposers.base import Draft, DraftBatch, DraftRequest, SlotProposer
 from specctl.runtime.proposers.base import DraftSampling as _Sampling
-from specctl.runtime.tree_budget import NodeCalibration, accepted_nodes, worth
+from specctl.runtime.tree_budget import NodeCalibration, with_ancestors, worth
 
 
 class _Slot:
@@ -149,8 +149,7 @@ class EagleProposer(SlotProposer):
         next ``on_target_hidden`` rows overwrite the rejected chain rows."""
         s = self.slots.get(slot)
         if s is not None and s.tree is not None:
-            ids, parents, probs = s.tree
-            self.calibration.observe(probs, accepted_nodes(ids, parents, emitted, num_accepted))
+            self.calibration.observe_tree(s.tree, emitted, num_accepted)
             s.tree = None
 
     def _slot_for(self, r: DraftRequest) -> _Slot:
@@ -312,14 +311,9 @@ class EagleProposer(SlotProposer):
             frontier = sorted(new, key=lambda c: -score[c])[:K]
         # rerank: the best N candidates (as many as pay for their rows), closed under parents, parents first
         best = sorted(range(len(tok)), key=lambda c: -score[c])[:self.tree_tokens]
-        keep = set(best[:worth([cal(math.exp(score[c])) for c in best], price)])
+        keep = with_ancestors(best[:worth([cal(math.exp(score[c])) for c in best], price)], parent)
         if not keep:
             return Draft()
-        for c in list(keep):
-            a = parent[c]
-            while a >= 0 and a not in keep:
-                keep.add(a)
-                a = parent[a]
         order = sorted(keep, key=lambda c: (level[c], -score[c]))
         index = {c: i for i, c in enumerate(order)}
         ids, parents = [tok[c] for c in order], [-1 if parent[c] < 0 else index[parent[c]] for c in order]

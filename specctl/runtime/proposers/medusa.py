@@ -36,7 +36,7 @@ from specctl.errors import ConfigError, ModelError
 from specctl.runtime.proposers.base import Draft, DraftBatch, DraftRequest, Proposer, unknown_slot
 from specctl.runtime.proposers.base import DraftSampling as _Sampling
 from specctl.runtime.rejection import logits_to_probs
-from specctl.runtime.tree_budget import NodeCalibration, accepted_nodes, worth
+from specctl.runtime.tree_budget import NodeCalibration, with_ancestors, worth
 
 log = logging.getLogger(__name__)
 
@@ -134,8 +134,7 @@ class MedusaProposer(Proposer):
         """A verified tree calibrates its nodes' probabilities (which were accepted)."""
         tree = self._trees.pop(slot, None)
         if tree is not None:
-            ids, parents, probs = tree
-            self.calibration.observe(probs, accepted_nodes(ids, parents, emitted, num_accepted))
+            self.calibration.observe_tree(tree, emitted, num_accepted)
 
     def _sampling(self, slot: int) -> _Sampling:
         sp = self.slots.get(slot)
@@ -163,7 +162,7 @@ class MedusaProposer(Proposer):
             out[b] = self._draft(logits[i, :min(ks[b], self.k)], self._sampling(r.slot), r.slot, r.row_price)
         return DraftBatch(out)
 
-    def _draft(self, logits: torch.Tensor, sp: _Sampling, slot: int = -1, price: float | None = None) -> Draft:
+    def _draft(self, logits: torch.Tensor, sp: _Sampling, slot: int, price: float | None = None) -> Draft:
         """logits [n, V'] of the first n heads -> the request's draft: a greedy tree where one is
         configured (its nodes worth their rows at ``price``), else a chain sampled as ``sp`` says, cut
         after a stop token."""
@@ -197,13 +196,7 @@ class MedusaProposer(Proposer):
         if price:
             cal = self.calibration
             order = sorted(range(len(ids)), key=lambda i: -probs[i])
-            kept = set(order[:worth([cal(probs[i]) for i in order], price)])
-            for i in list(kept):  # closed under parents (a parent's product is never below its child's)
-                a = par[i]
-                while a >= 0 and a not in kept:
-                    kept.add(a)
-                    a = par[a]
-            nodes = sorted(kept)  # the configured order: parents first
+            nodes = sorted(with_ancestors(order[:worth([cal(probs[i]) for i in order], price)], par))  # configured order: parents first
             index = {i: j for j, i in enumerate(nodes)}
             ids, probs, par = [ids[i] for i in nodes], [probs[i] for i in nodes], [-1 if par[i] < 0 else index[par[i]] for i in nodes]
         return (Draft(ids, None, par) if ids else Draft()), probs
