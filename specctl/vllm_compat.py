@@ -124,12 +124,12 @@ def vllm_loader_extra_config(sent: dict[str, Any]) -> dict[str, Any]:
     import json
     from pathlib import Path
 
-    from specctl.drafts.formats import truncated_vocab
-
     if sent.get("method") != "medusa" or not sent.get("model"):
         return {}
-    try:
-        truncated = truncated_vocab(json.loads((Path(str(sent["model"])).expanduser() / "config.json").read_text()))
+    try:  # specctl.drafts.formats.truncated_vocab's rule (this layer does not import the drafts')
+        cfg = json.loads((Path(str(sent["model"])).expanduser() / "config.json").read_text())
+        tv, v = cfg.get("truncated_vocab_size"), cfg.get("vocab_size")
+        truncated = tv is not None and v is not None and int(tv) < int(v)
     except (OSError, ValueError, TypeError, AttributeError):
         return {}
     return {"enable_weights_track": False} if truncated else {}
