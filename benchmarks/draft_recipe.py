@@ -141,6 +141,11 @@ def write_read(plan: Plan, prompts: list, path: Path) -> None:
     say(f"data: {len(rows)} ShareGPT conversations with their own answers, for the target to read, in {path}")
 
 
+def _lines(path: Path) -> int:
+    with open(path, "rb") as f:
+        return sum(1 for _ in f)
+
+
 def stage_data(args, plan: Plan, out: Path) -> list[Path]:
     """The target's own answers to ShareGPT prompts (greedy, then sampled), cached a batch at a time;
     for EAGLE-3, other conversations it reads as they are."""
@@ -158,7 +163,9 @@ def stage_data(args, plan: Plan, out: Path) -> list[Path]:
     done = out / "data" / "done.json"
     if args.method == "eagle3" and plan.read_conversations > 0:
         files.append(out / "data" / "sharegpt-read.jsonl")
-        if not files[-1].is_file():
+        # written anew where the plan asks for another number: the same conversations first (one order), so a
+        # run given more keeps its cached states and reads only the new ones
+        if not files[-1].is_file() or _lines(files[-1]) != plan.read_conversations:
             write_read(plan, load_prompts("sharegpt"), files[-1])
     if done.is_file():
         say(f"data: done earlier ({done})")
@@ -325,6 +332,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="the short recipe (about an hour for a 0.5B on 2 cores): fewer prompts and steps")
     ap.add_argument("--steps", type=int, help="override the plan's optimizer steps")
     ap.add_argument("--lr", type=float, help="override the method's learning rate")
+    ap.add_argument("--read-conversations", type=int, help="EAGLE-3: override how many ShareGPT conversations the "
+                    "target reads (more data for a run that has stopped improving: with --steps, the run resumes on them)")
     ap.add_argument("--until", choices=("data", "train", "bench"), default="bench", help="stop after this stage")
     ap.add_argument("--states-from", type=Path, help="Medusa: train on an EAGLE-3 recipe run's data, reading the "
                     "target's states from its cache (no data stage, no pass of the target)")
@@ -332,6 +341,8 @@ def main() -> None:
     plan = QUICK if args.quick else FULL
     if args.steps:
         plan.steps = args.steps
+    if args.read_conversations is not None:
+        plan.read_conversations = args.read_conversations
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
     from specctl.models import resolve_model
@@ -375,9 +386,13 @@ def export_of(summary: dict) -> str:
 def result(args, summary: dict, report: dict, batched: dict) -> dict:
     """The recipe's last line: the export, the training time and estimate, what bench measured."""
     ev = summary.get("eval") or {}  # Medusa's and MTP's held-out split; EAGLE-3's last evaluation is "final"
-    estimate = ((summary.get("final") or {}).get("decoding_acceptance_length")
+    final = summary.get("final") or {}
+    replay = final.get("replay") or {}  # EAGLE-3: greedy decoding replayed through the proposer (bench --fixed-k's figures)
+    estimate = ((replay.get("chain") or {}).get("mean_acceptance_length") or final.get("decoding_acceptance_length")
                 or ev.get("acceptance_length", ev.get("mean_acceptance_length")))
+    tree = (replay.get("tree") or {}).get("mean_acceptance_length")
     return {"export": export_of(summary), "train_s": summary.get("wall_s"), "training_estimate": estimate,
+            **({"training_estimate_tree": tree} if tree is not None else {}),
             "method": args.method, "model": args.model, "cpu": report.get("header", {}).get("machine"),
             "mean_acceptance_length": acceptance(report),
             "speedup": {"concurrency 1": speedups(report), "concurrency 8": speedups(batched)},

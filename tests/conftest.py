@@ -21,6 +21,11 @@ Fixtures (all offline, seeded, CPU, fp32):
 ``repetitive_prompts`` (session)
     ``make_repetitive_prompts(n, seed)``: prompts that repeat themselves, so copying drafts get accepted.
 
+``trained_eagle`` (session)
+    EAGLE-3 and EAGLE-1 drafts of ``tiny_model_dir`` overfit on its own greedy answers to 24 word prompts
+    (``word_prompts(24, 0)``): ``{3: summary, 1: summary, "prompts": the first 20 prompts}``, each summary
+    ``train``'s (its ``export`` loads as a draft).
+
 ``bf16_path`` (function, parametrized)
     Runs a test once per CPU bf16 path, as the CPU that selects it would: ``"amx"``, ``"avx512_bf16"``
     (AMX hidden), ``"avx512"`` (AMX and AVX512-BF16 hidden: AVX-512 alone, as on an Intel Ice Lake),
@@ -141,6 +146,37 @@ def make_repetitive_prompts(n: int, seed: int) -> list[list[int]]:
             prompt += rep
         prompts.append(prompt)
     return prompts
+
+
+WORDS = ["def", "return", "print", "hello", "world", "x", "y", "=", "(", ")", "for", "in", "if", "else"]
+
+
+def word_prompts(n: int, seed: int) -> list[str]:
+    """n prompts of 3 to 8 code-like words, seeded."""
+    import random
+
+    r = random.Random(seed)
+    return [" ".join(r.choice(WORDS) for _ in range(r.randint(3, 8))) for _ in range(n)]
+
+
+@pytest.fixture(scope="session")
+def trained_eagle(tiny_model_dir, tmp_path_factory):
+    """EAGLE-3 and EAGLE-1 drafts overfit on the tiny model's own greedy answers to 24 prompts."""
+    from specctl.runtime.loading import load_model
+    from specctl.training.eagle import EagleTrainConfig, train
+
+    folder = tmp_path_factory.mktemp("eagle-train")
+    prompts = folder / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in word_prompts(24, 0)) + "\n")
+    loaded = load_model(tiny_model_dir, dtype="float32")
+    out = {}
+    for version, steps in ((3, 60), (1, 40)):
+        cfg = EagleTrainConfig(model=str(tiny_model_dir), output=str(folder / f"run{version}"), self_distill=str(prompts),
+                               version=version, steps=steps, batch_size=8, seq_len=64, max_new_tokens=32, eval_split=0.1,
+                               lr=3e-3, eval_every=1000, draft_vocab_size=96 if version == 3 else None)
+        out[version] = train(cfg, loaded=loaded, log=lambda m: None)
+    out["prompts"] = word_prompts(24, 0)[:20]
+    return out
 
 
 def tiny_hf_config(arch: str = "llama", tie_word_embeddings: bool = False, **overrides):

@@ -67,6 +67,7 @@ def train_eagle_cmd(
     distill_samples: DistillSamplesOpt = 1,
     prompt_rows: Annotated[float, typer.Option("--prompt-rows", help="Fraction of the prompt rows of chat records unrolled and learnt per step (answer rows always are); below 1 spends the compute on the answers.")] = 1.0,
     fc_init: Annotated[str, typer.Option("--fc-init", help="EAGLE-3 fc initialisation: random, or last (identity on the deepest aux layer: the draft starts in the space the LM head reads).")] = "random",
+    replay_k: Annotated[int, typer.Option("--replay-k", help="At the end, decode the held-out answers greedily through the proposer, the target's states replayed: the mean acceptance length bench measures with a chain of this many draft tokens, and with EAGLE-2's tree of at most 16 nodes (0: skip).")] = 3,
     autocast: Annotated[bool, typer.Option("--autocast", help="Run the draft's matmuls in bfloat16 (weights and optimizer stay fp32).")] = False,
     cache_hidden_states: Annotated[Optional[Path], typer.Option("--cache-hidden-states", help="Folder for the target's states (safetensors shards), computed once.")] = None,
     seed: SeedOpt = 0,
@@ -109,6 +110,11 @@ def train_eagle_cmd(
         typer.echo(f"held-out per-position acceptance [{acc}], mean acceptance length "
                    f"{final.get('decoding_acceptance_length', final['simulated_acceptance_length']):.2f} as greedy "
                    f"decoding of {summary['ttt_steps']} draft tokens walks the held-out answers (what bench measures)")
+    for name, r in (final.get("replay") or {}).items():
+        shape = (f"a chain of {r['k']}" if name == "chain" else
+                 f"a tree of at most {r['speculative_num_draft_tokens']} nodes, {r['num_speculative_tokens']} deep")
+        typer.echo(f"held-out mean acceptance length {r['mean_acceptance_length']:.2f} with {shape} (greedy decoding "
+                   f"replayed through the proposer on the target's states: what bench measures on those prompts)")
     if summary.get("hub"):
         typer.echo(f"pushed to {summary['hub']}")
     method = "eagle3" if summary["version"] == 3 else "eagle"

@@ -56,6 +56,10 @@ class EagleTrainConfig(L.TrainConfig):
     """EAGLE-3 fc initialisation: random, or last (the identity on the deepest aux layer, zeros elsewhere)."""
     autocast: bool = False
     """Run the draft's matmuls in bfloat16 (autocast; weights and optimizer stay fp32)."""
+    replay_k: int = 3
+    """At the end, greedy decoding of the held-out answers is replayed through the proposer (a chain of this
+    many draft tokens, and EAGLE-2's tree of at most 16 nodes): the mean acceptance lengths bench measures on
+    those prompts (eagle_replay). 0: skip it."""
     # train-eagle's own defaults of shared settings
     lr: float = 3e-4
     batch_size: int = 4
@@ -72,6 +76,7 @@ class EagleTrainConfig(L.TrainConfig):
         L.at_least(self, "ttt_steps", 1)
         L.need(self.fc_init in ("random", "last"), f"--fc-init must be random or last, got {self.fc_init}",
                "use --fc-init last or random")
+        L.at_least(self, "replay_k", 0)
         L.need(0.0 <= self.prompt_rows <= 1.0, f"--prompt-rows must be in [0, 1], got {self.prompt_rows}", "e.g. --prompt-rows 0.2")
         L.need(self.draft_vocab_size is None or self.draft_vocab_size >= 1,
                f"--draft-vocab-size must be positive, got {self.draft_vocab_size}", "e.g. --draft-vocab-size 32000")
@@ -137,6 +142,20 @@ def build_draft(target, cfg: EagleTrainConfig, seqs: list[list[int]], tok) -> Ea
                 draft.fc.weight[:, -H:] = torch.eye(H)
     return draft
 
+
+
+def replay(draft, loaded, source, idx: list[int], k: int, log) -> dict:
+    """The held-out answers decoded greedily through the proposer, the target replaced by its cached states
+    (``specctl.training.eagle_replay``): a chain of k and EAGLE-2's tree, as bench will run them."""
+    from specctl.training.eagle_replay import TREE, replay_eagle
+
+    t = time.perf_counter()
+    out = {"chain": dict(replay_eagle(draft, loaded, source, idx, k), k=k),
+           "tree": dict(replay_eagle(draft, loaded, source, idx, TREE["num_speculative_tokens"], TREE), **TREE)}
+    log(f"held-out answers decoded greedily (the target's states replayed): mean acceptance length "
+        f"{out['chain']['mean_acceptance_length']:.2f} with a chain of {k}, {out['tree']['mean_acceptance_length']:.2f} "
+        f"with a tree of at most {TREE['speculative_num_draft_tokens']} nodes ({time.perf_counter() - t:.0f} s)")
+    return out
 
 
 def export_dir(cfg: EagleTrainConfig, model_path: str | Path | None = None) -> Path:
@@ -285,6 +304,8 @@ def train(cfg: EagleTrainConfig, loaded=None, log: Callable[[str], None] = _stde
             save(step)
     export = export_dir(cfg, path)
     final = history[-1] if history else last
+    if main and cfg.replay_k and eval_idx:
+        final["replay"] = replay(draft, loaded, source, eval_idx, cfg.replay_k, log)
     ckpts = C.checkpoint_dirs(out)
     summary = {"version": cfg.version, "export": str(export), "checkpoint": str(ckpts[-1]) if ckpts else None,
                "steps": step, "train_sequences": len(train_idx), "eval_sequences": len(eval_idx),

@@ -179,3 +179,33 @@ def test_the_last_line_reads_every_trainer_s_summary(recipe):
     assert [r["training_estimate"] for r in (eagle, medusa, mtp)] == [1.6, 1.7, 1.8]
     assert eagle["speedup"] == {"concurrency 1": {"chat": {"m:k=3": 1.1}}, "concurrency 8": {"chat": {"m:k=3": 1.1}}}
     assert eagle["cpu"] == "AMD EPYC" and eagle["identical_to_plain"] and eagle["train_s"] == 9
+    assert "training_estimate_tree" not in eagle
+    # a run that replayed greedy decoding at its end: its chain and tree, what bench --fixed-k measures
+    replayed = {"chain": {"mean_acceptance_length": 1.5, "k": 3}, "tree": {"mean_acceptance_length": 1.9}}
+    eagle = recipe.result(args(), {"export": "/e", "final": {"decoding_acceptance_length": 1.6, "replay": replayed}},
+                          report, report)
+    assert (eagle["training_estimate"], eagle["training_estimate_tree"]) == (1.5, 1.9)
+
+
+def test_a_run_given_more_conversations_reads_the_same_ones_first(recipe, tmp_path, monkeypatch):
+    """--read-conversations on a finished data stage: the read file is written anew with as many, the same
+    conversations first (their cached states are reused), the answered data left as it was."""
+    from dataclasses import replace
+
+    from specctl.workloads import Request
+
+    dialogues = [{"id": f"s{i}", "conversations": [{"from": "human", "value": f"question {i}?"},
+                                                   {"from": "gpt", "value": f"answer {i}"}]} for i in range(9)]
+    monkeypatch.setattr("specctl.workloads.data.sharegpt_dialogues", lambda: dialogues)
+    prompts = [Request(id=f"sharegpt/s{i}", messages=[{"role": "user", "content": f"question {i}?"}], workload="sharegpt")
+               for i in range(9)]
+    monkeypatch.setattr("specctl.training.data.load_prompts", lambda name: prompts)
+    out = tmp_path / "run"
+    (out / "data").mkdir(parents=True)
+    (out / "data" / "done.json").write_text(json.dumps({"files": []}))
+    few = replace(recipe.QUICK, greedy_prompts=2, sampled_prompts=1, read_conversations=2)
+    files = recipe.stage_data(args(), few, out)
+    ids = lambda: [json.loads(x)["id"] for x in files[-1].read_text().splitlines()]  # noqa: E731
+    assert ids() == ["s3", "s4"]
+    assert recipe.stage_data(args(), replace(few, read_conversations=5), out) == files
+    assert ids() == ["s3", "s4", "s5", "s6", "s7"]

@@ -40,6 +40,26 @@ def test_short_run_json(tiny_model_dir, tmp_path):
     ck = out / "checkpoints" / "step-0000003"
     assert (ck / "model.safetensors").exists() and (ck / "training_config.json").exists()
     assert len(s["final"]["acceptance_per_position"]) == 2
+    # the held-out answers decoded through the proposer: a chain of --replay-k (3) and the tree
+    replay = s["final"]["replay"]
+    assert replay["chain"]["k"] == 3 and replay["tree"]["speculative_num_draft_tokens"] == 16
+    for r in replay.values():
+        assert r["steps"] > 0 and r["mean_acceptance_length"] == pytest.approx(1 + r["accepted_tokens"] / r["steps"])
+
+
+def test_replay_lines_and_skipping_it(tiny_model_dir, tmp_path):
+    data = tmp_path / "data.jsonl"
+    data.write_text("\n".join(json.dumps({"messages": [{"role": "user", "content": f"add {i}"},
+                                                       {"role": "assistant", "content": f"x + {i} == {i} + x"}]})
+                              for i in range(10)) + "\n")
+    args = ["train-eagle", "--model", str(tiny_model_dir), "--data", str(data), "--steps", "2", "--batch-size", "4",
+            "--seq-len", "48", "--draft-vocab-size", "64", "--ttt-steps", "2", "--eval-split", "0.2"]
+    r = runner.invoke(app, [*args, "--output", str(tmp_path / "a")])
+    assert r.exit_code == 0, r.output
+    assert "with a chain of 3" in r.stdout and "with a tree of at most 16 nodes, 5 deep" in r.stdout
+    r = runner.invoke(app, [*args, "--output", str(tmp_path / "b"), "--replay-k", "0", "--json"])
+    assert r.exit_code == 0, r.output
+    assert "replay" not in json.loads(r.stdout)["final"]
 
 
 def test_usage_errors(tiny_model_dir, tmp_path):

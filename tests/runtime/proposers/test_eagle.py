@@ -4,7 +4,6 @@ drafting row by row, and greedy decoding with a trained tiny draft equals plain 
 from __future__ import annotations
 
 import json
-import random
 
 import pytest
 import torch
@@ -23,8 +22,8 @@ from specctl.runtime.runner import TargetRunner
 from specctl.training.eagle import EagleTrainConfig, train
 from specctl.training.eagle_ttt import ttt_forward
 from specctl.testing import record_draft_sizes
+from tests.conftest import word_prompts
 
-WORDS = ["def", "return", "print", "hello", "world", "x", "y", "=", "(", ")", "for", "in", "if", "else"]
 
 
 def _draft(model, version: int, seed: int = 0) -> EagleDraft:
@@ -159,26 +158,10 @@ def test_a_damaged_draft_file_is_one_line_naming_it(tiny_model, tmp_path):
 
 # --------------------------------------------------------------------------- trained tiny drafts
 
-def _prompts(n: int, seed: int) -> list[str]:
-    r = random.Random(seed)
-    return [" ".join(r.choice(WORDS) for _ in range(r.randint(3, 8))) for _ in range(n)]
-
-
 @pytest.fixture(scope="module")
-def trained(tiny_model_dir, tmp_path_factory):
-    """EAGLE-3 and EAGLE-1 drafts overfit on the tiny model's own greedy answers to 24 prompts."""
-    folder = tmp_path_factory.mktemp("eagle-train")
-    prompts = folder / "prompts.jsonl"
-    prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in _prompts(24, 0)) + "\n")
-    loaded = load_model(tiny_model_dir, dtype="float32")
-    out = {}
-    for version, steps in ((3, 60), (1, 40)):
-        cfg = EagleTrainConfig(model=str(tiny_model_dir), output=str(folder / f"run{version}"), self_distill=str(prompts),
-                               version=version, steps=steps, batch_size=8, seq_len=64, max_new_tokens=32, eval_split=0.1,
-                               lr=3e-3, eval_every=1000, draft_vocab_size=96 if version == 3 else None)
-        out[version] = train(cfg, loaded=loaded, log=lambda m: None)
-    out["prompts"] = _prompts(24, 0)[:20]
-    return out
+def trained(trained_eagle):
+    """EAGLE-3 and EAGLE-1 drafts overfit on the tiny model's own greedy answers to 24 prompts (conftest)."""
+    return trained_eagle
 
 
 @pytest.mark.parametrize("version", [3, 1])
@@ -326,12 +309,12 @@ def wide(tiny_model_factory, tmp_path_factory):
     folder = tiny_model_factory("qwen2", initializer_range=0.05, hidden_size=128, intermediate_size=256)
     work = tmp_path_factory.mktemp("eagle-wide")
     prompts = work / "prompts.jsonl"
-    prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in _prompts(24, 1)) + "\n")
+    prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in word_prompts(24, 1)) + "\n")
     cfg = EagleTrainConfig(model=str(folder), output=str(work / "run"), self_distill=str(prompts), version=3, steps=60,
                            batch_size=8, seq_len=64, max_new_tokens=32, eval_split=0.1, lr=3e-3, eval_every=1000,
                            draft_vocab_size=96)
     s = train(cfg, loaded=load_model(folder, dtype="float32"), log=lambda m: None)
-    return folder, s["export"], _prompts(24, 1)[:16]
+    return folder, s["export"], word_prompts(24, 1)[:16]
 
 
 @pytest.mark.skipif(not _fused_ok(), reason="no fused decode block (AMX, AVX-512 or AVX2 build) runs here")
