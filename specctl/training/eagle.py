@@ -49,20 +49,25 @@ class EagleTrainConfig(L.TrainConfig):
     """EAGLE-3 target layers whose inputs feed fc (default (2, L//2, L-3))."""
     cache_hidden_states: str | None = None
     """Folder of safetensors shards with the target's states, computed once and reused."""
-    prompt_rows: float = 1.0
+    prompt_rows: float = 0.1
     """Fraction of the non-answer rows (prompt tokens of chat records) unrolled and learnt each step;
     answer rows (and all of a plain text) always are. < 1 spends the compute on the answers."""
-    fc_init: str = "random"
-    """EAGLE-3 fc initialisation: random, or last (the identity on the deepest aux layer, zeros elsewhere)."""
-    autocast: bool = False
-    """Run the draft's matmuls in bfloat16 (autocast; weights and optimizer stay fp32)."""
+    fc_init: str | None = None
+    """EAGLE-3 fc initialisation: last (the default: the identity on the deepest aux layer, zeros elsewhere, so
+    the draft starts in the space the LM head reads), or random."""
+    autocast: bool | None = None
+    """Run the draft's matmuls in bfloat16 (autocast; weights and optimizer stay fp32). None: where the target
+    runs in bf16 on a device that multiplies bf16 natively (CUDA; a CPU with AVX512-BF16 or AMX)."""
     replay_k: int = 3
     """At the end, greedy decoding of the held-out answers is replayed through the proposer (a chain of this
     many draft tokens, and EAGLE-2's tree of at most 16 nodes): the mean acceptance lengths bench measures on
     those prompts (eagle_replay). 0: skip it."""
-    # train-eagle's own defaults of shared settings
-    lr: float = 3e-4
+    # train-eagle's own defaults of shared settings: what the recipe found best (benchmarks/draft_recipe.py,
+    # docs/results: Qwen2.5-Coder-0.5B and SmolLM2-135M on 2 CPU cores). lr 1e-3 at 4 sequences a step, where
+    # SpecForge's 1e-4 is for a global batch of 64 or more; 768 tokens holds most of a ShareGPT turn and its answer
+    lr: float = 1e-3
     batch_size: int = 4
+    seq_len: int = 768
     eval_every: int = 50
     save_every: int = 50
 
@@ -74,7 +79,7 @@ class EagleTrainConfig(L.TrainConfig):
         if self.ttt_steps is None:
             self.ttt_steps = 4 if self.version == 3 else 1
         L.at_least(self, "ttt_steps", 1)
-        L.need(self.fc_init in ("random", "last"), f"--fc-init must be random or last, got {self.fc_init}",
+        L.need(self.fc_init in (None, "random", "last"), f"--fc-init must be random or last, got {self.fc_init}",
                "use --fc-init last or random")
         L.at_least(self, "replay_k", 0)
         L.need(0.0 <= self.prompt_rows <= 1.0, f"--prompt-rows must be in [0, 1], got {self.prompt_rows}", "e.g. --prompt-rows 0.2")
@@ -82,9 +87,11 @@ class EagleTrainConfig(L.TrainConfig):
                f"--draft-vocab-size must be positive, got {self.draft_vocab_size}", "e.g. --draft-vocab-size 32000")
         if self.version == 1:  # EAGLE-1's fc reads (embedding, feature) and it scores the target's whole vocabulary
             for flag, given in (("--draft-vocab-size", self.draft_vocab_size is not None),
-                                ("--aux-layers", self.aux_layers is not None), ("--fc-init", self.fc_init != "random")):
+                                ("--aux-layers", self.aux_layers is not None), ("--fc-init", self.fc_init is not None)):
                 L.need(not given, f"{flag} is an EAGLE-3 option: EAGLE-1 (--version 1) has no use for it",
                        f"drop {flag}, or train EAGLE-3 (--version 3)")
+        elif self.fc_init is None:
+            self.fc_init = "last"
         if self.aux_layers is not None:
             self.aux_layers = tuple(self.aux_layers)
         return self
@@ -142,6 +149,20 @@ def build_draft(target, cfg: EagleTrainConfig, seqs: list[list[int]], tok) -> Ea
                 draft.fc.weight[:, -H:] = torch.eye(H)
     return draft
 
+
+
+def autocast_on(cfg: EagleTrainConfig, device: torch.device) -> bool:
+    """--autocast as given, else on where bf16 matmuls are native: a bf16 target on CUDA, or on a CPU with
+    AVX512-BF16 (AMX CPUs have it too); elsewhere bf16 would be emulated, slower than fp32."""
+    if cfg.autocast is not None:
+        return cfg.autocast
+    if cfg.dtype != "bfloat16":
+        return False
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    from specctl.kernels import cpu
+
+    return device.type == "cpu" and cpu.has("avx512_bf16")
 
 
 def replay(draft, loaded, source, idx: list[int], k: int, log) -> dict:
@@ -264,6 +285,7 @@ def train(cfg: EagleTrainConfig, loaded=None, log: Callable[[str], None] = _stde
     log(f"training EAGLE-{cfg.version}: {len(train_idx)} train / {len(eval_idx)} eval sequences, {total} steps of "
         f"{gbs} sequences ({acc.num_processes} process(es) x {cfg.grad_accum} micro-batch(es) of {cfg.batch_size}), "
         f"ttt {cfg.ttt_steps}, draft vocab {spec.draft_vocab_size}, aux layers {list(spec.aux_layers)}")
+    bf16 = autocast_on(cfg, dev)
     model.train()
     t_loop, last, epoch_batches = time.perf_counter(), {}, (None, [])
     while step < total:
@@ -278,7 +300,7 @@ def train(cfg: EagleTrainConfig, loaded=None, log: Callable[[str], None] = _stde
         step_loss = torch.zeros((), device=dev)
         for st, w in parts:
             with acc.accumulate(model):
-                with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=cfg.autocast):
+                with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=bf16):
                     loss, stats = model(st, den)
                 L.backward_step(acc, model, opt, loss, w * scale, cfg.max_grad_norm)
                 step_loss += w * loss.detach().float()
