@@ -20,12 +20,14 @@ Stages, each resumable after an interruption (SIGKILL included) without redoing 
           its summary in OUT/train.json, the export beside it.
    held-out: the target's greedy answers to exactly the prompts bench runs (OUT/data/heldout.jsonl), which
           EAGLE-3's training evaluates on (``--eval-data``), never trains on.
+   replay  greedy decoding of the held-out answers replayed through the proposer on the target's states, for
+          each bench configuration (OUT/replay.json): what bench measures at a fixed draft length, in seconds.
 3. bench  ``specctl bench`` on held-out prompts (MT-Bench first turns, HumanEval; never training data:
           the trainers refuse evaluation prompts), a chain of k and, for EAGLE-3, a tree of at most 16
           nodes: one request at a time (OUT/bench.json), then 8 together (OUT/bench-c8.json).
 
-The last line printed is JSON: the export's folder, the training time, the mean acceptance lengths, the
-speedups at concurrency 1 and 8.
+The last line printed is JSON: the export's folder, the training time, the replayed mean acceptance lengths
+(``training_estimate``, ``training_estimate_tree``), bench's, the speedups at concurrency 1 and 8.
 A stage whose result file exists is skipped; delete the file to redo it.
 """
 
@@ -272,6 +274,34 @@ def bench_configs(method: str, export: str, k: int) -> dict[str, dict]:
     return {"chain": chain, "tree": tree}
 
 
+def stage_replay(args, plan: Plan, out: Path, export: str, heldout: Path) -> dict:
+    """What bench will measure at a fixed draft length, before it runs: greedy decoding of the held-out answers
+    replayed through the proposer on the target's states (``specctl.training.replay``), for each bench
+    configuration (OUT/replay.json). train-eagle does it at its end; here for every method, so the recipe's
+    last line gives the same figures for Medusa and MTP."""
+    result = out / "replay.json"
+    if result.is_file():
+        return json.loads(result.read_text())
+    from specctl.config import SpecConfig
+    from specctl.models import resolve_model
+    from specctl.runtime.loading import load_model
+    from specctl.runtime.proposers import build_proposer
+    from specctl.training.data import read_records
+    from specctl.training.replay import replay_records
+
+    lm = load_model(resolve_model(args.model, dtype="bfloat16"), dtype="bfloat16")
+    records = read_records(str(heldout))
+    got = {}
+    for name, conf in bench_configs(args.method, export, plan.k).items():
+        prop = build_proposer(SpecConfig.from_dict(conf), 4096, target=lm)
+        got[name] = dict(replay_records(prop, lm, records, int(conf["num_speculative_tokens"]), plan.bench_tokens),
+                         config=conf)
+        say(f"replay: {name} mean acceptance length {got[name]['mean_acceptance_length']:.3f} on {heldout.name} "
+            "(greedy decoding replayed on the target's states: what bench --fixed-k measures)")
+    write_json(result, got)
+    return got
+
+
 def stage_bench(args, plan: Plan, out: Path, export: str, concurrency: int = 1) -> dict:
     """``specctl bench`` on the held-out prompts, one request at a time (OUT/bench.json), or ``concurrency``
     requests decoding together, twice as many prompts as slots so that the batch stays full
@@ -365,17 +395,17 @@ def main() -> None:
     write_json(out / "plan.json", {"model": args.model, "method": args.method, **asdict(plan)})
     t0 = time.time()
     files = stage_data(args, plan, out)
-    if args.method == "eagle3":
-        stage_heldout(args, plan, out)
+    heldout = (args.states_from / "data" / "heldout.jsonl") if getattr(args, "states_from", None) else stage_heldout(args, plan, out)
     if args.until == "data":
         return
     summary = stage_train(args, plan, out, files)
     if args.until == "train":
         return
     export = export_of(summary)
+    replayed = stage_replay(args, plan, out, export, heldout)
     report = stage_bench(args, plan, out, export)
     batched = stage_bench(args, plan, out, export, concurrency=8)
-    print(json.dumps(dict(result(args, summary, report, batched), recipe_s=round(time.time() - t0, 1))))
+    print(json.dumps(dict(result(args, summary, report, batched, replayed), recipe_s=round(time.time() - t0, 1))))
 
 
 def export_of(summary: dict) -> str:
@@ -383,11 +413,13 @@ def export_of(summary: dict) -> str:
     return summary.get("export") or summary["output"]
 
 
-def result(args, summary: dict, report: dict, batched: dict) -> dict:
+def result(args, summary: dict, report: dict, batched: dict, replayed: dict | None = None) -> dict:
     """The recipe's last line: the export, the training time and estimate, what bench measured."""
     ev = summary.get("eval") or {}  # Medusa's and MTP's held-out split; EAGLE-3's last evaluation is "final"
     final = summary.get("final") or {}
-    replay = final.get("replay") or {}  # EAGLE-3: greedy decoding replayed through the proposer (bench --fixed-k's figures)
+    # greedy decoding of the held-out answers replayed through the proposer (bench --fixed-k's figures): the
+    # recipe's own replay stage, else train-eagle's at its end
+    replay = replayed or final.get("replay") or {}
     estimate = ((replay.get("chain") or {}).get("mean_acceptance_length") or final.get("decoding_acceptance_length")
                 or ev.get("acceptance_length", ev.get("mean_acceptance_length")))
     tree = (replay.get("tree") or {}).get("mean_acceptance_length")

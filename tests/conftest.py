@@ -26,6 +26,10 @@ Fixtures (all offline, seeded, CPU, fp32):
     (``word_prompts(24, 0)``): ``{3: summary, 1: summary, "prompts": the first 20 prompts}``, each summary
     ``train``'s (its ``export`` loads as a draft).
 
+``trained_medusa`` (session)
+    ``(loaded, cases, heads_dir)``: a loopy tiny llama (seed 1), 20+ cases (prompt ids, its plain greedy output
+    of ``MEDUSA_NEW`` tokens, no near-tie on the way) and 3 Medusa heads overfit on them.
+
 ``bf16_path`` (function, parametrized)
     Runs a test once per CPU bf16 path, as the CPU that selects it would: ``"amx"``, ``"avx512_bf16"``
     (AMX hidden), ``"avx512"`` (AMX and AVX512-BF16 hidden: AVX-512 alone, as on an Intel Ice Lake),
@@ -177,6 +181,53 @@ def trained_eagle(tiny_model_dir, tmp_path_factory):
         out[version] = train(cfg, loaded=loaded, log=lambda m: None)
     out["prompts"] = word_prompts(24, 0)[:20]
     return out
+
+
+MEDUSA_NEW = 40
+NEAR_TIE = 1e-4  # prompts whose greedy path has a top-2 gap below this are skipped (fp32 rounding)
+
+
+def min_gap(model, prompt, out) -> float:
+    """The smallest top-1 minus top-2 logit gap along ``out``'s greedy path after ``prompt``."""
+    from specctl.runtime.runner import TargetRunner
+
+    logits = TargetRunner(model, len(prompt) + len(out)).forward(torch.tensor([prompt + out]))
+    top = logits[0, len(prompt) - 1:-1].topk(2, -1).values
+    return float((top[:, 0] - top[:, 1]).min())
+
+
+@pytest.fixture(scope="session")
+def trained_medusa(tiny_model_factory, tmp_path_factory):
+    """A loopy tiny llama, 24 prompts with its plain greedy outputs, and heads overfit on them."""
+    import numpy as np
+
+    from specctl.runtime.decoder import SamplingParams, SpecDecoder
+    from specctl.runtime.loading import load_model
+    from specctl.runtime.runner import TargetRunner
+    from specctl.training import data as D
+    from specctl.training.medusa import MedusaTrainConfig, train
+
+    path = tiny_model_factory(seed=1, initializer_range=0.05)
+    lm = load_model(path, dtype="float32")
+    rng = np.random.default_rng(0)
+    plain = SpecDecoder(TargetRunner(lm.model, 128))
+    cases = []
+    for _ in range(28):
+        p = rng.integers(6, 128, int(rng.integers(4, 12))).tolist()
+        out = plain.generate(p, SamplingParams(max_new_tokens=MEDUSA_NEW)).token_ids
+        if min_gap(lm.model, p, out) > NEAR_TIE:
+            cases.append((p, out))
+    assert len(cases) >= 20
+    out_dir = tmp_path_factory.mktemp("medusa-heads")
+    examples = [D.Example(p + o, [0] * len(p) + [1] * len(o)) for p, o in cases]
+    orig = D.build_examples, D.read_records
+    D.build_examples, D.read_records = (lambda *a, **k: examples), (lambda path: [])
+    try:
+        train(MedusaTrainConfig(model=str(path), output=str(out_dir), data=["(in memory)"], num_heads=3, steps=200,
+                                lr=1e-2, batch_size=8, seq_len=128, dtype="float32", eval_split=0.0))
+    finally:
+        D.build_examples, D.read_records = orig
+    return lm, cases, out_dir
 
 
 def tiny_hf_config(arch: str = "llama", tie_word_embeddings: bool = False, **overrides):

@@ -61,7 +61,7 @@ class EagleTrainConfig(L.TrainConfig):
     replay_k: int = 3
     """At the end, greedy decoding of the held-out answers is replayed through the proposer (a chain of this
     many draft tokens, and EAGLE-2's tree of at most 16 nodes): the mean acceptance lengths bench measures on
-    those prompts (eagle_replay). 0: skip it."""
+    those prompts (replay). 0: skip it."""
     # train-eagle's own defaults of shared settings: what the recipe found best (benchmarks/draft_recipe.py,
     # docs/results: Qwen2.5-Coder-0.5B and SmolLM2-135M on 2 CPU cores). lr 1e-3 at 4 sequences a step, where
     # SpecForge's 1e-4 is for a global batch of 64 or more; 768 tokens holds most of a ShareGPT turn and its answer
@@ -167,8 +167,8 @@ def autocast_on(cfg: EagleTrainConfig, device: torch.device) -> bool:
 
 def replay(draft, loaded, source, idx: list[int], k: int, log) -> dict:
     """The held-out answers decoded greedily through the proposer, the target replaced by its cached states
-    (``specctl.training.eagle_replay``): a chain of k and EAGLE-2's tree, as bench will run them."""
-    from specctl.training.eagle_replay import TREE, replay_eagle
+    (``specctl.training.replay``): a chain of k and EAGLE-2's tree, as bench will run them."""
+    from specctl.training.replay import TREE, replay_eagle
 
     t = time.perf_counter()
     out = {"chain": dict(replay_eagle(draft, loaded, source, idx, k), k=k),

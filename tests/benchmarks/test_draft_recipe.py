@@ -44,6 +44,9 @@ def test_finished_stages_are_skipped(recipe, tmp_path, monkeypatch):
     assert recipe.stage_heldout(args(), recipe.QUICK, tmp_path) == tmp_path / "data" / "heldout.jsonl"
     assert recipe.stage_train(args(), recipe.QUICK, tmp_path, files)["export"] == "x-eagle3"
     assert recipe.stage_bench(args(), recipe.QUICK, tmp_path, "x-eagle3") == report
+    (tmp_path / "replay.json").write_text(json.dumps({"chain": {"mean_acceptance_length": 2.4}}))
+    assert recipe.stage_replay(args(), recipe.QUICK, tmp_path, "x-eagle3", tmp_path / "data" / "heldout.jsonl") == \
+        {"chain": {"mean_acceptance_length": 2.4}}
     assert recipe.acceptance(report) == {"chat": {"eagle3:k=3": 2.5}}
     batched = {"results": [{"workload": "chat", "concurrency": 8, "method": "baseline", "k": None, "speedup": 1.0},
                            {"workload": "chat", "concurrency": 8, "method": "eagle3:k=3", "k": 3, "speedup": 1.1234}]}
@@ -209,3 +212,45 @@ def test_a_run_given_more_conversations_reads_the_same_ones_first(recipe, tmp_pa
     assert ids() == ["s3", "s4"]
     assert recipe.stage_data(args(), replace(few, read_conversations=5), out) == files
     assert ids() == ["s3", "s4", "s5", "s6", "s7"]
+
+
+@pytest.mark.parametrize("method", ["eagle3", "medusa"])
+def test_the_replay_stage_gives_each_bench_configuration_s_acceptance(recipe, method, trained_eagle, trained_medusa,
+                                                                       tiny_model_dir, tmp_path):
+    """Before bench runs, the held-out answers are decoded greedily through the proposer on the target's states,
+    one figure per bench configuration (a chain, the tree), kept in OUT/replay.json; the last line reads them."""
+    from specctl.runtime.decoder import SamplingParams, SpecDecoder
+    from specctl.runtime.loading import load_model
+    from specctl.runtime.runner import TargetRunner
+    from tests.conftest import MEDUSA_NEW
+
+    if method == "eagle3":
+        model, export = tiny_model_dir, trained_eagle[3]["export"]
+        prompts = [list(p) for p in load_model(model, dtype="bfloat16").tokenizer(trained_eagle["prompts"][:6])["input_ids"]]
+    else:  # the recipe's Medusa tree is "auto": the heads' held-out rank accuracies, recorded as train-medusa does
+        import shutil
+
+        lm, cases, heads = trained_medusa
+        export = shutil.copytree(heads, tmp_path / "heads")
+        cfg = json.loads((export / "config.json").read_text())
+        cfg.setdefault("specctl", {})["rank_accuracy"] = [[0.9, 0.05, 0.02], [0.8, 0.1, 0.03], [0.7, 0.1, 0.05]]
+        (export / "config.json").write_text(json.dumps(cfg))
+        model, export, prompts = lm.path, str(export), [p for p, _ in cases[:6]]
+    lm = load_model(model, dtype="bfloat16")
+    plain = SpecDecoder(TargetRunner(lm.model, 256))
+    heldout = tmp_path / "heldout.jsonl"
+    heldout.write_text("".join(json.dumps({"messages": [{"role": "user", "content": "-"}, {"role": "assistant", "content": "-"}],
+                                           "prompt_ids": p, "response_ids": plain.generate(p, SamplingParams(max_new_tokens=MEDUSA_NEW)).token_ids}) + "\n"
+                               for p in prompts))
+    from dataclasses import replace
+
+    plan = replace(recipe.QUICK, bench_tokens=MEDUSA_NEW)
+    a = SimpleNamespace(model=str(model), method=method, lr=None, quick=True)
+    got = recipe.stage_replay(a, plan, tmp_path, export, heldout)
+    assert set(got) == set(recipe.bench_configs(method, export, plan.k))
+    for r in got.values():
+        assert r["steps"] > 0 and r["mean_acceptance_length"] == pytest.approx(1 + r["accepted_tokens"] / r["steps"])
+    assert json.loads((tmp_path / "replay.json").read_text()) == got
+    line = recipe.result(a, {"export": export}, {"results": []}, {"results": []}, got)
+    assert line["training_estimate"] == got["chain"]["mean_acceptance_length"]
+    assert line["training_estimate_tree"] == got["tree"]["mean_acceptance_length"]

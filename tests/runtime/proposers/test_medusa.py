@@ -20,22 +20,12 @@ from specctl.runtime.proposers.medusa import MedusaProposer, auto_tree, parse_to
 from specctl.runtime.rejection import greedy_tree_verify
 from specctl.runtime.loading import load_model
 from specctl.runtime.runner import TargetRunner, tree_attention_mask
-from specctl.training import data as D
-from specctl.training.medusa import MedusaTrainConfig, train
 from specctl.testing import record_draft_sizes
-
-NEW = 40
-NEAR_TIE = 1e-4  # prompts whose greedy path has a top-2 gap below this are skipped (fp32 rounding)
+from tests.conftest import MEDUSA_NEW as NEW
 
 
 def cfg(path: str, k: int = 3, **extra) -> SpecConfig:
     return SpecConfig.from_dict({"method": "medusa", "model": str(path), "num_speculative_tokens": k, **extra})
-
-
-def min_gap(model, prompt, out) -> float:
-    logits = TargetRunner(model, len(prompt) + len(out)).forward(torch.tensor([prompt + out]))
-    top = logits[0, len(prompt) - 1:-1].topk(2, -1).values
-    return float((top[:, 0] - top[:, 1]).min())
 
 
 def greedy_acceptance(dec: SpecDecoder, cases) -> float:
@@ -50,29 +40,9 @@ def greedy_acceptance(dec: SpecDecoder, cases) -> float:
 
 
 @pytest.fixture(scope="module")
-def trained(tiny_model_factory, tmp_path_factory):
-    """A loopy tiny llama, 24 prompts with its plain greedy outputs, and heads overfit on them."""
-    path = tiny_model_factory(seed=1, initializer_range=0.05)
-    lm = load_model(path, dtype="float32")
-    rng = np.random.default_rng(0)
-    plain = SpecDecoder(TargetRunner(lm.model, 128))
-    cases = []
-    for _ in range(28):
-        p = rng.integers(6, 128, int(rng.integers(4, 12))).tolist()
-        out = plain.generate(p, SamplingParams(max_new_tokens=NEW)).token_ids
-        if min_gap(lm.model, p, out) > NEAR_TIE:
-            cases.append((p, out))
-    assert len(cases) >= 20
-    out_dir = tmp_path_factory.mktemp("medusa-heads")
-    examples = [D.Example(p + o, [0] * len(p) + [1] * len(o)) for p, o in cases]
-    orig = D.build_examples, D.read_records
-    D.build_examples, D.read_records = (lambda *a, **k: examples), (lambda path: [])
-    try:
-        train(MedusaTrainConfig(model=str(path), output=str(out_dir), data=["(in memory)"], num_heads=3, steps=200,
-                                lr=1e-2, batch_size=8, seq_len=128, dtype="float32", eval_split=0.0))
-    finally:
-        D.build_examples, D.read_records = orig
-    return lm, cases, out_dir
+def trained(trained_medusa):
+    """A loopy tiny llama, its plain greedy outputs to 20+ prompts, and heads overfit on them (conftest)."""
+    return trained_medusa
 
 
 def test_chain_greedy_equals_plain_and_accepts(trained):

@@ -1,4 +1,4 @@
-"""specctl/training/eagle_replay.py: greedy decoding replayed from the target's states gives what the decoder
+"""specctl/training/replay.py: greedy decoding replayed from the target's states gives what the decoder
 measures (drafting steps and accepted tokens) for a chain and for EAGLE-2's tree."""
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ from specctl.runtime.decoder import SamplingParams, SpecDecoder
 from specctl.runtime.loading import load_model
 from specctl.runtime.proposers import build_proposer
 from specctl.runtime.runner import TargetRunner
-from specctl.training.eagle_replay import accepted_length, replay_acceptance
+from specctl.training import data as D
+from specctl.training.replay import accepted_length, replay_acceptance, replay_records
 from specctl.training.eagle_states import target_states
 
 
@@ -52,3 +53,30 @@ def test_replay_counts_what_the_decoder_counts(trained_eagle, tiny_model_dir, tr
     r = replay_acceptance(prop, seqs, 4, max_new_tokens=20)
     assert (r["steps"], r["accepted_tokens"]) == (drafts, accepted)
     assert r["mean_acceptance_length"] == pytest.approx(1 + accepted / drafts)
+    # the same from records as self_distill writes them (the recipe's held-out file), the states computed there
+    records = [D.parse_record({"messages": [{"role": "user", "content": "-"}, {"role": "assistant", "content": "-"}],
+                               "prompt_ids": t[:s], "response_ids": t[s:]}, "x") for t, s, _, _ in seqs]
+    assert replay_records(build_proposer(SpecConfig.from_dict(conf), 256, target=loaded), loaded, records, 4,
+                          max_new_tokens=20) == r
+
+
+@pytest.mark.parametrize("tree", [None, "[(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]"])
+def test_medusa_replay_counts_what_the_decoder_counts(trained_medusa, tree):
+    """Medusa reads the state that emitted the last token (DraftRequest.hidden): the replay hands it over."""
+    from tests.conftest import MEDUSA_NEW
+
+    lm, cases, heads = trained_medusa
+    conf = {"method": "medusa", "model": str(heads), "num_speculative_tokens": 3}
+    if tree:
+        conf["speculative_token_tree"] = tree
+    dec = SpecDecoder(TargetRunner(lm.model, 160), build_proposer(SpecConfig.from_dict(conf), 160, target=lm), 3)
+    seqs, drafts, accepted = [], 0, 0
+    for p, out in cases:
+        got = dec.generate(p, SamplingParams(max_new_tokens=MEDUSA_NEW))
+        assert got.token_ids == out
+        drafts, accepted = drafts + got.stats.num_drafts, accepted + got.stats.num_accepted_tokens
+        st = target_states(lm.model, torch.tensor([p + out]))
+        seqs.append((p + out, len(p), st["hidden"][0], None))
+    assert accepted > 0
+    r = replay_acceptance(build_proposer(SpecConfig.from_dict(conf), 160, target=lm), seqs, 3, max_new_tokens=MEDUSA_NEW)
+    assert (r["steps"], r["accepted_tokens"]) == (drafts, accepted)

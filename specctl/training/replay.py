@@ -1,4 +1,5 @@
-"""What bench will measure, from the states training already holds: greedy decoding replayed.
+"""What bench will measure, from the target's states: greedy decoding replayed (EAGLE, Medusa, any draft
+that reads the target's hidden states).
 
 ``evaluate`` (eagle_ttt) scores the draft teacher-forced: every row's chain at once, the TTT unroll. A
 tree cannot be scored that way (its branches are the draft's own guesses, which the unroll never runs),
@@ -74,12 +75,14 @@ def replay_acceptance(proposer, sequences: list[tuple[list[int], int, torch.Tens
         P = start  # positions [0, P) are in the target's cache; row P is the last emitted token
 
         def feed(a: int, b: int) -> None:
-            proposer.on_target_hidden(slot, hidden[None, a:b], None if aux is None else aux[None, a:b])
+            if proposer.needs_hidden_states:
+                proposer.on_target_hidden(slot, hidden[None, a:b], None if aux is None else aux[None, a:b])
 
         feed(0, P)
         while P + 1 < n:
             room = limit - (P + 1 - start)  # tokens the request may still emit
-            d = proposer.propose([DraftRequest(slot, ctx, P + 1)], [min(k, room - 1)]).drafts[0] if room > 1 else None
+            req = DraftRequest(slot, ctx, P + 1, hidden[None, P - 1])  # the state that emitted row P (Medusa reads it)
+            d = proposer.propose([req], [min(k, room - 1)]).drafts[0] if room > 1 else None
             if d is None:
                 break
             truth = tokens[P + 1:]
@@ -119,3 +122,19 @@ def replay_eagle(draft, loaded, source, idx: list[int], k: int, tree: dict | Non
         return replay_acceptance(proposer, seqs, int(cfg.num_speculative_tokens), max_new_tokens)
     finally:
         draft.train(was)
+
+
+def replay_records(proposer, loaded, records, k: int, max_new_tokens: int | None = None, seq_len: int = 4096) -> dict:
+    """``replay_acceptance`` over chat records whose answers are the target's own greedy ones (the recipe's
+    held-out file: the target's answers to bench's prompts), the target's states computed here, one forward
+    a record (the proposer's ``aux_layers`` included)."""
+    from specctl.training import data as D
+    from specctl.training.eagle_states import target_states
+
+    seqs = []
+    for r in records:
+        for e in D.encode(loaded.tokenizer, r, seq_len, loaded.stop_token_ids):
+            start = next((t for t, m in enumerate(e.loss_mask) if m), len(e.input_ids))
+            st = target_states(loaded.model, torch.tensor([e.input_ids]), tuple(proposer.aux_layers))
+            seqs.append((list(e.input_ids), start, st["hidden"][0], st["aux"][0] if "aux" in st else None))
+    return replay_acceptance(proposer, seqs, k, max_new_tokens)
