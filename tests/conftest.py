@@ -196,27 +196,33 @@ def min_gap(model, prompt, out) -> float:
     return float((top[:, 0] - top[:, 1]).min())
 
 
-@pytest.fixture(scope="session")
-def trained_medusa(tiny_model_factory, tmp_path_factory):
-    """A loopy tiny llama, 24 prompts with its plain greedy outputs, and heads overfit on them."""
+def loopy_answers(lm, n: int, longest: int, new: int, seed: int = 0) -> list[tuple[list[int], list[int]]]:
+    """n random prompts of 4 to ``longest`` - 1 ids and the model's plain greedy answers of ``new`` tokens (a
+    loopy tiny llama's fall into loops that heads can learn)."""
     import numpy as np
 
     from specctl.runtime.decoder import SamplingParams, SpecDecoder
-    from specctl.runtime.loading import load_model
     from specctl.runtime.runner import TargetRunner
+
+    rng = np.random.default_rng(seed)
+    plain = SpecDecoder(TargetRunner(lm.model, 128))
+    out = []
+    for _ in range(n):
+        p = rng.integers(6, 128, int(rng.integers(4, longest))).tolist()
+        out.append((p, plain.generate(p, SamplingParams(max_new_tokens=new)).token_ids))
+    return out
+
+
+@pytest.fixture(scope="session")
+def trained_medusa(tiny_model_factory, tmp_path_factory):
+    """A loopy tiny llama, 24 prompts with its plain greedy outputs, and heads overfit on them."""
+    from specctl.runtime.loading import load_model
     from specctl.training import data as D
     from specctl.training.medusa import MedusaTrainConfig, train
 
     path = tiny_model_factory(seed=1, initializer_range=0.05)
     lm = load_model(path, dtype="float32")
-    rng = np.random.default_rng(0)
-    plain = SpecDecoder(TargetRunner(lm.model, 128))
-    cases = []
-    for _ in range(28):
-        p = rng.integers(6, 128, int(rng.integers(4, 12))).tolist()
-        out = plain.generate(p, SamplingParams(max_new_tokens=MEDUSA_NEW)).token_ids
-        if min_gap(lm.model, p, out) > NEAR_TIE:
-            cases.append((p, out))
+    cases = [(p, out) for p, out in loopy_answers(lm, 28, 12, MEDUSA_NEW) if min_gap(lm.model, p, out) > NEAR_TIE]
     assert len(cases) >= 20
     out_dir = tmp_path_factory.mktemp("medusa-heads")
     examples = [D.Example(p + o, [0] * len(p) + [1] * len(o)) for p, o in cases]

@@ -60,21 +60,12 @@ def test_acceptance_positions_are_the_rows_it_is_measured_on():
 @pytest.fixture(scope="module")
 def loopy(tiny_model_factory):
     """A tiny llama whose greedy output falls into loops (learnable), and 16 of its own answers."""
-    import numpy as np
-
-    from specctl.runtime.decoder import SamplingParams, SpecDecoder
     from specctl.runtime.loading import load_model
-    from specctl.runtime.runner import TargetRunner
+    from tests.conftest import loopy_answers
 
     path = tiny_model_factory(seed=1, initializer_range=0.05)
     lm = load_model(path, dtype="float32")
-    rng = np.random.default_rng(0)
-    plain = SpecDecoder(TargetRunner(lm.model, 128))
-    recs = []
-    for _ in range(16):
-        p = rng.integers(6, 128, int(rng.integers(4, 10))).tolist()
-        recs.append(D.Record(prompt_ids=p, response_ids=plain.generate(p, SamplingParams(max_new_tokens=32)).token_ids))
-    return path, lm, recs
+    return path, lm, [D.Record(prompt_ids=p, response_ids=out) for p, out in loopy_answers(lm, 16, 10, 32)]
 
 
 def patch_examples(monkeypatch, recs):
