@@ -269,9 +269,9 @@ def bench_configs(method: str, export: str, k: int) -> dict[str, dict]:
         return {"chain": chain, "tree": dict(chain, speculative_token_tree="auto", speculative_num_draft_tokens=16)}
     if method != "eagle3":
         return {"chain": chain}
-    tree = {"method": method, "model": export, "num_speculative_tokens": 5, "speculative_eagle_topk": 4,
-            "speculative_num_draft_tokens": 16}
-    return {"chain": chain, "tree": tree}
+    from specctl.training.replay import TREE  # the tree train-eagle's replay runs too
+
+    return {"chain": chain, "tree": {"method": method, "model": export, **TREE}}
 
 
 def stage_replay(args, plan: Plan, out: Path, export: str, heldout: Path) -> dict:

@@ -27,9 +27,10 @@ import torch
 
 from specctl.runtime.proposers.base import DraftRequest
 from specctl.runtime.requests import SamplingParams
+from specctl.runtime.tree_budget import accepted_nodes
 
-# The tree the recipe's bench measures (benchmarks/draft_recipe.py): EAGLE-2's dynamic tree, 5 deep,
-# the 4 likeliest children of each node grown, at most 16 nodes verified.
+# The EAGLE tree that train-eagle's replay and the recipe's bench (benchmarks/draft_recipe.py) both run: EAGLE-2's
+# dynamic tree, 5 deep, the 4 likeliest children of each node grown, at most 16 nodes verified.
 TREE = {"num_speculative_tokens": 5, "speculative_eagle_topk": 4, "speculative_num_draft_tokens": 16}
 
 
@@ -37,21 +38,13 @@ def accepted_length(ids: list[int], parents: list[int] | None, truth: list[int])
     """The draft tokens a greedy verification accepts: the longest path of the draft (a chain, or a tree
     by ``parents``, -1 for the root's children) that ``truth`` (the target's tokens from the draft's first
     position on) starts with."""
-    if parents is None:
-        a = 0
-        while a < len(ids) and a < len(truth) and ids[a] == truth[a]:
-            a += 1
-        return a
-    children: dict[int, list[int]] = {}
-    for i, p in enumerate(parents):
-        children.setdefault(p, []).append(i)
-    a, node = 0, -1
-    while a < len(truth):
-        nxt = next((c for c in children.get(node, ()) if ids[c] == truth[a]), None)
-        if nxt is None:
-            break
-        a, node = a + 1, nxt
-    return a
+    chain = list(range(-1, len(ids) - 1))
+    return sum(accepted_nodes(ids, chain if parents is None else parents, truth, len(truth)))
+
+
+def answer_start(mask) -> int:
+    """The first learnt position of a sequence's loss mask: its answer's first token (the length where none)."""
+    return next((t for t, m in enumerate(mask) if m), len(mask))
 
 
 @torch.inference_mode()
@@ -106,8 +99,7 @@ def replay_eagle(draft, loaded, source, idx: list[int], k: int, tree: dict | Non
     from specctl.runtime.proposers.eagle import EagleProposer, Eagle3Proposer
 
     cls = Eagle3Proposer if draft.version == 3 else EagleProposer
-    cfg = SpecConfig(method=cls.method, model="(in memory)",
-                     **dict(tree or {}, num_speculative_tokens=(tree or {}).get("num_speculative_tokens", k)))
+    cfg = SpecConfig(method=cls.method, model="(in memory)", **{"num_speculative_tokens": k, **(tree or {})})
     was = draft.training
     draft.eval()
     try:
@@ -116,8 +108,7 @@ def replay_eagle(draft, loaded, source, idx: list[int], k: int, tree: dict | Non
         for i in idx:
             st = source.batch([i], prompt_rows=0.0)
             n = int(st["lengths"][0])
-            mask = source.masks[i] if source.masks is not None else [1] * n
-            start = next((t for t, m in enumerate(mask) if m), n)
+            start = answer_start(source.masks[i]) if source.masks is not None else 0
             seqs.append((list(source.seqs[i]), start, st["hidden"][0, :n], st["aux"][0, :n] if "aux" in st else None))
         return replay_acceptance(proposer, seqs, int(cfg.num_speculative_tokens), max_new_tokens)
     finally:
@@ -134,7 +125,7 @@ def replay_records(proposer, loaded, records, k: int, max_new_tokens: int | None
     seqs = []
     for r in records:
         for e in D.encode(loaded.tokenizer, r, seq_len, loaded.stop_token_ids):
-            start = next((t for t, m in enumerate(e.loss_mask) if m), len(e.input_ids))
+            start = answer_start(e.loss_mask)
             st = target_states(loaded.model, torch.tensor([e.input_ids]), tuple(proposer.aux_layers))
             seqs.append((list(e.input_ids), start, st["hidden"][0], st["aux"][0] if "aux" in st else None))
     return replay_acceptance(proposer, seqs, k, max_new_tokens)
