@@ -60,11 +60,12 @@ class Plan:
     bench_prompts: int  # per held-out workload
     bench_tokens: int
     k: int = 3  # the chain bench measures (and Medusa's heads, MTP's depth)
+    more_answers: int = 0  # more prompts answered greedily, from the back of ShareGPT's list (added to a finished run)
 
     @property
     def answer_tokens(self) -> int:
         """At most this many answer tokens (answers stop early at an end of turn)."""
-        return (self.greedy_prompts + self.sampled_prompts) * self.max_new_tokens
+        return (self.greedy_prompts + self.sampled_prompts + self.more_answers) * self.max_new_tokens
 
 
 # The budget each plan states up front: ``budget`` (on 2 cores for the 0.5B: the quick plan ~50 minutes, the full ~3 hours).
@@ -169,22 +170,29 @@ def stage_data(args, plan: Plan, out: Path) -> list[Path]:
         # run given more keeps its cached states and reads only the new ones
         if not files[-1].is_file() or _lines(files[-1]) != plan.read_conversations:
             write_read(plan, load_prompts("sharegpt"), files[-1])
-    if done.is_file():
+    more = out / "data" / "sharegpt-greedy-more.jsonl"
+    if plan.more_answers:
+        files.append(more)
+    if done.is_file() and (not plan.more_answers or json.loads(done.read_text()).get("more_answers") == plan.more_answers):
         say(f"data: done earlier ({done})")
         return files
     prompts = load_prompts("sharegpt")
     greedy = prompts[:plan.greedy_prompts]
     sampled = prompts[plan.greedy_prompts:plan.greedy_prompts + plan.sampled_prompts]  # other prompts: more variety
-    check_not_evaluation([], greedy + sampled)
+    # more answers come from the list's back: the answered and read ranges grow from its front, so none collide
+    extra = prompts[::-1][:plan.more_answers] if plan.more_answers else []
+    check_not_evaluation([], greedy + sampled + extra)
     lm = load_model(resolve_model(args.model, dtype="bfloat16"), dtype="bfloat16")
-    t = time.time()
-    for path, reqs, temp in ((files[0], greedy, 0.0), (files[1], sampled, plan.temperature)):
+    t = time.time() - (json.loads(done.read_text())["seconds"] if done.is_file() else 0.0)
+    jobs = [(files[0], greedy, 0.0), (files[1], sampled, plan.temperature)] + ([(more, extra, 0.0)] if extra else [])
+    for path, reqs, temp in jobs:
         say(f"data: the target answers {len(reqs)} ShareGPT prompts (temperature {temp}, up to {plan.max_new_tokens} "
             f"tokens each) into {path}")
         recs = self_distill(lm, reqs, max_new_tokens=plan.max_new_tokens, temperature=temp, seed=1,
                             seq_len=plan.seq_len, cache=path, progress=eta_printer(path.name), log=say)
         say(f"  {path.name}: {len(recs)} answers, {sum(len(r.response_ids) for r in recs)} answer tokens")
-    write_json(done, {"files": [str(f) for f in files], "seconds": round(time.time() - t, 1)})
+    write_json(done, {"files": [str(f) for f in files], "seconds": round(time.time() - t, 1),
+                      **({"more_answers": plan.more_answers} if plan.more_answers else {})})
     return files
 
 
@@ -364,6 +372,9 @@ def main() -> None:
     ap.add_argument("--lr", type=float, help="override the method's learning rate")
     ap.add_argument("--read-conversations", type=int, help="EAGLE-3: override how many ShareGPT conversations the "
                     "target reads (more data for a run that has stopped improving: with --steps, the run resumes on them)")
+    ap.add_argument("--more-answers", type=int, help="more ShareGPT prompts the target answers greedily (from the "
+                    "back of the list, apart from every other range): its own answers, for a run that has stopped "
+                    "improving on read data; with --steps, the run resumes on them")
     ap.add_argument("--until", choices=("data", "train", "bench"), default="bench", help="stop after this stage")
     ap.add_argument("--states-from", type=Path, help="Medusa: train on an EAGLE-3 recipe run's data, reading the "
                     "target's states from its cache (no data stage, no pass of the target)")
@@ -373,6 +384,8 @@ def main() -> None:
         plan.steps = args.steps
     if args.read_conversations is not None:
         plan.read_conversations = args.read_conversations
+    if args.more_answers is not None:
+        plan.more_answers = args.more_answers
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
     from specctl.models import resolve_model

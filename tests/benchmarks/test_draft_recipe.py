@@ -254,3 +254,35 @@ def test_the_replay_stage_gives_each_bench_configuration_s_acceptance(recipe, me
     line = recipe.result(a, {"export": export}, {"results": []}, {"results": []}, got)
     assert line["training_estimate"] == got["chain"]["mean_acceptance_length"]
     assert line["training_estimate_tree"] == got["tree"]["mean_acceptance_length"]
+
+
+def test_more_answers_come_from_the_back_of_the_list_and_extend_a_finished_run(recipe, tmp_path, monkeypatch):
+    """--more-answers on a finished data stage: the target answers that many more prompts greedily, from the back
+    of ShareGPT's list (apart from the answered and read ranges, which grow from its front), into a file of their
+    own that the training data gains; done.json records it, so a second run does nothing again."""
+    from dataclasses import replace
+
+    from specctl.workloads import Request
+
+    prompts = [Request(id=f"sharegpt/s{i}", messages=[{"role": "user", "content": f"question {i}?"}], workload="sharegpt")
+               for i in range(9)]
+    monkeypatch.setattr("specctl.training.data.load_prompts", lambda name: prompts)
+    monkeypatch.setattr("specctl.models.resolve_model", lambda name, dtype=None: name)
+    monkeypatch.setattr("specctl.runtime.loading.load_model", lambda path, dtype=None: "target")
+    answered = []
+
+    def distill(lm, reqs, *, max_new_tokens, temperature, cache, **kw):
+        answered.append(([r.id for r in reqs], temperature, cache.name))
+        return []
+    monkeypatch.setattr("specctl.training.data.self_distill", distill)
+    out = tmp_path / "run"
+    (out / "data").mkdir(parents=True)
+    (out / "data" / "done.json").write_text(json.dumps({"files": [], "seconds": 5.0}))
+    plan = replace(recipe.QUICK, greedy_prompts=2, sampled_prompts=1, read_conversations=0)
+    assert recipe.stage_data(args(), plan, out) and not answered  # finished: nothing to do
+    files = recipe.stage_data(args(), replace(plan, more_answers=3), out)
+    assert files[-1].name == "sharegpt-greedy-more.jsonl"
+    assert answered[-1] == (["sharegpt/s8", "sharegpt/s7", "sharegpt/s6"], 0.0, "sharegpt-greedy-more.jsonl")
+    assert json.loads((out / "data" / "done.json").read_text())["more_answers"] == 3
+    n = len(answered)
+    assert recipe.stage_data(args(), replace(plan, more_answers=3), out) == files and len(answered) == n
