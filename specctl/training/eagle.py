@@ -72,6 +72,7 @@ class EagleTrainConfig(L.TrainConfig):
     save_every: int = 50
 
     RESUME_KEYS = L.TrainConfig.RESUME_KEYS + ("version", "draft_vocab_size", "ttt_steps", "aux_layers", "fc_init")
+    EVAL_DATA_REPLACES_SPLIT = True  # with --eval-data every training sequence trains
 
     def validated(self) -> "EagleTrainConfig":
         L.need(self.version in (1, 3), f"--version must be 3 or 1, got {self.version}", "use --version 3 (EAGLE-3) or --version 1")

@@ -107,6 +107,8 @@ class TrainConfig:
     push_to_hub: str | None = None
     """Hub repo (OWNER/NAME) the export and its model card are pushed to; checked before training."""
 
+    # --eval-data is the held-out set instead of --eval-split's (train-eagle); elsewhere the split is taken anyway
+    EVAL_DATA_REPLACES_SPLIT: ClassVar[bool] = False
     # settings a checkpoint was made with that --resume must find unchanged
     RESUME_KEYS: ClassVar[tuple[str, ...]] = ("data", "self_distill", "hold_out", "distill_max_prompts",
                                               "distill_samples", "seq_len", "seed", "eval_split", "eval_data")
@@ -254,10 +256,22 @@ def reduce_sum(acc, x):
 
 # --------------------------------------------------------------------------- resume
 
+# settings a resumed run may extend: more data after the sources it started with (a run that has stopped
+# improving goes on over more), the data loaders deterministic over the longer list
+GROWABLE_KEYS = ("data", "self_distill")
+
+
+def held_out_from_data(cfg: TrainConfig) -> bool:
+    """Whether the run evaluates on a seeded split of its data: more data would reshuffle that split (a
+    sequence trained on could land in it), so such a run cannot grow."""
+    return cfg.eval_split > 0 and not (cfg.eval_data and cfg.EVAL_DATA_REPLACES_SPLIT)
+
+
 def resume_point(cfg: TrainConfig, log: Log, legacy: Path | None = None) -> Path | None:
     """The checkpoint ``--resume`` continues from: the newest in output/checkpoints/, else ``legacy`` (a
     file of the layout before it) when it exists. Without --resume a run folder that holds checkpoints
-    is refused; so is a checkpoint made with other ``RESUME_KEYS`` settings, a folder with an export
+    is refused; so is a checkpoint made with other ``RESUME_KEYS`` settings (``GROWABLE_KEYS`` may gain
+    sources after the checkpoint's), a folder with an export
     but no checkpoint (a new run there would overwrite it), and a non-empty folder that holds no run at
     all (``is_run_folder``: the user's own files, which the export would overwrite)."""
     from specctl.training import checkpoints as C
@@ -289,9 +303,16 @@ def resume_point(cfg: TrainConfig, log: Log, legacy: Path | None = None) -> Path
         for key in cfg.RESUME_KEYS:
             now = json.loads(json.dumps(getattr(cfg, key)))
             was = old.get(key, json.loads(json.dumps(_default(cfg, key))))  # a setting newer than the checkpoint
+            if (key in GROWABLE_KEYS and isinstance(was, list) and now[:len(was)] == was and len(now) > len(was)
+                    and not held_out_from_data(cfg)):
+                log(f"--resume: {len(now) - len(was)} more --{key.replace('_', '-')} source(s) than in {folder.name} "
+                    f"({', '.join(map(str, now[len(was):]))}): the run goes on over all of them")
+                continue
             if was != now:
                 raise UsageError(f"--resume: {key} was {was!r} in {folder.name}, now {now!r}",
-                                 f"resume with the same --{key.replace('_', '-')}, or start a new --output")
+                                 f"resume with the same --{key.replace('_', '-')}"
+                                 f"{' (more may follow them where --eval-data or --eval-split 0 keeps the held-out set apart)' if key in GROWABLE_KEYS else ''}"
+                                 ", or start a new --output")
         log(f"resuming from {folder}")
         return folder
     if old_layout:
