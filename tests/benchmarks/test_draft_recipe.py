@@ -89,6 +89,11 @@ def test_training_resumes_from_its_checkpoints_with_the_settings_it_started_with
     assert "--eval-data" in recipe.train_command(args(), recipe.QUICK, tmp_path, files)
     medusa = recipe.train_command(args("medusa"), recipe.QUICK, tmp_path, files)
     assert medusa[3] == "train-medusa" and "--eval-data" not in medusa and "--cache-hidden-states" not in medusa
+    # EAGLE-3 evaluates on the held-out answers every 40 steps; Medusa and MTP on their split five times a run
+    every = lambda c: c[c.index("--eval-every") + 1]  # noqa: E731
+    assert (every(cmd), every(medusa)) == ("40", "24")
+    from dataclasses import replace
+    assert every(recipe.train_command(args("mtp"), replace(recipe.QUICK, steps=50), tmp_path, files)) == "20"
 
 
 def test_medusa_trains_on_an_eagle3_run_s_data_and_states(recipe, tmp_path):
