@@ -315,7 +315,7 @@ def train(cfg: EagleTrainConfig, loaded=None, log: Callable[[str], None] = _stde
             log(f"step {step}/{total} loss {last['loss']:.3f} acc@0 {last['train_acc'][0]:.2f} "
                 f"({time.perf_counter() - t_loop:.0f}s)")
         ckpt = cfg.save_every and (step % cfg.save_every == 0 or step == total)
-        if (cfg.eval_every and step % cfg.eval_every == 0) or ckpt or step == total:
+        if (cfg.eval_every and step % cfg.eval_every == 0) or (ckpt and not cfg.eval_every) or step == total:
             ev = run_eval()
             history.append(dict(last, **ev))
             if ev:

@@ -82,7 +82,7 @@ class _Run:
             if step % max(1, total // 20) == 0 or step == total:
                 self.log(f"step {step}/{total} loss {loss:.4f} ({time.perf_counter() - t_loop:.0f}s)")
             ckpt = cfg.save_every and (step % cfg.save_every == 0 or step == total)  # the end too: --resume can extend a run
-            if (cfg.eval_every and step % cfg.eval_every == 0) or ckpt or step == total:
+            if (cfg.eval_every and step % cfg.eval_every == 0) or (ckpt and not cfg.eval_every) or step == total:
                 ev = self.evaluate() if self.eval_ex else {}
                 history.append({**last, **{f"eval_{k}": v for k, v in ev.items()}})
                 if ev:

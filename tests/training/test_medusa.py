@@ -312,3 +312,14 @@ def test_config_validation():
         MedusaTrainConfig(model="m", output="o", data=["d"], num_heads=0).validated()
     with pytest.raises(UsageError, match="--joint and --shared-lm-head"):
         MedusaTrainConfig(model="m", output="o", data=["d"], joint=True, shared_lm_head=True).validated()
+
+
+def test_evaluations_fall_on_eval_every_not_on_every_checkpoint(loopy, tmp_path, monkeypatch):
+    """--eval-every N evaluates every N steps and at the end, whatever --save-every is (a held-out split can cost
+    more than the steps between checkpoints); --eval-every 0 evaluates at each checkpoint and at the end."""
+    path, _, recs = loopy
+    patch_examples(monkeypatch, recs[:6])
+    evaluated = lambda s: [h["step"] for h in s["history"] if "eval_loss" in h]  # noqa: E731
+    assert evaluated(train(cfg_for(path, tmp_path / "a", steps=10, save_every=2, eval_every=4, eval_split=0.34))) == [4, 8, 10]
+    assert evaluated(train(cfg_for(path, tmp_path / "b", steps=10, save_every=4, eval_every=0, eval_split=0.34))) == [4, 8, 10]
+    assert [p.name for p in checkpoint_dirs(tmp_path / "a")][-1] == "step-0000010"
