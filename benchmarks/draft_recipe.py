@@ -173,17 +173,18 @@ def stage_data(args, plan: Plan, out: Path) -> list[Path]:
     more = out / "data" / "sharegpt-greedy-more.jsonl"
     if plan.more_answers:
         files.append(more)
-    if done.is_file() and (not plan.more_answers or json.loads(done.read_text()).get("more_answers") == plan.more_answers):
+    earlier = json.loads(done.read_text()) if done.is_file() else None
+    if earlier is not None and (not plan.more_answers or earlier.get("more_answers") == plan.more_answers):
         say(f"data: done earlier ({done})")
         return files
     prompts = load_prompts("sharegpt")
     greedy = prompts[:plan.greedy_prompts]
     sampled = prompts[plan.greedy_prompts:plan.greedy_prompts + plan.sampled_prompts]  # other prompts: more variety
     # more answers come from the list's back: the answered and read ranges grow from its front, so none collide
-    extra = prompts[::-1][:plan.more_answers] if plan.more_answers else []
+    extra = prompts[::-1][:plan.more_answers]
     check_not_evaluation([], greedy + sampled + extra)
     lm = load_model(resolve_model(args.model, dtype="bfloat16"), dtype="bfloat16")
-    t = time.time() - (json.loads(done.read_text())["seconds"] if done.is_file() else 0.0)
+    t = time.time() - (earlier["seconds"] if earlier else 0.0)  # a run given more answers adds their time
     jobs = [(files[0], greedy, 0.0), (files[1], sampled, plan.temperature)] + ([(more, extra, 0.0)] if extra else [])
     for path, reqs, temp in jobs:
         say(f"data: the target answers {len(reqs)} ShareGPT prompts (temperature {temp}, up to {plan.max_new_tokens} "

@@ -314,8 +314,8 @@ def train(cfg: EagleTrainConfig, loaded=None, log: Callable[[str], None] = _stde
         if step % 10 == 0 or step == total:
             log(f"step {step}/{total} loss {last['loss']:.3f} acc@0 {last['train_acc'][0]:.2f} "
                 f"({time.perf_counter() - t_loop:.0f}s)")
-        ckpt = cfg.save_every and (step % cfg.save_every == 0 or step == total)
-        if (cfg.eval_every and step % cfg.eval_every == 0) or (ckpt and not cfg.eval_every) or step == total:
+        ckpt, evaluating = L.due(cfg, step, total)
+        if evaluating:
             ev = run_eval()
             history.append(dict(last, **ev))
             if ev:

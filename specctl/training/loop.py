@@ -254,6 +254,15 @@ def reduce_sum(acc, x):
     return acc.reduce(x, reduction="sum") if acc.num_processes > 1 else x
 
 
+def due(cfg: TrainConfig, step: int, total: int) -> tuple[bool, bool]:
+    """(checkpoint, evaluate) at this step: a checkpoint every ``save_every`` steps and at the last (--resume
+    can extend a run); an evaluation every ``eval_every`` steps, or at each checkpoint where it is 0, and at
+    the last step."""
+    ckpt = bool(cfg.save_every) and (step % cfg.save_every == 0 or step == total)
+    every = cfg.eval_every
+    return ckpt, (step % every == 0 if every else ckpt) or step == total
+
+
 # --------------------------------------------------------------------------- resume
 
 # settings a resumed run may extend: more data after the sources it started with (a run that has stopped

@@ -81,8 +81,8 @@ class _Run:
             self.progress("train", step, total)
             if step % max(1, total // 20) == 0 or step == total:
                 self.log(f"step {step}/{total} loss {loss:.4f} ({time.perf_counter() - t_loop:.0f}s)")
-            ckpt = cfg.save_every and (step % cfg.save_every == 0 or step == total)  # the end too: --resume can extend a run
-            if (cfg.eval_every and step % cfg.eval_every == 0) or (ckpt and not cfg.eval_every) or step == total:
+            ckpt, evaluating = L.due(cfg, step, total)
+            if evaluating:
                 ev = self.evaluate() if self.eval_ex else {}
                 history.append({**last, **{f"eval_{k}": v for k, v in ev.items()}})
                 if ev:

@@ -445,8 +445,8 @@ def train_mtp(cfg: MtpTrainConfig, progress: Callable[[str], None] = lambda s: N
         if step % max(1, min(10, total // 10)) == 0 or step == total:
             # this step's own loss, as the other trainers log it
             log(f"step {step}/{total} loss {losses[-1]:.4f} lr {sched.get_last_lr()[0]:.2e}")
-        ckpt = cfg.save_every and (step % cfg.save_every == 0 or step == total)
-        if (cfg.eval_every and step % cfg.eval_every == 0) or (ckpt and not cfg.eval_every) or step == total:
+        ckpt, evaluating = L.due(cfg, step, total)
+        if evaluating:
             ev = run_eval()
             history.append({"step": step, "loss": losses[-1], **ev})
             if ev:
