@@ -71,16 +71,17 @@ class Example:
 
 # --------------------------------------------------------------------------- reading records
 
-def read_records(path: str | Path) -> list[Record]:
-    """All records of a file or folder (see the module docstring); DataError with the line on bad input."""
+def read_records(path: str | Path, flag: str = "--data") -> list[Record]:
+    """All records of a file or folder (see the module docstring); DataError with the line on bad input.
+    ``flag``: the option the path came from, which a missing path's error names."""
     path = Path(path).expanduser()
     if path.is_dir():
         files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in (".jsonl", ".json", *TEXT_SUFFIXES))
         if not files:
-            raise DataError(f"{path} holds no .jsonl/.json/.txt/.py/.md files", "point --data at a data file or a folder of them")
-        return [r for f in files for r in read_records(f)]
+            raise DataError(f"{path} holds no .jsonl/.json/.txt/.py/.md files", f"point {flag} at a data file or a folder of them")
+        return [r for f in files for r in read_records(f, flag)]
     if not path.is_file():
-        raise DataError(f"data file {path} does not exist", "check the path given to --data")
+        raise DataError(f"data file {path} does not exist", f"check the path given to {flag}")
     try:
         text = path.read_text(encoding="utf-8-sig")  # a byte-order mark (Windows editors write one) is dropped
     except (OSError, UnicodeDecodeError) as e:
@@ -165,10 +166,14 @@ def read_texts(path: str | Path) -> list[str]:
 def load_prompts(spec: str, hold_out: int = 0) -> list:
     """Requests (``specctl.workloads.Request``) to self-distill from.
 
-    ``spec``: a built-in workload name (code-edit, chat, agentic), whose first ``hold_out`` prompts
-    (seed 0: those ``specctl bench -n N`` runs for N <= hold_out) are left out, together with any
-    other prompt on the same function; a ``.txt`` file (one prompt a line); or a ``.jsonl`` prompt file.
+    ``spec``: a built-in workload name (code-edit, sharegpt, agentic: ``self_distill_workloads``), whose
+    first ``hold_out`` prompts (seed 0: those ``specctl bench -n N`` runs for N <= hold_out) are left out,
+    together with any other prompt on the same function; a ``.txt`` file (one prompt a line); or a ``.jsonl``
+    prompt file.
     """
+    import difflib
+
+    from specctl.errors import UsageError
     from specctl.workloads import WORKLOADS, Request, load_workload
 
     if spec in WORKLOADS:
@@ -177,13 +182,28 @@ def load_prompts(spec: str, hold_out: int = 0) -> list:
         funcs = {(r.meta.get("module"), r.meta.get("function")) for r in held if r.meta.get("function")}
         return [r for r in reqs[hold_out:] if (r.meta.get("module"), r.meta.get("function")) not in funcs]
     path = Path(spec).expanduser()
+    name, at, rounds = spec.rpartition("@")
+    if not path.is_file() and not (at and name in WORKLOADS and rounds.isdigit()):  # neither a file nor NAME@R
+        takes = self_distill_workloads()
+        if path.exists() or path.suffix in (".txt", ".jsonl") or os.sep in spec or "/" in spec:
+            raise DataError(f"prompt file {path} {'is a folder' if path.is_dir() else 'does not exist'}",
+                            f"check the path, or give a workload --self-distill takes: {', '.join(takes)}")
+        close = difflib.get_close_matches(spec, takes, n=1)
+        raise UsageError(f"unknown workload '{spec}' for --self-distill",
+                         f"{f'did you mean {close[0]}? ' if close else ''}use one of {', '.join(takes)}, "
+                         "or a .jsonl/.txt prompt file")
     if path.suffix == ".txt":
-        if not path.is_file():
-            raise DataError(f"prompt file {path} does not exist", "give a .jsonl/.txt prompt file or a workload name")
         lines = [x for x in path.read_text(encoding="utf-8-sig").splitlines() if x.strip()]
         return [Request(id=f"{path.stem}:{i}", messages=[{"role": "user", "content": x}], workload=str(path))
                 for i, x in enumerate(lines, 1)]
     return load_workload(str(path))
+
+
+def self_distill_workloads() -> list[str]:
+    """The built-in workloads --self-distill takes: all but the evaluation workloads (``EVALUATION_WORKLOADS``)."""
+    from specctl.workloads import WORKLOADS
+
+    return [n for n in WORKLOADS if n not in EVALUATION_WORKLOADS]
 
 
 def self_distill(loaded, requests: list, *, max_new_tokens: int, temperature: float = 0.0, seed: int = 0,

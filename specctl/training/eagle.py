@@ -83,6 +83,7 @@ class EagleTrainConfig(L.TrainConfig):
         L.need(self.fc_init in (None, "random", "last"), f"--fc-init must be random or last, got {self.fc_init}",
                "use --fc-init last or random")
         L.at_least(self, "replay_k", 0)
+        L.folder_option("--cache-hidden-states", self.cache_hidden_states)
         L.need(0.0 <= self.prompt_rows <= 1.0, f"--prompt-rows must be in [0, 1], got {self.prompt_rows}", "e.g. --prompt-rows 0.2")
         L.need(self.draft_vocab_size is None or self.draft_vocab_size >= 1,
                f"--draft-vocab-size must be positive, got {self.draft_vocab_size}", "e.g. --draft-vocab-size 32000")
@@ -213,6 +214,7 @@ def train(cfg: EagleTrainConfig, loaded=None, log: Callable[[str], None] = _stde
     out = Path(cfg.output)
     resume_from = L.resume_point(cfg, log, legacy=out / LEGACY_CHECKPOINT)
     records = [r for p in cfg.data for r in D.read_records(p)]  # bad data fails before the model loads
+    held_records = [r for p in cfg.eval_data for r in D.read_records(p, flag="--eval-data")]
     if loaded is None:
         path = resolve_model(cfg.model, dtype=cfg.dtype)
         log(f"loading target {path}")
@@ -231,10 +233,7 @@ def train(cfg: EagleTrainConfig, loaded=None, log: Callable[[str], None] = _stde
     eval_idx, train_idx = sorted(order[:n_eval]), order[n_eval:]
     n_train = len(seqs)
     if cfg.eval_data:  # evaluated on, never trained on: every training sequence trains
-        from specctl.training import data as D
-
-        held = [e for p in cfg.eval_data for r in D.read_records(p)
-                for e in D.encode(loaded.tokenizer, r, cfg.seq_len, loaded.stop_token_ids)]
+        held = [e for r in held_records for e in D.encode(loaded.tokenizer, r, cfg.seq_len, loaded.stop_token_ids)]
         L.need(bool(held), f"--eval-data {', '.join(cfg.eval_data)} has no sequence with tokens to learn",
                "give records with answers (e.g. the target's answers to bench's prompts)")
         log(f"evaluating on {len(held)} sequence(s) of --eval-data, training on all {n_train}")

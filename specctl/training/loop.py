@@ -168,6 +168,20 @@ def need(ok: bool, problem: str, fix: str) -> None:
         raise UsageError(problem, fix)
 
 
+def folder_option(flag: str, path: str | None) -> None:
+    """A folder option besides --output (--cache-hidden-states): a file there, or a missing folder that cannot be
+    made, is a usage error now rather than an OSError after the model loads. An existing folder is taken as it
+    is (a finished cache is only read, so it may be read-only)."""
+    if not path:
+        return
+    from specctl.files import unwritable
+
+    need(not (os.path.exists(path) and not os.path.isdir(path)), f"{flag} {path} is a file",
+         "give a folder (it is created if missing)")
+    bad = None if os.path.isdir(path) else unwritable(path, folder=True)
+    need(bad is None, f"{flag}: {bad}", "choose a folder path you can write to (it is created if missing)")
+
+
 def at_least(cfg, name: str, lo: int) -> None:
     v = getattr(cfg, name)
     flag = f"--{name.replace('_', '-')}"

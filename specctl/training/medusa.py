@@ -80,6 +80,7 @@ class MedusaTrainConfig(L.TrainConfig):
                "add --shared-lm-head, or drop --truncated-vocab-size for a full-vocabulary LM head per head")
         L.need(not (self.joint and self.shared_lm_head), "--joint and --shared-lm-head do not go together",
                "the shared LM head is the target's own, which --joint changes; drop one of them")
+        L.folder_option("--cache-hidden-states", self.cache_hidden_states)
         if self.export_dtype:
             from specctl.runtime.loading import parse_dtype
 

@@ -90,6 +90,7 @@ def test_eagle3_only_needs_no_draft(tiny_model_dir, tmp_path):
     assert r.exit_code == 0, r.output
     rep = json.loads(r.stdout)
     assert rep["eagle3_draft_vocab"]["draft_vocab_size"] == 20 and "draft_vocab_size" not in rep
+    assert rep["draft"] is None and rep["draft_fingerprint"] is None  # "draft" was "" beside a null fingerprint
     vmap = VocabMap.load(out)
     assert vmap.draft_to_target is None and vmap.draft_vocab.d2t.numel() == 20
 

@@ -100,3 +100,15 @@ def test_bad_data_fails_before_the_model_loads(tmp_path, monkeypatch):
     bad.write_text('{"prompt": "a", "response": "b"}\n{"prompt": "no answer"}\n')
     r = runner.invoke(app, ["train-eagle", "--model", "m", "--output", str(tmp_path / "o"), "--data", str(bad)])
     assert isinstance(r.exception, DataError) and "bad.jsonl, line 2" in str(r.exception), r.output
+
+
+def test_a_missing_eval_data_file_is_named_as_eval_data_before_the_model_loads(tmp_path, monkeypatch):
+    """The error said "check the path given to --data", and came after the model had loaded."""
+    monkeypatch.setattr("specctl.runtime.loading.load_model", lambda *a, **k: pytest.fail("the target was loaded"))
+    monkeypatch.setattr("specctl.models.resolve_model", lambda *a, **k: pytest.fail("the target was resolved"))
+    good = tmp_path / "good.jsonl"
+    good.write_text('{"prompt": "a", "response": "b"}\n')
+    r = runner.invoke(app, ["train-eagle", "--model", "m", "--output", str(tmp_path / "o"), "--data", str(good),
+                            "--eval-data", str(tmp_path / "nope.jsonl")])
+    assert isinstance(r.exception, DataError), r.output
+    assert str(r.exception) == f"data file {tmp_path / 'nope.jsonl'} does not exist. check the path given to --eval-data"

@@ -112,6 +112,21 @@ def test_an_unwritable_output_is_refused_before_training(name, where, message, t
     assert f.read_text().startswith('{"prompt"')
 
 
+@pytest.mark.parametrize("name", ["train-medusa", "train-eagle"])
+@pytest.mark.parametrize("where, message", [("file", "--cache-hidden-states {} is a file. give a folder"),
+                                            ("inside-file", "--cache-hidden-states: {} is a file, so")])
+def test_a_states_cache_that_cannot_be_a_folder_is_refused_before_training(name, where, message, tmp_path):
+    """It was a FileExistsError (exit 1) after the model had loaded."""
+    f = tmp_path / "data.jsonl"
+    f.write_text('{"prompt": "a", "response": "b"}\n')
+    cache = f if where == "file" else f / "states"
+    r = runner.invoke(app, [name, "--model", "m", "--output", str(tmp_path / "o"), "--data", str(f),
+                            "--cache-hidden-states", str(cache)])
+    assert isinstance(r.exception, UsageError) and r.exception.exit_code == 2, r.output
+    assert message.format(f) in str(r.exception)
+    assert f.read_text().startswith('{"prompt"') and not (tmp_path / "o").exists()
+
+
 @pytest.mark.parametrize("name", list(COMMANDS))
 @pytest.mark.parametrize("output", ["", " "])
 def test_an_empty_output_is_a_usage_error(name, output, tmp_path, monkeypatch):

@@ -271,6 +271,29 @@ def test_an_unknown_chat_role_is_a_400_naming_the_parameter_and_the_roles(server
     assert status == 200, body
 
 
+def test_a_message_without_content_is_a_400_naming_the_parameter(server):
+    """It was answered 200 (the content read as ""); OpenAI's API answers 400. Only an assistant message that
+    calls a tool may leave its content out."""
+    def post(*messages):
+        return server.raw("POST", "/v1/chat/completions", json.dumps(
+            {"model": NAME, "max_tokens": 2, "messages": list(messages)}).encode())
+
+    status, body = post({"role": "user"})
+    assert status == 400 and body["error"]["type"] == "invalid_request_error", body
+    assert body["error"]["param"] == "messages[0].content" and "messages[0].content" in body["error"]["message"]
+    for role in ("system", "developer", "tool", "assistant"):
+        status, body = post({"role": "user", "content": "hi"}, {"role": role}, {"role": "user", "content": "and?"})
+        assert status == 400 and body["error"]["param"] == "messages[1].content", (role, body)
+    status, body = post({"role": "user", "content": "hi"}, {"role": "user", "content": None})
+    assert status == 400 and body["error"]["param"] == "messages[1].content", body
+    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    status, body = post({"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [call]},
+                        {"role": "tool", "tool_call_id": "call_1", "content": "42"})
+    assert status == 200, body
+    status, body = post({"role": "user", "content": ""})  # present but empty: as before
+    assert status == 200, body
+
+
 def test_seeded_sampling_is_reproducible(server):
     client = server.client()
     kw = dict(model=NAME, prompt=PROMPTS[1], max_tokens=NEW, temperature=0.9, top_p=0.95, seed=1234)

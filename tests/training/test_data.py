@@ -98,8 +98,28 @@ def test_a_json_array_file_gets_the_json_hint(tmp_path):
 
 
 def test_missing_file_is_a_data_error(tmp_path):
-    with pytest.raises(DataError, match="does not exist"):
+    with pytest.raises(DataError, match="does not exist. check the path given to --data"):
         D.read_records(tmp_path / "nope.jsonl")
+    with pytest.raises(DataError, match="check the path given to --eval-data"):  # the option it came from
+        D.read_records(tmp_path / "nope.jsonl", flag="--eval-data")
+
+
+@pytest.mark.parametrize("spec", ["nope.jsonl", "nope.txt", "sub/nope", "nosuchworkload", "sharegtp", "."])
+def test_a_missing_self_distill_source_names_what_self_distill_takes(spec, tmp_path, monkeypatch):
+    """The error listed bench's workloads, the evaluation ones too, which --self-distill refuses."""
+    from specctl.errors import UsageError
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises((DataError, UsageError)) as e:
+        D.load_prompts(spec)
+    msg = str(e.value)
+    assert "sharegpt" in msg and "code-edit" in msg, msg
+    assert not any(w in msg.split(". ", 1)[1] for w in D.EVALUATION_WORKLOADS), msg
+    if spec in ("nosuchworkload", "sharegtp"):
+        assert isinstance(e.value, UsageError) and "unknown workload" in msg
+        assert ("did you mean sharegpt?" in msg) == (spec == "sharegtp")
+    else:
+        assert type(e.value) is DataError and ("is a folder" if spec == "." else "does not exist") in msg
 
 
 def test_loss_mask_is_the_assistant_turns(tok):
