@@ -6,7 +6,9 @@ here; CLI flags map one-to-one onto fields. Keys that only matter to vLLM's dist
 (tensor parallelism, quantization of the draft, ...) are accepted and kept, so the same config can
 be handed to ``vllm serve``, but the own runtime does not use them.
 
-This module knows nothing about torch or models: it is imported by ``specctl --help``.
+This module knows nothing about torch or models: it is imported by ``specctl --help``. A config that
+names a draft but no method runs the method the draft is for where the caller can tell (``method_of``:
+the commands pass ``specctl.drafts.kinds.draft_method``, which reads a local folder), as vLLM does.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -143,7 +146,12 @@ class SpecConfig:
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "SpecConfig":
+    def from_dict(cls, data: dict[str, Any], method_of: Callable[[str], str | None] | None = None) -> "SpecConfig":
+        """A validated config from vLLM's keys. ``method_of``: the method a ``model`` is a draft for (None: a
+        whole model, draft_model), asked where the config names a model and no method, as vLLM works it out
+        from the draft's config (``SpeculativeConfig.__post_init__``); the hybrid's parts likewise."""
+        if method_of is not None:
+            data = _with_method(data, method_of)
         if not isinstance(data, dict):
             raise ConfigError(
                 f"speculative config must be a JSON object, got {type(data).__name__}",
@@ -167,7 +175,7 @@ class SpecConfig:
         return cls(**kwargs, vllm_only=passthrough).validated()
 
     @classmethod
-    def from_json(cls, text: str) -> "SpecConfig":
+    def from_json(cls, text: str, method_of: Callable[[str], str | None] | None = None) -> "SpecConfig":
         try:
             data = json.loads(text)
         except json.JSONDecodeError as e:
@@ -175,7 +183,7 @@ class SpecConfig:
                 f"--speculative-config is not valid JSON ({e.msg} at column {e.colno})",
                 'quote it for the shell, e.g. \'{"method": "ngram", "num_speculative_tokens": 5}\'',
             ) from None
-        return cls.from_dict(data)
+        return cls.from_dict(data, method_of)
 
     def to_dict(self) -> dict[str, Any]:
         """The config as vLLM's JSON keys (own keys that are set, plus passthrough keys).
@@ -408,3 +416,21 @@ def normalize_dtype(dtype: str) -> str:
     if key not in _DTYPES:
         raise UsageError(f"unknown dtype {dtype!r}", "Use bfloat16 (bf16) or float32 (fp32)")
     return _DTYPES[key]
+
+
+def _with_method(data: Any, method_of: Callable[[str], str | None]) -> Any:
+    """``data`` with the method its draft is for where it names a model and no method (``method_of``), and its
+    hybrid parts the same; a draft of another kind given as "method": "draft_model" refused, naming its method
+    (draft_model runs a whole model; vLLM switches such a config to the draft's method silently)."""
+    if not isinstance(data, dict):
+        return data
+    method, model = data.get("method"), data.get("model")
+    if isinstance(data.get("proposers"), list):
+        data = dict(data, proposers=[_with_method(c, method_of) for c in data["proposers"]])
+    if method not in (None, "draft_model") or not isinstance(model, str) or model in ("ngram", "[ngram]"):
+        return data
+    kind = method_of(model)
+    if kind is not None and method == "draft_model":
+        raise ConfigError(f"{model} is a {kind} draft, which \"method\": \"draft_model\" cannot run",
+                          f'use "method": "{kind}" with it, or leave "method" out')
+    return dict(data, method=kind) if kind is not None else data

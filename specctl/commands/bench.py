@@ -96,6 +96,7 @@ def bench(
     json_out: JsonOpt = False,
 ) -> None:
     from specctl.config import SpecConfig
+    from specctl.drafts.kinds import draft_method
     from specctl.errors import UsageError
 
     quant = use_quantization(quantization)
@@ -104,7 +105,7 @@ def bench(
     for m in method or ([] if speculative_config else ["ngram"]):
         configs.append(SpecConfig(method=m, num_speculative_tokens=num_speculative_tokens).validated())
     for text in speculative_config or []:
-        configs.append(SpecConfig.from_json(text))
+        configs.append(SpecConfig.from_json(text, method_of=draft_method))  # a draft folder and no method: its method
     if max_new_tokens < 2:  # the first token comes from the prefill: no decoding, no draft, no decode speed
         raise UsageError(f"--max-new-tokens must be >= 2 (decode speed is measured over the tokens after the "
                          f"first, and nothing is drafted before it), got {max_new_tokens}", "pass e.g. --max-new-tokens 128")

@@ -176,13 +176,14 @@ def vllm_launcher() -> tuple[str | None, str | None]:
 def _spec_config(method: str | None, k: int | None, speculative_config: str | None):
     """SpecConfig from --speculative-config or --method/-k; None for plain decoding."""
     from specctl.config import SpecConfig
+    from specctl.drafts.kinds import draft_method
     from specctl.errors import UsageError
 
     if speculative_config is not None and (method is not None or k is not None):
         raise UsageError("--speculative-config and --method/-k were both given",
                          "give the whole configuration in --speculative-config, or use --method and -k alone")
     if speculative_config is not None:
-        return SpecConfig.from_json(speculative_config)
+        return SpecConfig.from_json(speculative_config, method_of=draft_method)  # a draft folder and no method: its method
     if method is not None:
         return SpecConfig(method=method, num_speculative_tokens=k).validated()
     if k is not None:

@@ -1,7 +1,7 @@
 """Which kind of draft a folder holds, from its ``config.json`` and its tensor names alone: what
-``specctl recommend`` sorts folders by, and what a method's loader checks first, so that a folder of
+``specctl recommend`` sorts folders by, what a method's loader checks first, so that a folder of
 another kind (Medusa heads passed as an EAGLE-3 draft) is one line naming both kinds instead of a
-failed load.
+failed load, and which method a speculative config that names a draft folder but no method runs.
 
 What it does not know: reading the weights, the target.
 """
@@ -69,6 +69,18 @@ def folder_kind(folder: str | Path) -> str | None:
         with open_safetensors(f, framework="numpy") as fh:
             names.update((k, None) for k in fh.keys())  # noqa: SIM118 - a safetensors handle, not a dict
     return classify_draft(cfg, names)
+
+
+def draft_method(model: str) -> str | None:
+    """The speculative method a config's ``model`` is a draft for, when the config names no method: the
+    kind of draft the local folder holds (a kind is the method that runs it: medusa, eagle3, eagle, mtp).
+    vLLM works the method out the same way from the draft's config (``SpeculativeConfig.__post_init__``:
+    model_type "medusa", an EAGLE/EAGLE-3 draft, an MTP model_type), and falls back to draft_model.
+
+    None (draft_model) for a plain model, and for a name that is not a local folder (a Hub or catalogue
+    name, a .gguf file): only a folder on this machine can be inspected before it is fetched."""
+    folder = Path(model).expanduser()
+    return folder_kind(folder) if folder.is_dir() else None
 
 
 def check_kind(folder: str | Path, method: str, accept: tuple[str, ...]) -> None:

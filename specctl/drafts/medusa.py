@@ -72,6 +72,18 @@ class ResidualBlock(nn.Module):
         return x
 
 
+def lm_head_count(num_heads: int, shared_lm_head: bool) -> int:
+    """How many LM heads (``lm_heads.{i}``) K Medusa heads hold: one shared by every head (vLLM's
+    ``original_lm_head``), else one per head. MedusaHeads builds this many, so load_medusa requires this
+    many, and ``check_medusa`` (``specctl recommend``) asks the same."""
+    return 1 if shared_lm_head else num_heads
+
+
+def shares_lm_head(cfg: dict) -> bool:
+    """Whether a vLLM-layout Medusa ``config.json`` says its heads share one LM head (``original_lm_head``)."""
+    return bool(cfg.get("original_lm_head", False))
+
+
 class MedusaHeads(nn.Module):
     """K Medusa heads. Parameter names are vLLM's: blocks.{h}.layers.{l}.weight, lm_heads.{h}.weight.
 
@@ -89,7 +101,7 @@ class MedusaHeads(nn.Module):
         self.blocks = nn.ModuleList(ResidualBlock(hidden_size, num_layers, bias) for _ in range(num_heads))
         rows = vocab_size if token_map is None else int(token_map.numel())
         self.lm_heads = nn.ModuleList(nn.Linear(hidden_size, rows, bias=False)
-                                      for _ in range(1 if shared_lm_head else num_heads))
+                                      for _ in range(lm_head_count(num_heads, shared_lm_head)))
         self.register_buffer("token_map", None if token_map is None else token_map.long())  # [V'] vocab ids
 
     def lm_head(self, h: int) -> nn.Linear:
@@ -277,7 +289,7 @@ def _from_vllm(folder: Path, sd: dict[str, torch.Tensor]) -> MedusaHeads:
         raise ModelError(f"{folder}: truncated_vocab_size {cfg['truncated_vocab_size']} < vocab_size {V} but no "
                          "token_map tensor", "re-export the heads; the token_map tensor must travel with a truncated vocabulary")
     heads = MedusaHeads(H, V, K, L, bias=bool(cfg.get("medusa_fc_bias", False)),
-                        shared_lm_head=bool(cfg.get("original_lm_head", False)),
+                        shared_lm_head=shares_lm_head(cfg),
                         token_map=token_map.long() if truncated else None)
     if truncated:  # full-vocabulary LM heads beside a token_map are cut to it, as vLLM does
         sd = {k: v[heads.token_map] if k.startswith("lm_heads.") and v.shape[0] == V else v for k, v in sd.items()}
@@ -335,9 +347,10 @@ def check_medusa(cfg: dict, tensors: Tensors, target: TargetFacts) -> FormatChec
     lm = sorted(k for k in tensors if re.match(r"lm_heads\.\d+\.weight$", k))
     if not heads:
         bad.append("config.json has no num_heads")
-    elif lm and len(lm) != heads:
-        bad.append(f"config says {heads} heads but the weights hold {len(lm)} lm_heads")
-    if "token_map" in tensors and truncated_vocab(cfg) and not cfg.get("original_lm_head") and len(lm) > 1:
+    elif lm and len(lm) != lm_head_count(heads, shares_lm_head(cfg)):
+        shared = " sharing one LM head (original_lm_head)" if shares_lm_head(cfg) else ""
+        bad.append(f"config says {heads} heads{shared} but the weights hold {len(lm)} lm_heads")
+    if "token_map" in tensors and truncated_vocab(cfg) and not shares_lm_head(cfg) and len(lm) > 1:
         bad.append("note: a token_map beside one LM head per head: vLLM refuses it (it loads a truncated vocabulary "
                    "only with original_lm_head); retrain with --shared-lm-head, or without --truncated-vocab-size")
     if any(k.startswith("medusa_head") for k in tensors):

@@ -168,9 +168,7 @@ def load_prompts(spec: str, hold_out: int = 0) -> list:
 
     ``spec``: a built-in workload name (code-edit, sharegpt, agentic: ``self_distill_workloads``), whose
     first ``hold_out`` prompts (seed 0: those ``specctl bench -n N`` runs for N <= hold_out) are left out,
-    together with any other prompt on the same function; a ``.txt`` file (one prompt a line); or a ``.jsonl``
-    prompt file.
-    """
+    together with any other prompt on the same function; a ``.txt`` file (one prompt a line); or a ``.jsonl``."""
     import difflib
 
     from specctl.errors import UsageError

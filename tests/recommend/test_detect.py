@@ -6,8 +6,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
+from specctl.drafts.medusa import MedusaHeads, load_medusa, save_medusa
 from specctl.drafts.mtp_files import mtp_modules
+from specctl.errors import ModelError
 from specctl.recommend.detect import name_key
 from specctl.recommend.flowchart import recommend
 from specctl.recommend.inspection import gguf_mtp
@@ -91,6 +94,25 @@ def test_medusa_draft_beside_the_model(target):
     assert rec.choice.config == {"method": "medusa", "model": str(d), "num_speculative_tokens": 3}
     assert rec.choice.runnable
     assert [e.ok for e in evidence(rec.tree)] == [True]
+
+
+def test_medusa_heads_sharing_one_lm_head_are_accepted_as_the_loader_accepts_them(target, tmp_path):
+    """train-medusa --shared-lm-head writes one lm_heads.0 for K heads (vLLM's original_lm_head, here with a
+    truncated vocabulary): the folder the loader loads is accepted, and one it refuses (K LM heads beside
+    original_lm_head) is refused naming the layout."""
+    shared = save_medusa(MedusaHeads(H, V, 3, shared_lm_head=True, token_map=torch.arange(0, V, 4)),
+                         tmp_path / "d" / "shared", torch.float32)
+    assert load_medusa(shared).num_heads == 3
+    rec = recommend(str(target), drafts=[str(shared)], candidates=[])
+    assert rec.drafts[0].accepted, rec.drafts[0].reasons
+    assert rec.choice.config == {"method": "medusa", "model": str(shared), "num_speculative_tokens": 3}
+
+    wrong = medusa(tmp_path / "d" / "wrong", heads=3, original_lm_head=True)
+    with pytest.raises(ModelError, match="unexpected tensor 'lm_heads.1.weight'"):
+        load_medusa(wrong)
+    rec = recommend(str(target), drafts=[str(wrong)], candidates=[])
+    assert not rec.drafts[0].accepted
+    assert "config says 3 heads sharing one LM head (original_lm_head) but the weights hold 3 lm_heads" in rec.drafts[0].reasons
 
 
 def test_eagle3_preferred_over_medusa_and_eagle1_detected(target, tmp_path):
