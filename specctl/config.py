@@ -170,7 +170,8 @@ class SpecConfig:
                                   f"drop it here; with --engine vllm pass {ENGINE_FLAGS[key]} after --")
             else:
                 close = difflib.get_close_matches(key, sorted(own | VLLM_PASSTHROUGH_KEYS | OLDER_VLLM_KEYS), n=1)
-                hint = f"did you mean '{close[0]}'?" if close else "see `specctl bench --help`"
+                hint = (f"did you mean '{close[0]}'?" if close else
+                        f"the keys are vLLM's: {', '.join(SHOWN_KEYS)}, ... (every key: docs/methods.md)")
                 raise ConfigError(f"unknown speculative config key '{key}'", hint)
         return cls(**kwargs, vllm_only=passthrough).validated()
 
@@ -405,6 +406,9 @@ VLLM_PASSTHROUGH_KEYS = _vllm_passthrough_keys()
 OLDER_VLLM_KEYS = frozenset({"speculative_token_tree"})
 # vLLM engine flags users put in a speculative config by mistake: refused with where they belong
 ENGINE_FLAGS = {"disable_log_stats": "--disable-log-stats"}
+# the keys an unknown key's error names first (every key: docs/methods.md)
+SHOWN_KEYS = ("method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
+              "speculative_eagle_topk", "speculative_num_draft_tokens")
 
 
 _DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float32": "float32", "fp32": "float32"}

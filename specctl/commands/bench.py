@@ -176,8 +176,9 @@ def bench(
         load_workload(w, num_prompts, seed)
 
     from specctl.models import resolve_model
-    from specctl.runtime.loading import load_model
+    from specctl.runtime.loading import load_model, parse_device
 
+    parse_device(device)  # a bad --device fails before the model is fetched or read
     if path is None:
         path = resolve_model(model, dtype=dtype)
     err.log(f"loading {path} ({dtype}, {device}{', GGUF quantized' if quant else ''})")

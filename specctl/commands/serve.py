@@ -379,7 +379,7 @@ def serve(
     import uvicorn
 
     from specctl.models import DEFAULT_MODEL, resolve_model
-    from specctl.runtime.loading import load_model
+    from specctl.runtime.loading import load_model, parse_device
     from specctl.runtime.engine import Engine
     from specctl.runtime.server import create_app, resolve_max_model_len
 
@@ -387,6 +387,7 @@ def serve(
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s", stream=sys.stderr)
     log = logging.getLogger("specctl.serve")
     name = served_model_name or model or DEFAULT_MODEL
+    parse_device(device)  # a bad --device fails before the model is fetched or read
     sock = _listen(host, port)  # before the model loads: a taken port fails in a second, not after it
     path = resolve_model(model, dtype=dtype, quantization=quant)
     log.info("loading %s (%s, %s%s)", path, dtype, device, ", GGUF quantized" if quant else "")

@@ -99,6 +99,8 @@ def test_bench_table_and_speculative_config(tiny_model_dir, prompts_file, tmp_pa
     (["bench", "--quantization", "awq"], 2, "unknown quantization 'awq'"),
     (["bench", "-n", "0"], 2, "pass e.g. -n 4 (the default)"),  # not "omit it for all": the default is 4
     (["bench", "--max-new-tokens", "1"], 2, "--max-new-tokens must be >= 2"),  # no decode time to measure
+    (["bench", "--device", "tpu"], 2, "unknown device 'tpu'"),  # before the model loads (no "loading ..." line)
+    (["bench", "--speculative-config", '{"method": "ngram", "bogus_key": 3}'], 2, "keys are vLLM's: method, model"),
 ])
 def test_bad_input_one_line_error(args, code, needle, tmp_path):
     r = run_cli(*args, env_extra={"SPECCTL_CACHE": str(tmp_path / "cache")}, timeout=120)
