@@ -37,9 +37,18 @@ def test_version():
     assert r.stdout.strip() == __version__
 
 
-def test_unknown_option_is_usage_error():
-    r = subprocess.run([sys.executable, "-m", "specctl.cli", "bench", "--no-such-flag"], capture_output=True, text=True)
-    assert r.returncode == 2
+def test_usage_errors_are_one_line_exit_2():
+    """A missing, unknown or malformed option: one line naming it and the command's --help (click's own is a
+    box of several lines); no arguments at all: the help."""
+    for args, needle in ((["bench", "--no-such-flag"], "No such option: --no-such-flag"),
+                         (["bench", "-n", "abc"], "Invalid value for '--num-prompts'"),
+                         (["train-eagle", "--model", "x"], "Missing option '--output'"),
+                         (["nosuch"], "No such command 'nosuch'")):
+        r = subprocess.run([sys.executable, "-m", "specctl.cli", *args], capture_output=True, text=True)
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 2 and len(lines) == 1 and needle in lines[0] and "--help" in lines[0], (args, r.stderr)
+    r = subprocess.run([sys.executable, "-m", "specctl.cli"], capture_output=True, text=True)
+    assert "Usage:" in r.stdout + r.stderr and "bench" in r.stdout + r.stderr
 
 
 INTERRUPTED = """
