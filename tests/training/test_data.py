@@ -328,7 +328,7 @@ def test_build_examples_and_self_distillation_refuse_evaluation_prompts(eval_cac
                                       "sentence with the letter A."}], workload="mine")
     with pytest.raises(DataError, match="self-distillation prompt p3"):
         D.check_not_evaluation([], [req])
-    for name in D.EVALUATION_WORKLOADS:
+    for name in (*D.EVALUATION_WORKLOADS, "chat@2"):  # NAME@ROUNDS (the multi-turn form) is the same prompts
         with pytest.raises(DataError, match=f"--self-distill {name} is an evaluation workload"):
             D.distill_requests(SimpleNamespace(self_distill=[name], hold_out=8, distill_max_prompts=None))
 
