@@ -102,7 +102,8 @@ class _Ctx:
                 raise ApiError(400, f"invalid 'messages[{i}].role': {m.role!r} is not a role this server knows; use one "
                                f"of {', '.join(CHAT_ROLES)}", code="invalid_value", param=f"messages[{i}].role")
             content = m.content
-            calls = (m.model_extra or {}).get("tool_calls") or (m.model_extra or {}).get("function_call")
+            extra = m.model_extra or {}
+            calls = extra.get("tool_calls") or extra.get("function_call")
             if content is None and not (m.role == "assistant" and calls):  # as OpenAI: only a tool call goes without
                 why = " (an assistant message may leave it out only with tool_calls)" if m.role == "assistant" else ""
                 raise ApiError(400, f"missing required parameter 'messages[{i}].content'{why}",

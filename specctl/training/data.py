@@ -402,7 +402,7 @@ def distill_requests(cfg) -> list:
     cfg.distill_max_prompts of it), a prompt met twice kept once. An evaluation workload is refused."""
     requests, seen = [], set()
     for spec in cfg.self_distill:
-        if spec.rpartition("@")[0] in EVALUATION_WORKLOADS or spec in EVALUATION_WORKLOADS:  # NAME@ROUNDS too
+        if spec.partition("@")[0] in EVALUATION_WORKLOADS:  # NAME@ROUNDS too
             raise DataError(f"--self-distill {spec} is an evaluation workload (specctl bench measures drafts on it)",
                             "train on other prompts, e.g. --self-distill sharegpt --distill-max-prompts 2000")
         for r in load_prompts(spec, cfg.hold_out)[:cfg.distill_max_prompts]:
