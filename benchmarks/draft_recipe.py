@@ -240,8 +240,14 @@ def train_command(args, plan: Plan, out: Path, files: list[Path]) -> list[str]:
     # EAGLE-3 evaluates on the 16 held-out answers (seconds); Medusa and MTP on a 5 % split, a minute or more on
     # a CPU: five times a run, not at every checkpoint (their default), which took more time than the steps
     cmd += ["--eval-every", "40" if args.method == "eagle3" else str(max(20, plan.steps // 5))]
-    if args.method == "medusa" and getattr(args, "states_from", None):
+    if args.method in ("medusa", "mtp") and getattr(args, "states_from", None):
         cmd += ["--cache-hidden-states", str(args.states_from / "states")]
+    if args.method == "mtp" and getattr(args, "states_from", None):
+        # the EAGLE-3 run's sequences (its cache's key: bf16, its --seq-len), the answers' rows and a tenth of the
+        # prompts' learnt, a loss over the 16k most frequent target choices (the full 152k head is ~90 % of a
+        # step here: 4.5 against 50 s on the 2-core AMD EPYC), evaluated on the held-out answers as EAGLE-3 is
+        cmd += ["--dtype", "bfloat16", "--prompt-rows", "0.1", "--loss-vocab-size", "16384",
+                "--eval-data", str(args.states_from / "data" / "heldout.jsonl")]
     ckpts = sorted((out / "train" / "checkpoints").glob("step-*")) if (out / "train" / "checkpoints").is_dir() else []
     resuming = bool(ckpts)
     # the settings the run started with: its newest checkpoint's (the output's own copy is written at the end)
@@ -378,7 +384,7 @@ def main() -> None:
                     "back of the list, apart from every other range): its own answers, for a run that has stopped "
                     "improving on read data; with --steps, the run resumes on them")
     ap.add_argument("--until", choices=("data", "train", "bench"), default="bench", help="stop after this stage")
-    ap.add_argument("--states-from", type=Path, help="Medusa: train on an EAGLE-3 recipe run's data, reading the "
+    ap.add_argument("--states-from", type=Path, help="Medusa, MTP: train on an EAGLE-3 recipe run's data, reading the "
                     "target's states from its cache (no data stage, no pass of the target)")
     args = ap.parse_args()
     plan = QUICK if args.quick else FULL

@@ -8,7 +8,8 @@ stdout (``--json`` for machines).
 from __future__ import annotations
 
 import json
-from typing import Annotated
+from pathlib import Path
+from typing import Annotated, Optional
 
 import typer
 
@@ -47,6 +48,8 @@ Examples:
 
   specctl train-mtp --model ./my-model --data corpus/ --output my-model-mtp --stitch --epochs 2 --json
 
+  specctl train-mtp --model qwen2.5-coder-0.5b --data runs/q05/data/ --cache-hidden-states runs/q05/states --dtype bfloat16 --seq-len 768 --loss-vocab-size 16384 --prompt-rows 0.1 --output q05-mtp --steps 600
+
   accelerate launch --num_processes 2 -m specctl.cli train-mtp --model ./my-model --data corpus/ --output my-model-mtp --device cuda --push-to-hub me/my-model-mtp
 
   specctl bench --model smollm2-135m --speculative-config '{"method": "mtp", "model": "mtp-draft", "num_speculative_tokens": 3}'
@@ -63,6 +66,11 @@ def train_mtp_cmd(
     depth: Annotated[int, typer.Option("--depth", help="Draft steps unrolled in training (the k it is trained for).")] = 3,
     stitch: Annotated[bool, typer.Option("--stitch", help="Write a copy of the target with the MTP modules inside (DeepSeek-V3 layout: specctl's runtime).")] = False,
     layout: Annotated[str, typer.Option("--layout", help="auto (mimo where vLLM can load it, else deepseek_v3 with a warning), mimo (vLLM's MiMoMTPModel; refused up front where it cannot be loaded), deepseek_v3.")] = "auto",
+    cache_hidden_states: Annotated[Optional[Path], typer.Option("--cache-hidden-states", help="A folder of the target's states (train-eagle's, made on the same data with the same --seq-len and --dtype, serves as is; made here if absent): train on the chat-templated sequences, their answers marked, instead of windows of text.")] = None,
+    prompt_rows: Annotated[float, typer.Option("--prompt-rows", help="With --cache-hidden-states: the fraction of the non-answer rows learnt (answer rows always are).")] = 1.0,
+    eval_data: Annotated[Optional[list[str]], typer.Option("--eval-data", help="With --cache-hidden-states: record files evaluated on, never trained on (repeatable; replaces --eval-split), e.g. the target's answers to bench's prompts.")] = None,
+    loss_vocab_size: Annotated[Optional[int], typer.Option("--loss-vocab-size", help="The loss's softmax over the N most frequent target choices in the data (labels outside are not learnt); the export keeps the target's whole head. On a CPU the full head is most of a step (Qwen's 152k rows: ~10x).", show_default=False)] = None,
+    autocast: Annotated[Optional[bool], typer.Option("--autocast/--no-autocast", help="Run the modules' matmuls in bfloat16 (weights and optimizer stay fp32). Default: with a bf16 target (--dtype bfloat16) on CUDA or on a CPU with AVX512-BF16 or AMX.", show_default=False)] = None,
     epochs: EpochsOpt = 1.0,
     steps: StepsOpt = None,
     lr: LrOpt = 1e-3,

@@ -153,20 +153,6 @@ def build_draft(target, cfg: EagleTrainConfig, seqs: list[list[int]], tok) -> Ea
 
 
 
-def autocast_on(cfg: EagleTrainConfig, device: torch.device) -> bool:
-    """--autocast as given, else on where bf16 matmuls are native: a bf16 target on CUDA, or on a CPU with
-    AVX512-BF16 (AMX CPUs have it too); elsewhere bf16 would be emulated, slower than fp32."""
-    if cfg.autocast is not None:
-        return cfg.autocast
-    if cfg.dtype != "bfloat16":
-        return False
-    if device.type == "cuda":
-        return torch.cuda.is_bf16_supported()
-    from specctl.kernels import cpu
-
-    return device.type == "cpu" and cpu.has("avx512_bf16")
-
-
 def replay(draft, loaded, source, idx: list[int], k: int, log) -> dict:
     """The held-out answers decoded greedily through the proposer, the target replaced by its cached states
     (``specctl.training.replay``): a chain of k and EAGLE-2's tree, as bench will run them."""
@@ -285,7 +271,7 @@ def train(cfg: EagleTrainConfig, loaded=None, log: Callable[[str], None] = _stde
     log(f"training EAGLE-{cfg.version}: {len(train_idx)} train / {len(eval_idx)} eval sequences, {total} steps of "
         f"{gbs} sequences ({acc.num_processes} process(es) x {cfg.grad_accum} micro-batch(es) of {cfg.batch_size}), "
         f"ttt {cfg.ttt_steps}, draft vocab {spec.draft_vocab_size}, aux layers {list(spec.aux_layers)}")
-    bf16 = autocast_on(cfg, dev)
+    bf16 = L.autocast_on(cfg, dev)
     model.train()
     t_loop, last, epoch_batches = time.perf_counter(), {}, (None, [])
     while step < total:

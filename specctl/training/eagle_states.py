@@ -187,10 +187,15 @@ def _cached_states(model, seqs, aux_layers: tuple[int, ...], folder: Path, key: 
 
 
 def cached_hidden(model, seqs: list[list[int]], folder: str | Path, key: dict, log) -> list[torch.Tensor]:
-    """Each sequence's final-normed hidden states [n, H] (bf16) through a states cache (``train-eagle
-    --cache-hidden-states``'s folder): a cache made for the same ``key`` (model, sequence length, dtype) serves
-    whatever EAGLE settings it was made with, the sequences it lacks computed and added under those settings
-    (it stays whole for train-eagle); with none there, a cache of the hidden states alone is made."""
+    """Each sequence's final-normed hidden states [n, H] (bf16) through a states cache (``cached_states``)."""
+    return [st["hidden"] for st in cached_states(model, seqs, folder, key, log)]
+
+
+def cached_states(model, seqs: list[list[int]], folder: str | Path, key: dict, log) -> list[dict[str, torch.Tensor]]:
+    """Each sequence's final-normed hidden states [n, H] (bf16) and the target's argmax [n] through a states
+    cache (``train-eagle --cache-hidden-states``'s folder): a cache made for the same ``key`` (model, sequence
+    length, dtype) serves whatever EAGLE settings it was made with, the sequences it lacks computed and added
+    under those settings (it stays whole for train-eagle); with none there, a cache of these alone is made."""
     folder = Path(folder)
     aux, full = (), dict(key, version=None, aux_layers=[])
     index = folder / "index.json"
@@ -200,5 +205,5 @@ def cached_hidden(model, seqs: list[list[int]], folder: str | Path, key: dict, l
             full = {k: v for k, v in made.items() if k not in ("aux", "layout")}
             aux = tuple(made.get("aux") or ())
     states = _cached_states(model, seqs, aux, folder, full, log)
-    return [states[i]["hidden"] for i in range(len(seqs))]
+    return [{"hidden": states[i]["hidden"], "argmax": states[i]["argmax"]} for i in range(len(seqs))]
 

@@ -461,3 +461,19 @@ def card_data(cfg: TrainConfig, **counts) -> dict:
                                  f"tokens, temperature {cfg.distill_temperature})")
     out.update({k.replace("_", " "): v for k, v in counts.items()})
     return out
+
+
+def autocast_on(cfg, device) -> bool:
+    """``cfg.autocast`` as given, else on where bf16 matmuls are native: a bf16 target (``cfg.dtype``) on CUDA,
+    or on a CPU with AVX512-BF16 (AMX CPUs have it too); elsewhere bf16 would be emulated, slower than fp32."""
+    if cfg.autocast is not None:
+        return cfg.autocast
+    if cfg.dtype != "bfloat16":
+        return False
+    if device.type == "cuda":
+        import torch
+
+        return torch.cuda.is_bf16_supported()
+    from specctl.kernels import cpu
+
+    return device.type == "cpu" and cpu.has("avx512_bf16")

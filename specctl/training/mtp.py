@@ -1,31 +1,27 @@
 """Train MTP modules on a frozen target (DeepSeek-V3 §2.2; speculators' MTP fine-tuning), then export them.
 
-The target runs once over each window of text (no grad) and gives h^0 [B, T, H] (its final-normed
-hidden state, what the mtp proposer receives at inference) and its greedy labels y_j = argmax p_j.
-Depth d (1..depth; module (d-1) % num_layers, as the proposer recurses) is unrolled over the whole
-window exactly as ``specctl.drafts.mtp.mtp_step`` runs it at inference:
+The target gives h^0 [B, T, H] (its final-normed hidden state, what the mtp proposer receives) and its greedy
+labels y_j = argmax p_j. Depth d (1..depth; module (d-1) % num_layers, as the proposer recurses) is unrolled
+over the whole sequence exactly as ``specctl.drafts.mtp.mtp_step`` runs it at inference:
 
     h^d_j = MTP_d(h^{d-1}_j, emb(t_{j+d}))    for j in [0, T-d)
     loss  = sum_d w_d * CE(head(norm(h^d_j)), y_{j+d}),   w_d = beta^(d-1) / sum_d' beta^(d'-1), beta = 0.6
 
 so depth d learns the target's own choice d+1 tokens ahead (the quantity greedy acceptance checks).
-Only the MTP modules train (AdamW, fp32); the embedding and LM head are the target's, frozen and shared
-(read in fp32 whatever the target's dtype). Each CE is a mean over the positions of a whole global batch
-(``specctl.training.loop``: one process or many under ``accelerate launch``, DDP, --grad-accum).
-Checkpoints (``accelerator.save_state``) every ``save_every`` steps, resumed with ``resume`` (another
-trainer's checkpoint, or one this run could not load, is refused before any work); eval reports per-depth
-top-1 agreement and the expected acceptance length; the export gets a model card.
-
-Data: text files/folders/.jsonl read by ``specctl.training.data``; ``self_distill`` (a prompts file or
-a workload name, its bench prompts held out) has the target answer each prompt first with the own
-runtime (``specctl.training.data.self_distill``, cached and resumable), so training text is what the
-target itself writes, in its exact token ids.
+Only the MTP modules train (AdamW, fp32; bf16 autocast where native); the embedding and LM head are the
+target's, frozen and shared. Each CE is a mean over the labels of a whole global batch (``loop``: DDP,
+--grad-accum). Checkpoints every ``save_every`` steps, resumed with ``resume`` (another trainer's checkpoint
+is refused before any work); eval reports per-depth top-1 agreement and the expected acceptance length.
+Data (``mtp_data``): windows of text and of the target's own answers (``self_distill``) the target runs over,
+or (``cache_hidden_states``) the trainers' chat-templated sequences with states from a cache (an EAGLE-3
+run's); ``loss_vocab_size`` cuts the loss's softmax to the data's most frequent target choices.
 
 What it does not know: the CLI, the decode loop, the network's files (``specctl.drafts.mtp``).
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import time
@@ -41,11 +37,13 @@ from torch import nn
 from specctl.drafts.mtp import MtpStack, mtp_logits, mtp_step
 from specctl.kernels.select import TORCH
 from specctl.drafts.mtp_files import export_mtp, mimo_unfit_reason
-from specctl.errors import DataError, UsageError
-from specctl.modeling import KVCache, Transformer
+from specctl.errors import UsageError
+from specctl.modeling import Transformer
 from specctl.training import checkpoints as C
 from specctl.training import loop as L
 from specctl.training import mtp_resume as R
+from specctl.training import mtp_data
+from specctl.training.mtp_data import IGNORE, MtpData, target_states, windows  # noqa: F401 (re-exported)
 
 
 @dataclass
@@ -66,14 +64,23 @@ class MtpTrainConfig(L.TrainConfig):
     layout: str = "auto"
     """Export layout: "mimo" (vLLM's MiMoMTPModel loads it for a dense target), "deepseek_v3" (specctl's
     runtime; vLLM only for DeepSeek-V3 targets), or "auto" (mimo where it fits, see ``resolve_layout``)."""
-    max_windows: int | None = None
-    """Train on at most this many windows."""
+    max_windows: int | None = None  # train on at most this many windows
+    cache_hidden_states: str | None = None
+    """A states cache (train-eagle's, e.g. an EAGLE-3 run's on the same data; made here if absent): train on
+    the trainers' own sequences (chat-templated, the answers marked) with the target's states read from it,
+    instead of windows of text the target runs over."""
+    prompt_rows: float = 1.0  # with a states cache: the rows learnt are the answers' and this fraction of the others
+    loss_vocab_size: int | None = None
+    """The loss's softmax over the N most frequent target choices in the data (the export keeps the whole head)."""
+    autocast: bool | None = None
+    """bf16 matmuls (fp32 weights and optimizer); None: where bf16 is native (``loop.autocast_on``)."""
     # train-mtp's own defaults of shared settings
     max_new_tokens: int = 128
     seq_len: int = 256
     save_every: int = 50
 
-    RESUME_KEYS = L.TrainConfig.RESUME_KEYS + ("num_layers", "depth", "beta", "max_windows")
+    RESUME_KEYS = L.TrainConfig.RESUME_KEYS + ("num_layers", "depth", "beta", "max_windows", "prompt_rows",
+                                               "loss_vocab_size")
 
     def validated(self) -> "MtpTrainConfig":
         super().validated()
@@ -84,6 +91,13 @@ class MtpTrainConfig(L.TrainConfig):
                "copy of the target", "drop --stitch to push the draft (vLLM loads the draft folder), or push by hand")
         L.need(self.max_windows is None or self.max_windows >= 1, f"--max-windows must be >= 1, got {self.max_windows}",
                "pass e.g. --max-windows 1000")
+        L.need(self.loss_vocab_size is None or self.loss_vocab_size >= 2,
+               f"--loss-vocab-size must be >= 2, got {self.loss_vocab_size}", "pass e.g. --loss-vocab-size 8192")
+        L.need(0.0 <= self.prompt_rows <= 1.0, f"--prompt-rows must be in [0, 1], got {self.prompt_rows}",
+               "pass e.g. --prompt-rows 0.1")
+        L.need(self.cache_hidden_states or not self.eval_data, "--eval-data needs --cache-hidden-states (windows of "
+               "text are held out by --eval-split)", "add --cache-hidden-states DIR, or drop --eval-data")
+        L.folder_option("--cache-hidden-states", self.cache_hidden_states)
         return self
 
 
@@ -217,24 +231,10 @@ class FrozenTarget:
         self.kernels = TORCH  # fp32 training: torch's linears (autograd)
 
 
-@torch.no_grad()
-def target_states(target: Transformer, tokens: torch.Tensor, chunk: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
-    """tokens [B, T] -> (h^0 [B, T, H] final-normed fp32, greedy labels [B, T])."""
-    hs, ys = [], []
-    for i in range(0, tokens.shape[0], chunk):
-        t = tokens[i:i + chunk]
-        B, T = t.shape
-        cache = KVCache(target.args, B, T, target.embed.weight.dtype, t.device)
-        mask = torch.ones(T, T, dtype=torch.bool, device=t.device).tril()
-        _, h, _ = target(t, 0, cache, mask, logits="none")
-        hs.append(h.float())
-        ys.append(F.linear(h, target.head_weight).argmax(-1))
-    return torch.cat(hs), torch.cat(ys)
-
-
-def unroll(stack: MtpStack, target: Transformer | FrozenTarget, tokens: torch.Tensor, h0: torch.Tensor,
-           depth: int) -> list[torch.Tensor]:
-    """Logits of every depth: list of [B, T-d, V] (d = 1..depth) from tokens [B, T] and h^0 [B, T, H]."""
+def unroll_normed(stack: MtpStack, target: Transformer | FrozenTarget, tokens: torch.Tensor, h0: torch.Tensor,
+                  depth: int) -> list[torch.Tensor]:
+    """Every depth's normed output (what the head reads): list of [B, T-d, H] (d = 1..depth) from tokens
+    [B, T] and h^0 [B, T, H]."""
     a = target.args
     B, T = tokens.shape
     h, out = h0, []
@@ -245,25 +245,33 @@ def unroll(stack: MtpStack, target: Transformer | FrozenTarget, tokens: torch.Te
         kc = torch.zeros(B, a.num_kv_heads, L, a.head_dim, dtype=h0.dtype, device=h0.device)
         vc = torch.zeros_like(kc)
         h, normed = mtp_step(stack, target, d, h[:, :L], tokens[:, d:d + L], 0, kc, vc)
-        out.append(mtp_logits(stack, target, d, normed))
+        out.append(normed)
     return out
 
 
+def unroll(stack: MtpStack, target: Transformer | FrozenTarget, tokens: torch.Tensor, h0: torch.Tensor,
+           depth: int) -> list[torch.Tensor]:
+    """Logits of every depth: list of [B, T-d, V] (d = 1..depth) from tokens [B, T] and h^0 [B, T, H]."""
+    return [mtp_logits(stack, target, d, n) for d, n in enumerate(unroll_normed(stack, target, tokens, h0, depth), 1)]
+
+
 def mtp_loss(logits: list[torch.Tensor], labels: torch.Tensor, weights: torch.Tensor,
-             windows: float | None = None) -> torch.Tensor:
-    """sum_d w_d CE(logits_d, labels[:, d:]), labels [B, T] the target's greedy tokens. Each depth's CE
-    is a mean over its B x (T-d) positions, or (``windows``) a sum over them divided by windows x (T-d):
-    the mean over a global batch of that many windows, of which these B are a part."""
-    loss = logits[0].new_zeros(())
+             counts: torch.Tensor | None = None) -> torch.Tensor:
+    """sum_d w_d CE(logits_d, labels[:, d:]), labels [B, T] the target's greedy tokens (``IGNORE``: not read).
+    Each depth's CE is a mean over its labels read here, or (``counts`` [depth]) a sum over them divided by
+    counts[d-1]: the mean over a global batch with that many labels, of which these are a part."""
+    loss = logits[0].new_zeros((), dtype=torch.float32)
     for d, lg in enumerate(logits, start=1):
         y = labels[:, d:d + lg.shape[1]]
-        ce = F.cross_entropy(lg.reshape(-1, lg.shape[-1]).float(), y.reshape(-1), reduction="sum")
-        loss = loss + weights[d - 1] * ce / ((lg.shape[0] if windows is None else windows) * lg.shape[1])
+        ce = F.cross_entropy(lg.reshape(-1, lg.shape[-1]).float(), y.reshape(-1), ignore_index=IGNORE, reduction="sum")
+        n = (y != IGNORE).sum().clamp(min=1) if counts is None else counts[d - 1].clamp(min=1)
+        loss = loss + weights[d - 1] * ce / n
     return loss
 
 
 class MtpLoss(nn.Module):
-    """The modules' training forward as one module call, what DDP wraps: the unrolled depths and their loss.
+    """The modules' training forward as one module call, what DDP wraps: the unrolled depths and their loss,
+    the head run on the rows learnt only (a loss vocabulary's head where ``target``'s is one).
 
     The frozen target is held outside the module's parameters (DDP neither copies nor syncs it)."""
 
@@ -273,53 +281,47 @@ class MtpLoss(nn.Module):
         self.stack, self.depth = stack, depth
         self.frozen = (target, weights)
 
-    def forward(self, tokens: torch.Tensor, h0: torch.Tensor, labels: torch.Tensor, windows: float) -> torch.Tensor:
-        target, weights = self.frozen  # tokens, labels [B, T]; h0 [B, T, H]
-        return mtp_loss(unroll(self.stack, target, tokens, h0, self.depth), labels, weights, windows)
+    def forward(self, tokens: torch.Tensor, h0: torch.Tensor, labels: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        target, weights = self.frozen  # tokens, labels [B, T]; h0 [B, T, H]; counts [depth]
+        loss = h0.new_zeros((), dtype=torch.float32)
+        for d, normed in enumerate(unroll_normed(self.stack, target, tokens, h0, self.depth), start=1):
+            y = labels[:, d:d + normed.shape[1]]
+            keep = y != IGNORE
+            lg = mtp_logits(self.stack, target, d, normed[keep])  # [n, V]: the rows learnt alone
+            ce = F.cross_entropy(lg.float(), y[keep], reduction="sum")
+            loss = loss + weights[d - 1] * ce / counts[d - 1].clamp(min=1)
+        return loss
 
 
 @torch.no_grad()
-def evaluate(stack: MtpStack, target: Transformer | FrozenTarget, tokens: torch.Tensor, h0: torch.Tensor,
-             labels: torch.Tensor, depth: int, batch_size: int = 8) -> dict:
-    """Per-depth top-1 agreement with the target and the expected greedy acceptance length (1 + leading run)."""
-    if tokens.shape[0] == 0:
+def evaluate(stack: MtpStack, target: Transformer | FrozenTarget, data: MtpData, depth: int, batch_size: int = 8,
+             device=None) -> dict:
+    """Per-depth top-1 agreement with the target on its learnt rows (the target's whole head) and the
+    expected greedy acceptance length (1 + leading run) over the rows every depth reads."""
+    if len(data) == 0:
         return {}
-    correct = [0.0] * depth
-    total = [0] * depth
+    correct, total = [0.0] * depth, [0] * depth
     runs, n_runs = 0.0, 0
-    for i in range(0, tokens.shape[0], batch_size):
-        t, h, y = tokens[i:i + batch_size], h0[i:i + batch_size], labels[i:i + batch_size]
-        lg = unroll(stack, target, t, h, depth)
-        hits = [(x.argmax(-1) == y[:, d:d + x.shape[1]]) for d, x in enumerate(lg, start=1)]
-        for d, hit in enumerate(hits):
-            correct[d] += float(hit.sum())
-            total[d] += hit.numel()
+    for i in range(0, len(data), batch_size):
+        t, h, y = data.batch(list(range(i, min(i + batch_size, len(data)))), device)
+        hits, valid = [], []
+        for d, normed in enumerate(unroll_normed(stack, target, t, h, depth), start=1):
+            yd = y[:, d:d + normed.shape[1]]
+            top = torch.cat([mtp_logits(stack, target, d, c).argmax(-1) for c in normed.reshape(-1, normed.shape[-1]).split(1024)])
+            hit, ok = top.view_as(yd) == yd, yd != IGNORE
+            correct[d - 1] += float((hit & ok).sum())
+            total[d - 1] += int(ok.sum())
+            hits.append(hit)
+            valid.append(ok)
+        if len(hits) < depth:
+            continue
         L = hits[-1].shape[1]
+        ok = torch.stack([v[:, :L] for v in valid], -1).all(-1)  # [B, L] rows every depth reads
         lead = torch.cumprod(torch.stack([hit[:, :L] for hit in hits], -1).int(), -1).sum(-1)  # [B, L]
-        runs += float(lead.sum())
-        n_runs += lead.numel()
+        runs += float(lead[ok].sum())
+        n_runs += int(ok.sum())
     acc = [c / max(t, 1) for c, t in zip(correct, total)]
     return {"top1_per_depth": [round(x, 4) for x in acc], "mean_acceptance_length": round(1 + runs / max(n_runs, 1), 4)}
-
-
-
-# --------------------------------------------------------------------------- data
-
-def windows(tokenizer, texts: list[str], seq_len: int, max_windows: int | None = None,
-            id_seqs: list[list[int]] = ()) -> torch.Tensor:
-    """[N, seq_len] token windows over the id sequences and the texts, joined by EOS (last partial window dropped)."""
-    eos = tokenizer.eos_token_id
-    ids: list[int] = []
-    for seq in [*id_seqs, *(tokenizer.encode(t, add_special_tokens=False) for t in texts)]:
-        ids.extend(seq)
-        if eos is not None:
-            ids.append(eos)
-    n = len(ids) // seq_len
-    if n == 0:
-        raise DataError(f"the training text is shorter than one window ({len(ids)} tokens < --seq-len {seq_len})",
-                        "give more data or lower --seq-len")
-    w = torch.tensor(ids[: n * seq_len], dtype=torch.long).view(n, seq_len)
-    return w[:max_windows] if max_windows else w
 
 
 # --------------------------------------------------------------------------- checkpoints of other runs
@@ -371,31 +373,29 @@ def train_mtp(cfg: MtpTrainConfig, progress: Callable[[str], None] = lambda s: N
         if resume_from != newest:
             found, state = R.read_checkpoint(resume_from)
         R.check_resumable(resume_from, found, state, want, layout, gbs)
-    given = [D.Record(text=t, source=f"--data {p}") for p in cfg.data for t in D.read_texts(p)]
-    D.check_not_evaluation(given)  # bad data fails before the model loads
-    texts = [r.text for r in given]
+    records = [r for p in cfg.data for r in D.read_records(p)]
+    eval_records = [r for p in cfg.eval_data for r in D.read_records(p, flag="--eval-data")] \
+        if cfg.cache_hidden_states else []
+    D.check_not_evaluation(records)  # bad data fails before the model loads (held-out records may be bench's)
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     target = load_transformer(model_dir, parse_dtype(cfg.dtype), device=dev)
     loaded = LoadedModel(model_dir, target, tok, stop_token_ids(model_dir, tok), target.embed.weight.dtype, dev)
-    with acc.main_process_first():  # one process writes the self-distillation cache, the others read it
-        recs = D.distill_records(cfg, loaded, seq_len=None, log=log, progress=bar)
-    w = windows(tok, texts, cfg.seq_len, cfg.max_windows, [r.prompt_ids + r.response_ids for r in recs])
-    w = w[torch.randperm(w.shape[0], generator=torch.Generator().manual_seed(cfg.seed))]
-    n_eval = min(int(round(w.shape[0] * cfg.eval_split)) if w.shape[0] > 1 else 0, w.shape[0] - 1)
-    train_w, eval_w = w[n_eval:], w[:n_eval]
-    log(f"data: {w.shape[0]} windows of {cfg.seq_len} tokens ({train_w.shape[0]} train, {n_eval} eval); "
-        "computing the target's states")
-    h_all, y_all = target_states(target, w.to(dev))
-    h_all, y_all = h_all.cpu(), y_all.cpu()  # batches go to the device as they are used
+    train, evals, facts = mtp_data.load(cfg, loaded, records, eval_records, log, bar, acc.main_process_first)
 
     stack = init_stack(target, cfg.num_layers, layout).to(dev)
     frozen = FrozenTarget(target)  # what the modules read of the target, in their fp32
-    per_epoch = math.ceil(train_w.shape[0] / gbs)
+    learner = frozen  # the target as the loss reads it: its head cut to the loss vocabulary, if one
+    if cfg.loss_vocab_size:
+        ids, remap, covered = mtp_data.loss_vocab(train, cfg.loss_vocab_size, args.vocab_size, tok.all_special_ids or ())
+        log(f"loss vocabulary: {len(ids)} tokens cover {covered:.1%} of the learnt labels (the rest are not learnt)")
+        train, learner = train.remapped(remap), copy.copy(frozen)
+        learner.head_weight = frozen.head_weight[ids.to(frozen.head_weight.device)]
+    per_epoch = math.ceil(len(train) / gbs)
     total = cfg.steps or max(1, math.ceil(cfg.epochs * per_epoch))
     opt = torch.optim.AdamW([p for p in stack.parameters() if p.requires_grad], lr=cfg.lr, weight_decay=cfg.weight_decay)
     sched = L.warmup_cosine(opt, total, cfg.warmup)
     weights = step_weights(cfg.depth, cfg.beta).to(dev)
-    model, opt = acc.prepare(MtpLoss(stack, frozen, cfg.depth, weights), opt)
+    model, opt = acc.prepare(MtpLoss(stack, learner, cfg.depth, weights), opt)
     acc.register_for_checkpointing(sched)
     step, losses, history = 0, [], []
     if resume_from is not None and resume_from.is_file():  # the old single file: ``state`` is the whole file
@@ -411,8 +411,7 @@ def train_mtp(cfg: MtpTrainConfig, progress: Callable[[str], None] = lambda s: N
 
     def run_eval() -> dict:
         stack.eval()
-        ev = evaluate(stack, frozen, eval_w.to(dev), h_all[:n_eval].to(dev), y_all[:n_eval].to(dev), cfg.depth,
-                      cfg.batch_size)
+        ev = evaluate(stack, frozen, evals, cfg.depth, cfg.batch_size, dev)
         stack.train()
         return ev
 
@@ -424,18 +423,20 @@ def train_mtp(cfg: MtpTrainConfig, progress: Callable[[str], None] = lambda s: N
 
         log(f"checkpoint {C.save_checkpoint(out, step, write, cfg.keep_checkpoints, acc=acc)}")
 
-    hw, yw = h_all[n_eval:], y_all[n_eval:]
+    bf16 = L.autocast_on(cfg, dev)
     scale = acc.num_processes * acc.gradient_accumulation_steps  # undoes DDP's mean and accelerate's 1/grad_accum
     model.train()
     ev: dict = {}
     while step < total:
         epoch, pos = divmod(step, per_epoch)  # the place in the data follows from the step: resume is exact
-        order = torch.randperm(train_w.shape[0], generator=torch.Generator().manual_seed(cfg.seed + 1 + epoch))
+        order = torch.randperm(len(train), generator=torch.Generator().manual_seed(cfg.seed + 1 + epoch))
         batch = order[pos * gbs:(pos + 1) * gbs].tolist()
         step_loss = torch.zeros((), device=dev)
+        counts = train.counts(batch, cfg.depth).to(dev)  # each depth's labels in the global batch
         for idx, wt in L.shares(batch, acc):
             with acc.accumulate(model):
-                loss = model(train_w[idx].to(dev), hw[idx].to(dev), yw[idx].to(dev), float(len(batch)))
+                with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=bf16):
+                    loss = model(*train.batch(idx, dev), counts)
                 L.backward_step(acc, model, opt, loss, wt * scale, cfg.max_grad_norm)
                 step_loss += wt * loss.detach()
         sched.step()
@@ -454,12 +455,13 @@ def train_mtp(cfg: MtpTrainConfig, progress: Callable[[str], None] = lambda s: N
                     f"{ev['mean_acceptance_length']}")
         if ckpt:
             save(step)
+    unit = "sequences" if cfg.cache_hidden_states else "windows"
     if not ev:  # a resumed run that had already reached its steps
         ev = run_eval()
     # the target as the user named it (a catalogue name, a path, a Hub id): specctl resolves it again
     summary = {"output": str(out), "form": "stitched" if cfg.stitch else "draft", "model": cfg.model,
                "target": str(model_dir), "num_layers": cfg.num_layers, "depth": cfg.depth, "layout": layout,
-               "steps": step, "windows": int(w.shape[0]), "train_tokens": int(train_w.numel()),
+               "steps": step, **facts,
                "first_loss": round(losses[0], 4) if losses else None,
                "final_loss": round(losses[-1], 4) if losses else None,  # the last step's, as the other trainers report
                "eval": ev, "losses": losses, "global_batch": gbs, "processes": acc.num_processes,
@@ -486,10 +488,10 @@ def train_mtp(cfg: MtpTrainConfig, progress: Callable[[str], None] = lambda s: N
                 held_out = {"mean_acceptance_length": ev["mean_acceptance_length"],
                             "acceptance_rate": (ev["mean_acceptance_length"] - 1) / cfg.depth,
                             "top-1 per depth": ev["top1_per_depth"],
-                            "measured": f"teacher-forced greedy chains of {cfg.depth} over {n_eval} held-out windows "
-                                        f"of {cfg.seq_len} tokens, not an end-to-end decode"}
+                            "measured": f"teacher-forced greedy chains of {cfg.depth} over {len(evals)} held-out {unit} "
+                                        f"of {'at most ' * (unit == 'sequences')}{cfg.seq_len} tokens, not an end-to-end decode"}
             summary["hub"] = L.publish(out, cfg, method="mtp", base_model=cfg.model, held_out=held_out,
-                                       data=L.card_data(cfg, training_windows=int(train_w.shape[0]), window_tokens=cfg.seq_len),
+                                       data=L.card_data(cfg, **{f"training_{unit}": len(train), f"{unit[:-1]}_tokens": cfg.seq_len}),
                                        command=command or L.command_line("train-mtp", cfg), log=log)
     summary["seconds"] = round(time.perf_counter() - t0, 1)
     if main:

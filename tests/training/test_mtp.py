@@ -296,7 +296,7 @@ def _no_expensive_work(monkeypatch):
         raise AssertionError("the check came after loading the target")
 
     monkeypatch.setattr(specctl.modeling, "load_transformer", never)
-    monkeypatch.setattr(M, "target_states", never)
+    monkeypatch.setattr(M.mtp_data, "target_states", never)
 
 
 @pytest.mark.parametrize("legacy", [False, True], ids=["checkpoints", "old-state.pt"])
