@@ -11,17 +11,14 @@ Record files (``read_records``), one JSON object a line in ``.jsonl`` (or a JSON
 A record with ``"prompt_ids"`` and ``"response_ids"`` (lists of token ids, as ``self_distill`` writes
 them) is tokenised as exactly those ids, the response learnt: a self-distillation cache is data as it is.
 
-``.txt``/``.py``/``.md`` files are plain text; a folder is read recursively. A bad line raises
-``DataError`` naming the file and the line number. The learnt tokens are the assistant turns (up to
-and including the end-of-turn token), rendered with the target's chat template, or all of a text.
+``.txt``/``.py``/``.md`` files are plain text; a folder is read recursively. A bad line raises ``DataError``
+naming the file and line. The learnt tokens are the assistant turns (to the end-of-turn token, rendered with
+the target's chat template), or all of a text.
 
-Self-distillation (``self_distill``): the target answers prompts itself with specctl's own runtime,
-many prompts at once through the batched engine (``offline.generate_batch``, the scheduler that
-``serve`` runs: greedy output is the target's own greedy output, bit for bit on the row-independent
-CPU paths; sampled output is distributed as the target's). The exact token ids are kept
-(no decode/re-encode round trip) and every answer is appended to a JSONL cache as soon as it is
-written (a run's is OUTPUT/data/self_distill.jsonl, ``distill_cache``), so an interrupted run
-continues where it stopped. The cache is an ordinary record file.
+Self-distillation (``self_distill``): the target answers prompts itself through the batched engine
+(``offline.generate_batch``, what ``serve`` runs: greedy output is the target's own, bit for bit), its exact
+token ids kept, each answer appended to a JSONL cache as written (OUTPUT/data/self_distill.jsonl,
+``distill_cache``: an ordinary record file), so an interrupted run continues where it stopped.
 
 What it does not know: models' internals, heads, losses. torch is imported only where needed.
 """
@@ -153,14 +150,6 @@ def _int_list(x) -> bool:
     return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
 
 
-def read_texts(path: str | Path) -> list[str]:
-    """The plain texts of a data file or folder (every record flattened to text), for text-only trainers."""
-    out = []
-    for r in read_records(path):
-        out.append(r.text if r.text is not None else "\n".join(m["content"] for m in r.messages or []))
-    return out
-
-
 # --------------------------------------------------------------------------- prompts
 
 def load_prompts(spec: str, hold_out: int = 0) -> list:
@@ -169,9 +158,6 @@ def load_prompts(spec: str, hold_out: int = 0) -> list:
     ``spec``: a built-in workload name (code-edit, sharegpt, agentic: ``self_distill_workloads``), whose
     first ``hold_out`` prompts (seed 0: those ``specctl bench -n N`` runs for N <= hold_out) are left out,
     together with any other prompt on the same function; a ``.txt`` file (one prompt a line); or a ``.jsonl``."""
-    import difflib
-
-    from specctl.errors import UsageError
     from specctl.workloads import WORKLOADS, Request, load_workload
 
     if spec in WORKLOADS:
@@ -179,22 +165,36 @@ def load_prompts(spec: str, hold_out: int = 0) -> list:
         held = reqs[:hold_out]
         funcs = {(r.meta.get("module"), r.meta.get("function")) for r in held if r.meta.get("function")}
         return [r for r in reqs[hold_out:] if (r.meta.get("module"), r.meta.get("function")) not in funcs]
+    check_prompt_source(spec)
     path = Path(spec).expanduser()
-    name, at, rounds = spec.rpartition("@")
-    if not path.is_file() and not (at and name in WORKLOADS and rounds.isdigit()):  # neither a file nor NAME@R
-        takes = self_distill_workloads()
-        if path.exists() or path.suffix in (".txt", ".jsonl") or os.sep in spec or "/" in spec:
-            raise DataError(f"prompt file {path} {'is a folder' if path.is_dir() else 'does not exist'}",
-                            f"check the path, or give a workload --self-distill takes: {', '.join(takes)}")
-        close = difflib.get_close_matches(spec, takes, n=1)
-        raise UsageError(f"unknown workload '{spec}' for --self-distill",
-                         f"{f'did you mean {close[0]}? ' if close else ''}use one of {', '.join(takes)}, "
-                         "or a .jsonl/.txt prompt file")
     if path.suffix == ".txt":
         lines = [x for x in path.read_text(encoding="utf-8-sig").splitlines() if x.strip()]
         return [Request(id=f"{path.stem}:{i}", messages=[{"role": "user", "content": x}], workload=str(path))
                 for i, x in enumerate(lines, 1)]
     return load_workload(str(path))
+
+
+def check_prompt_source(spec: str) -> None:
+    """What ``load_prompts`` refuses, said before any model loads: an evaluation workload, a missing prompt file
+    or a folder, an unknown workload."""
+    import difflib
+
+    from specctl.errors import UsageError
+    from specctl.workloads import WORKLOADS
+
+    path, (name, at, rounds) = Path(spec).expanduser(), spec.rpartition("@")
+    if spec.partition("@")[0] in EVALUATION_WORKLOADS:  # NAME@ROUNDS too
+        raise DataError(f"--self-distill {spec} is an evaluation workload (specctl bench measures drafts on it)",
+                        "train on other prompts, e.g. --self-distill sharegpt --distill-max-prompts 2000")
+    if spec in WORKLOADS or path.is_file() or (at and name in WORKLOADS and rounds.isdigit()):  # a file or NAME@R
+        return
+    takes = self_distill_workloads()
+    if path.exists() or path.suffix in (".txt", ".jsonl") or os.sep in spec or "/" in spec:
+        raise DataError(f"prompt file {path} {'is a folder' if path.is_dir() else 'does not exist'}",
+                        f"check the path, or give a workload --self-distill takes: {', '.join(takes)}")
+    close = difflib.get_close_matches(spec, takes, n=1)
+    raise UsageError(f"unknown workload '{spec}' for --self-distill",
+                     f"{f'did you mean {close[0]}? ' if close else ''}use one of {', '.join(takes)}, or a .jsonl/.txt prompt file")
 
 
 def self_distill_workloads() -> list[str]:
@@ -402,9 +402,7 @@ def distill_requests(cfg) -> list:
     cfg.distill_max_prompts of it), a prompt met twice kept once. An evaluation workload is refused."""
     requests, seen = [], set()
     for spec in cfg.self_distill:
-        if spec.partition("@")[0] in EVALUATION_WORKLOADS:  # NAME@ROUNDS too
-            raise DataError(f"--self-distill {spec} is an evaluation workload (specctl bench measures drafts on it)",
-                            "train on other prompts, e.g. --self-distill sharegpt --distill-max-prompts 2000")
+        check_prompt_source(spec)
         for r in load_prompts(spec, cfg.hold_out)[:cfg.distill_max_prompts]:
             if r.id not in seen:
                 seen.add(r.id)

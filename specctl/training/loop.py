@@ -121,6 +121,10 @@ class TrainConfig:
     def validated(self):
         """Check every shared setting (UsageError naming the flag and a fix); subclasses add theirs."""
         need(bool(self.data or self.self_distill), "no training data", "pass --data FILE and/or --self-distill PROMPTS")
+        from specctl.training.data import check_prompt_source
+
+        for spec in self.self_distill:  # a missing prompt file is said now, not after the model has loaded
+            check_prompt_source(spec)
         for name, lo in (("batch_size", 1), ("grad_accum", 1), ("seq_len", 8), ("max_new_tokens", 1),
                          ("keep_checkpoints", 0), ("hold_out", 0), ("save_every", 0), ("eval_every", 0),
                          ("distill_samples", 1)):

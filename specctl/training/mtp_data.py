@@ -62,6 +62,11 @@ def windows(tokenizer, texts: list[str], seq_len: int, max_windows: int | None =
     return w[:max_windows] if max_windows else w
 
 
+def flat_text(record) -> str:
+    """A record as plain text for windows: its text, or its turns' contents joined by newlines."""
+    return record.text if record.text is not None else "\n".join(m["content"] for m in record.messages or [])
+
+
 @dataclass
 class MtpData:
     """Sequences with the target's states: tokens[i] [n_i], hidden[i] [n_i, H], labels[i] [n_i] (the target's
@@ -174,7 +179,7 @@ def load(cfg, loaded, records: list, eval_records: list, log=lambda m: None, bar
         return train, held_out, {"sequences": len(train) + len(held_out), "train_tokens": train.num_tokens}
     with first():  # one process writes the self-distillation cache, the others read it
         recs = D.distill_records(cfg, loaded, seq_len=None, log=log, progress=bar)
-    texts = [r.text if r.text is not None else "\n".join(m["content"] for m in r.messages or []) for r in records]
+    texts = [flat_text(r) for r in records]
     w = windows(tok, texts, cfg.seq_len, cfg.max_windows, [r.prompt_ids + r.response_ids for r in recs])
     w = w[torch.randperm(w.shape[0], generator=torch.Generator().manual_seed(cfg.seed))]
     n_eval = min(int(round(w.shape[0] * cfg.eval_split)) if w.shape[0] > 1 else 0, w.shape[0] - 1)

@@ -76,12 +76,14 @@ def test_old_spelling_still_sets_max_new_tokens(name, tmp_path, monkeypatch):
         raise Built(cfg)
 
     monkeypatch.setattr(module, fn, capture)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "p.txt").write_text("a prompt\n")
     for flag in ("--max-new-tokens", "--distill-max-new-tokens"):
-        r = runner.invoke(app, [name, "--model", "m", "--output", str(tmp_path / "o"), "--self-distill", "chat",
+        r = runner.invoke(app, [name, "--model", "m", "--output", str(tmp_path / "o"), "--self-distill", "sharegpt",
                                 "--self-distill", "p.txt", flag, "17", "--epochs", "0.5", "--grad-accum", "2"])
         assert isinstance(r.exception, Built), r.output
         cfg = r.exception.args[0]
-        assert cfg.max_new_tokens == 17 and cfg.self_distill == ["chat", "p.txt"] and cfg.epochs == 0.5
+        assert cfg.max_new_tokens == 17 and cfg.self_distill == ["sharegpt", "p.txt"] and cfg.epochs == 0.5
         assert cfg.grad_accum == 2 and cfg.hold_out == 8 and cfg.device == "auto"
 
 
@@ -158,3 +160,19 @@ def test_a_folder_of_other_files_is_refused_before_the_model_loads(name, tiny_mo
         assert str(mine) in str(e) and "README.md" in str(e) and "choose a new or empty --output" in str(e)
     assert (mine / "README.md").read_text() == "my notes" and sorted(p.name for p in mine.iterdir()) == ["README.md", "config.json"]
     assert loads == []
+
+
+@pytest.mark.parametrize("command", ["train-eagle", "train-medusa", "train-mtp"])
+@pytest.mark.parametrize("spec, words", [("nope.jsonl", "does not exist"), ("chat", "is an evaluation workload"),
+                                         ("sharegtp", "did you mean sharegpt?")])
+def test_a_bad_self_distill_source_is_said_before_the_model_loads(command, spec, words, tmp_path, monkeypatch):
+    """A prompt file that does not exist (or an evaluation workload, or a typo) was found only after the
+    target had loaded (6-10 s on a 0.5B): every trainer now says it first, in one line."""
+    import specctl.models
+    from specctl.errors import SpecctlError
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(specctl.models, "resolve_model", lambda *a, **k: pytest.fail("the target was resolved"))
+    r = runner.invoke(app, [command, "--model", "m", "--output", str(tmp_path / "o"), "--self-distill", spec])
+    assert isinstance(r.exception, SpecctlError), r.output
+    assert words in str(r.exception) and "\n" not in str(r.exception)
