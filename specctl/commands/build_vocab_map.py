@@ -78,9 +78,7 @@ def build_vocab_map_cmd(
     err.log(f"wrote {output}")
 
     report = dict(vmap.overlap(), output=str(output))
-    if draft is None:
-        report["draft"] = None  # no draft tokenizer: null, as draft_fingerprint is
-    else:
+    if draft is not None:
         from specctl.runtime.proposers.draft_model import MIN_TLI_AGREEMENT, MIN_TLI_COVERAGE
         from specctl.drafts.vocab_map import boundary_agreement
 

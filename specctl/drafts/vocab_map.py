@@ -193,7 +193,7 @@ class VocabMap:
     draft_fingerprint: str | None = None  # None: the file holds only an EAGLE-3 reduced vocabulary
     draft_to_target: torch.Tensor | None = None  # [V_draft] int64, target id or -1 (outside the intersection)
     draft_vocab: DraftVocab | None = None
-    draft_name: str = ""
+    draft_name: str | None = None  # None with no draft tokenizer, as draft_fingerprint (saved as "" in metadata)
     target_name: str = ""
     info: dict = field(default_factory=dict)  # how it was built (schemes, data file), for the report
 
@@ -271,7 +271,7 @@ class VocabMap:
         path = Path(path)
         meta = {"format": FORMAT, "version": str(VERSION), "target_fingerprint": self.target_fingerprint,
                 "target_vocab_size": str(self.target_vocab_size), "draft_fingerprint": self.draft_fingerprint or "",
-                "draft_name": self.draft_name, "target_name": self.target_name, "info": json.dumps(self.info)}
+                "draft_name": self.draft_name or "", "target_name": self.target_name, "info": json.dumps(self.info)}
         tensors: dict[str, torch.Tensor] = {}
         if self.draft_to_target is not None:
             tensors["draft_to_target"] = self.draft_to_target.to(torch.int64).contiguous()
@@ -327,7 +327,7 @@ class VocabMap:
                 dv = DraftVocab(tensors["d2t"], tensors["t2d"], int(eagle3.get("num_tokens_counted", 0)),
                                 float(eagle3.get("coverage", 0.0)))
             return cls(meta["target_fingerprint"], int(meta["target_vocab_size"]), meta.get("draft_fingerprint") or None,
-                       tensors.get("draft_to_target"), dv, meta.get("draft_name", ""), meta.get("target_name", ""), info)
+                       tensors.get("draft_to_target"), dv, meta.get("draft_name") or None, meta.get("target_name", ""), info)
         except DataError:
             raise
         except Exception:  # noqa: BLE001 - any unreadable file is the same problem for the user

@@ -93,6 +93,10 @@ def test_eagle3_only_needs_no_draft(tiny_model_dir, tmp_path):
     assert rep["draft"] is None and rep["draft_fingerprint"] is None  # "draft" was "" beside a null fingerprint
     vmap = VocabMap.load(out)
     assert vmap.draft_to_target is None and vmap.draft_vocab.d2t.numel() == 20
+    assert vmap.draft_name is None and vmap.overlap()["draft"] is None  # the file's own name too, read back
+    js = tmp_path / "d2t.json"
+    vmap.save(js)
+    assert VocabMap.load(js).draft_name is None
 
 
 @pytest.mark.parametrize("args,msg", [
