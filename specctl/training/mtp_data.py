@@ -174,7 +174,7 @@ def load(cfg, loaded, records: list, eval_records: list, log=lambda m: None, bar
         with first():  # one process adds what the cache lacks, the others read
             st = cached_states(target, [e.input_ids for e in train_ex + eval_ex], cfg.cache_hidden_states, key, log)
         train = MtpData.from_examples(train_ex, st[:len(train_ex)], cfg.prompt_rows, cfg.seed)
-        held_out = MtpData.from_examples(eval_ex, st[len(train_ex):], 0.0 if eval_records else 1.0, cfg.seed)
+        held_out = MtpData.from_examples(eval_ex, st[len(train_ex):], 0.0, cfg.seed)  # the answers' rows, as drafted
         log(f"data: {len(train)} sequences, {train.num_tokens} tokens ({len(held_out)} held out)")
         return train, held_out, {"sequences": len(train) + len(held_out), "train_tokens": train.num_tokens}
     with first():  # one process writes the self-distillation cache, the others read it
