@@ -75,6 +75,7 @@ class MtpStack(nn.Module):
             for layer in self.layers[1:]:
                 layer.enorm, layer.hnorm, layer.eh_proj, layer.norm = first.enorm, first.hnorm, first.eh_proj, first.norm
         self.embed = None if embed is None else nn.Parameter(embed, requires_grad=False)  # [V, H] own embed_tokens
+        self.vocab_ids: torch.Tensor | None = None  # a draft vocabulary (ascending target ids) the head is cut to
         self.zero_pos0 = layout in ("deepseek_v3", "mimo")
         self.chain_normed = layout in ("qwen3_next", "mimo")
 

@@ -57,6 +57,27 @@ from specctl.files import write_atomic, write_json_atomic
 from specctl.modeling import ModelArgs, Transformer
 
 MTP_FILE = "model-mtp.safetensors"
+# specctl's own, beside vLLM's files (which vLLM does not read): the target ids the draft's head is cut to when
+# specctl drafts (train-mtp's loss vocabulary); vLLM drafts over the whole head
+DRAFT_VOCAB_FILE = "draft_vocab.json"
+
+
+def read_draft_vocab(folder: str | Path, vocab_size: int) -> torch.Tensor | None:
+    """The ascending target ids of ``folder``'s draft vocabulary, or None where it has none; a file that does not
+    fit the target is a one-line ModelError."""
+    path = Path(folder) / DRAFT_VOCAB_FILE
+    if not path.is_file():
+        return None
+    try:
+        ids = json.loads(path.read_text())["target_ids"]
+        ok = isinstance(ids, list) and ids and all(isinstance(i, int) and 0 <= i < vocab_size for i in ids) \
+            and all(a < b for a, b in zip(ids, ids[1:]))
+    except (ValueError, KeyError, TypeError):
+        ok = False
+    if not ok:
+        raise ModelError(f"{path} is not a draft vocabulary of this target (ascending ids below {vocab_size})",
+                         f"delete it (the draft then reads the whole head), or export the draft again with train-mtp")
+    return torch.tensor(ids, dtype=torch.long)
 
 # --------------------------------------------------------------------------- loading
 
@@ -192,6 +213,8 @@ def load_mtp(source: str | Path, target: Transformer) -> MtpStack:
             layer.head = None
     if stack.embed is not None and torch.equal(stack.embed, target.embed.weight):
         stack.embed = None
+    ids = read_draft_vocab(source, target.args.vocab_size)
+    stack.vocab_ids = None if ids is None else ids.to(p.device)
     return stack.eval().requires_grad_(False)
 
 
@@ -277,11 +300,12 @@ def mtp_state_dict(stack, num_main_layers: int, head_weight: torch.Tensor | None
 def export_mtp(stack, target_dir: str | Path, output: str | Path, *, stitch: bool = False,
                head_weight: torch.Tensor | None = None, dtype: torch.dtype | None = None,
                layout: str = "deepseek_v3", extra_config: dict | None = None,
-               embed_weight: torch.Tensor | None = None) -> Path:
+               embed_weight: torch.Tensor | None = None, vocab: dict | None = None) -> Path:
     """Write ``stack`` for the target in ``target_dir`` into ``output`` (a draft folder, or a stitched copy).
 
     mimo: a draft folder only; ``embed_weight`` and ``head_weight`` (the target's) are written as
-    ``model.embed_tokens.weight`` and ``lm_head.weight``."""
+    ``model.embed_tokens.weight`` and ``lm_head.weight``. ``vocab`` ({"target_ids": [...], ...}): the draft
+    vocabulary specctl's proposer cuts the head to (``DRAFT_VOCAB_FILE``)."""
     from safetensors.torch import save_file
 
     target_dir, output = Path(target_dir), Path(output)
@@ -321,6 +345,10 @@ def export_mtp(stack, target_dir: str | Path, output: str | Path, *, stitch: boo
         cfg["architectures"] = ["MiMoForCausalLM"]  # vLLM: a MiMo target's config -> its mimo_mtp draft
     cfg.update(extra_config or {})
     write_json_atomic(output / "config.json", cfg)
+    if vocab is not None:
+        write_json_atomic(output / DRAFT_VOCAB_FILE, vocab)
+    elif (output / DRAFT_VOCAB_FILE).is_file():  # an earlier export's: not this draft's
+        (output / DRAFT_VOCAB_FILE).unlink()
     return output
 
 

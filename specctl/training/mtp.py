@@ -53,12 +53,9 @@ class MtpTrainConfig(L.TrainConfig):
 
     TRAINER = "train-mtp"  # a class attribute (no annotation): not a setting
 
-    num_layers: int = 1
-    """MTP modules to train (num_nextn_predict_layers)."""
-    depth: int = 3
-    """Draft steps unrolled in training (k); deeper steps reuse module (d-1) % num_layers."""
-    beta: float = 0.6
-    """Step weights beta^(d-1), normalised."""
+    num_layers: int = 1  # MTP modules to train (num_nextn_predict_layers)
+    depth: int = 3  # draft steps unrolled in training (k); deeper steps reuse module (d-1) % num_layers
+    beta: float = 0.6  # step weights beta^(d-1), normalised
     stitch: bool = False
     """Write a copy of the target with the MTP modules inside, instead of a separate draft folder."""
     layout: str = "auto"
@@ -384,11 +381,13 @@ def train_mtp(cfg: MtpTrainConfig, progress: Callable[[str], None] = lambda s: N
 
     stack = init_stack(target, cfg.num_layers, layout).to(dev)
     frozen = FrozenTarget(target)  # what the modules read of the target, in their fp32
-    learner = frozen  # the target as the loss reads it: its head cut to the loss vocabulary, if one
+    learner, vocab = frozen, None  # the target as the loss reads it: its head cut to the loss vocabulary, if one
     if cfg.loss_vocab_size:
         ids, remap, covered = mtp_data.loss_vocab(train, cfg.loss_vocab_size, args.vocab_size, tok.all_special_ids or ())
         log(f"loss vocabulary: {len(ids)} tokens cover {covered:.1%} of the learnt labels (the rest are not learnt)")
         train, learner = train.remapped(remap), copy.copy(frozen)
+        vocab = {"target_ids": ids.tolist(), "learnt_label_coverage": round(covered, 4),
+                 "built_from": f"train-mtp --loss-vocab-size {cfg.loss_vocab_size}: the data's most frequent target choices"}
         learner.head_weight = frozen.head_weight[ids.to(frozen.head_weight.device)]
     per_epoch = math.ceil(len(train) / gbs)
     total = cfg.steps or max(1, math.ceil(cfg.epochs * per_epoch))
@@ -478,7 +477,7 @@ def train_mtp(cfg: MtpTrainConfig, progress: Callable[[str], None] = lambda s: N
         summary["vllm_unavailable"] = no_vllm
     if main:
         export_mtp(stack, model_dir, out, stitch=cfg.stitch, head_weight=frozen.head_weight, layout=layout,
-                   embed_weight=frozen.embed.weight)
+                   embed_weight=frozen.embed.weight, vocab=vocab)
         C.write_training_config(out, cfg.to_dict())
         if cfg.stitch:
             log("no model card for a stitched target (it is a copy of the target, not a draft vLLM loads beside it)")

@@ -140,7 +140,9 @@ def test_a_states_cache_from_train_eagle_serves_mtp_without_running_the_target(l
     assert s["final_loss"] < s["first_loss"]
     assert 1.0 <= s["eval"]["mean_acceptance_length"] <= 3.0
     assert json.loads((tmp_path / "mtp" / "config.json").read_text())["architectures"] == ["MiMoForCausalLM"]
-    assert load_mtp(tmp_path / "mtp", lm.model).num_layers == 1
+    stack = load_mtp(tmp_path / "mtp", lm.model)
+    vocab = json.loads((tmp_path / "mtp" / "draft_vocab.json").read_text())  # the loss vocabulary, for the proposer
+    assert stack.num_layers == 1 and stack.vocab_ids.tolist() == vocab["target_ids"] and len(vocab["target_ids"]) >= 16
 
 
 def test_eval_data_without_a_states_cache_is_a_usage_error(tmp_path):

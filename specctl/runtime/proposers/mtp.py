@@ -15,6 +15,10 @@ target's cache holds 0..8, so h^0_0..h^0_8 are known), k = 2:
   Next propose (after the target accepted some drafts) restarts each depth from its c_d: speculative
   slots are simply overwritten. Nothing is ever recomputed from scratch.
 
+A draft folder with a draft vocabulary (``draft_vocab.json``: train-mtp's loss vocabulary) has its head cut to
+those rows when specctl drafts: the full head is most of a draft token's cost (Qwen2.5's 152k rows against a
+decoder block's ~15M weights); verification is the target's, so output is unchanged.
+
 What it does not know: verification, the target's cache, stop handling beyond not drafting past a stop.
 """
 
@@ -91,6 +95,10 @@ class MtpProposer(SlotProposer):
             log.warning(RECURSIVE_WARNING, self.k, stack.num_layers)
         p = target.model.embed.weight
         self.dtype, self.device = p.dtype, p.device
+        # a draft vocabulary (train-mtp's loss vocabulary): the head cut to its rows, ~10x fewer for Qwen's 152k,
+        # is most of a draft token's cost otherwise; drafts stay target ids, q rows over the target's vocabulary
+        self.vocab_ids = stack.vocab_ids
+        self._heads: dict[int, torch.Tensor] = {}  # module index -> the head weight its depths read
         self.stop_ids = set(target.stop_token_ids)
         self.temperature: float = 0.0
         self.slots: dict[int, _Slot] = {}
@@ -150,18 +158,41 @@ class MtpProposer(SlotProposer):
                 if res[i] is None:
                     chain, normed = mtp_step(self.stack, model, d, h[None], toks[None], start, kc, vc)
                     res[i] = chain[0], normed[0]
-            logits = mtp_logits(self.stack, model, d, torch.stack([normed[-1] for _, normed in res]))  # [J, V]
+            logits = self._logits(d, torch.stack([normed[-1] for _, normed in res]))  # [J, V] (V: the draft's vocabulary)
             still = []
             for j, (chain, _), lg in zip(live, res, logits):
                 j.keep(d, chain)
-                tok = j.sampling.pick(lg, j.q_rows, self._own_generator)  # [V]
+                tok = j.sampling.pick(lg, j.q_rows, self._own_generator)
+                tok = tok if self.vocab_ids is None else int(self.vocab_ids[tok])
                 j.drafts.append(tok)
                 if tok in self.stop_ids or d == j.k:
-                    out[j.index] = (j.drafts, torch.stack(j.q_rows) if j.q_rows else None)
+                    out[j.index] = (j.drafts, self._target_q(j.q_rows))
                 else:
                     still.append(j)
             live, d = still, d + 1
         return out
+
+    def _logits(self, d: int, normed: torch.Tensor) -> torch.Tensor:
+        """[J, H] -> depth d's logits [J, V'] over the draft vocabulary (the whole head where there is none)."""
+        if self.vocab_ids is None:
+            return mtp_logits(self.stack, self.target.model, d, normed)
+        m = (d - 1) % self.stack.num_layers
+        if m not in self._heads:
+            head = self.stack.layer_for_depth(d).head
+            w = self.target.model.head_weight if head is None else head.weight
+            self._heads[m] = w[self.vocab_ids].contiguous()
+        return self.target.model.kernels.dense(normed, self._heads[m])
+
+    def _target_q(self, q_rows: list[torch.Tensor]) -> torch.Tensor | None:
+        """Sampled draft distributions [n, V'] -> over the target's vocabulary [n, V] (none outside the draft's)."""
+        if not q_rows:
+            return None
+        q = torch.stack(q_rows)
+        if self.vocab_ids is None:
+            return q
+        full = torch.zeros(q.shape[0], self.target.model.head_weight.shape[0], dtype=q.dtype, device=q.device)
+        full[:, self.vocab_ids] = q
+        return full
 
 
 @dataclass

@@ -252,3 +252,49 @@ def test_batched_bf16_greedy_equals_plain(tiny_model_factory, bf16_path, run_bat
         else:
             assert g.token_ids == w.token_ids
     assert sum(r.stats.num_draft_tokens for r in got) > 0
+
+
+def test_a_draft_vocabulary_cuts_the_head_and_output_stays_the_target_s(loaded, layout_dirs, tmp_path):
+    """draft_vocab.json (train-mtp's loss vocabulary) beside the modules: every draft is one of its ids, greedy
+    output equals plain with drafts accepted, sampled q rows live on those ids only; a file that does not fit
+    the target is one line naming it."""
+    from specctl.drafts.mtp_files import DRAFT_VOCAB_FILE
+    from specctl.errors import ModelError
+
+    folder = tmp_path / "mtp-vocab"
+    shutil.copytree(layout_dirs["deepseek_v3"], folder)
+    freq = torch.bincount(torch.tensor(_own_outputs(loaded, 52)).flatten(), minlength=128)
+    ids = sorted(freq.topk(48).indices.tolist())
+    (folder / DRAFT_VOCAB_FILE).write_text(json.dumps({"target_ids": ids}))
+    cfg = {"method": "mtp", "model": str(folder), "num_speculative_tokens": K}
+    prop = build_proposer(SpecConfig.from_dict(cfg), 256, target=loaded)
+    assert prop.vocab_ids.tolist() == ids
+    drafted = []
+    orig = prop._drafts
+
+    def seen(requests, ks):
+        out = orig(requests, ks)
+        drafted.extend(t for d, _ in out for t in d)
+        return out
+
+    prop._drafts = seen
+    plain, spec = SpecDecoder(TargetRunner(loaded.model, 256)), SpecDecoder(TargetRunner(loaded.model, 256), prop, K)
+    accepted = 0
+    for p in PROMPTS[:8]:
+        sp = SamplingParams(max_new_tokens=40, ignore_eos=True)
+        a, b = plain.generate(p, sp), spec.generate(p, sp)
+        assert a.token_ids == b.token_ids
+        accepted += b.stats.num_accepted_tokens
+    assert drafted and set(drafted) <= set(ids) and accepted > 10
+    st = spec.start([10, 11, 12, 13], SamplingParams(max_new_tokens=8, temperature=0.8, ignore_eos=True),
+                    torch.Generator().manual_seed(0))
+    d = prop.propose([st.draft_request()], [K])
+    n = int(d.num_tokens[0])
+    outside = torch.ones(128, dtype=torch.bool)
+    outside[ids] = False
+    assert torch.allclose(d.probs[0, :n].sum(-1), torch.ones(n), atol=1e-5)
+    assert float(d.probs[0, :n][:, outside].abs().sum()) == 0.0
+    (folder / DRAFT_VOCAB_FILE).write_text(json.dumps({"target_ids": [5, 500]}))
+    with pytest.raises(ModelError, match="is not a draft vocabulary of this target") as e:
+        build_proposer(SpecConfig.from_dict(cfg), 256, target=loaded)
+    assert "\n" not in str(e.value)
