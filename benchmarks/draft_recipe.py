@@ -444,7 +444,7 @@ def result(args, summary: dict, report: dict, batched: dict, replayed: dict | No
     estimate = ((replay.get("chain") or {}).get("mean_acceptance_length") or final.get("decoding_acceptance_length")
                 or ev.get("acceptance_length", ev.get("mean_acceptance_length")))
     tree = (replay.get("tree") or {}).get("mean_acceptance_length")
-    return {"export": export_of(summary), "train_s": summary.get("wall_s"), "training_estimate": estimate,
+    return {"export": export_of(summary), "train_s": summary.get("wall_s") or summary.get("seconds") or summary.get("recipe_train_s"), "training_estimate": estimate,
             **({"training_estimate_tree": tree} if tree is not None else {}),
             "method": args.method, "model": args.model, "cpu": report.get("header", {}).get("machine"),
             "mean_acceptance_length": acceptance(report),

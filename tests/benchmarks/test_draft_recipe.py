@@ -182,11 +182,12 @@ def test_the_last_line_reads_every_trainer_s_summary(recipe):
          "identical_to_baseline": 4, "requests": 4}]}
     eagle = recipe.result(args(), {"export": "/e", "final": {"decoding_acceptance_length": 1.6}, "wall_s": 9}, report, report)
     medusa = recipe.result(args("medusa"), {"output": "/m", "eval": {"acceptance_length": 1.7}}, report, {"results": []})
-    mtp = recipe.result(args("mtp"), {"output": "/t", "eval": {"mean_acceptance_length": 1.8}}, report, report)
+    mtp = recipe.result(args("mtp"), {"output": "/t", "eval": {"mean_acceptance_length": 1.8}, "seconds": 7}, report, report)
     assert [r["export"] for r in (eagle, medusa, mtp)] == ["/e", "/m", "/t"]
     assert [r["training_estimate"] for r in (eagle, medusa, mtp)] == [1.6, 1.7, 1.8]
     assert eagle["speedup"] == {"concurrency 1": {"chat": {"m:k=3": 1.1}}, "concurrency 8": {"chat": {"m:k=3": 1.1}}}
     assert eagle["cpu"] == "AMD EPYC" and eagle["identical_to_plain"] and eagle["train_s"] == 9
+    assert mtp["train_s"] == 7  # train-mtp's summary says "seconds": it was null
     assert "training_estimate_tree" not in eagle
     # a run that replayed greedy decoding at its end: its chain and tree, what bench --fixed-k measures
     replayed = {"chain": {"mean_acceptance_length": 1.5, "k": 3}, "tree": {"mean_acceptance_length": 1.9}}
