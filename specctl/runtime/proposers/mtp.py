@@ -122,6 +122,26 @@ class MtpProposer(SlotProposer):
             raise UsageError(f"mtp: sequence longer than its max length {s.max_len}", "raise --max-model-len")
         s.h[0][s.c[0]:s.c[0] + T] = hidden[0].to(self.dtype)
         s.c[0] += T
+        if s.c[0] <= len(s.prompt):  # prompt rows: every depth reads them now, as part of the prefill
+            self._read_prompt(s)
+
+    @torch.inference_mode()
+    def _read_prompt(self, s: _Slot) -> None:
+        """Each depth d over the prompt positions it can commit (j + d within the rows the target has given),
+        so the first draft does not run k depths over the whole prompt: that reading is the prefill's, and
+        a controller that timed it as drafting priced a draft token at a plain step (docs/results/
+        2026-12-07-qwen-0.5b-mtp.md)."""
+        s.ensure_depth(self.k)
+        seq = torch.from_numpy(s.prompt[:s.c[0]]).to(self.device)
+        for d in range(1, self.k + 1):
+            start, end = s.c[d], s.c[0] - d  # rows [start, end) read real tokens t_{j+d}, and h^{d-1} committed
+            if end - start <= 0 or s.c[d - 1] < end:
+                return
+            kc, vc = s.kv[d - 1]
+            chain, _ = mtp_step(self.stack, self.target.model, d, s.h[d - 1][start:end][None], seq[start + d:end + d][None],
+                                start, kc, vc)
+            s.h[d][start:end] = chain[0]
+            s.c[d] = end
 
     # ------------------------------------------------------------------ drafting
     @torch.inference_mode()

@@ -298,3 +298,27 @@ def test_a_draft_vocabulary_cuts_the_head_and_output_stays_the_target_s(loaded, 
     with pytest.raises(ModelError, match="is not a draft vocabulary of this target") as e:
         build_proposer(SpecConfig.from_dict(cfg), 256, target=loaded)
     assert "\n" not in str(e.value)
+
+
+def test_every_depth_reads_the_prompt_at_the_prefill(loaded, trained_stack, monkeypatch):
+    """The first draft ran k depths over the whole prompt, and the controller timed that as drafting (a draft
+    token priced at a plain step, so it stopped drafting). Now the prefill has each depth read the prompt
+    positions it can commit, and the first draft runs at most d rows at depth d."""
+    import specctl.runtime.proposers.mtp as M
+
+    prop = MtpProposer(SpecConfig.from_dict({"method": "mtp", "num_speculative_tokens": K}), target=loaded,
+                       max_model_len=256, stack=trained_stack)
+    dec = SpecDecoder(TargetRunner(loaded.model, 256), prop, K)
+    prompt = PROMPTS[0] * 3  # 36 tokens: more than a verify block
+    st = dec.start(prompt, SamplingParams(max_new_tokens=8, ignore_eos=True), torch.Generator().manual_seed(0))
+    s = prop.slots[st.slot]
+    assert s.c[:K + 1] == [len(prompt)] + [len(prompt) - d for d in range(1, K + 1)]
+    rows = []
+    orig_one, orig_many = M.mtp_step, M.mtp_step_ragged
+    monkeypatch.setattr(M, "mtp_step", lambda st_, t, d, h, tok, *a: rows.append((d, tok.shape[1])) or orig_one(st_, t, d, h, tok, *a))
+    monkeypatch.setattr(M, "mtp_step_ragged", lambda st_, t, d, parts: rows.extend((d, p[1].shape[0]) for p in parts)
+                        or orig_many(st_, t, d, parts))
+    d = prop.propose([st.draft_request()], [K])
+    assert int(d.num_tokens[0]) == K and rows == [(d_, d_) for d_ in range(1, K + 1)]
+    plain = SpecDecoder(TargetRunner(loaded.model, 256)).generate(prompt, SamplingParams(max_new_tokens=30, ignore_eos=True))
+    assert dec.generate(prompt, SamplingParams(max_new_tokens=30, ignore_eos=True)).token_ids == plain.token_ids
