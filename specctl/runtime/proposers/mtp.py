@@ -58,6 +58,7 @@ class _Slot:
         self.prompt = np.zeros(0, dtype=np.int64)
         self.sampling: _Sampling | None = None
         self.active = False
+        self.reading = False  # the next target rows are a prompt chunk the depths read (``MtpProposer.on_prefill``)
 
     def ensure_depth(self, k: int) -> None:
         a = self.a
@@ -109,7 +110,7 @@ class MtpProposer(SlotProposer):
         return _Slot(self.target.model.args, self.max_model_len + self.k + 2, self.dtype, self.device)
 
     def _reset_slot(self, s: _Slot) -> None:
-        s.c = [0] * len(s.c)
+        s.c, s.reading = [0] * len(s.c), False
 
     def _target_len(self, s: _Slot) -> int:
         return s.c[0]
@@ -122,8 +123,14 @@ class MtpProposer(SlotProposer):
             raise UsageError(f"mtp: sequence longer than its max length {s.max_len}", "raise --max-model-len")
         s.h[0][s.c[0]:s.c[0] + T] = hidden[0].to(self.dtype)
         s.c[0] += T
-        if s.c[0] <= len(s.prompt):  # prompt rows: every depth reads them now, as part of the prefill
+        if s.reading:  # a prompt chunk the decoder has the proposer read (``on_prefill``): every depth reads it now
+            s.reading = False
             self._read_prompt(s)
+
+    def on_prefill(self, slot: int, upto: int, batch: int = 1) -> None:
+        # called before the chunk's on_target_hidden, and only where the batch drafts (a batch that does not
+        # leaves the reading to a first draft, if one comes)
+        self._slot(slot).reading = True
 
     @torch.inference_mode()
     def _read_prompt(self, s: _Slot) -> None:

@@ -303,7 +303,8 @@ def test_a_draft_vocabulary_cuts_the_head_and_output_stays_the_target_s(loaded, 
 def test_every_depth_reads_the_prompt_at_the_prefill(loaded, trained_stack, monkeypatch):
     """The first draft ran k depths over the whole prompt, and the controller timed that as drafting (a draft
     token priced at a plain step, so it stopped drafting). Now the prefill has each depth read the prompt
-    positions it can commit, and the first draft runs at most d rows at depth d."""
+    positions it can commit, and the first draft runs at most d rows at depth d; a prefill the decoder does
+    not have the proposer read (a batch that is not drafting) is read by the first draft instead."""
     import specctl.runtime.proposers.mtp as M
 
     prop = MtpProposer(SpecConfig.from_dict({"method": "mtp", "num_speculative_tokens": K}), target=loaded,
@@ -322,3 +323,9 @@ def test_every_depth_reads_the_prompt_at_the_prefill(loaded, trained_stack, monk
     assert int(d.num_tokens[0]) == K and rows == [(d_, d_) for d_ in range(1, K + 1)]
     plain = SpecDecoder(TargetRunner(loaded.model, 256)).generate(prompt, SamplingParams(max_new_tokens=30, ignore_eos=True))
     assert dec.generate(prompt, SamplingParams(max_new_tokens=30, ignore_eos=True)).token_ids == plain.token_ids
+    monkeypatch.setattr(prop, "on_prefill", lambda *a, **k: None)  # as when the batch's guard keeps drafting off
+    st = dec.start(prompt, SamplingParams(max_new_tokens=8, ignore_eos=True), torch.Generator().manual_seed(0))
+    assert prop.slots[st.slot].c[1:K + 1] == [0] * K
+    rows.clear()
+    prop.propose([st.draft_request()], [K])
+    assert rows[0] == (1, len(prompt))  # the first draft reads the prompt
