@@ -21,7 +21,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from specctl.errors import DataError
 
@@ -30,18 +29,15 @@ IGNORE = -100  # a label no loss reads (F.cross_entropy's ignore_index)
 
 @torch.no_grad()
 def target_states(target, tokens: torch.Tensor, chunk: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
-    """tokens [B, T] -> (h^0 [B, T, H] final-normed fp32, greedy labels [B, T])."""
-    from specctl.modeling import KVCache
+    """tokens [B, T] -> (h^0 [B, T, H] final-normed fp32, greedy labels [B, T]): ``eagle_states.target_states``
+    a chunk of sequences at a time, the labels where the tokens are."""
+    from specctl.training.eagle_states import target_states as states
 
     hs, ys = [], []
     for i in range(0, tokens.shape[0], chunk):
-        t = tokens[i:i + chunk]
-        B, T = t.shape
-        cache = KVCache(target.args, B, T, target.embed.weight.dtype, t.device)
-        mask = torch.ones(T, T, dtype=torch.bool, device=t.device).tril()
-        _, h, _ = target(t, 0, cache, mask, logits="none")
-        hs.append(h.float())
-        ys.append(F.linear(h, target.head_weight).argmax(-1))
+        st = states(target, tokens[i:i + chunk])
+        hs.append(st["hidden"])
+        ys.append(st["argmax"].to(tokens.device))
     return torch.cat(hs), torch.cat(ys)
 
 

@@ -123,6 +123,16 @@ class DraftSampling:
         return int(torch.argmax(logits))
 
 
+def target_q(q_rows: list[torch.Tensor], target_ids: torch.Tensor, vocab_size: int) -> torch.Tensor | None:
+    """Sampled draft distributions over a draft vocabulary [n, N] (its ids in the target's: ``target_ids`` [N])
+    -> over the target's vocabulary [n, vocab_size], zero outside the draft's; None for no rows."""
+    if not q_rows:
+        return None
+    q = torch.zeros(len(q_rows), vocab_size, device=target_ids.device)
+    q[:, target_ids] = torch.stack(q_rows).float()
+    return q
+
+
 class Proposer:
     """Base class: one subclass per method, in its own file (``<Method>Proposer``)."""
 

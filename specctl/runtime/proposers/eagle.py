@@ -44,7 +44,7 @@ from specctl.drafts.eagle_files import load_eagle_draft
 from specctl.errors import UsageError
 from specctl.models import resolve_draft
 from specctl.modeling import ModelArgs
-from specctl.runtime.proposers.base import Draft, DraftBatch, DraftRequest, SlotProposer
+from specctl.runtime.proposers.base import Draft, DraftBatch, DraftRequest, SlotProposer, target_q
 from specctl.runtime.proposers.base import DraftSampling as _Sampling
 from specctl.runtime.tree_budget import NodeCalibration, with_ancestors, worth
 
@@ -201,7 +201,7 @@ class EagleProposer(SlotProposer):
                 t = int(self.target_ids[di])
                 c.ids.append(t)
                 if j + 1 == c.k or t in self.stop_ids:
-                    out[c.index] = (c.ids, self._target_q(c.q_rows))
+                    out[c.index] = (c.ids, target_q(c.q_rows, self.target_ids, self.Vt))
                 else:
                     still.append(c)
                     o_next.append(oc)
@@ -211,14 +211,6 @@ class EagleProposer(SlotProposer):
             o = self.net.forward_ragged(emb, torch.stack(o_next)[None], [(c.P + j, 1, c.slot.k, c.slot.v) for c in still])[0]
             live, j = still, j + 1  # chain row j of each request at position P + j
         return out
-
-    def _target_q(self, q_rows: list[torch.Tensor]) -> torch.Tensor | None:
-        """Sampled draft distributions over the draft vocabulary [n, N] -> over the target's [n, V]."""
-        if not q_rows:
-            return None
-        q = torch.zeros(len(q_rows), self.Vt, device=self.device)  # [n, V_target]
-        q[:, self.target_ids] = torch.stack(q_rows).float()
-        return q
 
     def _feed(self, chains: list["_Chain"]) -> torch.Tensor:
         """Feed each request's feature rows not yet in its draft cache (at least the last, whose output

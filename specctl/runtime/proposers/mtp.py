@@ -37,7 +37,7 @@ from specctl.drafts.mtp_files import load_mtp
 from specctl.errors import UsageError
 from specctl.models import resolve_draft
 from specctl.modeling import VERIFY_ROWS, ModelArgs
-from specctl.runtime.proposers.base import Draft, DraftBatch, DraftRequest, SlotProposer
+from specctl.runtime.proposers.base import Draft, DraftBatch, DraftRequest, SlotProposer, target_q
 from specctl.runtime.proposers.base import DraftSampling as _Sampling
 
 log = logging.getLogger("specctl")
@@ -212,14 +212,9 @@ class MtpProposer(SlotProposer):
 
     def _target_q(self, q_rows: list[torch.Tensor]) -> torch.Tensor | None:
         """Sampled draft distributions [n, V'] -> over the target's vocabulary [n, V] (none outside the draft's)."""
-        if not q_rows:
-            return None
-        q = torch.stack(q_rows)
         if self.vocab_ids is None:
-            return q
-        full = torch.zeros(q.shape[0], self.target.model.head_weight.shape[0], dtype=q.dtype, device=q.device)
-        full[:, self.vocab_ids] = q
-        return full
+            return torch.stack(q_rows) if q_rows else None
+        return target_q(q_rows, self.vocab_ids, self.target.model.head_weight.shape[0])
 
 
 @dataclass
