@@ -308,7 +308,8 @@ class DraftLengthController:
         multiple of its wait, so requests probe together: a draft that costs a forward of its own
         (a draft model, sparse_attn) is then run once for all of them, not once per request.
         ``catch_up_s``: seconds the draft would read context first (``Proposer.catch_up_seconds``): a
-        probe that would catch up for longer than ``PROBE_CATCH_UP`` plain steps is skipped."""
+        probe that would catch up for longer than ``PROBE_CATCH_UP`` of the request's plain steps at
+        ``batch`` (``plain_step_s``) is skipped."""
         if self._slope() is None or (batch == 1 and 1 not in self.costs):
             return 0  # measure a plain step first: every cost is relative to it
         if not self.may_pay(batch):
@@ -325,8 +326,10 @@ class DraftLengthController:
         if due:
             self._off_steps = 0
             self._gap = min(2 * gap, self.max_probe_every)  # kept if this probe does not turn drafting on
-            if catch_up_s > PROBE_CATCH_UP * self.costs.get(1, float("inf")):
-                return 0  # catching up would cost more than the probe could show: skipped (the wait doubles)
+            # catching up would cost more than the probe could show: skipped (the wait doubles). In a batch the
+            # reading stalls every request of the step: it weighs in the request's share of a plain step there
+            if catch_up_s > PROBE_CATCH_UP * (self.plain_step_s(batch) or float("inf")):
+                return 0
             self._probe_gap = gap
             return min(self.probe_len, self.k)
         return 0

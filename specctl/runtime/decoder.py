@@ -254,8 +254,10 @@ class SpecDecoder:
                 _fail(states[i], e)
         joins = max(in_flight, len(states) + 1)
         for j, (st, n) in enumerate(prefills):
-            try:  # a joiner of a batch that is not drafting, or whose reading would not pay back, reads nothing
-                out[len(states) + j] = self.prefilled(st, n, outs[len(states) + j], self._reads_prompt(joins, st), joins)
+            try:  # a joiner of a batch that is not drafting (its guard; the scheduler's max_draft = 0), or whose
+                # reading would not pay back, reads nothing
+                read = max_draft != 0 and self._reads_prompt(joins, st)
+                out[len(states) + j] = self.prefilled(st, n, outs[len(states) + j], read, joins)
             except Exception as e:  # noqa: BLE001
                 _fail(st, e)
         drafted = any(len(b.draft) > 0 for b in blocks.values())
@@ -318,12 +320,14 @@ class SpecDecoder:
                     if states[i].controller is not None:
                         r.row_price = states[i].controller.row_price(len(states))
                 batch = self.proposer.propose(reqs, [ks[i] for i in drafting])
-                drafts = dict(zip(drafting, batch.drafts))
+                drafts, read = dict(zip(drafting, batch.drafts)), batch.read_seconds
             except Exception as e:  # noqa: BLE001 - the draft failed: every request in it ends
                 for i in drafting:
                     _fail(states[i], e)
                     ks.pop(i)
-            t1 = t0 + (time.perf_counter() - t0) / len(drafting)
+                read = 0.0
+            # each request's share of the drafting, its reading of context it had not read left out (priced apart)
+            t1 = t0 + max(time.perf_counter() - t0 - read, 0.0) / len(drafting)
         blocks = {}
         for i in ks:
             st, d = states[i], drafts.get(i, Draft())

@@ -432,6 +432,27 @@ def test_a_probe_that_would_catch_up_for_long_is_skipped():
     assert c._gap == 8  # skipped probes back off as failed ones do
 
 
+def test_in_a_batch_a_probe_weighs_its_catching_up_in_the_request_s_share_of_a_step():
+    """Among 8 requests the draft's reading stalls every request of the step, and the request's own plain step
+    is its share of the forward (a / B + b): a catch-up a request alone would risk for a probe (0.9 of
+    PROBE_CATCH_UP plain steps) is skipped there. Before, the bar was a whole one-row step, which a batch of
+    8 never measures (so every probe ran, each reading a backlog that grew with the wait: MTP at 8 requests)."""
+    from specctl.runtime.controller import PROBE_CATCH_UP
+
+    def off():
+        c = DraftLengthController(4, alpha=0.0, probe_every=2, costs={1: 0.1, 5: 0.2, DRAFT: 0.05})
+        assert c.best_len(8) == 0
+        return c
+
+    catch_up = 0.1 * PROBE_CATCH_UP * 0.9
+    c = off()
+    assert [c.draft_len(1, catch_up_s=catch_up) for _ in range(2)] == [0, 2]
+    c = off()
+    assert c.plain_step_s(8) < 0.1 / 2 and [c.draft_len(8, clock=t, catch_up_s=catch_up) for t in (1, 2, 3, 4)] == [0] * 4
+    c = off()
+    assert [c.draft_len(8, clock=t, catch_up_s=0.0) for t in (1, 2)] == [0, 2]  # nothing to read: it probes
+
+
 def test_reading_a_prompt_pays_only_where_the_drafts_save_more_than_it_costs():
     """A draft reads a new prompt where its expected saving over the request's new tokens (a plain step's
     seconds times 1/against - 1/value per token) exceeds the reading; against a part as good as it, or

@@ -16,6 +16,18 @@ import torch
 
 from specctl.runtime.rejection import logits_to_probs
 
+READ_TIMED = 16  # a draft's read of at least this many context tokens (a prompt, a catch-up) times ``catch_up_seconds``
+
+
+def weight_bytes(model) -> int:
+    """Bytes of a model's parameters (quantized blocks included): what a decode step reads."""
+    seen, total = set(), 0
+    for t in list(model.parameters()) + list(model.buffers()):
+        if id(t) not in seen:
+            seen.add(id(t))
+            total += t.numel() * t.element_size()
+    return total
+
 
 @dataclass
 class DraftRequest:
@@ -59,9 +71,13 @@ class Draft:
 
 @dataclass
 class DraftBatch:
-    """Every request's draft of one ``propose`` call, in request order, and their padded tensors."""
+    """Every request's draft of one ``propose`` call, in request order, and their padded tensors.
+    ``read_seconds``: of the call's time, what went to reading context the draft had not read (a prompt
+    it skipped, the steps it sat out) rather than drafting: the decoder prices that reading apart
+    (``Proposer.catch_up_seconds``), so one catch-up does not make drafting look dear."""
 
     drafts: list[Draft]
+    read_seconds: float = 0.0
 
     def __len__(self) -> int:
         return len(self.drafts)

@@ -46,7 +46,7 @@ import torch
 
 from specctl.config import SpecConfig
 from specctl.errors import UsageError
-from specctl.runtime.proposers.base import Draft, DraftBatch, DraftRequest, Proposer, unknown_slot
+from specctl.runtime.proposers.base import READ_TIMED, Draft, DraftBatch, DraftRequest, Proposer, unknown_slot, weight_bytes
 from specctl.runtime.proposers.base import DraftSampling as _Sampling
 from specctl.drafts.vocab_map import VocabMap, build_vocab_map, span_agreement, token_bytes, tokenizer_fingerprint
 
@@ -59,7 +59,6 @@ AGREEMENT_WINDOW = 64  # target tokens
 MODES = ("same", "tli", "text", "auto")
 _TEXT_ANCHOR = 3  # target tokens of context re-tokenized with the draft text (keeps word boundaries)
 CATCH_UP = 256  # draft-side tokens read per step for requests far behind (as a prefill chunk), drafting after
-READ_TIMED = 16  # a read of at least this many tokens (a prompt chunk, a catch-up) times ``catch_up_seconds``
 
 
 
@@ -119,16 +118,6 @@ def load_draft(config: SpecConfig, target):
     return load_model(path, dtype=str(target.dtype).removeprefix("torch."), device=str(target.device))
 
 
-def _weight_bytes(model) -> int:
-    """Bytes of a model's parameters (quantized blocks included): what a decode step reads."""
-    seen, total = set(), 0
-    for t in list(model.parameters()) + list(model.buffers()):
-        if id(t) not in seen:
-            seen.add(id(t))
-            total += t.numel() * t.element_size()
-    return total
-
-
 class DraftModelProposer(Proposer):
     method = "draft_model"
     reads_prompt = True
@@ -145,7 +134,7 @@ class DraftModelProposer(Proposer):
         if draft is None:
             draft = load_draft(config, target)
         self.draft, self.target = draft, target
-        self.draft_cost = _weight_bytes(draft.model) / max(_weight_bytes(target.model), 1)
+        self.draft_cost = weight_bytes(draft.model) / max(weight_bytes(target.model), 1)
         self.device = target.device
         self.temperature: float = 0.0  # default sampling of slots without set_sampling
         self.top_k: int | None = None

@@ -33,6 +33,7 @@ training (``specctl.training.eagle``).
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -44,7 +45,7 @@ from specctl.drafts.eagle_files import load_eagle_draft
 from specctl.errors import UsageError
 from specctl.models import resolve_draft
 from specctl.modeling import ModelArgs
-from specctl.runtime.proposers.base import Draft, DraftBatch, DraftRequest, SlotProposer, target_q
+from specctl.runtime.proposers.base import READ_TIMED, Draft, DraftBatch, DraftRequest, SlotProposer, target_q, weight_bytes
 from specctl.runtime.proposers.base import DraftSampling as _Sampling
 from specctl.runtime.tree_budget import NodeCalibration, with_ancestors, worth
 
@@ -68,6 +69,7 @@ class _Slot:
         self.sampling: _Sampling | None = None
         self.active = False
         self.tree: tuple[list[int], list[int], list[float]] | None = None  # the last tree drafted: ids, parents, probabilities
+        self.reading = False  # the next target rows are a prompt chunk the draft reads (``EagleProposer.on_prefill``)
 
 
 class EagleProposer(SlotProposer):
@@ -76,6 +78,7 @@ class EagleProposer(SlotProposer):
     method = "eagle"
     version = 1
     needs_hidden_states = True
+    reads_prompt = True  # the draft reads the prompt (``on_prefill``) where the decoder has it, else it catches up
 
     def __init__(self, config: SpecConfig, *, target, max_model_len: int, draft: EagleDraft | None = None,
                  embed: torch.Tensor | None = None, fused: bool | None = None):
@@ -115,6 +118,10 @@ class EagleProposer(SlotProposer):
         self.stop_ids = set(getattr(target, "stop_token_ids", ()) or ())
         self.slots: dict[int, _Slot] = {}
         self.calibration = NodeCalibration()  # P(a tree node is accepted) by its draft probability, every request's
+        # the controller's prior for a draft token: the draft's weights (not an embedding: a row a token) over the target's
+        own = sum(p.numel() * p.element_size() for n, p in self.draft.named_parameters() if "embed" not in n)
+        self.draft_cost = own / max(weight_bytes(tmodel), 1)
+        self._read_s: float | None = None  # seconds per context token the draft reads (EMA over reads >= READ_TIMED)
         self._own_generator = torch.Generator(device=self.device).manual_seed(int(torch.randint(2**62, ())))
 
     # ------------------------------------------------------------------ request life
@@ -127,7 +134,7 @@ class EagleProposer(SlotProposer):
 
     def _reset_slot(self, s: _Slot) -> None:
         s.n_feat = s.n_fed = s.n_ft = 0
-        s.tree = None
+        s.tree, s.reading = None, False
 
     def _target_len(self, s: _Slot) -> int:
         return s.n_feat
@@ -143,6 +150,41 @@ class EagleProposer(SlotProposer):
         s.src[s.n_feat:end] = rows[:end - s.n_feat]
         s.n_feat = end
         s.n_fed = min(s.n_fed, s.n_feat)
+        if s.reading:  # a prompt chunk the decoder has the proposer read (``on_prefill``): the draft reads it now
+            s.reading = False
+            self._catch_up([(s, s.prompt)])
+
+    def on_prefill(self, slot: int, upto: int, batch: int = 1) -> None:
+        # called before the chunk's on_target_hidden, and only where reading the prompt pays (the decoder's call)
+        self._slot(slot).reading = True
+
+    def backlog(self, slot: int) -> int:
+        """Context tokens the draft has not read (a prompt it skipped, the steps drafting was off): its next
+        draft reads them first."""
+        s = self.slots.get(slot)
+        return 0 if s is None or not s.active else max(s.n_feat - 1 - s.n_fed, 0)
+
+    def catch_up_seconds(self, slot: int) -> float | None:
+        """The backlog at the measured seconds per token of the draft's reading (None: not measured yet)."""
+        n = self.backlog(slot)
+        return 0.0 if n == 0 else None if self._read_s is None else n * self._read_s
+
+    def _catch_up(self, todo: list[tuple[_Slot, np.ndarray]]) -> float:
+        """Each slot's unread rows but the last (features, then the draft layer; one ragged pass for all), position
+        p reading token row[p+1]: reading a prompt (at the prefill, or at a first draft where the prefill did not) or
+        the steps drafting was off is then priced as reading, not as drafting, and a draft feeds one row. Returns
+        its seconds; a read of READ_TIMED tokens or more times ``catch_up_seconds``."""
+        chains = [_Chain(-1, s, row, s.n_feat - 1, 1, _Sampling()) for s, row in todo if s.n_feat - 1 > s.n_fed]
+        if not chains:
+            return 0.0
+        t, read = time.perf_counter(), sum(c.P - c.slot.n_fed for c in chains)
+        with torch.inference_mode():
+            self._feed(chains)
+        seconds = time.perf_counter() - t
+        if read >= READ_TIMED:
+            per = seconds / read
+            self._read_s = per if self._read_s is None else self._read_s + 0.3 * (per - self._read_s)
+        return seconds
 
     def on_verified(self, slot: int, num_accepted: int, emitted: list[int]) -> None:
         """A verified tree calibrates the nodes' probabilities (which were accepted); otherwise nothing: the
@@ -165,6 +207,8 @@ class EagleProposer(SlotProposer):
         all requests; greedy requests with a configured tree draft their tree (EAGLE-2) on their own."""
         out = [Draft() for _ in requests]
         chains = []
+        read = self._catch_up([(self._slot_for(r), r.ctx) for r, k in zip(requests, ks)
+                               if k > 0 and self.backlog(r.slot) >= READ_TIMED])
         for b, (r, k) in enumerate(zip(requests, ks)):
             if k <= 0:
                 continue
@@ -176,7 +220,7 @@ class EagleProposer(SlotProposer):
             chains.append(b)
         for b, (ids, q) in zip(chains, self._drafts([requests[b] for b in chains], [ks[b] for b in chains])):
             out[b] = Draft(ids, q)
-        return DraftBatch(out)
+        return DraftBatch(out, read)
 
     @torch.inference_mode()
     def _drafts(self, requests: list[DraftRequest], ks: list[int]) -> list[tuple[list[int], torch.Tensor | None]]:

@@ -25,6 +25,7 @@ What it does not know: verification, the target's cache, stop handling beyond no
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -37,7 +38,7 @@ from specctl.drafts.mtp_files import load_mtp
 from specctl.errors import UsageError
 from specctl.models import resolve_draft
 from specctl.modeling import VERIFY_ROWS, ModelArgs
-from specctl.runtime.proposers.base import Draft, DraftBatch, DraftRequest, SlotProposer, target_q
+from specctl.runtime.proposers.base import READ_TIMED, Draft, DraftBatch, DraftRequest, SlotProposer, target_q, weight_bytes
 from specctl.runtime.proposers.base import DraftSampling as _Sampling
 
 log = logging.getLogger("specctl")
@@ -73,6 +74,7 @@ class _Slot:
 class MtpProposer(SlotProposer):
     method = "mtp"
     needs_hidden_states = True
+    reads_prompt = True  # every depth reads the prompt (``on_prefill``) where the decoder has it, else it catches up
 
     def __init__(self, config: SpecConfig, *, target, max_model_len: int, stack: MtpStack | None = None):
         """``target``: the LoadedModel drafted for; its folder holds the MTP modules unless ``config.model``
@@ -100,6 +102,12 @@ class MtpProposer(SlotProposer):
         # is most of a draft token's cost otherwise; drafts stay target ids, q rows over the target's vocabulary
         self.vocab_ids = stack.vocab_ids
         self._heads: dict[int, torch.Tensor] = {}  # module index -> the head weight its depths read
+        # the controller's prior for a draft token: a module and the head's rows it reads, over the target's weights
+        layer, a = stack.layer_for_depth(1), target.model.args
+        rows = a.vocab_size if self.vocab_ids is None else len(self.vocab_ids)
+        own = sum(p.numel() * p.element_size() for n, p in layer.named_parameters() if not n.startswith("head."))
+        self.draft_cost = (own + rows * a.hidden_size * layer.eh_proj.weight.element_size()) / max(weight_bytes(target.model), 1)
+        self._read_s: float | None = None  # seconds per context token every depth reads (EMA over reads >= READ_TIMED)
         self.stop_ids = set(target.stop_token_ids)
         self.temperature: float = 0.0
         self.slots: dict[int, _Slot] = {}
@@ -125,42 +133,64 @@ class MtpProposer(SlotProposer):
         s.c[0] += T
         if s.reading:  # a prompt chunk the decoder has the proposer read (``on_prefill``): every depth reads it now
             s.reading = False
-            self._read_prompt(s)
+            self._catch_up(s, torch.from_numpy(s.prompt[:s.c[0]]).to(self.device))
 
     def on_prefill(self, slot: int, upto: int, batch: int = 1) -> None:
         # called before the chunk's on_target_hidden, and only where the batch drafts (a batch that does not
         # leaves the reading to a first draft, if one comes)
         self._slot(slot).reading = True
 
+    def backlog(self, slot: int) -> int:
+        """Context tokens depth 1 has not read (a prompt it skipped, the steps drafting was off): its next draft
+        reads them first, at every depth."""
+        s = self.slots.get(slot)
+        if s is None or not s.active:
+            return 0
+        return max(s.c[0] - 1 - (s.c[1] if len(s.c) > 1 else 0), 0)
+
+    def catch_up_seconds(self, slot: int) -> float | None:
+        """The backlog at the measured seconds per token of the depths' reading (None: not measured yet)."""
+        n = self.backlog(slot)
+        return 0.0 if n == 0 else None if self._read_s is None else n * self._read_s
+
     @torch.inference_mode()
-    def _read_prompt(self, s: _Slot) -> None:
-        """Each depth d over the prompt positions it can commit (j + d within the rows the target has given),
-        so the first draft does not run k depths over the whole prompt: that reading is the prefill's, and
-        a controller that timed it as drafting priced a draft token at a plain step (docs/results/
-        2026-12-07-qwen-0.5b-mtp.md)."""
+    def _catch_up(self, s: _Slot, seq: torch.Tensor) -> float:
+        """Each depth d over the positions it can commit (j + d within the target's rows: real tokens t_{j+d} and
+        h^{d-1} committed), so that a draft runs at most d rows at depth d: reading a prompt (at the prefill, or at
+        the first draft where the prefill did not) or the steps drafting was off is priced as reading, not as
+        drafting (a controller that timed it as drafting priced a draft token at a plain step: docs/results/
+        2026-12-07-qwen-0.5b-mtp.md). ``seq``: the context's tokens (at least the target's rows). Returns its
+        seconds; a read of READ_TIMED tokens or more times ``catch_up_seconds``."""
         s.ensure_depth(self.k)
-        seq = torch.from_numpy(s.prompt[:s.c[0]]).to(self.device)
+        t, first = time.perf_counter(), s.c[1]
         for d in range(1, self.k + 1):
             start, end = s.c[d], s.c[0] - d  # rows [start, end) read real tokens t_{j+d}, and h^{d-1} committed
             if end - start <= 0 or s.c[d - 1] < end:
-                return
+                break
             kc, vc = s.kv[d - 1]
             chain, _ = mtp_step(self.stack, self.target.model, d, s.h[d - 1][start:end][None], seq[start + d:end + d][None],
                                 start, kc, vc)
             s.h[d][start:end] = chain[0]
             s.c[d] = end
+        seconds, read = time.perf_counter() - t, s.c[1] - first
+        if read >= READ_TIMED:
+            per = seconds / read
+            self._read_s = per if self._read_s is None else self._read_s + 0.3 * (per - self._read_s)
+        return seconds
 
     # ------------------------------------------------------------------ drafting
     @torch.inference_mode()
     def propose(self, requests: list[DraftRequest], ks: list[int]) -> DraftBatch:
         """Every depth runs once for all drafting requests (``mtp_step_ragged``: one read of the module's
         weights, one of the LM head)."""
-        return DraftBatch([Draft(ids, q) for ids, q in self._drafts(requests, ks)])
+        self._read = 0.0
+        drafts = self._drafts(requests, ks)
+        return DraftBatch([Draft(ids, q) for ids, q in drafts], self._read)
 
     def _drafts(self, requests: list[DraftRequest], ks: list[int]) -> list[tuple[list[int], torch.Tensor | None]]:
-        """Each row's (draft ids, q [n_draft, V] or None). Depth by depth over the requests still
-        drafting; a request whose depth has more rows to catch up than one verify block (its first
-        draft after the prompt) runs that depth on its own, as a prefill does."""
+        """Each row's (draft ids, q [n_draft, V] or None). A request with READ_TIMED or more context tokens
+        to read first catches up (``_catch_up``, its seconds in ``self._read``); then depth by depth over the
+        requests still drafting; a depth with more rows than one verify block runs on its own, as a prefill."""
         out: list[tuple[list[int], torch.Tensor | None]] = [([], None)] * len(requests)
         live: list[_Drafting] = []
         for i, (r, k) in enumerate(zip(requests, ks)):
@@ -171,6 +201,8 @@ class MtpProposer(SlotProposer):
                 continue  # the target's states do not reach this context (or no room): no draft this step
             s.ensure_depth(k)
             seq = torch.from_numpy(np.asarray(r.tokens, dtype=np.int64)).to(self.device)
+            if self.backlog(r.slot) >= READ_TIMED:
+                self._read += self._catch_up(s, seq)
             live.append(_Drafting(i, s, seq, k, s.sampling or _Sampling(self.temperature)))
         model = self.target.model
         d = 1

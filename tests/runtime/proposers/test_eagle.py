@@ -534,3 +534,38 @@ def test_verified_trees_calibrate_the_node_probabilities_and_priced_trees_stay_e
         ids = template_ids(loaded.tokenizer, [{"role": "user", "content": text}], True)
         assert adaptive.generate(ids, params).token_ids == plain.generate(ids, params).token_ids, text
     assert sizes and max(sizes) < 12
+
+
+@pytest.mark.parametrize("method", ["eagle3", "eagle"])
+def test_the_draft_reads_the_prompt_at_the_prefill_or_catches_up_priced_as_reading(trained, tiny_model_dir, method):
+    """Where the decoder has it read the prompt (``on_prefill``), the draft reads it in the prefill and its first
+    draft feeds one row. Where it did not (a batch not drafting when the request joined), the first draft catches
+    up first, timed apart (``DraftBatch.read_seconds``, which the decoder leaves out of drafting's cost; before,
+    the whole prompt's reading was timed as that one draft's), and then drafts what the read prompt gives."""
+    from specctl.runtime.proposers.base import READ_TIMED
+
+    loaded = load_model(tiny_model_dir, dtype="float32")
+    s = trained[3 if method == "eagle3" else 1]
+    cfg = SpecConfig.from_dict({"method": method, "model": s["export"], "num_speculative_tokens": 4})
+    prompt = template_ids(loaded.tokenizer, [{"role": "user", "content": trained["prompts"][0]}], True)
+    params = SamplingParams(max_new_tokens=12)
+    assert len(prompt) - 1 >= READ_TIMED
+    prop = build_proposer(cfg, 256, target=loaded)
+    st = SpecDecoder(TargetRunner(loaded.model, 256), prop, 4).start(prompt, params)
+    assert prop.backlog(st.slot) == 0 and prop.slots[st.slot].n_fed == len(prompt) - 1
+    read = prop.propose([st.draft_request()], [4])
+    assert read.read_seconds == 0.0 and len(read[0]) == 4
+
+    prop = build_proposer(cfg, 256, target=loaded)
+    dec = SpecDecoder(TargetRunner(loaded.model, 256), prop, 4)
+    st = dec.begin(prompt, params)
+    out = st.runner.run(dec.prefill_tokens(st, len(prompt)), logits="last", aux_layers=dec.aux_layers)
+    dec.prefilled(st, len(prompt), out, read_prompt=False)
+    assert prop.backlog(st.slot) == len(prompt) - 1 and prop.catch_up_seconds(st.slot) is None
+    lazy = prop.propose([st.draft_request()], [4])
+    assert lazy.read_seconds > 0 and prop.backlog(st.slot) == 0 and prop._read_s is not None
+    assert lazy[0].ids == read[0].ids
+    plain = SpecDecoder(TargetRunner(loaded.model, 256)).generate(prompt, params).token_ids
+    while st.finish is None:
+        dec.step(st)
+    assert dec.finish(st).token_ids == plain

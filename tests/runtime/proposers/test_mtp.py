@@ -325,7 +325,58 @@ def test_every_depth_reads_the_prompt_at_the_prefill(loaded, trained_stack, monk
     assert dec.generate(prompt, SamplingParams(max_new_tokens=30, ignore_eos=True)).token_ids == plain.token_ids
     monkeypatch.setattr(prop, "on_prefill", lambda *a, **k: None)  # as when the batch's guard keeps drafting off
     st = dec.start(prompt, SamplingParams(max_new_tokens=8, ignore_eos=True), torch.Generator().manual_seed(0))
-    assert prop.slots[st.slot].c[1:K + 1] == [0] * K
+    assert prop.slots[st.slot].c[1:K + 1] == [0] * K and prop.backlog(st.slot) == len(prompt) - 1
     rows.clear()
-    prop.propose([st.draft_request()], [K])
-    assert rows[0] == (1, len(prompt))  # the first draft reads the prompt
+    got = prop.propose([st.draft_request()], [K])
+    # the first draft reads the prompt at every depth first (timed as reading), then drafts d rows at depth d
+    n = len(prompt)
+    assert rows == [(1, n - 1), (2, n - 2), (3, n - 3)] + [(d_, d_) for d_ in range(1, K + 1)]
+    assert got.read_seconds > 0 and prop.backlog(st.slot) == 0 and prop.catch_up_seconds(st.slot) == 0.0
+
+
+def test_catching_up_is_priced_as_reading_not_as_drafting(loaded, trained_stack, monkeypatch):
+    """A request whose prompt the proposer did not read (a batch not drafting when it joined) catches up at its
+    first draft: the decoder charges the request's drafting without that reading (``DraftBatch.read_seconds``),
+    and the reading's measured rate prices the next catch-up (``catch_up_seconds``). On a clock that moves only
+    while the depths read, the drafting costs nothing; before, it cost the whole reading."""
+    import time as _time
+
+    import specctl.runtime.proposers.mtp as M
+
+    prop = MtpProposer(SpecConfig.from_dict({"method": "mtp", "num_speculative_tokens": K}), target=loaded,
+                       max_model_len=256, stack=trained_stack)
+    dec = SpecDecoder(TargetRunner(loaded.model, 256), prop, K)
+    prompt = PROMPTS[1] * 3
+    st = dec.begin(prompt, SamplingParams(max_new_tokens=8, ignore_eos=True))
+    dec.prefilled(st, len(prompt), st.runner.run(dec.prefill_tokens(st, len(prompt)), logits="last"), read_prompt=False)
+    assert prop.backlog(st.slot) == len(prompt) - 1 and prop.catch_up_seconds(st.slot) is None  # unmeasured
+    clock = [100.0]
+    monkeypatch.setattr(_time, "perf_counter", lambda: clock[0])
+    one = M.mtp_step  # a depth's forward over many rows: the catching up (drafting runs its few rows ragged)
+    monkeypatch.setattr(M, "mtp_step", lambda *a: (clock.__setitem__(0, clock[0] + 1.0), one(*a))[1])
+    blocks = dec._draft([st], {0: K})
+    assert len(blocks[0].draft) == K and blocks[0].t1 - blocks[0].t0 == 0.0  # the reading is not drafting
+    assert prop._read_s == pytest.approx(K / (len(prompt) - 1)) and M.READ_TIMED <= len(prompt) - 1
+
+
+def test_in_a_batch_mtp_reads_a_prompt_only_where_the_reading_is_weighed(loaded, trained_stack):
+    """Eight requests joining at once, nothing measured: the depths do not read the prompts at the prefill (as a
+    draft model's do not); they catch up at a first draft, if one comes. Alone, an unmeasured draft reads the
+    prompt, to be measured. A step whose drafting the scheduler switched off (``disable_by_batch_size``) has
+    its joiners read nothing either. Output equals plain throughout."""
+    prop = MtpProposer(SpecConfig.from_dict({"method": "mtp", "num_speculative_tokens": K}), target=loaded,
+                       max_model_len=256, stack=trained_stack)
+    dec = SpecDecoder(TargetRunner(loaded.model, 256), prop, K, adaptive=True)
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    prompt = PROMPTS[2] * 2
+    st = dec.begin(prompt, params)
+    assert not dec._reads_prompt(8, st) and dec._reads_prompt(1, st)
+    dec.step_batch([], prefills=[(st, len(prompt))], in_flight=8)
+    assert prop.backlog(st.slot) == len(prompt) - 1 and not st.undrafted
+    other = dec.begin(prompt, params, runner=TargetRunner(loaded.model, 256), slot=1)
+    dec.step_batch([], max_draft=0, prefills=[(other, len(prompt))], in_flight=1)
+    assert prop.backlog(1) == len(prompt) - 1
+    plain = SpecDecoder(TargetRunner(loaded.model, 256)).generate(prompt, params).token_ids
+    while st.finish is None:
+        dec.step(st)
+    assert dec.finish(st).token_ids == plain
