@@ -134,25 +134,33 @@ def enable_exact_bf16(model: "Transformer", kernels: KernelSet | None = None) ->
         print("specctl: this CPU has neither AMX, AVX-512 nor AVX2 (or no compiler), so bf16 runs on torch's "
               "kernels: greedy speculative output equals plain output except at near-ties (use --dtype float32 "
               "for token-exact output)", file=sys.stderr)
-    if ks.exact and ks.attention is not None:
-        a = model.args
-        probe = torch.empty(1, a.num_heads, 1, a.head_dim, dtype=torch.bfloat16)
-        fused_kind = decode_layer.kind(ks.block) if ks.block is not None else None  # and so the weights it takes
-        for block in model.layers:
-            block.exact_attention = decode_attention.supports(probe, a.num_kv_heads)
-            linears = block.projections
-            if fused_kind == "amx":  # the fused block's AMX build takes the packed weights
-                weights_fit = all(isinstance(l, AmxLinear) for l in linears)
-            else:  # its other builds the skinny linear's row-major ones (None: no build)
-                weights_fit = fused_kind in ("avx512_bf16", "avx512", "avx2") and all(_dense_bf16(l) for l in linears)
-            # GGUF blocks (specctl.runtime.quant) on the int8 path: the block's quantized build
-            quant = not weights_fit and decode_layer.fits_quant(block)
-            block.fused = (block.exact_attention and (weights_fit or quant)
-                           and block.gate_up.bias is None and block.down.bias is None
-                           and a.sliding_window is None and a.head_dim <= 256
-                           and a.intermediate_size % 16 == 0)
-            block.fused_ext = None if not block.fused else decode_layer.load_quant(block.qkv.path) if quant else ks.block
+    fuse_blocks(model.layers, model.args, ks)
     return ks.exact
+
+
+def fuse_blocks(blocks, a: ModelArgs, ks: KernelSet) -> None:
+    """Which of ``blocks`` (on ``ks``, ``adopt_kernels``) run their decode and verify rows through the fused C++
+    block (``Block.fused``, one call a block): where the set is row-independent, the attention fits the exact
+    kernel and the block's weights are the layout its build takes. The target's blocks, and a draft's of the
+    same shape that runs on the target's set (MTP)."""
+    if not ks.exact or ks.attention is None:
+        return
+    probe = torch.empty(1, a.num_heads, 1, a.head_dim, dtype=torch.bfloat16)
+    fused_kind = decode_layer.kind(ks.block) if ks.block is not None else None  # and so the weights it takes
+    for block in blocks:
+        block.exact_attention = decode_attention.supports(probe, a.num_kv_heads)
+        linears = block.projections
+        if fused_kind == "amx":  # the fused block's AMX build takes the packed weights
+            weights_fit = all(isinstance(l, AmxLinear) for l in linears)
+        else:  # its other builds the skinny linear's row-major ones (None: no build)
+            weights_fit = fused_kind in ("avx512_bf16", "avx512", "avx2") and all(_dense_bf16(l) for l in linears)
+        # GGUF blocks (specctl.runtime.quant) on the int8 path: the block's quantized build
+        quant = not weights_fit and decode_layer.fits_quant(block)
+        block.fused = (block.exact_attention and (weights_fit or quant)
+                       and block.gate_up.bias is None and block.down.bias is None
+                       and a.sliding_window is None and a.head_dim <= 256
+                       and a.intermediate_size % 16 == 0)
+        block.fused_ext = None if not block.fused else decode_layer.load_quant(block.qkv.path) if quant else ks.block
 
 
 def fuse_hf_state_dict(sd: dict[str, torch.Tensor], a: ModelArgs) -> dict[str, torch.Tensor]:

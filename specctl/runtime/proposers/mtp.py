@@ -33,7 +33,7 @@ import torch
 
 from specctl.config import SpecConfig
 from specctl.drafts.mtp import MtpStack, mtp_logits, mtp_step, mtp_step_ragged
-from specctl.modeling import adopt_kernels
+from specctl.modeling import adopt_kernels, fuse_blocks
 from specctl.drafts.mtp_files import load_mtp
 from specctl.errors import UsageError
 from specctl.models import resolve_draft
@@ -89,6 +89,7 @@ class MtpProposer(SlotProposer):
                 config.model, dtype=str(target.dtype).removeprefix("torch."), what="MTP draft", trainer="train-mtp")
             stack = load_mtp(source, target.model)
         self.stack = adopt_kernels(stack, target.model.kernels)  # its blocks on the target's kernels
+        fuse_blocks([layer.block for layer in stack.layers], target.model.args, target.model.kernels)  # and fused block
         # unset: one token a module, as vLLM (num_nextn_predict_layers)
         given = config.given("num_speculative_tokens")
         self.k = int(given or stack.num_layers)

@@ -235,12 +235,15 @@ def test_a_batch_drafts_every_depth_in_one_pass_and_each_draft_is_the_scratch_on
 
 def test_batched_bf16_greedy_equals_plain(tiny_model_factory, bf16_path, run_batched):
     """In bf16, on every CPU path: a batch drafting through the ragged MTP step keeps each request's
-    output the plain one (exactly on the row-independent kernel paths)."""
+    output the plain one (exactly on the row-independent kernel paths), the module's block fused where the
+    target's are."""
     folder = tiny_model_factory("qwen2", initializer_range=0.05, hidden_size=128, intermediate_size=256)
     stack = init_stack(load_model(folder, dtype="float32").model, 1).to(torch.bfloat16).eval().requires_grad_(False)
     lm = load_model(folder, dtype="bfloat16")  # (its weights may be packed for the CPU's kernels)
     prop = MtpProposer(SpecConfig.from_dict({"method": "mtp", "num_speculative_tokens": K}), target=lm,
                        max_model_len=256, stack=stack)
+    # the module's block runs through the fused C++ block wherever the target's blocks do (one call a block)
+    assert [layer.block.fused for layer in prop.stack.layers] == [lm.model.layers[0].fused]
     sp = SamplingParams(max_new_tokens=24, ignore_eos=True, record_margins=True)
     plain = SpecDecoder(TargetRunner(lm.model, 256))
     want = [plain.generate(p, sp) for p in PROMPTS[:6]]
