@@ -70,6 +70,7 @@ def train_mtp_cmd(
     prompt_rows: Annotated[float, typer.Option("--prompt-rows", help="With --cache-hidden-states: the fraction of the non-answer rows learnt (answer rows always are).")] = 1.0,
     eval_data: Annotated[Optional[list[str]], typer.Option("--eval-data", help="With --cache-hidden-states: record files evaluated on, never trained on (repeatable; replaces --eval-split), e.g. the target's answers to bench's prompts.")] = None,
     loss_vocab_size: Annotated[Optional[int], typer.Option("--loss-vocab-size", help="The loss's softmax over the N most frequent target choices in the data (labels outside are not learnt); the export keeps the target's whole head. On a CPU the full head is most of a step (Qwen's 152k rows: ~10x).", show_default=False)] = None,
+    soft_labels: Annotated[bool, typer.Option("--soft-labels/--hard-labels", help="Learn the target's distribution at each row (over the loss vocabulary), as EAGLE's trainers do, or only its argmax.")] = True,
     autocast: Annotated[Optional[bool], typer.Option("--autocast/--no-autocast", help="Run the modules' matmuls in bfloat16 (weights and optimizer stay fp32). Default: with a bf16 target (--dtype bfloat16) on CUDA or on a CPU with AVX512-BF16 or AMX.", show_default=False)] = None,
     epochs: EpochsOpt = 1.0,
     steps: StepsOpt = None,

@@ -71,6 +71,9 @@ class MtpTrainConfig(L.TrainConfig):
     """The loss's softmax over the N most frequent target choices in the data (the export keeps the whole head)."""
     autocast: bool | None = None
     """bf16 matmuls (fp32 weights and optimizer); None: where bf16 is native (``loop.autocast_on``)."""
+    soft_labels: bool = True
+    """Learn the target's distribution at each row (over the loss vocabulary), as EAGLE's trainers do; False:
+    its argmax only."""
     # train-mtp's own defaults of shared settings
     max_new_tokens: int = 128
     seq_len: int = 256
@@ -273,9 +276,9 @@ class MtpLoss(nn.Module):
     The frozen target is held outside the module's parameters (DDP neither copies nor syncs it)."""
 
     def __init__(self, stack: MtpStack, target: Transformer | FrozenTarget | None, depth: int,
-                 weights: torch.Tensor | None):
+                 weights: torch.Tensor | None, soft: bool = False):
         super().__init__()
-        self.stack, self.depth = stack, depth
+        self.stack, self.depth, self.soft = stack, depth, soft
         self.frozen = (target, weights)
 
     def forward(self, tokens: torch.Tensor, h0: torch.Tensor, labels: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -284,8 +287,14 @@ class MtpLoss(nn.Module):
         for d, normed in enumerate(unroll_normed(self.stack, target, tokens, h0, self.depth), start=1):
             y = labels[:, d:d + normed.shape[1]]
             keep = y != IGNORE
-            lg = mtp_logits(self.stack, target, d, normed[keep])  # [n, V]: the rows learnt alone
-            ce = F.cross_entropy(lg.float(), y[keep], reduction="sum")
+            lg = mtp_logits(self.stack, target, d, normed[keep]).float()  # [n, V]: the rows learnt alone
+            if self.soft:  # the target's distribution where its argmax is the label (its states at those rows)
+                with torch.no_grad():
+                    h = h0[:, d:d + normed.shape[1]][keep].to(target.head_weight.dtype)
+                    p = torch.softmax(F.linear(h, target.head_weight).float(), -1)
+                ce = -(p * torch.log_softmax(lg, -1)).sum()
+            else:
+                ce = F.cross_entropy(lg, y[keep], reduction="sum")
             loss = loss + weights[d - 1] * ce / counts[d - 1].clamp(min=1)
         return loss
 
@@ -321,16 +330,6 @@ def evaluate(stack: MtpStack, target: Transformer | FrozenTarget, data: MtpData,
     return {"top1_per_depth": [round(x, 4) for x in acc], "mean_acceptance_length": round(1 + runs / max(n_runs, 1), 4)}
 
 
-# --------------------------------------------------------------------------- checkpoints of other runs
-
-def module_shapes(args, num_layers: int, layout: str) -> dict[str, tuple[int, ...]]:
-    """name -> shape of every tensor a train-mtp checkpoint holds for a target with ModelArgs ``args``
-    (``MtpLoss``'s state, as ``accelerator.save_state`` writes it), from modules built on the meta device."""
-    with torch.device("meta"):
-        module = MtpLoss(MtpStack(args, num_layers, layout, own_head=False), None, 1, None)
-    return {k: tuple(v.shape) for k, v in module.state_dict().items()}
-
-
 # --------------------------------------------------------------------------- training
 
 def train_mtp(cfg: MtpTrainConfig, progress: Callable[[str], None] = lambda s: None, command: str | None = None,
@@ -360,7 +359,7 @@ def train_mtp(cfg: MtpTrainConfig, progress: Callable[[str], None] = lambda s: N
     layout = resolve_layout(cfg.layout, args, stitch=cfg.stitch, num_layers=cfg.num_layers, warn=log)
     torch.manual_seed(cfg.seed)
     out = Path(cfg.output).expanduser()
-    want, gbs = module_shapes(args, cfg.num_layers, layout), L.global_batch_size(cfg, acc)
+    want, gbs = R.module_shapes(args, cfg.num_layers, layout), L.global_batch_size(cfg, acc)
     newest = R.newest_checkpoint(out)  # checked before anything costly (data, the model, the target's states)
     found, state = R.read_checkpoint(newest) if newest is not None else ({}, {})
     if newest is not None:
@@ -394,7 +393,7 @@ def train_mtp(cfg: MtpTrainConfig, progress: Callable[[str], None] = lambda s: N
     opt = torch.optim.AdamW([p for p in stack.parameters() if p.requires_grad], lr=cfg.lr, weight_decay=cfg.weight_decay)
     sched = L.warmup_cosine(opt, total, cfg.warmup)
     weights = step_weights(cfg.depth, cfg.beta).to(dev)
-    model, opt = acc.prepare(MtpLoss(stack, learner, cfg.depth, weights), opt)
+    model, opt = acc.prepare(MtpLoss(stack, learner, cfg.depth, weights, cfg.soft_labels), opt)
     acc.register_for_checkpointing(sched)
     step, losses, history = 0, [], []
     if resume_from is not None and resume_from.is_file():  # the old single file: ``state`` is the whole file

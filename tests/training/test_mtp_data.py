@@ -43,9 +43,11 @@ def _data(lm, recs, prompt_rows=1.0) -> MD.MtpData:
     return MD.MtpData.from_examples(exs, states, prompt_rows, seed=3)
 
 
-def test_a_padded_batch_learns_as_each_sequence_alone(loopy):
+@pytest.mark.parametrize("soft", [False, True])
+def test_a_padded_batch_learns_as_each_sequence_alone(loopy, soft):
     """Two sequences of different lengths in one right-padded batch: the loss and its gradient are the sum of
-    each sequence's alone (padding is never read), over the global batch's label counts."""
+    each sequence's alone (padding is never read), over the global batch's label counts; with the target's
+    argmax as the label and with its distribution (``soft``)."""
     _, lm, _, recs = loopy
     data = _data(lm, recs[:2])
     assert data.tokens[0].numel() != data.tokens[1].numel()
@@ -55,7 +57,7 @@ def test_a_padded_batch_learns_as_each_sequence_alone(loopy):
         for p in stack.parameters():
             p.add_(0.02 * torch.randn_like(p))  # off the identity start, so every depth's loss differs
     frozen = FrozenTarget(lm.model)
-    loss = MtpLoss(stack, frozen, 3, step_weights(3))
+    loss = MtpLoss(stack, frozen, 3, step_weights(3), soft)
     counts = data.counts([0, 1], 3)
     assert counts.tolist() == [sum(max(0, int(t.numel()) - d) for t in data.tokens) for d in (1, 2, 3)]
     both = loss(*data.batch([0, 1]), counts)
@@ -106,6 +108,13 @@ def test_the_loss_vocabulary_is_the_most_frequent_labels_and_its_loss_is_the_sof
     yy = y[:, 1:]
     want = torch.nn.functional.cross_entropy(lg[yy != MD.IGNORE], yy[yy != MD.IGNORE])
     torch.testing.assert_close(got, want)
+    # soft labels: the cross-entropy against the target's own distribution over those columns, at the row whose
+    # argmax is the label (depth 1's row t learns the target's choice at t + 1), renormalised there
+    soft = MtpLoss(stack, learner, 1, torch.ones(1), soft=True)(tok, h0, y, cut.counts([0, 1], 1))
+    p = torch.softmax(torch.nn.functional.linear(h0[:, 1:].float(), frozen.head_weight[ids]), -1)[yy != MD.IGNORE]
+    want_soft = -(p * torch.log_softmax(lg[yy != MD.IGNORE], -1)).sum(-1).mean()
+    torch.testing.assert_close(soft, want_soft)
+    assert not torch.allclose(soft, got)
 
 
 def test_a_states_cache_from_train_eagle_serves_mtp_without_running_the_target(loopy, tmp_path, monkeypatch):
