@@ -359,8 +359,10 @@ def train_mtp(cfg: MtpTrainConfig, progress: Callable[[str], None] = lambda s: N
     layout = resolve_layout(cfg.layout, args, stitch=cfg.stitch, num_layers=cfg.num_layers, warn=log)
     torch.manual_seed(cfg.seed)
     out = Path(cfg.output).expanduser()
-    want, gbs = R.module_shapes(args, cfg.num_layers, layout), L.global_batch_size(cfg, acc)
-    newest = R.newest_checkpoint(out)  # checked before anything costly (data, the model, the target's states)
+    with torch.device("meta"):  # what a checkpoint of these sizes holds (MtpLoss's state, as accelerate saves it)
+        want = {k: tuple(v.shape) for k, v in MtpLoss(MtpStack(args, cfg.num_layers, layout, own_head=False), None, 1,
+                                                       None).state_dict().items()}
+    gbs, newest = L.global_batch_size(cfg, acc), R.newest_checkpoint(out)  # the newest checked before anything costly
     found, state = R.read_checkpoint(newest) if newest is not None else ({}, {})
     if newest is not None:
         R.refuse_foreign_checkpoint(cfg, out, newest, found, want)

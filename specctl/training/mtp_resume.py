@@ -2,8 +2,8 @@
 the checkpoints it refuses before any work (another trainer's, or one made for other sizes or another
 layout), told from their tensors' shapes (a safetensors header, or the old single torch file).
 
-What it does not know: training (``module_shapes`` builds the modules on the meta device for the shapes to
-compare with).
+What it does not know: training, the modules themselves (``train_mtp`` builds them on the meta device for
+the shapes to compare with).
 """
 
 from __future__ import annotations
@@ -87,14 +87,3 @@ def check_resumable(path: Path, found: dict[str, tuple[int, ...]], state: dict, 
            f"pass --layout {was_layout}, or drop --resume")
     if not legacy:
         L.check_global_batch(state, global_batch)
-
-
-def module_shapes(args, num_layers: int, layout: str) -> dict[str, tuple[int, ...]]:
-    """name -> shape of every tensor a train-mtp checkpoint holds for a target with ModelArgs ``args``
-    (``MtpLoss``'s state, as ``accelerator.save_state`` writes it), from modules built on the meta device."""
-    from specctl.drafts.mtp import MtpStack
-    from specctl.training.mtp import MtpLoss
-
-    with torch.device("meta"):
-        module = MtpLoss(MtpStack(args, num_layers, layout, own_head=False), None, 1, None)
-    return {k: tuple(v.shape) for k, v in module.state_dict().items()}
