@@ -161,6 +161,7 @@ class Proposer:
     # decoder asks those forwards to record their weights (``scores=True``) in each request's KV cache
     attention_scores: bool = False
     learns_across_requests: bool = False  # e.g. suffix's global cache of earlier responses
+    _read_s: float | None = None  # seconds per context token its reads take (``_timed_read``; None: unmeasured)
     reads_prompt: bool = False  # reads each prompt with a model of its own (``on_prefill``): a draft model
     # chooses each step's draft length itself (a hybrid weighing its parts): the decoder's controller
     # does not cut k (``set_adaptive`` says whether to adapt at all; ``observe_step`` gives the timings)
@@ -204,9 +205,18 @@ class Proposer:
         return 0
 
     def catch_up_seconds(self, slot: int) -> float | None:
-        """Seconds its next draft for ``slot`` would spend reading its ``backlog`` first, by its own
-        measurement of reading context (None: not measured yet). 0.0 for proposers that read nothing."""
-        return 0.0
+        """Seconds its next draft for ``slot`` would spend reading its ``backlog`` first, at its measured
+        seconds per context token (``_timed_read``; None: not measured yet). 0.0 with nothing to read (always,
+        for proposers that read nothing)."""
+        n = self.backlog(slot)
+        return 0.0 if n == 0 else None if self._read_s is None else n * self._read_s
+
+    def _timed_read(self, seconds: float, tokens: int) -> None:
+        """A read of ``tokens`` context tokens (a prompt, a catch-up) took ``seconds``: one of READ_TIMED tokens
+        or more moves the seconds per token ``catch_up_seconds`` prices a backlog at (an EMA)."""
+        if tokens >= READ_TIMED:
+            per = seconds / tokens
+            self._read_s = per if self._read_s is None else self._read_s + 0.3 * (per - self._read_s)
 
     def on_target_hidden(self, slot: int, hidden: torch.Tensor, aux: torch.Tensor | None) -> None:
         """Only with ``needs_hidden_states``: the target's states of the rows now in its cache.

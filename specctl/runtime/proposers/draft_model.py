@@ -46,7 +46,7 @@ import torch
 
 from specctl.config import SpecConfig
 from specctl.errors import UsageError
-from specctl.runtime.proposers.base import READ_TIMED, Draft, DraftBatch, DraftRequest, Proposer, unknown_slot, weight_bytes
+from specctl.runtime.proposers.base import Draft, DraftBatch, DraftRequest, Proposer, unknown_slot, weight_bytes
 from specctl.runtime.proposers.base import DraftSampling as _Sampling
 from specctl.drafts.vocab_map import VocabMap, build_vocab_map, span_agreement, token_bytes, tokenizer_fingerprint
 
@@ -179,7 +179,6 @@ class DraftModelProposer(Proposer):
         # draft tokens per target token can exceed 1 with another tokenizer: room for that
         self.draft_max_len = self.max_model_len + self.k + 1 if same else int(1.5 * self.max_model_len) + self.k + 8
         self.slots: dict[int, _Slot] = {}
-        self._read_s: float | None = None  # seconds per context token read (EMA over reads of >= READ_TIMED tokens)
         # Draft sampling must be independent of everything else (a draft seeded alike for every request
         # would not be distributed as its q across requests): one stream for the proposer's life, seeded
         # from torch's global generator (reproducible under torch.manual_seed) unless a slot brings its own.
@@ -221,14 +220,6 @@ class DraftModelProposer(Proposer):
         if self.mode == "same":
             return s.n - self._common_prefix(s, s.ctx[:s.n])
         return max(s.n - s.synced, 0)
-
-    def catch_up_seconds(self, slot: int) -> float | None:
-        """The backlog at the measured seconds per token of the draft's reads (its prompt chunks, its
-        catching up): what a probe would pay before it drafts."""
-        n = self.backlog(slot)
-        if n == 0:
-            return 0.0
-        return None if self._read_s is None else n * self._read_s
 
     def on_prefill(self, slot: int, upto: int, batch: int = 1) -> None:
         """The draft reads the prompt in the request's prefill (as vLLM runs the draft's prefill), chunk
@@ -307,9 +298,7 @@ class DraftModelProposer(Proposer):
         t = time.perf_counter()
         logits = s.runner.forward(feed, logits="last")[0, -1]
         s.base, s.num_fed_drafts = s.runner.length, 0  # context, not drafts: a verification keeps it
-        if feed.shape[1] >= READ_TIMED:
-            per = (time.perf_counter() - t) / feed.shape[1]
-            self._read_s = per if self._read_s is None else self._read_s + 0.3 * (per - self._read_s)
+        self._timed_read(time.perf_counter() - t, feed.shape[1])
         return logits
 
     def _step_mode(self, s: _Slot, want: np.ndarray) -> str:

@@ -121,7 +121,6 @@ class EagleProposer(SlotProposer):
         # the controller's prior for a draft token: the draft's weights (not an embedding: a row a token) over the target's
         own = sum(p.numel() * p.element_size() for n, p in self.draft.named_parameters() if "embed" not in n)
         self.draft_cost = own / max(weight_bytes(tmodel), 1)
-        self._read_s: float | None = None  # seconds per context token the draft reads (EMA over reads >= READ_TIMED)
         self._own_generator = torch.Generator(device=self.device).manual_seed(int(torch.randint(2**62, ())))
 
     # ------------------------------------------------------------------ request life
@@ -164,11 +163,6 @@ class EagleProposer(SlotProposer):
         s = self.slots.get(slot)
         return 0 if s is None or not s.active else max(s.n_feat - 1 - s.n_fed, 0)
 
-    def catch_up_seconds(self, slot: int) -> float | None:
-        """The backlog at the measured seconds per token of the draft's reading (None: not measured yet)."""
-        n = self.backlog(slot)
-        return 0.0 if n == 0 else None if self._read_s is None else n * self._read_s
-
     def _catch_up(self, todo: list[tuple[_Slot, np.ndarray]]) -> float:
         """Each slot's unread rows but the last (features, then the draft layer; one ragged pass for all), position
         p reading token row[p+1]: reading a prompt (at the prefill, or at a first draft where the prefill did not) or
@@ -181,9 +175,7 @@ class EagleProposer(SlotProposer):
         with torch.inference_mode():
             self._feed(chains)
         seconds = time.perf_counter() - t
-        if read >= READ_TIMED:
-            per = seconds / read
-            self._read_s = per if self._read_s is None else self._read_s + 0.3 * (per - self._read_s)
+        self._timed_read(seconds, read)
         return seconds
 
     def on_verified(self, slot: int, num_accepted: int, emitted: list[int]) -> None:

@@ -206,7 +206,7 @@ class HybridProposer(Proposer):
         self._last_batch = 1  # requests in the last step's forward (a new request's batch until it steps)
         self._new_tokens: dict[int, int] = {}  # slot -> its max_tokens (what a part's reading must pay back over)
         self._steps = 0  # drafting calls so far (every request's): the clock of ``_Part.won``
-        self._clock, self._read_s = 0, 0.0  # propose calls so far (one a decode step): the parts' probes fall on its multiples
+        self._clock = 0  # propose calls so far (one a decode step): the parts' probes fall on its multiples
         self._probing: set[tuple[int, int]] = set()  # (slot, part) whose controller probes this step
         self._shadow: dict[int, list[tuple[int, list[int]]]] = {}  # slot -> [(free part, its unverified draft)]
         self.adaptive = True  # the decoder adapts draft lengths (``set_adaptive``): ``score`` weighs the parts
@@ -364,7 +364,7 @@ class HybridProposer(Proposer):
         drafting step for all of them); each request is charged its share of the call's time."""
         backlogs, t = [self.subs[i].backlog(r.slot) for r in requests], self.clock()
         got = self.subs[i].propose(requests, [min(k, self.ks[i]) for k in ks])
-        self._read_s += got.read_seconds  # its reading of context is priced apart, not as drafting
+        self._read += got.read_seconds  # its reading of context is priced apart, not as drafting
         share = max(self.clock() - t - got.read_seconds, 0.0) / len(requests)
         for r, backlog in zip(requests, backlogs):
             self.parts[i].timed(share, backlog)
@@ -426,7 +426,7 @@ class HybridProposer(Proposer):
         orders: dict[int, list[tuple[int, int]]] = {}
         trees: list[int] = []
         self._probing.clear()
-        self._clock, self._read_s = self._clock + 1, 0.0  # _read_s: this call's reading of context (its parts')
+        self._clock, self._read = self._clock + 1, 0.0  # _read: this call's reading of context (its parts')
         for b, (r, k) in enumerate(zip(requests, ks)):
             self._drafted[r.slot], self._step_draft_s[r.slot] = [], {}
             self._shadow.pop(r.slot, None)
@@ -461,7 +461,7 @@ class HybridProposer(Proposer):
             orders = {b: o for b, o in orders.items() if not len(out[b]) and j < len(o)}
         if self.policy == "score" and self.adaptive:
             self._shadow_drafts(requests, ks, asked)
-        return DraftBatch(out, self._read_s)
+        return DraftBatch(out, self._read)
 
     def _shadow_drafts(self, requests: list[DraftRequest], ks: list[int], asked: dict[int, set[int]]) -> None:
         """The free parts (pattern lookups: FREE_METHODS) that were not asked for a request this step draft for

@@ -108,7 +108,6 @@ class MtpProposer(SlotProposer):
         rows = a.vocab_size if self.vocab_ids is None else len(self.vocab_ids)
         own = sum(p.numel() * p.element_size() for n, p in layer.named_parameters() if not n.startswith("head."))
         self.draft_cost = (own + rows * a.hidden_size * layer.eh_proj.weight.element_size()) / max(weight_bytes(target.model), 1)
-        self._read_s: float | None = None  # seconds per context token every depth reads (EMA over reads >= READ_TIMED)
         self.stop_ids = set(target.stop_token_ids)
         self.temperature: float = 0.0
         self.slots: dict[int, _Slot] = {}
@@ -149,11 +148,6 @@ class MtpProposer(SlotProposer):
             return 0
         return max(s.c[0] - 1 - (s.c[1] if len(s.c) > 1 else 0), 0)
 
-    def catch_up_seconds(self, slot: int) -> float | None:
-        """The backlog at the measured seconds per token of the depths' reading (None: not measured yet)."""
-        n = self.backlog(slot)
-        return 0.0 if n == 0 else None if self._read_s is None else n * self._read_s
-
     @torch.inference_mode()
     def _catch_up(self, s: _Slot, seq: torch.Tensor) -> float:
         """Each depth d over the positions it can commit (j + d within the target's rows: real tokens t_{j+d} and
@@ -173,10 +167,8 @@ class MtpProposer(SlotProposer):
                                 start, kc, vc)
             s.h[d][start:end] = chain[0]
             s.c[d] = end
-        seconds, read = time.perf_counter() - t, s.c[1] - first
-        if read >= READ_TIMED:
-            per = seconds / read
-            self._read_s = per if self._read_s is None else self._read_s + 0.3 * (per - self._read_s)
+        seconds = time.perf_counter() - t
+        self._timed_read(seconds, s.c[1] - first)
         return seconds
 
     # ------------------------------------------------------------------ drafting
@@ -184,14 +176,16 @@ class MtpProposer(SlotProposer):
     def propose(self, requests: list[DraftRequest], ks: list[int]) -> DraftBatch:
         """Every depth runs once for all drafting requests (``mtp_step_ragged``: one read of the module's
         weights, one of the LM head)."""
-        self._read = 0.0
-        drafts = self._drafts(requests, ks)
-        return DraftBatch([Draft(ids, q) for ids, q in drafts], self._read)
+        read = 0.0  # a request with READ_TIMED or more context tokens to read first catches up, timed apart
+        for r, k in zip(requests, ks):
+            if k > 0 and self.backlog(r.slot) >= READ_TIMED:
+                seq = torch.from_numpy(np.asarray(r.tokens, dtype=np.int64)).to(self.device)
+                read += self._catch_up(self.slots[r.slot], seq)
+        return DraftBatch([Draft(ids, q) for ids, q in self._drafts(requests, ks)], read)
 
     def _drafts(self, requests: list[DraftRequest], ks: list[int]) -> list[tuple[list[int], torch.Tensor | None]]:
-        """Each row's (draft ids, q [n_draft, V] or None). A request with READ_TIMED or more context tokens
-        to read first catches up (``_catch_up``, its seconds in ``self._read``); then depth by depth over the
-        requests still drafting; a depth with more rows than one verify block runs on its own, as a prefill."""
+        """Each row's (draft ids, q [n_draft, V] or None). Depth by depth over the requests still drafting;
+        a depth with more rows than one verify block runs on its own, as a prefill does."""
         out: list[tuple[list[int], torch.Tensor | None]] = [([], None)] * len(requests)
         live: list[_Drafting] = []
         for i, (r, k) in enumerate(zip(requests, ks)):
@@ -202,8 +196,6 @@ class MtpProposer(SlotProposer):
                 continue  # the target's states do not reach this context (or no room): no draft this step
             s.ensure_depth(k)
             seq = torch.from_numpy(np.asarray(r.tokens, dtype=np.int64)).to(self.device)
-            if self.backlog(r.slot) >= READ_TIMED:
-                self._read += self._catch_up(s, seq)
             live.append(_Drafting(i, s, seq, k, s.sampling or _Sampling(self.temperature)))
         model = self.target.model
         d = 1
