@@ -353,14 +353,15 @@ def run_batched():
     """run_batched(decoder, prompts, params, slots=4) -> [GenerationResult]: the prompts through the
     continuous-batching scheduler (``slots`` requests decode together, one target forward per step,
     requests joining as others leave), with ``decoder``'s proposer; each its own runner like the
-    decoder's."""
+    decoder's. Stepped as a server steps them (not an offline job: no request is held from drafting in
+    the last wave), so each request drafts as it would alone."""
     from specctl.runtime.runner import TargetRunner
     from specctl.runtime.scheduler import Request, Scheduler
 
     def run(decoder, prompts, params, slots: int = 4, **kw):
         r0 = decoder.runner
         sched = Scheduler(decoder, [TargetRunner(r0.model, r0.max_len) for _ in range(slots)], **kw)
-        out = sched.run([Request(list(p), pr) for p, pr in zip(prompts, params)])
+        out = sched.run([Request(list(p), pr) for p, pr in zip(prompts, params)], closed=False)
         assert max(sched.batch_sizes) > 1  # they did decode together
         return out
 

@@ -70,6 +70,7 @@ class LoadRun:
         for r in self.reqs:
             r.t_arrival = 0.0
             self.sched.add(r)
+        self.sched.closed = True  # a closed workload: its last wave holds what cannot end it sooner
         self.parts = list(parts)
         self.clock = 0.0
         self.last: dict[int, float] = {}

@@ -39,6 +39,7 @@ def _fail(st: DecodeState, e: BaseException) -> None:
 
 CATCH_UP_WEIGHED = 16  # a draft about to catch up on more context than this (a prompt it skipped) weighs the reading first
 EXPLORE_POSITIONS = 8  # pooled draft positions tried before every new request of a batch may draft
+PACE_EMA = 0.25  # weight of a step's emitted tokens in a request's pace
 
 
 class SpecDecoder:
@@ -223,7 +224,8 @@ class SpecDecoder:
         return out
 
     def step_batch(self, states: list[DecodeState], max_draft: int | None = None,
-                   prefills: list[tuple[DecodeState, int]] = (), in_flight: int = 0) -> list[list[int]]:
+                   prefills: list[tuple[DecodeState, int]] = (), in_flight: int = 0,
+                   hold: frozenset[int] = frozenset()) -> list[list[int]]:
         """One step for each of many requests (each with its own runner and proposer slot), as data:
         plan (each request's draft length), draft (one proposer call for all), forward (one target
         forward for every request's block and the prefill chunks riding along), verify (a
@@ -235,11 +237,13 @@ class SpecDecoder:
         ``prefills``: (request, n) pairs whose next n prompt tokens ride in the same forward (chunked
         prefill); their first token, once a prompt is complete, follows the decoding requests' lists.
         ``in_flight``: the requests the engine holds (decoding, and prefilling whether or not a chunk of
-        theirs rides in this step): the batch a prompt read now will decode among."""
+        theirs rides in this step): the batch a prompt read now will decode among. ``hold``: indices of
+        ``states`` that do not draft this step (their controllers not asked: ``Scheduler`` holds the requests
+        of an offline job's last wave that would end before it does anyway)."""
         t_step = time.perf_counter()
         guard = self._guard if len(states) > 1 else None
         guarded_off = guard is not None and not guard.drafts(len(states))
-        ks = self._plan(states, 0 if guarded_off else max_draft)
+        ks = self._plan(states, 0 if guarded_off else max_draft, hold)
         blocks = self._draft(states, ks)
         out: list[list[int]] = [[] for _ in list(states) + list(prefills)]
         outs = self._forward(states, blocks, prefills)
@@ -266,7 +270,7 @@ class SpecDecoder:
         return out
 
     # ------------------------------------------------------------------ plan
-    def _plan(self, states: list[DecodeState], max_draft: int | None) -> dict[int, int]:
+    def _plan(self, states: list[DecodeState], max_draft: int | None, hold=frozenset()) -> dict[int, int]:
         """Each unfinished request's draft length this step: its room, ``max_draft``, its controller.
         While the draft is unproven (little acceptance pooled yet), one new request a step tries it and
         the others wait for its evidence: requests that arrive together do not each pay a lazy draft's
@@ -279,7 +283,7 @@ class SpecDecoder:
             if fresh:
                 st.controller.restart_prior(prior)
             try:
-                k = self._draft_len(st, max_draft, len(states))
+                k = self._draft_len(st, 0 if i in hold else max_draft, len(states))
             except Exception as e:  # noqa: BLE001 - this request fails, the batch goes on
                 _fail(st, e)
                 continue
@@ -393,6 +397,7 @@ class SpecDecoder:
         if self.proposer is not None:
             self.proposer.on_verified(st.slot, oc.accepted, oc.emitted)
         st.steps += 1
+        st.pace += PACE_EMA * (len(oc.emitted) - st.pace)
         return self._emit(st, oc.emitted)
 
     # ------------------------------------------------------------------ observers

@@ -67,6 +67,7 @@ class DecodeState:
     stats: SpecStats = field(default_factory=SpecStats)
     finish: str | None = None
     steps: int = 0
+    pace: float = 1.0  # tokens a step emits (EMA): its steps left are about (max_new_tokens - len(out)) / pace
     t_start: float = 0.0
     t_first: float = 0.0
     controller: DraftLengthController | None = None

@@ -26,6 +26,13 @@ Median TTFT at 16 clients (Qwen2.5-Coder-0.5B, AMD EPYC Zen 4, docs/results/2026
 code editing 3.7 s, against 7.1 s with every step packed up to 2048 and 12.8 s with 256-token chunks;
 chat 1.1 s, against 2.8 s and 0.9 s.
 
+An offline job (``run``, bench's load: every request queued at once, ``closed``) is done when its last
+request is; in its last wave (nothing waits) drafting for a request that would end before the one
+expected to end last, even decoding plainly, only lengthens the steps that one still needs (every
+verified row is the whole batch's time), so such a request is held from drafting that step
+(``last_wave_holds``; a request's expected steps left are its room over its pace, the tokens its steps
+emit). A server is never closed: a request that ends early frees its slot for the next client's.
+
 The scheduler is synchronous (``add``, ``step``, ``cancel``): the server's engine thread drives it
 (``specctl.runtime.engine``) and so does ``specctl bench --concurrency``. Its waiting queue is the only
 one: the server's handlers ``add`` and ``cancel`` into it from their threads, under the ``lock`` the
@@ -65,6 +72,18 @@ class Request:
 
 _ids = itertools.count()
 PACK_TOKENS = 256  # a step takes more than one prompt chunk only while it holds at most this many prompt tokens
+
+
+def last_wave_holds(rooms: list[int], paces: list[float], more: list[float] = ()) -> frozenset[int]:
+    """Indices of the decoding requests (``rooms``: tokens each may still emit; ``paces``: tokens a step of
+    each emits) that would end before another is expected to even one token a step, so that drafting
+    for them cannot bring the batch's end nearer. ``more``: the expected steps left of requests not yet
+    decoding (a prompt being read: its whole room). The request expected to end last is never held."""
+    left = sorted([r / max(p, 1.0) for r, p in zip(rooms, paces)] + list(more), reverse=True)
+    if len(left) < 2:
+        return frozenset()
+    return frozenset(i for i, (r, p) in enumerate(zip(rooms, paces))
+                     if r < (left[1] if r / max(p, 1.0) == left[0] else left[0]))
 
 
 @dataclass
@@ -107,6 +126,7 @@ class Scheduler:
         self._free = list(range(len(runners) - 1, -1, -1))  # pop() hands out slot 0 first
         self.steps = 0
         self.trace: list[tuple[int, int]] = []  # per step: (decoding requests, prompt tokens carried)
+        self.closed = False  # set by an owner that adds no more requests (an offline job): see the docstring
 
     @property
     def max_num_seqs(self) -> int:
@@ -173,9 +193,14 @@ class Scheduler:
             if self.disable_by_batch_size is not None and len(stepping) >= self.disable_by_batch_size:
                 cap = 0
             self.trace.append((len(stepping), sum(n for _, _, n in chunks)))
+            hold = frozenset()
+            if self.closed and not self.waiting and len(stepping) > 1:  # an offline job's last wave
+                hold = last_wave_holds([st.params.max_new_tokens - len(st.out) for _, st in stepping],
+                                       [st.pace for _, st in stepping],
+                                       [float(st.params.max_new_tokens) for r, st in self.prefilling if r.cancelled is None])
             emitted = self.decoder.step_batch([st for _, st in stepping], max_draft=cap,
                                               prefills=[(st, n) for _, st, n in chunks],
-                                              in_flight=len(stepping) + len(self.prefilling))
+                                              in_flight=len(stepping) + len(self.prefilling), hold=hold)
             self.steps += 1
             for (req, st), toks in zip(stepping + [(r, s) for r, s, _ in chunks], emitted):
                 if toks or (st.error is None and not st.prefilling):
@@ -223,10 +248,12 @@ class Scheduler:
         upd.result = self.decoder.finish(st)
         self._free.append(st.slot)
 
-    def run(self, requests: list[Request]) -> list[GenerationResult]:
-        """Every request to its end (all queued at once); results in the order given."""
+    def run(self, requests: list[Request], closed: bool = True) -> list[GenerationResult]:
+        """Every request to its end (all queued at once); results in the order given. ``closed``: an offline
+        job, whose last wave drafts only for what sets its end (see the docstring); False steps them as a server."""
         for r in requests:
             self.add(r)
+        self.closed = closed
         done: dict[str, GenerationResult] = {}
         while not self.idle:
             for u in self.step():

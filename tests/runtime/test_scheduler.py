@@ -295,3 +295,34 @@ def test_a_step_reads_one_whole_chunk_and_more_prompts_only_while_it_holds_few_t
     # step 1: 120 + 100 + 30 (300 more would pass 256); step 2: the 300-token prompt whole, in one forward
     assert [rows for _, rows in sched.trace if rows] == [120 + 100 + 30, 300]
     assert [len(r.token_ids) for r in results] == [4] * 4
+
+
+def test_last_wave_holds_what_would_end_before_the_batch_does_anyway():
+    from specctl.runtime.scheduler import last_wave_holds
+
+    assert last_wave_holds([64] * 8, [1.0] * 8) == frozenset()  # level: every request may draft
+    assert last_wave_holds([64, 64, 64], [4.0, 4.0, 4.0]) == frozenset()  # all drafting well: all keep on
+    # three drafted ahead (50 tokens left, 3 a step) of two that draft nothing (63 left, one a step): the
+    # three would end before them even decoding plainly, so their drafts only lengthen the others' steps
+    assert last_wave_holds([50, 50, 50, 63, 63], [3.0, 3.0, 3.0, 1.0, 1.0]) == {0, 1, 2}
+    assert last_wave_holds([64, 40], [4.0, 1.0]) == frozenset()  # 64 plain steps > 40: drafting ends it sooner
+    assert last_wave_holds([30, 40], [4.0, 1.0]) == {0}
+    assert last_wave_holds([60], [1.0], [64.0]) == {0}  # a prompt still being read will end after it
+    assert last_wave_holds([60], [1.0]) == frozenset()  # alone: it is the batch's end
+
+
+@pytest.mark.parametrize("closed", [True, False])
+def test_an_offline_job_s_last_wave_drafts_only_for_what_sets_its_end(tiny_model, repetitive_prompts, closed):
+    """Two requests decoding together, one of 12 tokens, one of 48. In an offline job (``run``: nothing more
+    will come) the short one ends long before the other even decoding plainly, so it never drafts; a server
+    (open: a slot freed early is the next client's) drafts for both. Greedy output equals plain either way."""
+    ps = _prompts(repetitive_prompts)
+    prompts = [ps[1], ps[4]]  # alone, n-gram drafts for both within their lengths
+    params = [SamplingParams(max_new_tokens=12, ignore_eos=True), SamplingParams(max_new_tokens=48, ignore_eos=True)]
+    sched = Scheduler(_decoder(tiny_model, "ngram"), [TargetRunner(tiny_model, MAX_LEN) for _ in range(2)])
+    reqs = [Request(p, pr) for p, pr in zip(prompts, params)]
+    got = sched.run(reqs, closed=closed)
+    assert [r.token_ids for r in got] == [r.token_ids for r in _alone(tiny_model, None, prompts, params)]
+    short, long = (r.stats.num_draft_tokens for r in got)
+    assert long > 0
+    assert (short == 0) if closed else (short > 0)
