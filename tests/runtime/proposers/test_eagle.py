@@ -528,6 +528,9 @@ def test_verified_trees_calibrate_the_node_probabilities_and_priced_trees_stay_e
     assert max(sizes) == 12  # no price: whole trees
 
     monkeypatch.setattr(DraftLengthController, "row_price", lambda self, batch=1: 0.15)
+    # and every step drafts: whether a draft pays is measured from this machine's timings (under a loaded
+    # CI run it once judged no step worth a draft), and what is tested here is the tree a price leaves
+    monkeypatch.setattr(DraftLengthController, "draft_len", lambda self, batch=1, clock=None, catch_up_s=0.0: self.k)
     sizes.clear()
     adaptive = SpecDecoder(TargetRunner(loaded.model, 256), prop, 4, adaptive=True)
     for text in trained["prompts"][:4]:
