@@ -4,10 +4,11 @@ For each workload, each N and each configuration (the baseline first), the workl
 through the continuous-batching scheduler (``specctl.runtime.scheduler``) with N KV slots, all
 queued at once: up to N requests decode together, one target forward per step, and a finished
 request's slot goes to the next waiting one. The workload is closed (an offline job: nothing arrives
-after it), so its last wave drafts only for the requests that set its end (``Scheduler.closed``). Reported per row: total generated tokens over the
-wall time (aggregate tok/s), the speedup over the baseline at the same N and the scaling over the
-baseline at N = 1 (when measured), time to first token (from the moment it was queued) and
-inter-token latency (between a request's successive token-bearing steps), median and p99, and
+after it), so its last wave drafts only for the requests that set its end (``Scheduler.closed``).
+Reported per row: total generated tokens over the wall time (aggregate tok/s), the speedup over the
+baseline at the same N and the scaling over the baseline at N = 1 (when measured), time to first
+token (from the moment it was queued) and inter-token latency (between a request's successive
+token-bearing steps), median and p99, and
 how many outputs equal the baseline's at the same N token for token (greedy). Beside the scaling,
 its roof, measured in the same run: N one-row forwards against one N-row forward (``forward_roof``:
 what reading the weights once for N rows allows; prefill, scheduling and uneven lengths explain

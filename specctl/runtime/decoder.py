@@ -214,7 +214,7 @@ class SpecDecoder:
         token, else its size's estimate) is paid back by its drafts over the request's remaining tokens at
         ``batch`` (``c.reading_pays``); None while a plain step is unmeasured (nothing to weigh it by)."""
         return c.reading_weighed(self.proposer.catch_up_seconds(st.slot), self.proposer.backlog(st.slot),
-                                 st.params.max_new_tokens - len(st.out), batch)
+                                 st.room, batch)
 
     def step(self, st: DecodeState) -> list[int]:
         """One propose -> verify -> rollback step. Returns the tokens emitted (sets st.finish)."""
@@ -270,7 +270,8 @@ class SpecDecoder:
         return out
 
     # ------------------------------------------------------------------ plan
-    def _plan(self, states: list[DecodeState], max_draft: int | None, hold=frozenset()) -> dict[int, int]:
+    def _plan(self, states: list[DecodeState], max_draft: int | None,
+              hold: frozenset[int] = frozenset()) -> dict[int, int]:
         """Each unfinished request's draft length this step: its room, ``max_draft``, its controller.
         While the draft is unproven (little acceptance pooled yet), one new request a step tries it and
         the others wait for its evidence: requests that arrive together do not each pay a lazy draft's
@@ -295,7 +296,7 @@ class SpecDecoder:
 
     def _draft_len(self, st: DecodeState, max_draft: int | None = None, batch: int = 1) -> int | None:
         """How many tokens the request drafts this step (None: it has finished)."""
-        room = st.params.max_new_tokens - len(st.out)
+        room = st.room
         if st.finish is not None or room <= 0:
             st.finish = st.finish or "length"
             return None
@@ -438,7 +439,7 @@ class SpecDecoder:
     @staticmethod
     def _emit(st: DecodeState, tokens: list[int]) -> list[int]:
         """Append tokens up to a stop token or the length limit; returns what was appended."""
-        room = st.params.max_new_tokens - len(st.out)
+        room = st.room
         taken = []
         for tok in tokens[:room]:
             taken.append(tok)

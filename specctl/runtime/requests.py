@@ -97,6 +97,11 @@ class DecodeState:
         return out
 
     @property
+    def room(self) -> int:
+        """Tokens it may still emit (``max_new_tokens`` less its output)."""
+        return self.params.max_new_tokens - len(self.out)
+
+    @property
     def prefilling(self) -> bool:
         return not self.out and self.finish is None
 

@@ -79,11 +79,11 @@ def last_wave_holds(rooms: list[int], paces: list[float], more: list[float] = ()
     each emits) that would end before another is expected to even one token a step, so that drafting
     for them cannot bring the batch's end nearer. ``more``: the expected steps left of requests not yet
     decoding (a prompt being read: its whole room). The request expected to end last is never held."""
-    left = sorted([r / max(p, 1.0) for r, p in zip(rooms, paces)] + list(more), reverse=True)
-    if len(left) < 2:
+    left = [r / max(p, 1.0) for r, p in zip(rooms, paces)]
+    ends = sorted(left + list(more), reverse=True)
+    if len(ends) < 2:
         return frozenset()
-    return frozenset(i for i, (r, p) in enumerate(zip(rooms, paces))
-                     if r < (left[1] if r / max(p, 1.0) == left[0] else left[0]))
+    return frozenset(i for i, r in enumerate(rooms) if r < (ends[1] if left[i] == ends[0] else ends[0]))
 
 
 @dataclass
@@ -195,9 +195,8 @@ class Scheduler:
             self.trace.append((len(stepping), sum(n for _, _, n in chunks)))
             hold = frozenset()
             if self.closed and not self.waiting and len(stepping) > 1:  # an offline job's last wave
-                hold = last_wave_holds([st.params.max_new_tokens - len(st.out) for _, st in stepping],
-                                       [st.pace for _, st in stepping],
-                                       [float(st.params.max_new_tokens) for r, st in self.prefilling if r.cancelled is None])
+                hold = last_wave_holds([st.room for _, st in stepping], [st.pace for _, st in stepping],
+                                       [float(st.room) for r, st in self.prefilling if r.cancelled is None])
             emitted = self.decoder.step_batch([st for _, st in stepping], max_draft=cap,
                                               prefills=[(st, n) for _, st, n in chunks],
                                               in_flight=len(stepping) + len(self.prefilling), hold=hold)
