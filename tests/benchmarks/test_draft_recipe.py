@@ -32,7 +32,8 @@ def test_finished_stages_are_skipped(recipe, tmp_path, monkeypatch):
     monkeypatch.setattr("specctl.runtime.loading.load_model", lambda *a, **k: pytest.fail("the model loaded again"))
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "done.json").write_text("{}")
-    (tmp_path / "data" / "sharegpt-read.jsonl").write_text("{}\n")
+    # as many conversations as the plan reads: one more or less would write the file anew from ShareGPT
+    (tmp_path / "data" / "sharegpt-read.jsonl").write_text("{}\n" * recipe.QUICK.read_conversations)
     (tmp_path / "data" / "heldout.done").write_text("done\n")
     (tmp_path / "train.json").write_text(json.dumps({"export": "x-eagle3", "final": {}}))
     report = {"results": [{"workload": "chat", "method": "eagle3:k=3", "mean_acceptance_length": 2.5,
