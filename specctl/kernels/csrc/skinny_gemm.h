@@ -27,6 +27,9 @@
 #pragma once
 #include <immintrin.h>
 #include "bf16.h"
+#if !defined(__AVX512F__)
+#include "gemm_avx2.h"
+#endif
 #include <algorithm>
 #include <array>
 #include <cstdint>
@@ -91,6 +94,11 @@ constexpr int STREAM_M = SPECCTL_STREAM_M;
 #else
 constexpr int STREAM_M = 1;
 #endif
+// From this many rows of x on, an AVX2 build takes gemm_avx2.h's blocked GEMM (the same outputs).
+#ifndef SPECCTL_GEMM_M
+#define SPECCTL_GEMM_M 16
+#endif
+constexpr int64_t GEMM_M = SPECCTL_GEMM_M;
 #ifndef SPECCTL_STREAM_NB_M
 #define SPECCTL_STREAM_NB_M 5
 #endif
@@ -343,6 +351,14 @@ inline const auto TABLE = make_table(std::make_integer_sequence<int, MAX_M>{});
 // rows that it reads on to pf_end (>= n1; prefetched ahead across calls).
 inline void rows(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, const uint16_t* b, uint16_t* y,
                  const uint16_t* r, int64_t ldy, int64_t n0, int64_t n1, int64_t pf_end) {
+#if !defined(__AVX512F__)
+  if (M >= GEMM_M) {  // the same bits, blocked for reuse (gemm_avx2.h)
+    gemm::rows(x, M, K, w, n0, n1, [&](int64_t m, int64_t n, float v) {
+      y[m * ldy + n] = finish(v, b, n, r ? r + m * ldy : nullptr);
+    });
+    return;
+  }
+#endif
   for (int64_t c0 = n0; c0 < n1; c0 += N_CHUNK) {
     const int64_t c1 = std::min(c0 + N_CHUNK, n1);
     for (int64_t m0 = 0; m0 < M; m0 += MAX_M) {
