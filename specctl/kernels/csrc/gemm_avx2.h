@@ -10,9 +10,9 @@
 //   - a micro-kernel keeps MR x rows by NR weight rows of accumulators in ymm registers, one half of the
 //     lanes at a time (AVX2's 16 registers hold 8 accumulators of 8 lanes, not the skinny kernel's 4 x 4 of
 //     16 lanes, which spill), over a block of KC elements of k;
-//   - the loops run weight rows (NC, kept in L2) outside x rows (MB) outside k blocks (KC: MR rows of split
-//     x stay in L1 while the NC weight rows sweep past), the accumulators parked in memory between k blocks
-//     (fp32 stores and loads are exact, so the per-lane sequence is unchanged).
+//   - the loops run x rows (MB, their split copy in L3) outside weight rows (NC) outside k blocks (KC: the NC
+//     weight rows' block stays in L2 while MR rows of split x, in L1, meet each of them), the accumulators
+//     parked in memory between k blocks (fp32 stores and loads are exact: the per-lane sequence is unchanged).
 // So a row among any number of rows still equals that row alone, and the switch from the skinny kernel to this
 // one at GEMM_M rows changes no bit (tests/kernels/test_skinny_linear.py checks both sides of it).
 #pragma once
@@ -41,6 +41,10 @@ namespace specctl::gemm {
 constexpr int MR = SPECCTL_GEMM_MR, NR = SPECCTL_GEMM_NR;
 constexpr int64_t KC = SPECCTL_GEMM_KC;  // elements of k a block (a multiple of 32)
 constexpr int64_t NC = SPECCTL_GEMM_NC;  // weight rows a block
+#ifndef SPECCTL_GEMM_MB
+#define SPECCTL_GEMM_MB 256
+#endif
+constexpr int64_t MB = SPECCTL_GEMM_MB;  // x rows a block
 static_assert(KC % 32 == 0, "whole chunks");
 
 template <class T>
@@ -153,33 +157,37 @@ inline void rows(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int
   // 64-byte aligned, so that no 32-byte load straddles two cache lines
   thread_local std::vector<float, Aligned<float>> xs, acc;
   thread_local std::vector<uint16_t, Aligned<uint16_t>> wpad;
-  if (static_cast<int64_t>(xs.size()) < M * KP) xs.resize(M * KP);
-  if (static_cast<int64_t>(acc.size()) < M * NC * 16) acc.resize(M * NC * 16);
+  const int64_t mb_max = std::min(M, MB);
+  if (static_cast<int64_t>(xs.size()) < mb_max * KP) xs.resize(mb_max * KP);
+  if (static_cast<int64_t>(acc.size()) < mb_max * NC * 16) acc.resize(mb_max * NC * 16);
   if (static_cast<int64_t>(wpad.size()) < NC * 32) wpad.resize(NC * 32);
-  xsplit(x, M, K, KP, xs.data());
-  for (int64_t nc = n0; nc < n1; nc += NC) {
-    const int64_t nb = std::min(NC, n1 - nc);
-    if (cfull < chunks) {  // the weight rows' last partial chunk, zero-padded as load_bf16x32_n pads it
-      std::fill(wpad.begin(), wpad.begin() + nb * 32, 0);
-      for (int64_t j = 0; j < nb; ++j) std::memcpy(&wpad[j * 32], w + (nc + j) * K + cfull * 32, (K - cfull * 32) * 2);
-    }
-    std::fill(acc.begin(), acc.begin() + M * nb * 16, 0.0f);
-    for (int64_t c0 = 0; c0 < chunks; c0 += KC / 32) {  // nb weight rows' KC elements stay in L2 ...
-      const int64_t c1 = std::min(chunks, c0 + KC / 32);
-      for (int64_t m = 0; m < M; m += MR) {  // ... while MR x rows' KC elements in L1 meet each of them
-        const int R = static_cast<int>(std::min<int64_t>(MR, M - m));
-        for (int64_t j = 0; j < nb; j += NR) {
-          const int C = static_cast<int>(std::min<int64_t>(NR, nb - j));
-          micro_any(R, C, xs.data() + m * KP, KP, w + (nc + j) * K, K, wpad.data() + j * 32, c0, c1, cfull,
-                    acc.data() + m * nb * 16 + j * 16, nb * 16);
+  for (int64_t m0 = 0; m0 < M; m0 += MB) {  // MB x rows at a time, their split copy in L3 (for 2048-row prompts)
+    const int64_t mb = std::min(MB, M - m0);
+    xsplit(x + m0 * K, mb, K, KP, xs.data());
+    for (int64_t nc = n0; nc < n1; nc += NC) {
+      const int64_t nb = std::min(NC, n1 - nc);
+      if (cfull < chunks) {  // the weight rows' last partial chunk, zero-padded as load_bf16x32_n pads it
+        std::fill(wpad.begin(), wpad.begin() + nb * 32, 0);
+        for (int64_t j = 0; j < nb; ++j) std::memcpy(&wpad[j * 32], w + (nc + j) * K + cfull * 32, (K - cfull * 32) * 2);
+      }
+      std::fill(acc.begin(), acc.begin() + mb * nb * 16, 0.0f);
+      for (int64_t c0 = 0; c0 < chunks; c0 += KC / 32) {  // nb weight rows' KC elements stay in L2 ...
+        const int64_t c1 = std::min(chunks, c0 + KC / 32);
+        for (int64_t m = 0; m < mb; m += MR) {  // ... while MR x rows' KC elements in L1 meet each of them
+          const int R = static_cast<int>(std::min<int64_t>(MR, mb - m));
+          for (int64_t j = 0; j < nb; j += NR) {
+            const int C = static_cast<int>(std::min<int64_t>(NR, nb - j));
+            micro_any(R, C, xs.data() + m * KP, KP, w + (nc + j) * K, K, wpad.data() + j * 32, c0, c1, cfull,
+                      acc.data() + m * nb * 16 + j * 16, nb * 16);
+          }
         }
       }
+      for (int64_t m = 0; m < mb; ++m)
+        for (int64_t j = 0; j < nb; ++j) {
+          const float* a = acc.data() + m * nb * 16 + j * 16;
+          finish(m0 + m, nc + j, reduce_add(f32x16{_mm256_loadu_ps(a), _mm256_loadu_ps(a + 8)}));
+        }
     }
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t j = 0; j < nb; ++j) {
-        const float* a = acc.data() + m * nb * 16 + j * 16;
-        finish(m, nc + j, reduce_add(f32x16{_mm256_loadu_ps(a), _mm256_loadu_ps(a + 8)}));
-      }
   }
 }
 
