@@ -34,8 +34,8 @@ from specctl.kernels.cpu import name as cpu_name
 
 def readers(gib: float = 2.0):
     """Two independent plain reads of a 2 GiB buffer, each a function that returns its GB/s: torch's sum
-    over fp32, and specctl/kernels/csrc/membw.cpp (all threads, 4 streams each, prefetch, huge pages; None where
-    it does not build). Decode is judged against the faster of them, measured in the same rounds."""
+    over fp32, and specctl/kernels/csrc/membw.cpp (all threads, 4 streams each, prefetch, huge pages; an AVX-512
+    or an AVX2 build; None where neither builds). Decode is judged against the faster of them, measured in the same rounds."""
     from specctl.kernels._build import build
     from specctl.kernels.amx_linear import huge_empty
 
@@ -50,7 +50,8 @@ def readers(gib: float = 2.0):
         return run
 
     torch_sum = timed(buf.sum, buf.numel() * 4)
-    ext = build("specctl_membw", "membw.cpp", ("avx512f",), ["-mavx512f"])
+    ext = (build("specctl_membw", "membw.cpp", ("avx512f",), ["-mavx512f"])
+           or build("specctl_membw_avx2", "membw.cpp", ("avx2", "fma"), ["-mavx2", "-mfma"]))
     if ext is None:
         return torch_sum, None
     raw = huge_empty((int(gib * 2**30),), torch.uint8)

@@ -1,10 +1,12 @@
 // A memory read-bandwidth probe for benchmarks/decode_bandwidth.py: the fastest plain read of a
-// buffer this machine does (all threads, 4 streams per thread, software prefetch, AVX-512 loads).
-// Decode is judged against this figure, so it must not be a weak reader (torch's sum reads slower).
+// buffer this machine does (all threads, 4 streams per thread, software prefetch, 64-byte loads: one zmm on
+// AVX-512, two ymm on AVX2, vec16.h). Decode is judged against this figure, so it must not be a weak reader
+// (torch's sum reads slower).
 #include "torch_ext.h"
 #include <immintrin.h>
 #include <omp.h>
 #include <cstdint>
+#include "vec16.h"
 
 double stream_read(at::Tensor buf) {
   TORCH_CHECK(buf.is_contiguous() && buf.scalar_type() == at::kByte, "a contiguous uint8 buffer");
@@ -16,17 +18,18 @@ double stream_read(at::Tensor buf) {
     const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
     const int64_t chunk = n / nt / 256 * 256, sub = chunk / 4;
     const char* b = p + tid * chunk;
-    __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    using namespace specctl;
+    f32x16 a[4] = {zero16(), zero16(), zero16(), zero16()};
     for (int64_t i = 0; i < sub; i += 128) {
       for (int s = 0; s < 4; ++s) {
         const char* q = b + s * sub + i;
         _mm_prefetch(q + 1024, _MM_HINT_T0);
         _mm_prefetch(q + 1088, _MM_HINT_T0);
-        a[s] = _mm512_add_ps(a[s], _mm512_loadu_ps(reinterpret_cast<const float*>(q)));
-        a[s] = _mm512_add_ps(a[s], _mm512_loadu_ps(reinterpret_cast<const float*>(q + 64)));
+        a[s] = add(a[s], loadu(reinterpret_cast<const float*>(q)));
+        a[s] = add(a[s], loadu(reinterpret_cast<const float*>(q + 64)));
       }
     }
-    total += _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3])));
+    total += reduce_add(add(add(a[0], a[1]), add(a[2], a[3])));
   }
   return total;
 }
