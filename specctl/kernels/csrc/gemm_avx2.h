@@ -65,7 +65,6 @@ struct Aligned {  // a std::allocator on 64-byte boundaries
 // of each 32), then their second halves, each half as its 8 odd elements then its 8 even ones in fp32 (zeros
 // past K): a pass over one half of the lanes reads x contiguously.
 inline void xsplit(const uint16_t* x, int64_t M, int64_t K, int64_t KP, float* xs) {
-  const __m256i hi = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
   alignas(32) uint16_t pad[32];
   for (int64_t m = 0; m < M; ++m) {
     const uint16_t* xr = x + m * K;
@@ -79,8 +78,8 @@ inline void xsplit(const uint16_t* x, int64_t M, int64_t K, int64_t KP, float* x
       }
       const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
       float* d = o + (k / 16 % 2) * (KP / 2) + k / 32 * 16;
-      _mm256_storeu_ps(d, _mm256_castsi256_ps(_mm256_and_si256(v, hi)));
-      _mm256_storeu_ps(d + 8, _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)));
+      _mm256_storeu_ps(d, odd_bf16x8(v));
+      _mm256_storeu_ps(d + 8, even_bf16x8(v));
     }
   }
 }
@@ -90,7 +89,6 @@ inline void xsplit(const uint16_t* x, int64_t M, int64_t K, int64_t KP, float* x
 template <int R, int C>
 inline void micro(const float* xs, int64_t KP, const uint16_t* wr, int64_t ldw, const uint16_t* wpad,
                   int64_t c0, int64_t c1, int64_t cfull, float* acc, int64_t NC16) {
-  const __m256i hi = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
   for (int h = 0; h < 2; ++h) {
     __m256 a[R][C];
 #pragma GCC unroll 8
@@ -103,8 +101,8 @@ inline void micro(const float* xs, int64_t KP, const uint16_t* wr, int64_t ldw, 
       for (int j = 0; j < C; ++j) {
         const uint16_t* p = c < cfull ? wr + j * ldw + c * 32 + h * 16 : wpad + j * 32 + h * 16;
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-        wo[j] = _mm256_castsi256_ps(_mm256_and_si256(v, hi));
-        we[j] = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+        wo[j] = odd_bf16x8(v);
+        we[j] = even_bf16x8(v);
       }
       const float* xc = xs + h * (KP / 2) + c * 16;
 #pragma GCC unroll 8
