@@ -96,7 +96,7 @@ constexpr int STREAM_M = 1;
 #endif
 // From this many rows of x on, an AVX2 build takes gemm_avx2.h's blocked GEMM (the same outputs).
 #ifndef SPECCTL_GEMM_M
-#define SPECCTL_GEMM_M 16
+#define SPECCTL_GEMM_M 20
 #endif
 constexpr int64_t GEMM_M = SPECCTL_GEMM_M;
 #ifndef SPECCTL_STREAM_NB_M
