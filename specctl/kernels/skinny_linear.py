@@ -16,7 +16,7 @@ verified among k+1 rows (or batched with other requests, or in a draft tree of a
 bit-identical to that row decoded alone (lossless greedy in bf16). Every row count takes the kernel:
 a row-count threshold would hand larger forwards to torch's GEMM, whose rounding differs. For
 prefill the kernel runs within ~15 % of oneDNN's AVX512-BF16 GEMM (benchmarks/linear_rows.py); the AVX2 build
-takes 16 rows and more through a blocked GEMM with the same bits (csrc/gemm_avx2.h).
+takes 20 rows and more through a blocked GEMM with the same bits (csrc/gemm_avx2.h).
 A model runs it where its kernel set (``specctl.kernels.select.KernelSet``, resolved at load from the CPU and
 ``--kernels``) holds this build: its bf16 projections are then ``DenseLinear`` modules reading it.
 """
