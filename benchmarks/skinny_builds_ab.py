@@ -1,8 +1,9 @@
-"""Two builds of the skinny bf16 linear, differing only in compiler flags, alternated in one process over every
-linear of a model (its projections and LM head, one pass each), by row count.
+"""Two builds of the skinny bf16 linear, differing in compiler flags or in revision, alternated in one process over
+every linear of a model (its projections and LM head, one pass each), by row count.
 
     python benchmarks/skinny_builds_ab.py --model qwen2.5-coder-1.5b \\
         --a=-DSPECCTL_PF_HINT=_MM_HINT_T0 --b=-DSPECCTL_PF_HINT=_MM_HINT_T1 --rounds 7
+    python benchmarks/skinny_builds_ab.py --a-rev d55ae36 --a= --rows 24 --rows 256   # a revision against this tree
 
 The machines here are shared and their read bandwidth drifts (35 to 62 GB/s within minutes on an AMD EPYC), so
 two runs minutes apart do not compare; here each round times both builds back to back at every row count
@@ -34,6 +35,7 @@ def main() -> None:
     ap.add_argument("--model", default="qwen2.5-coder-1.5b")
     ap.add_argument("--a", default="-DSPECCTL_PF_HINT=_MM_HINT_T0", help="build a's extra compiler flags (space-separated)")
     ap.add_argument("--b", default="", help="build b's extra compiler flags (default: none, the kernel as it ships)")
+    ap.add_argument("--a-rev", help="build a from this git revision's specctl/kernels/csrc (headers included)")
     ap.add_argument("--rows", type=int, action="append", help="row counts (default 1 2 5 8 9 16)")
     ap.add_argument("--rounds", type=int, default=7)
     args = ap.parse_args()
@@ -51,7 +53,18 @@ def main() -> None:
     ext = {}
     for key, extra in (("a", args.a), ("b", args.b)):
         tag = "".join(c if c.isalnum() else "_" for c in extra)[-40:] or "shipped"
-        ext[key] = build(f"{name}_ab_{tag}", src, needs, flags + extra.split())
+        if key == "a" and args.a_rev:
+            from block_ab import sources  # this folder's A/B of two revisions' fused blocks
+            from torch.utils.cpp_extension import load
+
+            from specctl.kernels._build import CFLAGS
+
+            folder, rev = sources(args.a_rev)
+            args.a = f"{rev} {extra}".strip()
+            ext[key] = load(name=f"{name}_ab_{rev}_{tag}", sources=[str(folder / src)], extra_include_paths=[str(folder)],
+                            extra_cflags=[*CFLAGS, *flags, *extra.split()], extra_ldflags=["-fopenmp"])
+        else:
+            ext[key] = build(f"{name}_ab_{tag}", src, needs, flags + extra.split())
         if ext[key] is None:
             raise SystemExit(f"build {key} ({extra!r}) did not compile")
     rows = args.rows or [1, 2, 5, 8, 9, 16]
