@@ -50,19 +50,15 @@ def main() -> None:
     ws = [l.weight for b in m.layers for l in (b.qkv, b.o, b.gate_up, b.down)] + [m.head_weight]
     nbytes = sum(w.numel() * w.element_size() for w in ws)
     name, src, needs, flags = skinny_linear.spec(path)
-    ext = {}
+    ext, label = {}, {"a": args.a, "b": args.b}
     for key, extra in (("a", args.a), ("b", args.b)):
         tag = "".join(c if c.isalnum() else "_" for c in extra)[-40:] or "shipped"
         if key == "a" and args.a_rev:
-            from block_ab import sources  # this folder's A/B of two revisions' fused blocks
-            from torch.utils.cpp_extension import load
-
-            from specctl.kernels._build import CFLAGS
+            from block_ab import sources  # a revision's specctl/kernels/csrc in a temporary folder
 
             folder, rev = sources(args.a_rev)
-            args.a = f"{rev} {extra}".strip()
-            ext[key] = load(name=f"{name}_ab_{rev}_{tag}", sources=[str(folder / src)], extra_include_paths=[str(folder)],
-                            extra_cflags=[*CFLAGS, *flags, *extra.split()], extra_ldflags=["-fopenmp"])
+            label["a"] = f"{rev} {extra}".strip()
+            ext[key] = build(f"{name}_ab_{rev}_{tag}", src, needs, flags + extra.split(), csrc=folder)
         else:
             ext[key] = build(f"{name}_ab_{tag}", src, needs, flags + extra.split())
         if ext[key] is None:
@@ -74,7 +70,7 @@ def main() -> None:
             x = xs[M][w.shape[1]]
             assert torch.equal(ext["a"].skinny_linear(x, w, None), ext["b"].skinny_linear(x, w, None)), (M, w.shape)
     print(f"{args.model}: {cpu_name()}, {torch.get_num_threads()} threads, {path} build, {nbytes / 1e9:.2f} GB of "
-          f"weights a pass; a: {args.a or '(shipped)'}; b: {args.b or '(shipped)'}; {args.rounds} rounds", flush=True)
+          f"weights a pass; a: {label['a'] or '(shipped)'}; b: {label['b'] or '(shipped)'}; {args.rounds} rounds", flush=True)
 
     def one(e, M: int) -> float:
         t = time.perf_counter()

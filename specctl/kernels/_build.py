@@ -47,19 +47,20 @@ def clear_stale_lock(build_dir: Path, max_age_s: float = STALE_LOCK_S) -> bool:
 _built: dict[str, object] = {}  # extension name -> its module or None: each build compiled (or found wanting) once
 
 
-def build(name: str, source: str, needs: tuple[str, ...], cflags: list[str]):
-    """The extension ``name`` compiled from ``source`` (once per process: a cache of built modules, not a choice
-    of kernels; which build a model runs is its ``specctl.kernels.select.KernelSet``), or None where this CPU
-    (as ``cpu.flags()`` sees it now) lacks one of ``needs`` or it cannot build."""
+def build(name: str, source: str, needs: tuple[str, ...], cflags: list[str], csrc: Path = CSRC):
+    """The extension ``name`` compiled from ``source`` in ``csrc`` (once per process: a cache of built modules, not
+    a choice of kernels; which build a model runs is its ``specctl.kernels.select.KernelSet``), or None where this
+    CPU (as ``cpu.flags()`` sees it now) lacks one of ``needs`` or it cannot build. ``csrc`` is another folder of
+    the same sources only for an A/B against a git revision's kernels (benchmarks/skinny_builds_ab.py)."""
     missing = [f for f in needs if f not in cpu.flags()]
     if missing:
         return None
     if name not in _built:
-        _built[name] = _compile(name, source, cflags)
+        _built[name] = _compile(name, source, cflags, csrc)
     return _built[name]
 
 
-def _compile(name: str, source: str, cflags: list[str]):
+def _compile(name: str, source: str, cflags: list[str], csrc: Path):
     # torch's own build folder (a private helper): a torch without it only loses the stale-lock check
     with contextlib.suppress(Exception):
         from torch.utils.cpp_extension import _get_build_directory
@@ -68,7 +69,7 @@ def _compile(name: str, source: str, cflags: list[str]):
     try:
         from torch.utils.cpp_extension import load as load_ext
 
-        return load_ext(name=name, sources=[str(CSRC / source)], extra_include_paths=[str(CSRC)],
+        return load_ext(name=name, sources=[str(csrc / source)], extra_include_paths=[str(csrc)],
                         extra_cflags=[*CFLAGS, *cflags], extra_ldflags=["-fopenmp"],
                         verbose=False)
     except Exception as e:  # noqa: BLE001 - any build failure means: use torch's path
