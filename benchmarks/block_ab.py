@@ -3,7 +3,7 @@
     python benchmarks/block_ab.py --path avx512_bf16 [--rev HEAD] [--model qwen2.5-coder-1.5b] [--rows 1 8]
     python benchmarks/block_ab.py --path amx_int8 --gguf Qwen2.5-Coder-1.5B-Instruct.gguf [--rows 1 9]
 
-Paths: ``amx`` and ``avx512_bf16`` (a bf16 model: specctl/kernels/csrc/decode_layer.cpp's build for it and the
+Paths: ``amx``, ``avx512_bf16``, ``avx512`` and ``avx2`` (a bf16 model: specctl/kernels/csrc/decode_layer.cpp's build for it and the
 linear kernel the LM head takes, amx_linear.cpp or skinny_linear.cpp), ``amx_int8`` and ``avx512_vnni`` (a
 GGUF file run as it is: the quantized block's build and quant_linear.cpp's). Both sets are built from their
 sources (the revision's from ``git show REV:specctl/kernels/csrc/...``, headers included), the model is loaded once,
@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PATHS = ("amx", "avx512_bf16", "amx_int8", "avx512_vnni")
+PATHS = ("amx", "avx512_bf16", "avx512", "avx2", "amx_int8", "avx512_vnni")
 
 
 def args() -> argparse.Namespace:
@@ -102,7 +102,8 @@ def main() -> None:
         head = ("amx_linear.cpp", "specctl_amx_linear", amx_linear.FLAGS)
     else:
         tree = (decode_layer.load(), skinny_linear.load())
-        head = ("skinny_linear.cpp", "specctl_skinny_linear", skinny_linear.FLAGS)
+        name, _, flags = skinny_linear.BUILDS[a.path]
+        head = ("skinny_linear.cpp", name, flags)
     src, tag = sources(a.rev)
 
     def built(source: str, name: str, flags: list[str]):

@@ -166,7 +166,11 @@ struct Ctx { int configured = -1; };
 #ifdef SPECCTL_SKINNY
 inline void gemm_dynamic(Rows& rows, const uint16_t* x, int64_t M, int64_t K, const uint16_t* w,
                          int64_t N, const uint16_t* b, uint16_t* y, const uint16_t* r, int64_t ldy, Ctx&) {
-  constexpr int64_t chunk = 32;  // weight rows a fetch (8 groups of 4; 96 KiB at K = 1536)
+  int64_t chunk = 32;  // weight rows a fetch (8 groups of 4; 96 KiB at K = 1536)
+#if !defined(__AVX512F__)
+  // the GEMM (gemm_avx2.h) packs x for each fetch and takes its weight rows in panels of 24: fetches of 192
+  if (M >= specctl::skinny::GEMM_M) chunk = 192;
+#endif
   rows.each(chunk, [&](int64_t n0, int64_t n1, int64_t end) {
     specctl::skinny::rows(x, M, K, w, b, y, r, ldy, n0, n1, end);
   });

@@ -112,6 +112,33 @@ inline uint16_t finish(float acc, const uint16_t* b, int64_t n, const uint16_t* 
   return r ? to_bf16(from_bf16(r[n]) + from_bf16(y)) : y;
 }
 
+#if !defined(__AVX512F__)
+// to_bf16 of 8 lanes (the same integer steps: round to nearest even, NaN to 0x7fc0), each in its lane's low half
+inline __m256i to_bf16x8(__m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)), _mm256_set1_epi32(0x7f800000));
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
+  return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), nan);
+}
+inline __m256 from_bf16x8(const uint16_t* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+// finish of outputs n .. n + count - 1 of one row (y, r at that row), from their 8 sums: 8 at once as finish does
+// each (the same float adds and roundings), fewer one by one
+inline void finish8(__m256 acc, int count, const uint16_t* b, int64_t n, const uint16_t* r, uint16_t* y) {
+  if (count < 8) {
+    alignas(32) float a[8];
+    _mm256_store_ps(a, acc);
+    for (int i = 0; i < count; ++i) y[n + i] = finish(a[i], b, n + i, r);
+    return;
+  }
+  __m256i h = to_bf16x8(_mm256_add_ps(acc, b ? from_bf16x8(b + n) : _mm256_setzero_ps()));
+  if (r) h = to_bf16x8(_mm256_add_ps(from_bf16x8(r + n), _mm256_castsi256_ps(_mm256_slli_epi32(h, 16))));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(y + n), _mm_packus_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1)));
+}
+#endif
+
 // One pass: x rows [M0, M0 + MB) against NB weight rows, into acc[j][m] (weight row j, x row m); prefetches rows
 // [J0, J1) of pf (the next rows of the stream) at the same k, one line a load, where pf is given.
 template <int MB, int NB, int J0 = 0, int J1 = NB>
@@ -353,8 +380,8 @@ inline void rows(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, con
                  const uint16_t* r, int64_t ldy, int64_t n0, int64_t n1, int64_t pf_end) {
 #if !defined(__AVX512F__)
   if (M >= GEMM_M) {  // the same bits, blocked for reuse (gemm_avx2.h)
-    gemm::rows(x, M, K, w, n0, n1, [&](int64_t m, int64_t n, float v) {
-      y[m * ldy + n] = finish(v, b, n, r ? r + m * ldy : nullptr);
+    gemm::rows(x, M, K, w, n0, n1, [&](int64_t m, int64_t n, __m256 v, int count) {
+      finish8(v, count, b, n, r ? r + m * ldy : nullptr, y + m * ldy);
     });
     return;
   }
