@@ -33,7 +33,7 @@ def test_matches_fp32_reference(K, bias):
 @pytest.mark.parametrize("K", [1536, 1000, 4160])  # a row alone reads rows of K < 4096 one by one, longer 4 at a time
 def test_rows_are_independent_bit_for_bit(K):
     """A row computed among M rows equals the same row computed alone, for any M (the kernel tiles
-    rows by 16; on AVX2 from 20 rows on the blocked GEMM takes them, 256 at a time): verification, draft trees,
+    rows by 16; on AVX2 from 20 rows on the blocked GEMM takes them, 128 at a time): verification, draft trees,
     batches and prompts == decode."""
     g = torch.Generator().manual_seed(0)
     w = torch.randn(517, K, generator=g).bfloat16()

@@ -80,7 +80,7 @@ inline __m512i round_bf16(__m512i u) {
 }
 inline __m256i cvt_bf16x16(__m512 v) { return _mm512_cvtepi32_epi16(round_bf16(_mm512_castps_si512(v))); }
 #else
-// 16 bf16 (8 pairs) -> the odd ones, and the even ones, as 8 fp32 (also gemm_avx2.h's split of x and the weights)
+// 16 bf16 (8 pairs) -> the odd ones, and the even ones, as 8 fp32
 inline __m256 odd_bf16x8(__m256i v) { return _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(static_cast<int>(0xffff0000u)))); }
 inline __m256 even_bf16x8(__m256i v) { return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)); }
 inline bf16x32 as_bf16x32(__m256i a, __m256i b) {  // bf16 0-15, 16-31

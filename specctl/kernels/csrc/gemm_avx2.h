@@ -19,8 +19,8 @@
 //     (exact fp32 stores and loads) between calls; the tree reads them once at the end.
 // MR 4, NV 3, MB 128, NC 48, KC 2,048 were among the fastest tried on an AMD EPYC Zen 3 (the micro-kernel alone,
 // in L1, runs at one core's FMA peak; in the GEMM the operands' traffic sets the pace). See
-// docs/results/2026-12-07-zen3-lane-gemm.md: 0.81-0.92x the time of the earlier form (a 16-lane dot product per
-// output, the weights split in pairs of rows, a horizontal sum per output).
+// docs/results/2026-12-07-zen3-lane-gemm.md: 0.84-0.95x the time of the earlier form (a 16-lane dot product per
+// output, the weights split in pairs of rows, a horizontal sum per output) over a model's linears, 0.79-0.87x alone.
 // So a row among any number of rows still equals that row alone, and the switch from the skinny kernel to this
 // one at GEMM_M rows changes no bit (tests/kernels/test_skinny_linear.py checks both sides of it).
 #pragma once
@@ -30,7 +30,6 @@
 #include <cstring>
 #include <new>
 #include <vector>
-#include "bf16.h"
 
 namespace specctl::gemm {
 
