@@ -73,11 +73,27 @@ QUICK = Plan(greedy_prompts=160, sampled_prompts=64, read_conversations=300, tem
              seq_len=768, lr=1e-3, bench_prompts=4, bench_tokens=96)
 FULL = Plan(greedy_prompts=320, sampled_prompts=96, read_conversations=700, temperature=0.8, max_new_tokens=320,
             steps=800, batch_size=4, seq_len=768, lr=1e-3, bench_prompts=8, bench_tokens=128)
-# What each stage costs a 0.5B target (Qwen2.5-Coder-0.5B) on a 2-core AMD EPYC (Zen 4), measured by the
-# recipe's runs: the batched engine writes ~70 answer tokens/s, the target reads ~210 tokens/s in bf16 for the state
-# cache (131 in fp32), an EAGLE-3 step of 4 sequences of 768 tokens takes ~5 s (Medusa's and MTP's steps are cheaper: an
-# upper bound), the bench ~5 minutes; answers stop at ~2/3 of max_new_tokens on average.
-RATES = {"generate_tok_s": 70.0, "read_tok_s": 210.0, "step_s": 5.0, "bench_s": 300.0, "answer_fill": 0.67}
+# What each stage costs a 0.5B target (Qwen2.5-Coder-0.5B) on a 2-core CPU, measured by the recipe's runs: answer
+# tokens/s of the batched engine, tokens/s the target reads for the state cache (bf16), seconds an EAGLE-3 step of 4
+# sequences of 768 tokens takes (Medusa's and MTP's steps are cheaper: an upper bound), the bench; answers stop at
+# ~2/3 of max_new_tokens on average. "native": bf16 multiplies natively (AMD EPYC Zen 4, AVX512-BF16); "avx2": no
+# bf16 instructions (AMD EPYC Zen 3), where the draft trains in fp32 (torch's bf16 matmul is ~5.7x slower there).
+ANSWER_FILL = 0.67
+RATES_BY_CPU = {"native": {"generate_tok_s": 70.0, "read_tok_s": 210.0, "step_s": 5.0, "bench_s": 300.0},
+                "avx2": {"generate_tok_s": 42.0, "read_tok_s": 65.0, "step_s": 12.0, "bench_s": 500.0}}
+
+RATES_SEEN_ON = {"native": "a 2-core AMD EPYC Zen 4 with native bf16", "avx2": "a 2-core AMD EPYC Zen 3 without bf16 instructions"}
+
+
+def cpu_rates() -> tuple[str, dict[str, float]]:
+    """This CPU's kind ("native" where bf16 multiplies natively: AVX512-BF16 or AMX; else "avx2") and its rates."""
+    from specctl.kernels import cpu
+
+    kind = "native" if cpu.has("avx512_bf16") or cpu.has("amx_bf16") else "avx2"
+    return kind, RATES_BY_CPU[kind]
+
+
+RATES = cpu_rates()[1]
 
 
 def state_tokens(plan: Plan, method: str) -> float:
@@ -85,16 +101,17 @@ def state_tokens(plan: Plan, method: str) -> float:
     of its prompt's length again), and the read conversations (most fill the sequence); 0 for the others."""
     if method != "eagle3":
         return 0.0
-    return plan.answer_tokens * RATES["answer_fill"] * 1.6 + plan.read_conversations * plan.seq_len * 0.8
+    return plan.answer_tokens * ANSWER_FILL * 1.6 + plan.read_conversations * plan.seq_len * 0.8
 
 
-def budget(plan: Plan, method: str, layers: int, hidden: int) -> dict[str, float]:
-    """Seconds each stage is expected to take on a 2-core CPU: RATES scaled by the target's size against
-    the 0.5B's (24 layers, hidden 896; the draft's step by hidden squared)."""
+def budget(plan: Plan, method: str, layers: int, hidden: int, rates: dict[str, float] | None = None) -> dict[str, float]:
+    """Seconds each stage is expected to take on a 2-core CPU: ``rates`` (default this CPU kind's) scaled by the
+    target's size against the 0.5B's (24 layers, hidden 896; the draft's step by hidden squared)."""
+    r = rates or RATES
     size = layers * hidden ** 2 / (24 * 896 ** 2)
-    answers = plan.answer_tokens * RATES["answer_fill"]
-    return {"data": answers / RATES["generate_tok_s"] * size, "states": state_tokens(plan, method) / RATES["read_tok_s"] * size,
-            "train": plan.steps * RATES["step_s"] * (hidden / 896) ** 2 * plan.seq_len / 768, "bench": RATES["bench_s"] * size}
+    answers = plan.answer_tokens * ANSWER_FILL
+    return {"data": answers / r["generate_tok_s"] * size, "states": state_tokens(plan, method) / r["read_tok_s"] * size,
+            "train": plan.steps * r["step_s"] * (hidden / 896) ** 2 * plan.seq_len / 768, "bench": r["bench_s"] * size}
 
 
 METHOD_LR = {"eagle3": 1e-3, "medusa": 1e-3, "mtp": 1e-3}  # small batches on a CPU: SpecForge's 1e-4 is for 64+
@@ -222,11 +239,11 @@ def train_command(args, plan: Plan, out: Path, files: list[Path]) -> list[str]:
     # EAGLE-3 as it paid on SmolLM2-135M (docs/results): the fc starts as the identity on the deepest aux
     # layer (the draft starts where the LM head reads), the answers' rows learnt and a tenth of the prompts',
     # an 8k draft vocabulary from the regenerated data's token frequencies (a quarter of the head's cost),
-    # bf16 matmuls (fp32 weights and optimizer): a step 8.9 -> 6.5 s on the 2-core AMD EPYC (Zen 4); the target's
-    # states in bf16, the dtype it serves in (and read 1.6x faster than in fp32: 211 against 131 tokens/s there)
+    # bf16 matmuls where the CPU multiplies bf16 natively (train-eagle's default: a step 8.9 -> 6.5 s on the 2-core
+    # AMD EPYC Zen 4; on AVX2 alone, Zen 3, torch's bf16 matmul is ~5.7x slower than fp32, so there it stays fp32);
+    # the target's states in bf16, the dtype it serves in (and read 1.6x faster than in fp32: 211 against 131 tokens/s on the Zen 4)
     cmd = {"eagle3": ["train-eagle", "--version", "3", "--cache-hidden-states", str(out / "states"), "--fc-init",
-                      "last", "--prompt-rows", "0.1", "--draft-vocab-size", "8192", "--autocast",
-                      "--dtype", "bfloat16"],
+                      "last", "--prompt-rows", "0.1", "--draft-vocab-size", "8192", "--dtype", "bfloat16"],
            # the target's distribution (soft labels: read conversations teach it too) over an 8k vocabulary, as EAGLE-3's,
            # through one LM head shared by the heads: the only way vLLM loads a truncated vocabulary (token_map)
            "medusa": ["train-medusa", "--num-heads", str(plan.k), "--soft-labels", "--truncated-vocab-size", "8192",
@@ -411,7 +428,7 @@ def main() -> None:
     if args.states_from:
         secs["data"] = 0.0  # another run's
     say(f"budget on a 2-core CPU: ~{sum(secs.values()) / 60:.0f} min ("
-        + ", ".join(f"{k} {v / 60:.0f}" for k, v in secs.items() if v) + " min, from this CPU's measured rates); "
+        + ", ".join(f"{k} {v / 60:.0f}" for k, v in secs.items() if v) + f" min, at the rates measured on {RATES_SEEN_ON[cpu_rates()[0]]}); "
         f"disk ~{(states + 2e8) / 2**30:.1f} GiB (states {states / 2**30:.1f} GiB), {free / 2**30:.0f} GiB free")
     write_json(out / "plan.json", {"model": args.model, "method": args.method, **asdict(plan)})
     t0 = time.time()

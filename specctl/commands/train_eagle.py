@@ -67,6 +67,7 @@ def train_eagle_cmd(
     distill_samples: DistillSamplesOpt = 1,
     prompt_rows: Annotated[float, typer.Option("--prompt-rows", help="Fraction of the prompt rows of chat records unrolled and learnt per step (answer rows always are); below 1 spends the compute on the answers.")] = 0.1,
     fc_init: Annotated[Optional[str], typer.Option("--fc-init", help="EAGLE-3 fc initialisation: last (the default: identity on the deepest aux layer, so the draft starts in the space the LM head reads), or random.", show_default=False)] = None,
+    feature_loss: Annotated[float, typer.Option("--feature-loss", help="EAGLE-3: weight of a smooth-L1 loss pulling the draft's final-normed state toward the target's, beside the soft cross-entropy (0: none).")] = 0.0,
     replay_k: Annotated[int, typer.Option("--replay-k", help="At the end, decode the held-out answers greedily through the proposer, the target's states replayed: the mean acceptance length bench measures with a chain of this many draft tokens, and with EAGLE-2's tree of at most 16 nodes (0: skip).")] = 3,
     autocast: Annotated[Optional[bool], typer.Option("--autocast/--no-autocast", help="Run the draft's matmuls in bfloat16 (weights and optimizer stay fp32). Default: with a bf16 target (--dtype bfloat16) on CUDA or on a CPU with AVX512-BF16 or AMX, where bf16 is native.", show_default=False)] = None,
     cache_hidden_states: Annotated[Optional[Path], typer.Option("--cache-hidden-states", help="Folder for the target's states (safetensors shards), computed once.")] = None,

@@ -55,6 +55,9 @@ class EagleTrainConfig(L.TrainConfig):
     fc_init: str | None = None
     """EAGLE-3 fc initialisation: last (the default: the identity on the deepest aux layer, zeros elsewhere, so
     the draft starts in the space the LM head reads), or random."""
+    feature_loss: float = 0.0
+    """EAGLE-3: weight of a smooth-L1 loss between the draft's final-normed state and the target's at the
+    position it predicts from, beside the soft CE (0: none, SpecForge's loss)."""
     autocast: bool | None = None
     """Run the draft's matmuls in bfloat16 (autocast; weights and optimizer stay fp32). None: where the target
     runs in bf16 on a device that multiplies bf16 natively (CUDA; a CPU with AVX512-BF16 or AMX)."""
@@ -83,6 +86,9 @@ class EagleTrainConfig(L.TrainConfig):
         L.need(self.fc_init in (None, "random", "last"), f"--fc-init must be random or last, got {self.fc_init}",
                "use --fc-init last or random")
         L.at_least(self, "replay_k", 0)
+        L.need(self.feature_loss >= 0 and (self.version == 3 or not self.feature_loss),
+               f"--feature-loss must be >= 0 and is for EAGLE-3, got {self.feature_loss} (version {self.version})",
+               "e.g. --feature-loss 0.1 with --version 3")
         L.folder_option("--cache-hidden-states", self.cache_hidden_states)
         L.need(0.0 <= self.prompt_rows <= 1.0, f"--prompt-rows must be in [0, 1], got {self.prompt_rows}", "e.g. --prompt-rows 0.2")
         L.need(self.draft_vocab_size is None or self.draft_vocab_size >= 1,
@@ -241,7 +247,7 @@ def train(cfg: EagleTrainConfig, loaded=None, log: Callable[[str], None] = _stde
     opt = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=cfg.lr, betas=(0.9, 0.95),
                             weight_decay=cfg.weight_decay)
     sched = L.warmup_cosine(opt, total, cfg.warmup)
-    model, opt = acc.prepare(TttLoss(draft, embed_w, head_w, cfg.ttt_steps), opt)
+    model, opt = acc.prepare(TttLoss(draft, embed_w, head_w, cfg.ttt_steps, cfg.feature_loss), opt)
     acc.register_for_checkpointing(sched)
     step, history, losses = 0, [], []
     if resume_from is not None and resume_from.name == LEGACY_CHECKPOINT.name:

@@ -62,7 +62,9 @@ def target_states(model, ids: torch.Tensor, aux_layers: tuple[int, ...] = ()) ->
     cache = KVCache(model.args, B, T, model.embed.weight.dtype, dev)
     mask = torch.ones(T, T, dtype=torch.bool, device=dev).tril()
     _, h, aux = model(ids.to(dev), 0, cache, mask if T > 1 else None, logits="none", aux_layers=tuple(aux_layers))
-    out = {"hidden": h.float(), "argmax": F.linear(h, model.head_weight).argmax(-1).cpu()}
+    # the argmax through the LM head's own path (what the target serves with: exact, and fast where torch's bf16
+    # matmul is not, e.g. ~5x slower than fp32 on AVX2), a sequence at a time: [T, V] logits, not [B, T, V]
+    out = {"hidden": h.float(), "argmax": torch.cat([model.head(h[b:b + 1]).argmax(-1) for b in range(B)]).cpu()}
     if aux_layers:
         out["aux"] = aux.float()
     return out

@@ -16,7 +16,9 @@ its own chain rows). ``ttt_mask`` builds it; rope positions of step j rows are t
 
 Losses: EAGLE-3: sum_i 0.8^i * softCE(draft logits over the draft vocabulary, p restricted to the
 draft vocabulary and renormalised), rows whose target argmax is outside the draft vocabulary
-masked (as SpecForge). EAGLE-1: sum_i 0.8^i * (smoothL1(out, f_{t+1+i}) + 0.1 * softCE(head(out), p)).
+masked (as SpecForge); with ``feature_w`` > 0 plus feature_w * smoothL1(norm(out), f_{t+1+i}): the
+draft's final-normed state against the target's, which carries the whole vocabulary's distribution
+where the soft CE sees the draft vocabulary's (EAGLE-1's regression, in the space the LM head reads). EAGLE-1: sum_i 0.8^i * (smoothL1(out, f_{t+1+i}) + 0.1 * softCE(head(out), p)).
 Each step's loss is a mean over its scored rows: over a batch, or (``den``) over a whole global batch.
 
 Evaluation (greedy, teacher-forced): step i at row t is accepted when steps 0..i all predict the
@@ -151,7 +153,7 @@ def step_counts(draft: EagleDraft, st: dict, steps: int) -> torch.Tensor:
 
 
 def eagle_losses(draft: EagleDraft, outs: list[torch.Tensor], st: dict, head_weight: torch.Tensor,
-                 decay: float = 0.8, den: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+                 decay: float = 0.8, den: torch.Tensor | None = None, feature_w: float = 0.0) -> tuple[torch.Tensor, dict]:
     """The weighted TTT loss and per-step accuracy counts (see the module docstring).
 
     ``st`` may carry ``rows`` [B, R] (the rows ``ttt_forward`` unrolled) and ``row_mask`` [B, R]
@@ -176,6 +178,9 @@ def eagle_losses(draft: EagleDraft, outs: list[torch.Tensor], st: dict, head_wei
                 p = torch.softmax(F.linear(h_next.float(), w_draft), -1)  # [B, R, N] over the draft vocabulary
             lf = logits.float()
             per_row = torch.logsumexp(lf, -1) - (p * lf).sum(-1)  # soft CE (sum p = 1)
+            if feature_w:
+                per_row = per_row + feature_w * F.smooth_l1_loss(draft.norm(o).float(), h_next.float(),
+                                                                 reduction="none").mean(-1)
         else:
             p = torch.softmax(F.linear(h_next.to(head_weight.dtype), head_weight).float(), -1)  # [B, R, V]
             ce = -(p * torch.log_softmax(logits.float(), -1)).sum(-1)
@@ -198,16 +203,17 @@ class TttLoss(nn.Module):
     The target's embedding and LM head are held as plain tensors (not this module's parameters, so
     DDP neither copies nor syncs them)."""
 
-    def __init__(self, draft: EagleDraft, embed_weight: torch.Tensor, head_weight: torch.Tensor, steps: int):
+    def __init__(self, draft: EagleDraft, embed_weight: torch.Tensor, head_weight: torch.Tensor, steps: int,
+                 feature_w: float = 0.0):
         super().__init__()
-        self.draft, self.steps = draft, steps
+        self.draft, self.steps, self.feature_w = draft, steps, feature_w
         self.frozen = (embed_weight, head_weight)
 
     def forward(self, st: dict, den: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
         embed_weight, head_weight = self.frozen
         outs = ttt_forward(self.draft, embed_weight, st["ids"], self.draft.feature(st["hidden"], st.get("aux")),
                            self.steps, st["rows"])
-        return eagle_losses(self.draft, outs, st, head_weight, den=den)
+        return eagle_losses(self.draft, outs, st, head_weight, den=den, feature_w=self.feature_w)
 
 
 def to_device(st: dict, device) -> dict:

@@ -168,11 +168,15 @@ def test_read_conversations_follow_the_answered_prompts_and_exclude_evaluation_p
 
 def test_the_budget_stated_up_front_grows_with_the_plan_and_the_target(recipe):
     """The time each stage is expected to take: the quick plan within an hour for the 0.5B, the full about
-    three hours; a larger target costs more; only EAGLE-3 caches states."""
-    quick, full = (sum(recipe.budget(p, "eagle3", 24, 896).values()) for p in (recipe.QUICK, recipe.FULL))
+    three hours (at the rates of a CPU with native bf16); a larger target costs more, a CPU without bf16
+    instructions more too; only EAGLE-3 caches states."""
+    native = recipe.RATES_BY_CPU["native"]
+    quick, full = (sum(recipe.budget(p, "eagle3", 24, 896, native).values()) for p in (recipe.QUICK, recipe.FULL))
     assert quick < 3600 < full <= 3.3 * 3600
-    assert sum(recipe.budget(recipe.QUICK, "eagle3", 28, 1536).values()) > 2 * quick
+    assert sum(recipe.budget(recipe.QUICK, "eagle3", 28, 1536, native).values()) > 2 * quick
+    assert sum(recipe.budget(recipe.QUICK, "eagle3", 24, 896, recipe.RATES_BY_CPU["avx2"]).values()) > 1.5 * quick
     assert recipe.budget(recipe.QUICK, "medusa", 24, 896)["states"] == 0
+    assert recipe.RATES is recipe.RATES_BY_CPU[recipe.cpu_rates()[0]]
 
 
 def test_the_last_line_reads_every_trainer_s_summary(recipe):

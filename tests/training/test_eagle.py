@@ -148,6 +148,42 @@ def test_hidden_state_cache_written_then_reused(tiny_model_dir, tmp_path):
     assert any("reusing cached target states" in m for m in logs)
 
 
+def test_feature_loss_adds_the_normed_state_regression(tiny_model, tiny_model_dir, tmp_path):
+    torch.manual_seed(0)
+    d = EagleDraft(spec_from_target(tiny_model.args, 3, 128))
+    d.t2d.fill_(True)
+    ids = torch.randint(6, 128, (2, 9))
+    st = S.target_states(tiny_model, ids, d.spec.aux_layers)
+    st.update(ids=ids, lengths=torch.tensor([9, 7]))
+    outs = T.ttt_forward(d, tiny_model.embed.weight, ids, d.feature(st["hidden"], st.get("aux")), 3)
+    base, _ = T.eagle_losses(d, outs, st, tiny_model.head_weight)
+    both, _ = T.eagle_losses(d, outs, st, tiny_model.head_weight, feature_w=0.5)
+    by_hand = 0.0
+    for i, o in enumerate(outs):  # step i, row t: the draft's normed out against the target's state at t+1+i
+        m = T.step_masks(d, st, i)[1]
+        target = T.shift(st["hidden"], 1 + i)
+        reg = torch.nn.functional.smooth_l1_loss(d.norm(o), target, reduction="none").mean(-1)
+        by_hand = by_hand + 0.8 ** i * 0.5 * reg[m].mean()
+    torch.testing.assert_close(both - base, by_hand)
+    with pytest.raises(UsageError):
+        _cfg(tiny_model_dir, tmp_path, version=1, draft_vocab_size=None, feature_loss=0.1).validated()
+
+
+def test_state_argmax_is_what_the_target_decodes(tiny_model_factory, bf16_path):
+    """The labels (the target's argmax at every position) come from the target's own LM head path, so a
+    bf16 target's labels are its serving argmax, ties included, not torch's bf16 matmul's."""
+    from specctl.modeling import KVCache
+
+    lm = load_model(tiny_model_factory(seed=3), dtype="bfloat16")
+    torch.manual_seed(0)
+    ids = torch.randint(6, 128, (4, 96))
+    st = S.target_states(lm.model, ids)
+    for b in range(4):
+        cache = KVCache(lm.model.args, 1, 96, torch.bfloat16, "cpu")
+        logits, _, _ = lm.model(ids[b:b + 1], 0, cache, torch.ones(96, 96, dtype=torch.bool).tril())
+        assert torch.equal(st["argmax"][b], logits[0].argmax(-1))
+
+
 def test_fc_init_last_passes_the_deepest_aux_state(tiny_model_dir, tmp_path):
     loaded = load_model(tiny_model_dir, dtype="float32")
     cfg = _cfg(tiny_model_dir, tmp_path, fc_init="last")
