@@ -86,10 +86,11 @@ RATES_SEEN_ON = {"native": "a 2-core AMD EPYC Zen 4 with native bf16", "avx2": "
 
 
 def cpu_rates() -> tuple[str, dict[str, float]]:
-    """This CPU's kind ("native" where bf16 multiplies natively: AVX512-BF16 or AMX; else "avx2") and its rates."""
+    """This CPU's kind ("native" where bf16 multiplies natively: AVX512-BF16, which AMX CPUs have too, the rule
+    train-eagle's autocast default follows; else "avx2") and its rates."""
     from specctl.kernels import cpu
 
-    kind = "native" if cpu.has("avx512_bf16") or cpu.has("amx_bf16") else "avx2"
+    kind = "native" if cpu.has("avx512_bf16") else "avx2"
     return kind, RATES_BY_CPU[kind]
 
 

@@ -18,7 +18,8 @@ Losses: EAGLE-3: sum_i 0.8^i * softCE(draft logits over the draft vocabulary, p 
 draft vocabulary and renormalised), rows whose target argmax is outside the draft vocabulary
 masked (as SpecForge); with ``feature_w`` > 0 plus feature_w * smoothL1(norm(out), f_{t+1+i}): the
 draft's final-normed state against the target's, which carries the whole vocabulary's distribution
-where the soft CE sees the draft vocabulary's (EAGLE-1's regression, in the space the LM head reads). EAGLE-1: sum_i 0.8^i * (smoothL1(out, f_{t+1+i}) + 0.1 * softCE(head(out), p)).
+where the soft CE sees the draft vocabulary's (EAGLE-1's regression, in the space the LM head reads).
+EAGLE-1: sum_i 0.8^i * (smoothL1(out, f_{t+1+i}) + 0.1 * softCE(head(out), p)).
 Each step's loss is a mean over its scored rows: over a batch, or (``den``) over a whole global batch.
 
 Evaluation (greedy, teacher-forced): step i at row t is accepted when steps 0..i all predict the
